@@ -1,0 +1,35 @@
+// C ABI of libjit.so, consumed by the jitckpt._native Python module (found with
+// dlsym(RTLD_DEFAULT, "jitckpt_api_v1") so the module also loads when libjit.so is not preloaded).
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define JITCKPT_ABI_VERSION 1u
+
+// Called on the watchdog thread, once per detected failure, while device copies are redirected to a
+// fresh stream. `kind` is one of "hang", "nccl_error", "nccl_async_error", "cuda_error", "manual".
+typedef void (*jitckpt_failure_handler)(const char* kind, const char* detail, void* ctx);
+
+typedef struct jitckpt_api {
+  unsigned abi_version;  // JITCKPT_ABI_VERSION
+  // mode: "observe" (the only mode so far). hang_timeout_s > 0. Returns 0, or -1 with a message in err.
+  int (*configure)(const char* mode, double hang_timeout_s, char* err, size_t err_len);
+  void (*mark_minibatch)(int64_t step);
+  void (*set_phase)(const char* phase);
+  // Writes a JSON object (NUL-terminated, truncated to cap) and returns its full length.
+  size_t (*status_json)(char* buf, size_t cap);
+  void (*set_failure_handler)(jitckpt_failure_handler fn, void* ctx);
+  // Reports a failure as if the watchdog had detected it (tests, and the runtime's own detections).
+  void (*trigger_failure)(const char* kind, const char* detail);
+} jitckpt_api;
+
+const jitckpt_api* jitckpt_api_v1(void);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,220 @@
+// jitckpt._native: Python face of libjit.so. Talks to the preloaded library through the C ABI in
+// jit_abi.h, found at run time, so importing this module never loads libjit.so itself.
+#include <dlfcn.h>
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <string>
+
+#include "gil_handoff.h"
+#include "jitckpt/jit_abi.h"
+
+namespace py = pybind11;
+
+namespace {
+
+const char* const kNotPreloaded =
+    "libjit.so is not loaded in this process: start it with LD_PRELOAD=<build>/lib/libjit.so "
+    "(or through `jitckpt run`)";
+
+const char* const kPhases[] = {"idle", "forward", "backward", "allreduce", "optimizer", "checkpoint", "eval"};
+
+// The module's single registry: the located libjit.so API and the Python failure callback.
+class NativeState {
+ public:
+  static NativeState& instance() {
+    static NativeState* const state = new NativeState();  // used by the watchdog thread until exit
+    return *state;
+  }
+
+  const jitckpt_api* api() const { return api_; }
+  std::string library_path() const { return library_path_; }
+
+  // Called with the GIL held.
+  void set_callback(py::object cb, double gil_grace_s) {
+    PyObject* old = callback_;
+    callback_ = cb.is_none() ? nullptr : cb.release().ptr();
+    Py_XDECREF(old);
+    gil_grace_ = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(gil_grace_s * 1000.0)));
+    if (api_ != nullptr) api_->set_failure_handler(callback_ ? &NativeState::on_failure : nullptr, this);
+  }
+  bool has_callback() const { return callback_ != nullptr; }
+
+ private:
+  NativeState() {
+    void* sym = dlsym(RTLD_DEFAULT, "jitckpt_api_v1");
+    if (sym == nullptr) return;
+    auto get = reinterpret_cast<const jitckpt_api* (*)()>(sym);
+    const jitckpt_api* api = get();
+    if (api == nullptr || api->abi_version != JITCKPT_ABI_VERSION) return;
+    api_ = api;
+    Dl_info info{};
+    if (dladdr(sym, &info) != 0 && info.dli_fname != nullptr) library_path_ = info.dli_fname;
+  }
+
+  // libjit.so's watchdog thread, no GIL. Takes the GIL (pre-empting a stuck holder), runs cb.
+  static void on_failure(const char* kind, const char* detail, void* ctx) {
+    auto* self = static_cast<NativeState*>(ctx);
+    if (!Py_IsInitialized()) return;
+    jitckpt::GilHandoff& handoff = jitckpt::gil_handoff();
+    PyGILState_STATE gil = handoff.acquire(self->gil_grace_);
+    if (self->callback_ != nullptr) {
+      PyObject* cb = self->callback_;
+      Py_INCREF(cb);
+      PyObject* result = PyObject_CallFunction(cb, "ss", kind, detail);
+      Py_DECREF(cb);
+      if (result != nullptr) {
+        Py_DECREF(result);
+      } else if (PyErr_ExceptionMatches(PyExc_SystemExit)) {
+        exit_from_system_exit();
+      } else {
+        PyErr_Print();
+      }
+    }
+    handoff.release(gil);
+  }
+
+  // A normal interpreter shutdown would wait for the thread parked in a blocked CUDA call, so
+  // SystemExit raised by the callback ends the process directly, after flushing Python's stdio.
+  static void exit_from_system_exit() {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    int code = 1;
+    PyObject* arg = value ? PyObject_GetAttrString(value, "code") : nullptr;
+    if (arg == nullptr || arg == Py_None) {
+      code = 0;
+    } else if (PyLong_Check(arg)) {
+      code = static_cast<int>(PyLong_AsLong(arg));
+    } else {
+      PyObject_Print(arg, stderr, Py_PRINT_RAW);
+      fputc('\n', stderr);
+    }
+    PyErr_Clear();
+    for (const char* name : {"stdout", "stderr"}) {
+      PyObject* stream = PySys_GetObject(name);  // borrowed
+      if (stream != nullptr && stream != Py_None) {
+        PyObject* r = PyObject_CallMethod(stream, "flush", nullptr);
+        Py_XDECREF(r);
+        PyErr_Clear();
+      }
+    }
+    fflush(nullptr);
+    _exit(code);
+  }
+
+  const jitckpt_api* api_ = nullptr;
+  std::string library_path_;
+  PyObject* callback_ = nullptr;
+  std::chrono::milliseconds gil_grace_{200};
+};
+
+const jitckpt_api& require_api() {
+  const jitckpt_api* api = NativeState::instance().api();
+  if (api == nullptr) throw std::runtime_error(kNotPreloaded);
+  return *api;
+}
+
+bool preloaded() { return NativeState::instance().api() != nullptr; }
+
+bool configure(const std::string& mode, py::object hang_timeout) {
+  if (mode != "observe") throw py::value_error("unknown mode '" + mode + "': only mode='observe' is supported");
+  double timeout = 0;
+  if (!hang_timeout.is_none()) {
+    timeout = hang_timeout.cast<double>();
+    if (!std::isfinite(timeout) || timeout <= 0)
+      throw py::value_error("hang_timeout must be a positive number of seconds, got " +
+                            std::string(py::str(hang_timeout)));
+  }
+  const jitckpt_api* api = NativeState::instance().api();
+  if (api == nullptr) return false;
+  if (hang_timeout.is_none()) return true;
+  char err[256] = {0};
+  if (api->configure(mode.c_str(), timeout, err, sizeof err) != 0) throw py::value_error(err);
+  return true;
+}
+
+void mark_minibatch(int64_t step) {
+  if (step < 0) throw py::value_error("mark_minibatch: step must be >= 0, got " + std::to_string(step));
+  if (const jitckpt_api* api = NativeState::instance().api()) api->mark_minibatch(step);
+}
+
+void set_phase(const std::string& phase) {
+  bool known = false;
+  for (const char* p : kPhases) known = known || phase == p;
+  if (!known) {
+    std::string list;
+    for (const char* p : kPhases) list += std::string(list.empty() ? "" : ", ") + p;
+    throw py::value_error("set_phase: unknown phase '" + phase + "'; expected one of " + list);
+  }
+  if (const jitckpt_api* api = NativeState::instance().api()) api->set_phase(phase.c_str());
+}
+
+py::dict status() {
+  NativeState& state = NativeState::instance();
+  py::dict out;
+  if (state.api() == nullptr) {
+    out["preloaded"] = false;
+    out["reason"] = kNotPreloaded;
+  } else {
+    std::string buf(4096, '\0');
+    size_t n = state.api()->status_json(buf.data(), buf.size());
+    if (n >= buf.size()) {
+      buf.assign(n + 1, '\0');
+      n = state.api()->status_json(buf.data(), buf.size());
+    }
+    buf.resize(n);
+    out = py::module_::import("json").attr("loads")(buf).cast<py::dict>();
+    out["library"] = state.library_path();
+  }
+  out["failure_callback"] = state.has_callback();
+  out["gil_signal"] = jitckpt::gil_handoff().signal_number();
+  out["gil_preemptions"] = jitckpt::gil_handoff().preemptions();
+  return out;
+}
+
+void set_failure_callback(py::object cb, double gil_grace_s) {
+  if (!cb.is_none() && !PyCallable_Check(cb.ptr()))
+    throw py::type_error("set_failure_callback: cb must be callable as cb(kind: str, detail: str) or None");
+  if (!std::isfinite(gil_grace_s) || gil_grace_s <= 0 || gil_grace_s > 60)
+    throw py::value_error("set_failure_callback: gil_grace_s must be in (0, 60] seconds");
+  const char* why = nullptr;
+  if (!cb.is_none() && !jitckpt::gil_handoff().install(&why)) throw std::runtime_error(why);
+  NativeState::instance().set_callback(cb, gil_grace_s);
+}
+
+void trigger_failure(const std::string& kind, const std::string& detail) {
+  const jitckpt_api& api = require_api();
+  py::gil_scoped_release release;  // the watchdog thread needs the GIL to run the callback
+  api.trigger_failure(kind.c_str(), detail.c_str());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "Native side of jitckpt: control and status of the LD_PRELOADed libjit.so (observe mode).";
+  m.def("preloaded", &preloaded, "True if libjit.so is loaded in this process (LD_PRELOAD).");
+  m.def("configure", &configure, py::kw_only(), py::arg("mode") = "observe", py::arg("hang_timeout") = py::none(),
+        "Validate and apply settings: mode ('observe') and the hang timeout in seconds (None keeps the "
+        "current one, default 300 s or $JITCKPT_HANG_TIMEOUT). Returns False if libjit.so is not loaded.");
+  m.def("mark_minibatch", &mark_minibatch, py::arg("step"),
+        "Record the minibatch (step) now running; shown in status() and failure reports.");
+  m.def("set_phase", &set_phase, py::arg("phase"),
+        "Record the training phase: idle, forward, backward, allreduce, optimizer, checkpoint or eval.");
+  m.def("status", &status,
+        "dict: preloaded, mode, hang_timeout, step, phase, nccl_streams, dependent_streams, communicators, "
+        "collectives_completed, in_flight [{seq, op, stream, step, phase, in_host_call, age_s}], last_error, "
+        "checkpointing, watchdog_running, library, failure_callback, gil_signal, gil_preemptions.");
+  m.def("set_failure_callback", &set_failure_callback, py::arg("cb"), py::kw_only(), py::arg("gil_grace_s") = 0.2,
+        "Register cb(kind, detail), run once on libjit.so's watchdog thread with the GIL held when a failure "
+        "is detected (a thread stuck in native code with the GIL is pre-empted after gil_grace_s). Device "
+        "work issued by cb goes to a fresh stream. cb should save and exit (os._exit or SystemExit).");
+  m.def("trigger_failure", &trigger_failure, py::arg("kind"), py::arg("detail") = "",
+        "Report a failure as if the watchdog had detected it (runs the callback on the watchdog thread).");
+  m.def("library_path", []() { return NativeState::instance().library_path(); },
+        "Path of the loaded libjit.so, or '' if it is not loaded.");
+}

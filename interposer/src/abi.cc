@@ -1,0 +1,48 @@
+// jitckpt_api_v1: the C ABI the Python module uses (include/jitckpt/jit_abi.h).
+#include <cstring>
+#include <string>
+
+#include "jitckpt/jit_abi.h"
+#include "registry.h"
+
+using jitckpt::Registry;
+
+namespace {
+
+int configure(const char* mode, double hang_timeout_s, char* err, size_t err_len) {
+  std::string error;
+  if (Registry::instance().configure(mode ? mode : "", hang_timeout_s, &error)) return 0;
+  if (err != nullptr && err_len > 0) {
+    std::strncpy(err, error.c_str(), err_len - 1);
+    err[err_len - 1] = '\0';
+  }
+  return -1;
+}
+
+void mark_minibatch(int64_t step) { Registry::instance().mark_minibatch(step); }
+void set_phase(const char* phase) { Registry::instance().set_phase(phase ? phase : ""); }
+
+size_t status_json(char* buf, size_t cap) {
+  std::string s = Registry::instance().status_json();
+  if (buf != nullptr && cap > 0) {
+    size_t n = s.size() < cap - 1 ? s.size() : cap - 1;
+    std::memcpy(buf, s.data(), n);
+    buf[n] = '\0';
+  }
+  return s.size();
+}
+
+void set_failure_handler(jitckpt_failure_handler fn, void* ctx) {
+  Registry::instance().set_failure_handler(fn, ctx);
+}
+
+void trigger_failure(const char* kind, const char* detail) {
+  Registry::instance().report_failure(kind ? kind : "manual", detail ? detail : "");
+}
+
+constexpr jitckpt_api kApi = {JITCKPT_ABI_VERSION, configure, mark_minibatch, set_phase,
+                              status_json, set_failure_handler, trigger_failure};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) const jitckpt_api* jitckpt_api_v1(void) { return &kApi; }

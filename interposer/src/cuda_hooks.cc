@@ -1,0 +1,138 @@
+// Interposed CUDA runtime entry points. Steady state: learn the stream graph (lock-free) and pass
+// through. While the JIT save runs: move device work to the save stream (see save_redirect.h).
+// Symbols are defined unversioned; glibc binds versioned references (cudaX@libcudart.so.13, as
+// torch imports them) to an unversioned definition of an LD_PRELOADed object.
+#include <cuda_runtime_api.h>
+
+#include "diagnostics.h"
+#include "real_api.h"
+#include "registry.h"
+
+using jitckpt::real_cuda;
+using jitckpt::Registry;
+
+namespace {
+
+constexpr cudaError_t kMissing = cudaErrorSharedObjectSymbolNotFound;
+
+// During the save: wait for the save stream only; every stream the save used was redirected to it.
+cudaError_t synchronize_save_stream(Registry& r) {
+  auto sync = real_cuda.streamSynchronize.get();
+  return sync ? sync(r.redirect().stream()) : kMissing;
+}
+
+}  // namespace
+
+// Exported (the library is built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+extern "C" {
+
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  Registry& r = Registry::instance();
+  if (__builtin_expect(r.redirect().active(), 0)) {
+    stream = r.redirect().stream();
+  } else {
+    r.graph().note_event_record(event, stream);
+  }
+  auto fn = real_cuda.eventRecord.get();
+  return fn ? fn(event, stream) : kMissing;
+}
+
+cudaError_t cudaEventRecordWithFlags(cudaEvent_t event, cudaStream_t stream, unsigned int flags) {
+  Registry& r = Registry::instance();
+  if (__builtin_expect(r.redirect().active(), 0)) {
+    stream = r.redirect().stream();
+  } else {
+    r.graph().note_event_record(event, stream);
+  }
+  auto fn = real_cuda.eventRecordWithFlags.get();
+  return fn ? fn(event, stream, flags) : kMissing;
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
+  Registry& r = Registry::instance();
+  if (__builtin_expect(r.redirect().active(), 0)) {
+    // All save work is in order on the save stream; a wait could only add the hung dependency.
+    jitckpt::log_verbose("save: dropped cudaStreamWaitEvent(%p, %p)", static_cast<void*>(stream),
+                         static_cast<void*>(event));
+    return cudaSuccess;
+  }
+  r.graph().note_stream_wait(stream, event);
+  auto fn = real_cuda.streamWaitEvent.get();
+  return fn ? fn(stream, event, flags) : kMissing;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  Registry& r = Registry::instance();
+  if (__builtin_expect(r.redirect().active(), 0)) return synchronize_save_stream(r);
+  auto fn = real_cuda.streamSynchronize.get();
+  return fn ? fn(stream) : kMissing;
+}
+
+cudaError_t cudaDeviceSynchronize(void) {
+  Registry& r = Registry::instance();
+  if (__builtin_expect(r.redirect().active(), 0)) return synchronize_save_stream(r);
+  auto fn = real_cuda.deviceSynchronize.get();
+  return fn ? fn() : kMissing;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  Registry& r = Registry::instance();
+  if (__builtin_expect(r.redirect().active(), 0)) {
+    // Events the save recorded are on the save stream; others may belong to the hung work, so
+    // report their state instead of blocking forever.
+    cudaError_t st = synchronize_save_stream(r);
+    if (st != cudaSuccess) return st;
+    auto query = real_cuda.eventQuery.get();
+    return query ? query(event) : kMissing;
+  }
+  auto fn = real_cuda.eventSynchronize.get();
+  return fn ? fn(event) : kMissing;
+}
+
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind) {
+  Registry& r = Registry::instance();
+  if (__builtin_expect(r.redirect().active(), 0)) {
+    auto async = real_cuda.memcpyAsync.get();
+    if (async == nullptr) return kMissing;
+    cudaError_t st = async(dst, src, count, kind, r.redirect().stream());
+    return st != cudaSuccess ? st : synchronize_save_stream(r);
+  }
+  auto fn = real_cuda.memcpy.get();
+  return fn ? fn(dst, src, count, kind) : kMissing;
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind,
+                            cudaStream_t stream) {
+  Registry& r = Registry::instance();
+  if (__builtin_expect(r.redirect().active(), 0)) stream = r.redirect().stream();
+  auto fn = real_cuda.memcpyAsync.get();
+  return fn ? fn(dst, src, count, kind, stream) : kMissing;
+}
+
+cudaError_t cudaMemsetAsync(void* dst, int value, size_t count, cudaStream_t stream) {
+  Registry& r = Registry::instance();
+  if (__builtin_expect(r.redirect().active(), 0)) stream = r.redirect().stream();
+  auto fn = real_cuda.memsetAsync.get();
+  return fn ? fn(dst, value, count, stream) : kMissing;
+}
+
+cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** args, size_t shared_mem,
+                             cudaStream_t stream) {
+  Registry& r = Registry::instance();
+  if (__builtin_expect(r.redirect().active(), 0)) stream = r.redirect().stream();
+  auto fn = real_cuda.launchKernel.get();
+  return fn ? fn(func, grid, block, args, shared_mem, stream) : kMissing;
+}
+
+// What nvcc 13 generated launch stubs (<<<...>>>) call.
+cudaError_t __cudaLaunchKernel(cudaKernel_t kernel, dim3 grid, dim3 block, void** args, size_t shared_mem,
+                               cudaStream_t stream) {
+  Registry& r = Registry::instance();
+  if (__builtin_expect(r.redirect().active(), 0)) stream = r.redirect().stream();
+  auto fn = real_cuda.internalLaunchKernel.get();
+  return fn ? fn(kernel, grid, block, args, shared_mem, stream) : kMissing;
+}
+
+}  // extern "C"
+#pragma GCC visibility pop

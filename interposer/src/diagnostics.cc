@@ -1,0 +1,48 @@
+#include "diagnostics.h"
+
+#include <unistd.h>
+
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+
+namespace jitckpt {
+namespace {
+
+bool verbose_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("JITCKPT_VERBOSE");
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+  }();
+  return enabled;
+}
+
+void vlog(const char* fmt, va_list ap) {
+  // One write() per line so lines of concurrent ranks do not interleave.
+  char line[1024];
+  int n = std::snprintf(line, sizeof line, "[jitckpt pid %d] ", static_cast<int>(getpid()));
+  n += std::vsnprintf(line + n, sizeof line - n - 1, fmt, ap);
+  if (n > static_cast<int>(sizeof line) - 2) n = sizeof line - 2;
+  line[n++] = '\n';
+  ssize_t ignored = write(STDERR_FILENO, line, n);
+  (void)ignored;
+}
+
+}  // namespace
+
+void log_always(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vlog(fmt, ap);
+  va_end(ap);
+}
+
+void log_verbose(const char* fmt, ...) {
+  if (!verbose_enabled()) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vlog(fmt, ap);
+  va_end(ap);
+}
+
+}  // namespace jitckpt

@@ -1,0 +1,121 @@
+#include "registry.h"
+
+#include <pthread.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+
+#include "diagnostics.h"
+#include "json_writer.h"
+
+namespace jitckpt {
+
+Registry::Registry() {
+  if (const char* env = std::getenv("JITCKPT_HANG_TIMEOUT")) {
+    char* end = nullptr;
+    double v = std::strtod(env, &end);
+    if (end != env && *end == '\0' && std::isfinite(v) && v > 0) {
+      hang_timeout_s_.store(v);
+    } else {
+      log_always("ignoring JITCKPT_HANG_TIMEOUT=%s: expected a positive number of seconds", env);
+    }
+  }
+  pthread_atfork(nullptr, nullptr, [] { Registry::instance().forked_child_.store(true); });
+}
+
+bool Registry::configure(const std::string& mode, double hang_timeout_s, std::string* error) {
+  if (mode != "observe") {
+    *error = "unknown mode '" + mode + "': libjit.so supports only mode='observe'";
+    return false;
+  }
+  if (!std::isfinite(hang_timeout_s) || hang_timeout_s <= 0) {
+    *error = "hang_timeout must be a positive number of seconds, got " + std::to_string(hang_timeout_s);
+    return false;
+  }
+  hang_timeout_s_.store(hang_timeout_s);
+  return true;
+}
+
+void Registry::set_phase(std::string phase) {
+  std::lock_guard<std::mutex> lock(mu_);
+  phase_ = std::move(phase);
+}
+
+std::string Registry::phase() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return phase_;
+}
+
+void Registry::set_failure_handler(jitckpt_failure_handler fn, void* ctx) {
+  std::lock_guard<std::mutex> lock(mu_);
+  handler_ = fn;
+  handler_ctx_ = ctx;
+}
+
+std::pair<jitckpt_failure_handler, void*> Registry::failure_handler() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {handler_, handler_ctx_};
+}
+
+void Registry::report_failure(const char* kind, const std::string& detail) {
+  Failure f;
+  f.kind = kind;
+  f.detail = detail;
+  f.unix_time = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  f.step = step();
+  f.phase = phase();
+  if (failures_.report(std::move(f))) watchdog_.ensure_started();
+}
+
+std::string Registry::status_json() {
+  JsonWriter w;
+  const auto now = Clock::now();
+  w.begin_object();
+  w.key("preloaded").value(true);
+  w.key("mode").value("observe");
+  w.key("hang_timeout").value(hang_timeout());
+  w.key("step").value(step());
+  w.key("phase").value(phase());
+  w.key("watchdog_running").value(watchdog_.running());
+  w.key("checkpointing").value(redirect_.active());
+  w.key("nccl_streams").begin_array();
+  for (cudaStream_t s : graph_.nccl_streams().snapshot()) w.value(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(s)));
+  w.end_array();
+  w.key("dependent_streams").begin_array();
+  for (cudaStream_t s : graph_.dependent_streams().snapshot())
+    w.value(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(s)));
+  w.end_array();
+  w.key("communicators").value(static_cast<uint64_t>(collectives_.comm_count()));
+  w.key("collectives_completed").value(collectives_.completed());
+  w.key("in_flight").begin_array();
+  for (const CollectiveRecord& r : collectives_.snapshot()) {
+    w.begin_object();
+    w.key("seq").value(r.seq);
+    w.key("op").value(r.op);
+    w.key("stream").value(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(r.stream)));
+    w.key("step").value(r.step);
+    w.key("phase").value(r.phase);
+    w.key("in_host_call").value(r.in_host_call);
+    w.key("age_s").value(std::chrono::duration<double>(now - r.since).count());
+    w.end_object();
+  }
+  w.end_array();
+  w.key("last_error");
+  if (auto f = failures_.last()) {
+    w.begin_object();
+    w.key("kind").value(f->kind);
+    w.key("detail").value(f->detail);
+    w.key("time").value(f->unix_time);
+    w.key("step").value(f->step);
+    w.key("phase").value(f->phase);
+    w.key("handled").value(failures_.handled());
+    w.end_object();
+  } else {
+    w.null();
+  }
+  w.end_object();
+  return w.str();
+}
+
+}  // namespace jitckpt

@@ -1,0 +1,71 @@
+// The single registry of libjit.so: configuration, training markers, what was learned about streams
+// and collectives, the failure latch, the save redirect and the watchdog. Created on first use and
+// never destroyed (the watchdog thread may outlive static destructors at exit).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "collective_tracker.h"
+#include "failure_latch.h"
+#include "jitckpt/jit_abi.h"
+#include "save_redirect.h"
+#include "stream_graph.h"
+#include "watchdog.h"
+
+namespace jitckpt {
+
+class Registry {
+ public:
+  static Registry& instance() {
+    static Registry* const registry = new Registry();
+    return *registry;
+  }
+
+  StreamGraph& graph() { return graph_; }
+  CollectiveTracker& collectives() { return collectives_; }
+  SaveRedirect& redirect() { return redirect_; }
+  FailureLatch& failures() { return failures_; }
+  Watchdog& watchdog() { return watchdog_; }
+
+  // False in a child forked after libjit.so was active: it has no watchdog and its copies of the
+  // mutexes may be locked, so NCCL calls there pass through untracked.
+  bool tracking() const { return !forked_child_.load(std::memory_order_relaxed); }
+
+  bool configure(const std::string& mode, double hang_timeout_s, std::string* error);
+  double hang_timeout() const { return hang_timeout_s_.load(std::memory_order_relaxed); }
+
+  void mark_minibatch(int64_t step) { step_.store(step, std::memory_order_relaxed); }
+  int64_t step() const { return step_.load(std::memory_order_relaxed); }
+  void set_phase(std::string phase);
+  std::string phase() const;
+
+  void set_failure_handler(jitckpt_failure_handler fn, void* ctx);
+  std::pair<jitckpt_failure_handler, void*> failure_handler() const;
+  void report_failure(const char* kind, const std::string& detail);
+
+  std::string status_json();
+
+ private:
+  Registry();
+
+  StreamGraph graph_;
+  CollectiveTracker collectives_;
+  SaveRedirect redirect_;
+  FailureLatch failures_;
+  Watchdog watchdog_{*this};
+
+  std::atomic<double> hang_timeout_s_{300.0};
+  std::atomic<int64_t> step_{-1};
+  std::atomic<bool> forked_child_{false};
+
+  mutable std::mutex mu_;  // phase and handler; never held across a CUDA/NCCL call or the handler
+  std::string phase_ = "unknown";
+  jitckpt_failure_handler handler_ = nullptr;
+  void* handler_ctx_ = nullptr;
+};
+
+}  // namespace jitckpt

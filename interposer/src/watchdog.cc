@@ -1,0 +1,112 @@
+#include "watchdog.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "diagnostics.h"
+#include "real_api.h"
+#include "registry.h"
+
+namespace jitckpt {
+namespace {
+
+std::chrono::steady_clock::duration poll_interval(double hang_timeout_s) {
+  // A twentieth of the timeout bounds detection latency to 105% of it, within [5 ms, 200 ms].
+  double s = std::clamp(hang_timeout_s / 20.0, 0.005, 0.2);
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
+}
+
+std::string cuda_error_name(cudaError_t e) {
+  auto name = real_cuda.getErrorName.get();
+  return name ? name(e) : std::to_string(static_cast<int>(e));
+}
+
+}  // namespace
+
+void Watchdog::ensure_started() {
+  std::call_once(started_, [this] {
+    running_.store(true, std::memory_order_release);
+    std::thread([this] { run(); }).detach();  // lives until exit; the registry is never destroyed
+    log_verbose("watchdog started (hang timeout %.3f s)", registry_.hang_timeout());
+  });
+}
+
+void Watchdog::run() {
+  for (;;) {
+    if (auto failure = registry_.failures().wait_for_report(poll_interval(registry_.hang_timeout()))) {
+      dispatch(*failure);
+      continue;
+    }
+    if (!registry_.failures().triggered()) poll();
+  }
+}
+
+void Watchdog::poll() {
+  auto query = real_cuda.eventQuery.get();
+  const auto now = Clock::now();
+  const double timeout = registry_.hang_timeout();
+  std::vector<uint64_t> done;
+  for (const CollectiveRecord& r : registry_.collectives().snapshot()) {
+    if (r.sentinel != nullptr && query != nullptr) {
+      cudaError_t st = query(r.sentinel);  // our event: nobody destroys it concurrently
+      if (st == cudaSuccess) {
+        done.push_back(r.seq);
+        continue;
+      }
+      if (st != cudaErrorNotReady) {
+        char detail[256];
+        std::snprintf(detail, sizeof detail, "cudaEventQuery after %s (seq %llu) returned %s", r.op,
+                      static_cast<unsigned long long>(r.seq), cuda_error_name(st).c_str());
+        registry_.report_failure("cuda_error", detail);
+        return;
+      }
+    }
+    double age = std::chrono::duration<double>(now - r.since).count();
+    if (age > timeout) {
+      char detail[256];
+      std::snprintf(detail, sizeof detail, "%s (seq %llu, step %lld, phase %s) %s for %.3f s > hang timeout %.3f s",
+                    r.op, static_cast<unsigned long long>(r.seq), static_cast<long long>(r.step),
+                    r.phase.c_str(), r.in_host_call ? "blocked in the host call" : "not complete on the device",
+                    age, timeout);
+      registry_.report_failure("hang", detail);
+      return;
+    }
+  }
+  registry_.collectives().retire(done);
+
+  auto get_async = real_nccl.commGetAsyncError.get();
+  if (get_async == nullptr) return;
+  std::string error;
+  registry_.collectives().poll_comms([&](ncclComm_t comm) {
+    ncclResult_t async = ncclSuccess;
+    ncclResult_t rc = get_async(comm, &async);
+    if (error.empty() && rc == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+      auto str = real_nccl.getErrorString.get();
+      char detail[256];
+      std::snprintf(detail, sizeof detail, "ncclCommGetAsyncError(comm %p) = %d (%s)", static_cast<void*>(comm),
+                    static_cast<int>(async), str ? str(async) : "?");
+      error = detail;
+    }
+  });
+  if (!error.empty()) registry_.report_failure("nccl_async_error", error);
+}
+
+void Watchdog::dispatch(const Failure& failure) {
+  log_always("failure detected: %s: %s", failure.kind.c_str(), failure.detail.c_str());
+  int device = std::max(registry_.collectives().first_device(), 0);
+  bool redirected = registry_.redirect().begin(device);
+  auto [handler, ctx] = registry_.failure_handler();
+  if (handler != nullptr) {
+    handler(failure.kind.c_str(), failure.detail.c_str(), ctx);
+  } else {
+    log_always("no failure callback registered (jitckpt._native.set_failure_callback); nothing saved");
+  }
+  if (redirected) registry_.redirect().end();
+  registry_.failures().mark_handled();
+}
+
+}  // namespace jitckpt
