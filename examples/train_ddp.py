@@ -1,0 +1,110 @@
+"""A deterministic DDP training script used by the demo, the tests and the benchmarks.
+
+Data for step s comes from a generator seeded with s, so a resumed job sees the same minibatches.
+Failure injection (first launch only, TORCHELASTIC_RESTART_COUNT == 0):
+  --fail-rank R --fail-step S --fail-mode M   with M one of
+  kill (SIGKILL self before backward), stop (SIGSTOP self: a hang), raise (exception in the step),
+  optim (SIGKILL self inside optimizer.step, after the gradient all-reduce),
+  kill-gen1 (same as kill but in the second launch: a failure during recovery).
+"""
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import jitckpt
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--optim", default="adam", choices=["adam", "sgd"])
+    p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--fail-step", type=int, default=-1)
+    p.add_argument("--fail-mode", default="kill")
+    p.add_argument("--fail-gen", type=int, default=0)
+    p.add_argument("--out", default="")
+    p.add_argument("--log", default="")
+    p.add_argument("--no-jitckpt", action="store_true", help="plain DDP, for overhead comparisons")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (slow steps)")
+    return p.parse_args()
+
+
+def build(args):
+    torch.manual_seed(0)
+    dims = [32] + [args.hidden] * args.layers + [8]
+    layers = []
+    for a, b in zip(dims[:-1], dims[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def batch_for(step, rank, args):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(args.batch, 32, generator=g)
+    y = torch.randn(args.batch, 8, generator=g)
+    return x, y
+
+
+def main():
+    args = parse()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    model = DDP(build(args))
+    opt = (torch.optim.Adam(model.parameters(), lr=args.lr) if args.optim == "adam"
+           else torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+    start = 0
+    if not args.no_jitckpt:
+        state = jitckpt.protect(model, opt, sched)
+        start = state.restore()
+    inject = gen == args.fail_gen and rank == args.fail_rank
+    if inject and args.fail_mode == "optim":
+        def die_in_step(*_a, **_k):
+            if state.step == args.fail_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+        opt.register_step_pre_hook(die_in_step)
+    logf = open(args.log, "a") if args.log else None
+    loss_fn = nn.MSELoss()
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        x, y = batch_for(step, rank, args)
+        if inject and step == args.fail_step:
+            if args.fail_mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif args.fail_mode == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif args.fail_mode == "raise":
+                raise RuntimeError(f"injected failure in rank {rank} at step {step}")
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if logf:
+            logf.write(json.dumps({"gen": gen, "rank": rank, "step": step, "loss": loss.item(),
+                                   "t": time.time(), "dt": time.perf_counter() - t0}) + "\n")
+            logf.flush()
+    if rank == 0 and args.out:
+        sd = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        tmp = args.out + ".tmp"
+        torch.save(sd, tmp)
+        os.replace(tmp, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

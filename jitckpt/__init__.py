@@ -1,0 +1,118 @@
+"""jitckpt: just-in-time checkpointing for distributed PyTorch training.
+
+A training script needs two lines::
+
+    import jitckpt
+    state = jitckpt.protect(model, optimizer, scheduler)   # registers a correct save function
+    for step in range(state.restore(), total_steps):         # resumes from the newest checkpoint
+        ...
+
+or, with its own save function::
+
+    jitckpt.init(save_fn)                  # save_fn(path) saves model/optimizer/step/RNG into path
+    path = jitckpt.get_checkpoint_path()   # a complete checkpoint directory to resume from, or None
+
+Run it with ``jitckpt run --nproc-per-node N script.py`` (torchrun's flags), or under torchrun or
+plain python: without the launcher a failure still triggers the save and the process exits with
+code 75, for the scheduler to restart it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from .exit_codes import EXIT_JIT_SAVED, EXIT_NO_SAVE
+
+if TYPE_CHECKING:  # torch is imported only by workers, not by the launcher
+    from .protect import Protected
+    from .worker_runtime import WorkerRuntime
+
+__version__ = "0.1.0"
+__all__ = ["init", "get_checkpoint_path", "protect", "mark_step", "Protected", "EXIT_JIT_SAVED",
+           "EXIT_NO_SAVE"]
+
+_runtime: Optional["WorkerRuntime"] = None
+_runtime_lock = threading.Lock()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Protected":
+        from .protect import Protected
+        return Protected
+    raise AttributeError(f"module 'jitckpt' has no attribute {name!r}")
+
+
+def _runtime_or_none() -> Optional["WorkerRuntime"]:
+    return _runtime
+
+
+def _get_runtime() -> "WorkerRuntime":
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            from .worker_runtime import WorkerRuntime
+
+            rt = WorkerRuntime.from_env()
+            rt.start()
+            _runtime = rt
+        return _runtime
+
+
+def _install_runtime(rt: "WorkerRuntime") -> None:
+    """Used by the warm standby process, which starts the runtime before the user's script."""
+    global _runtime
+    with _runtime_lock:
+        _runtime = rt
+
+
+def init(save_fn: Callable[[str], None], *, step_fn: Optional[Callable[[], int]] = None,
+         shard_id: int = 0, num_shards: int = 1, checkpoint_dir: Optional[str] = None) -> None:
+    """Register the function that saves this rank's state after a failure.
+
+    ``save_fn(path)`` must write model, optimizer, step counter and RNG state into the existing
+    directory ``path`` without any collective communication (peers may be dead). ``step_fn()``
+    returns the number of completed optimizer steps (used to pick the newest checkpoint; without
+    it jitckpt counts ``optimizer.step()`` calls). ``shard_id``/``num_shards`` describe model
+    parallelism: ranks with the same shard_id are data-parallel replicas (default: pure data
+    parallelism, one shard). ``checkpoint_dir`` overrides ``$JITCKPT_CHECKPOINT_DIR`` (set by
+    ``jitckpt run --checkpoint-dir``).
+    """
+    if checkpoint_dir is not None:
+        os.environ["JITCKPT_CHECKPOINT_DIR"] = os.path.abspath(checkpoint_dir)
+    rt = _get_runtime()
+    if checkpoint_dir is not None:
+        rt.checkpoint_dir = os.path.abspath(checkpoint_dir)
+    rt.set_save_fn(save_fn, step_fn=step_fn, shard_id=shard_id, num_shards=num_shards)
+
+
+def get_checkpoint_path() -> Optional[str]:
+    """Directory of the newest complete checkpoint for this rank's shard, or None.
+
+    Checks every candidate against its metadata (sizes, CRC32) and skips incomplete or corrupt
+    ones with a logged warning; a JIT checkpoint from any data-parallel replica qualifies.
+    """
+    return _get_runtime().latest_checkpoint()
+
+
+def mark_step(step: int) -> None:
+    """Optional: call at the top of each iteration with the number of completed steps.
+
+    A minibatch boundary is a safe point for a pending JIT save and where ``--periodic-every``
+    checkpoints are taken. ``protect()`` calls this for you from the model's forward pre-hook.
+    """
+    _get_runtime().mark_step(step)
+
+
+def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optional[dict] = None,
+            shard_id: int = 0, num_shards: int = 1) -> "Protected":
+    """Make model, optimizer, scheduler, RNG states and step counter recoverable.
+
+    Registers :meth:`Protected.save` with :func:`init`; call ``restore()`` on the result to resume.
+    See :class:`Protected` for exactly which step a resumed job continues from.
+    """
+    from .protect import Protected
+
+    state = Protected(model, optimizer, scheduler, extra=extra)
+    init(state.save, step_fn=lambda: state.step, shard_id=shard_id, num_shards=num_shards)
+    return state

@@ -1,0 +1,278 @@
+"""On-disk checkpoint layout shared by the JIT, periodic and in-memory-flush tiers.
+
+Layout: one directory per (rank, save) directly under the checkpoint root::
+
+    <root>/<kind>-g<gen>-r<rank>-s<step>/      kind: jit | periodic | snapshot
+        <files written by the user's save_fn>
+        jitckpt-meta.json                      written last, atomically
+
+A save goes to a hidden ``.tmp-*`` directory first; the user's files are written and fsynced, then
+their sizes and CRC32s go into the metadata file (written to a temporary name, fsynced, renamed),
+and only then is the directory renamed to its final name. A directory without a valid metadata
+file, or whose files do not match it, is never used. Older checkpoints are deleted only after a
+newer complete one exists.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+log = logging.getLogger("jitckpt.checkpoint")
+
+META_FILE = "jitckpt-meta.json"
+FORMAT_VERSION = 1
+KINDS = ("jit", "periodic", "snapshot")
+_DIR_RE = re.compile(r"^(?P<kind>[a-z]+)-g(?P<gen>\d+)-r(?P<rank>\d+)-s(?P<step>-?\d+)$")
+_CHUNK = 8 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or is not usable."""
+
+
+@dataclass
+class CheckpointMeta:
+    """What ``jitckpt-meta.json`` records about one rank's checkpoint."""
+
+    kind: str
+    step: int
+    rank: int
+    world_size: int
+    gen: int
+    shard_id: int = 0
+    num_shards: int = 1
+    created: float = 0.0
+    save_seconds: float = 0.0
+    files: dict = field(default_factory=dict)  # relative path -> {"size": int, "crc32": int}
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f["size"] for f in self.files.values())
+
+
+def _crc32_file(path: Path) -> tuple[int, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                return crc, size
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _data_files(directory: Path) -> Iterable[Path]:
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and p.name != META_FILE:
+            yield p
+
+
+def checkpoint_dir_name(kind: str, gen: int, rank: int, step: int) -> str:
+    return f"{kind}-g{gen:04d}-r{rank:05d}-s{step}"
+
+
+def write_checkpoint(
+    root: str | os.PathLike,
+    save_fn: Callable[[str], None],
+    *,
+    kind: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    gen: int,
+    shard_id: int = 0,
+    num_shards: int = 1,
+    fsync: bool = True,
+) -> tuple[Path, CheckpointMeta]:
+    """Run ``save_fn(tmpdir)`` and commit the result atomically; return (final dir, metadata).
+
+    Raises :class:`CheckpointError` if ``save_fn`` fails or writes nothing; the partial temporary
+    directory is removed and no existing checkpoint is touched.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"checkpoint kind must be one of {KINDS}, got {kind!r}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_dir_name(kind, gen, rank, step)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}-{time.monotonic_ns()}"
+    t0 = time.monotonic()
+    tmp.mkdir()
+    try:
+        save_fn(str(tmp))
+        files = {}
+        for p in _data_files(tmp):
+            if fsync:
+                _fsync_path(p)
+            crc, size = _crc32_file(p)
+            files[str(p.relative_to(tmp))] = {"size": size, "crc32": crc}
+        if not files:
+            raise CheckpointError(
+                f"save function wrote no files into {tmp}; it must save the state into the directory "
+                "path it is given")
+        meta = CheckpointMeta(kind=kind, step=step, rank=rank, world_size=world_size, gen=gen,
+                              shard_id=shard_id, num_shards=num_shards, created=time.time(),
+                              save_seconds=time.monotonic() - t0, files=files)
+        meta_tmp = tmp / (META_FILE + ".tmp")
+        with open(meta_tmp, "w") as f:
+            json.dump(asdict(meta), f)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.rename(meta_tmp, tmp / META_FILE)
+        if final.exists():  # same rank, same step, same generation saved twice: keep the first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return final, read_meta(final)
+        os.rename(tmp, final)
+        if fsync:
+            _fsync_path(root)
+        return final, meta
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_meta(directory: str | os.PathLike) -> CheckpointMeta:
+    """Parse a checkpoint's metadata; raise CheckpointError naming what is wrong."""
+    path = Path(directory) / META_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: no {META_FILE} (incomplete save)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{directory}: unreadable {META_FILE}: {e}") from None
+    try:
+        meta = CheckpointMeta(**raw)
+    except TypeError as e:
+        raise CheckpointError(f"{directory}: malformed {META_FILE}: {e}") from None
+    if meta.format_version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{directory}: checkpoint format {meta.format_version}, this jitckpt reads {FORMAT_VERSION}")
+    return meta
+
+
+def verify_checkpoint(directory: str | os.PathLike) -> CheckpointMeta:
+    """Check every file against the metadata (size, CRC32); return the metadata or raise."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    for rel, expect in meta.files.items():
+        p = directory / rel
+        if not p.is_file():
+            raise CheckpointError(f"{directory}: file {rel} is missing")
+        size = p.stat().st_size
+        if size != expect["size"]:
+            raise CheckpointError(
+                f"{directory}: file {rel} has {size} bytes, metadata says {expect['size']} (truncated?)")
+        crc, _ = _crc32_file(p)
+        if crc != expect["crc32"]:
+            raise CheckpointError(f"{directory}: file {rel} fails its CRC32 check (corrupt)")
+    return meta
+
+
+@dataclass(frozen=True)
+class Candidate:
+    path: Path
+    kind: str
+    gen: int
+    rank: int
+    step: int
+
+
+def list_candidates(root: str | os.PathLike) -> list[Candidate]:
+    """Checkpoint directories under root, newest step first (names only; nothing verified)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _DIR_RE.match(p.name)
+        if m and p.is_dir():
+            out.append(Candidate(p, m["kind"], int(m["gen"]), int(m["rank"]), int(m["step"])))
+    # Newest step first; at equal steps prefer JIT (taken from live replicas), then newer generation.
+    out.sort(key=lambda c: (c.step, c.kind == "jit", c.gen), reverse=True)
+    return out
+
+
+def find_latest(
+    root: str | os.PathLike,
+    *,
+    shard_id: int = 0,
+    num_shards: int = 1,
+    skipped: Optional[list] = None,
+) -> Optional[tuple[Path, CheckpointMeta]]:
+    """Newest step for which every shard has a verified replica; return this shard's copy.
+
+    Corrupt or incomplete checkpoints are skipped with a logged reason (also appended to
+    ``skipped`` as (path, reason) when given). Returns None when nothing usable exists.
+    """
+    by_step: dict[int, list[Candidate]] = {}
+    for c in list_candidates(root):
+        by_step.setdefault(c.step, []).append(c)
+    for step in sorted(by_step, reverse=True):
+        verified: dict[int, tuple[Path, CheckpointMeta]] = {}
+        for c in by_step[step]:
+            try:
+                meta = read_meta(c.path)
+                if meta.num_shards != num_shards:
+                    raise CheckpointError(
+                        f"{c.path}: saved with {meta.num_shards} shards, this job has {num_shards}")
+                if meta.shard_id in verified:
+                    continue
+                verify_checkpoint(c.path)
+            except CheckpointError as e:
+                log.warning("skipping checkpoint: %s", e)
+                if skipped is not None:
+                    skipped.append((c.path, str(e)))
+                continue
+            verified[meta.shard_id] = (c.path, meta)
+            if len(verified) == num_shards:
+                break
+        if len(verified) == num_shards:
+            return verified[shard_id]
+    return None
+
+
+def prune(root: str | os.PathLike, *, older_than_step: int) -> list[Path]:
+    """Delete checkpoints with a step below ``older_than_step`` and stale temporary directories.
+
+    The caller must hold a verified checkpoint at ``older_than_step`` (the launcher prunes only
+    after the job restored from one), so good state is never the last copy removed.
+    """
+    root = Path(root)
+    removed = []
+    for c in list_candidates(root):
+        if c.step < older_than_step:
+            shutil.rmtree(c.path, ignore_errors=True)
+            removed.append(c.path)
+    for p in root.glob(".tmp-*"):
+        pid = p.name.rsplit("-", 2)[-2]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

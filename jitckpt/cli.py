@@ -1,0 +1,45 @@
+"""The `jitckpt` command: run, analyze, report."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .launch_config import LaunchConfig
+    from .launcher import run
+
+    try:
+        cfg = LaunchConfig.from_args(args)
+    except ValueError as e:
+        print(f"jitckpt run: error: {e}", file=sys.stderr)
+        return 2
+    return run(cfg)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .launch_config import add_run_arguments
+
+    parser = argparse.ArgumentParser(prog="jitckpt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="launch a training job (torchrun-compatible flags)",
+                           allow_abbrev=False)
+    add_run_arguments(p_run)
+    p_run.set_defaults(func=_cmd_run)
+    for mod in ("analyze_cli", "report"):
+        try:
+            module = __import__(f"jitckpt.{mod}", fromlist=["register"])
+        except ImportError:
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Command-line flags of `jitckpt run` (torchrun's, plus jitckpt's own) and their validation."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .watchdog import HangTimeout
+
+
+def _nnodes(text: str) -> int:
+    lo, _, hi = text.partition(":")
+    if hi and hi != lo:
+        raise argparse.ArgumentTypeError(
+            f"--nnodes {text}: elastic ranges are not supported; give a fixed node count like 2")
+    n = int(lo)
+    if n < 1:
+        raise argparse.ArgumentTypeError("--nnodes must be >= 1")
+    return n
+
+
+def _nproc(text: str) -> int:
+    if text in ("auto", "cpu"):
+        return os.cpu_count() or 1
+    if text == "gpu":
+        raise argparse.ArgumentTypeError("--nproc-per-node gpu: give a number (no GPU detection here)")
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("--nproc-per-node must be >= 1")
+    return n
+
+
+def _hang(text: str) -> str:
+    try:
+        return HangTimeout.parse(text).to_text()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """torchrun-compatible flags (both dash and underscore spellings) plus jitckpt's own."""
+    def both(*names: str, **kw) -> None:
+        flags = []
+        for n in names:
+            flags.append(n)
+            if "-" in n[2:]:
+                flags.append("--" + n[2:].replace("-", "_"))
+        p.add_argument(*flags, **kw)
+
+    g = p.add_argument_group("torchrun-compatible")
+    both("--nnodes", type=_nnodes, default=1, help="number of nodes (fixed)")
+    both("--nproc-per-node", type=_nproc, default=1, help="workers per node")
+    both("--node-rank", type=int, default=0, help="this node's rank (0..nnodes-1)")
+    both("--rdzv-endpoint", default="", help="host:port of node 0's store (required for nnodes > 1)")
+    both("--rdzv-backend", default="c10d", choices=["c10d", "static"], help="rendezvous backend")
+    both("--rdzv-id", default="", help="job id shared by all nodes")
+    both("--rdzv-conf", default="", help="accepted for compatibility; ignored")
+    both("--max-restarts", type=int, default=3,
+         help="restarts before giving up (torchrun's default is 0; jitckpt's is 3)")
+    both("--monitor-interval", type=float, default=0.2, help="accepted; the launcher is event driven")
+    both("--master-addr", default="", help="with --nnodes 1: address for MASTER_ADDR")
+    both("--master-port", type=int, default=0, help="ignored: a fresh port is chosen per restart")
+    g.add_argument("--standalone", action="store_true", help="single node, local rendezvous (default)")
+    both("--no-python", action="store_true", help="run the program directly, not with python")
+    g.add_argument("-m", "--module", action="store_true", help="run the script as a module")
+    both("--log-dir", default="", help="accepted; worker output goes to this console")
+    both("--start-method", default="spawn", help="accepted; workers are always fresh processes")
+    g = p.add_argument_group("jitckpt")
+    g.add_argument("--checkpoint-dir", default="jitckpt-checkpoints", help="where checkpoints go")
+    g.add_argument("--run-dir", default="", help="event log and run files (default: <checkpoint-dir>/runs/<run id>)")
+    g.add_argument("--hang-timeout", type=_hang, default=None,
+                   help="seconds a collective may block, or 'auto[:floor=S,mult=X,startup=S]' (adaptive: "
+                        "a multiple of the recent maximum; default auto = floor 30 s, 10x, 120 s at start)")
+    g.add_argument("--periodic-every", type=int, default=0,
+                   help="also take a periodic checkpoint every N steps (fallback tier; 0 = off)")
+    g.add_argument("--save-timeout", type=float, default=120.0,
+                   help="seconds to wait for JIT checkpoints after a failure")
+    g.add_argument("--warm-standby", type=int, default=1, choices=[0, 1, 2],
+                   help="warm standby processes per local rank (0 = start cold)")
+    g.add_argument("--status-interval", type=float, default=10.0, help="seconds between status lines (0 = off)")
+    g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    g.add_argument("--metrics-addr", default="127.0.0.1", help="metrics bind address (loopback default)")
+    g.add_argument("--preload", default="", help="LD_PRELOAD for workers (e.g. libjit.so)")
+    g.add_argument("--plugin", default="", help="proxy plugins (undo,logging)")
+    p.add_argument("script", help="training script (or module with -m, or program with --no-python)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+
+
+@dataclass
+class LaunchConfig:
+    script: str
+    script_args: list = field(default_factory=list)
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    run_id: str = ""
+    max_restarts: int = 3
+    module: bool = False
+    no_python: bool = False
+    checkpoint_dir: str = "jitckpt-checkpoints"
+    run_dir: str = ""
+    hang_timeout: Optional[str] = None
+    periodic_every: int = 0
+    save_timeout: float = 120.0
+    warm_standby: int = 1
+    status_interval: float = 10.0
+    metrics_port: Optional[int] = None
+    metrics_addr: str = "127.0.0.1"
+    preload: str = ""
+    plugins: tuple = ()
+    rdzv_timeout: float = 300.0
+    omp_num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.hang_timeout in (None, "auto"):
+            self.hang_timeout = HangTimeout(fixed=None, floor=30.0, startup=120.0).to_text()
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT of node 0 (same on every node)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes})")
+        if self.max_restarts < 0 or self.periodic_every < 0 or self.save_timeout <= 0:
+            raise ValueError("--max-restarts and --periodic-every must be >= 0, --save-timeout > 0")
+        if self.no_python and self.module:
+            raise ValueError("--no-python and -m/--module cannot be combined")
+        if not self.no_python and not self.module and not os.path.isfile(self.script):
+            raise ValueError(f"training script {self.script!r} not found")
+        self.checkpoint_dir = os.path.abspath(self.checkpoint_dir)
+        if not self.run_id:
+            self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        if not self.run_dir:
+            self.run_dir = os.path.join(self.checkpoint_dir, "runs", self.run_id)
+        unknown = set(self.plugins) - {"undo", "logging"}
+        if unknown:
+            raise ValueError(f"--plugin: unknown plugin(s) {sorted(unknown)}; known: undo, logging")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def rdzv_host(self) -> str:
+        return self.rdzv_endpoint.rpartition(":")[0] or "127.0.0.1"
+
+    @property
+    def rdzv_port(self) -> int:
+        port = self.rdzv_endpoint.rpartition(":")[2]
+        if not port.isdigit():
+            raise ValueError(f"--rdzv-endpoint {self.rdzv_endpoint!r}: expected HOST:PORT")
+        return int(port)
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> "LaunchConfig":
+        script_args = list(a.script_args)
+        if script_args and script_args[0] == "--":
+            script_args = script_args[1:]
+        return cls(script=a.script, script_args=script_args, nnodes=a.nnodes,
+                   nproc_per_node=a.nproc_per_node, node_rank=a.node_rank,
+                   rdzv_endpoint=a.rdzv_endpoint, run_id=a.rdzv_id, max_restarts=a.max_restarts,
+                   module=a.module, no_python=a.no_python, checkpoint_dir=a.checkpoint_dir,
+                   run_dir=a.run_dir, hang_timeout=a.hang_timeout, periodic_every=a.periodic_every,
+                   save_timeout=a.save_timeout, warm_standby=a.warm_standby,
+                   status_interval=a.status_interval, metrics_port=a.metrics_port,
+                   metrics_addr=a.metrics_addr, preload=a.preload,
+                   plugins=tuple(filter(None, a.plugin.split(","))))

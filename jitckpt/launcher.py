@@ -1,0 +1,457 @@
+"""`jitckpt run`: start and watch the workers of one node, recover the job after a failure.
+
+Per generation (restart attempt) the launcher hands each local rank to a warm standby process,
+then watches the workers' control channels. A worker that dies closes its channel, so death is
+seen at once; a worker that detects a hang or a collective error reports it. On the first failure
+the launcher tells every other worker to save a just-in-time checkpoint, waits (bounded) until at
+least one data-parallel replica of every shard has saved one, kills what is left, and starts the
+next generation, whose workers resume from that checkpoint.
+
+With several nodes, one launcher runs per node; they coordinate through a c10d TCPStore served
+by node 0 at ``--rdzv-endpoint`` (see :mod:`jitckpt.node_coordinator`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .checkpoint_store import prune
+from .control_channel import ENV_FD, ControlChannel, channel_pair
+from .events import EventLog
+from .exit_codes import EXIT_JIT_SAVED
+from .launch_config import LaunchConfig
+from .node_coordinator import NodeCoordinator
+from .status_display import StatusDisplay
+
+log = logging.getLogger("jitckpt.launcher")
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class StandbyPool:
+    """Processes that have imported torch and wait for a rank assignment."""
+
+    def __init__(self, *, size: int, env: dict, python: str) -> None:
+        self.size, self.env, self.python = size, env, python
+        self._idle: list[tuple[subprocess.Popen, ControlChannel]] = []
+
+    def _spawn(self) -> tuple[subprocess.Popen, ControlChannel]:
+        parent, child = channel_pair()
+        env = dict(self.env)
+        env[ENV_FD] = str(child.fileno())
+        proc = subprocess.Popen([self.python, "-m", "jitckpt.standby"], env=env,
+                                pass_fds=(child.fileno(),), start_new_session=True)
+        child.close()
+        return proc, parent
+
+    def fill(self) -> None:
+        while len(self._idle) < self.size:
+            self._idle.append(self._spawn())
+
+    def take(self) -> tuple[subprocess.Popen, ControlChannel, bool]:
+        while self._idle:
+            proc, ch = self._idle.pop(0)
+            if proc.poll() is None:
+                return proc, ch, True
+            ch.close()
+        proc, ch = self._spawn()
+        return proc, ch, False
+
+    def close(self) -> None:
+        for proc, ch in self._idle:
+            ch.close()  # EOF: the standby exits by itself
+            _kill_group(proc)
+        self._idle.clear()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class Worker:
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen
+    channel: ControlChannel
+    warm: bool
+    started: float = field(default_factory=time.monotonic)
+    exit_code: Optional[int] = None
+    eof: bool = False
+    step: Optional[int] = None
+    step_time: Optional[float] = None
+    exit_ready: bool = False
+    restored: Optional[dict] = None
+    resumed: bool = False
+
+
+@dataclass
+class FailureRecord:
+    """What the launcher knows about one failure and the recovery from it."""
+
+    gen: int
+    kind: str
+    rank: Optional[int]
+    detail: str
+    t_detect: float                      # time.time() when the launcher learned of it
+    step_failed: Optional[int] = None    # highest step any rank had reached
+    t_covered: Optional[float] = None    # every shard had a saved JIT checkpoint
+    t_killed: Optional[float] = None     # old workers gone
+    checkpoint_bytes: int = 0
+    save_s: Optional[float] = None
+    saved_ranks: list = field(default_factory=list)
+    failed_ranks: list = field(default_factory=list)
+
+
+class Launcher:
+    """Runs one node's share of a job until it finishes or runs out of restarts."""
+
+    def __init__(self, cfg: LaunchConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(self.run_dir / "events.jsonl")
+        self.metrics = None
+        if cfg.metrics_port is not None:
+            from .metrics import JobMetrics
+            self.metrics = JobMetrics(port=cfg.metrics_port, addr=cfg.metrics_addr)
+        self.coord = NodeCoordinator(cfg)
+        self.display = StatusDisplay(enabled=cfg.status_interval > 0, interval=cfg.status_interval)
+        self.pool: Optional[StandbyPool] = None
+        self.workers: list[Worker] = []
+        self.pending_summary: Optional[FailureRecord] = None
+        self.restart_count = 0
+
+    # ---- events ---------------------------------------------------------------------------
+    def emit(self, event: str, **fields) -> None:
+        rec = self.events.emit(event, **fields)
+        if self.metrics is not None:
+            self.metrics.record_event(rec)
+
+    # ---- main loop ------------------------------------------------------------------------
+    def run(self) -> int:
+        cfg = self.cfg
+        self.emit("job_start", nproc=cfg.nproc_per_node, nnodes=cfg.nnodes,
+                  world_size=cfg.world_size, script=cfg.script, checkpoint_dir=cfg.checkpoint_dir,
+                  hang_timeout=cfg.hang_timeout, node_rank=cfg.node_rank)
+        if not cfg.no_python:
+            self.pool = StandbyPool(size=cfg.nproc_per_node * cfg.warm_standby,
+                                    env=self._base_env(), python=sys.executable)
+            self.pool.fill()
+        try:
+            gen = 0
+            while True:
+                self.events.gen = gen
+                ok = self._run_generation(gen)
+                if ok:
+                    self.emit("job_end", status="ok", exit_code=0, restarts=self.restart_count)
+                    return 0
+                if self.restart_count >= cfg.max_restarts:
+                    log.error("job failed and --max-restarts=%d is used up", cfg.max_restarts)
+                    self.emit("job_end", status="failed", exit_code=1, restarts=self.restart_count)
+                    return 1
+                self.restart_count += 1
+                gen += 1
+                self.emit("restart", reason="failure", restart_count=self.restart_count)
+        finally:
+            for w in self.workers:
+                _kill_group(w.proc)
+            if self.pool is not None:
+                self.pool.close()
+            self.coord.close()
+            if self.metrics is not None:
+                self.metrics.close()
+
+    def _base_env(self) -> dict:
+        env = dict(os.environ)
+        pkg_parent = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
+        # Restarted gloo workers must not read a previous generation's peer addresses.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        env.setdefault("OMP_NUM_THREADS", str(self.cfg.omp_num_threads))
+        return env
+
+    def _rank_env(self, gen: int, local_rank: int, master: tuple[str, int]) -> dict:
+        cfg = self.cfg
+        rank = cfg.node_rank * cfg.nproc_per_node + local_rank
+        env = {
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(cfg.world_size),
+            "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node), "GROUP_RANK": str(cfg.node_rank),
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(cfg.world_size), "ROLE_NAME": "default",
+            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+            "TORCHELASTIC_RESTART_COUNT": str(gen), "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+            "TORCHELASTIC_RUN_ID": cfg.run_id, "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "JITCKPT_CHECKPOINT_DIR": cfg.checkpoint_dir, "JITCKPT_RUN_DIR": str(self.run_dir),
+            "JITCKPT_HANG_TIMEOUT": cfg.hang_timeout, "JITCKPT_PERIODIC_EVERY": str(cfg.periodic_every),
+            "JITCKPT_SAVE_TIMEOUT": str(cfg.save_timeout), "JITCKPT_GEN": str(gen),
+        }
+        if cfg.preload:
+            env["LD_PRELOAD"] = cfg.preload
+        return env
+
+    def _start_workers(self, gen: int, master: tuple[str, int]) -> None:
+        cfg = self.cfg
+        self.workers = []
+        for local_rank in range(cfg.nproc_per_node):
+            env = self._rank_env(gen, local_rank, master)
+            rank = int(env["RANK"])
+            if cfg.no_python:
+                parent, child = channel_pair()
+                full_env = {**self._base_env(), **env, ENV_FD: str(child.fileno())}
+                proc = subprocess.Popen([cfg.script, *cfg.script_args], env=full_env,
+                                        pass_fds=(child.fileno(),), start_new_session=True)
+                child.close()
+                w = Worker(rank, local_rank, proc, parent, warm=False)
+            else:
+                assert self.pool is not None
+                proc, ch, warm = self.pool.take()
+                argv = [cfg.script, *cfg.script_args]
+                ch.send("assign", env=env, argv=argv, cwd=os.getcwd(), module=cfg.module)
+                w = Worker(rank, local_rank, proc, ch, warm=warm)
+            self.workers.append(w)
+            self.emit("worker_start", rank=rank, pid=proc.pid, warm=w.warm)
+
+    # ---- one generation ---------------------------------------------------------------------
+    def _run_generation(self, gen: int) -> bool:
+        master = self.coord.begin_generation(gen)
+        t_start = time.time()
+        self._start_workers(gen, master)
+        if self.pending_summary is not None:
+            self.pending_summary.t_killed = self.pending_summary.t_killed or t_start
+        sel = selectors.DefaultSelector()
+        for w in self.workers:
+            sel.register(w.channel.fileno(), selectors.EVENT_READ, w)
+        remote_fd = self.coord.failure_fd()
+        if remote_fd is not None:
+            sel.register(remote_fd, selectors.EVENT_READ, None)
+        failure: Optional[FailureRecord] = None
+        refilled = False
+        verdict_sent = False
+        try:
+            while True:
+                timeout = 0.2
+                for key, _ in sel.select(timeout):
+                    w = key.data
+                    if w is None:
+                        info = self.coord.read_remote_failure()
+                        if info is not None and failure is None:
+                            failure = self._on_failure(gen, info["kind"], info.get("rank"),
+                                                       info.get("detail", ""), remote=True)
+                        continue
+                    msg = w.channel.recv(timeout=5.0)
+                    if msg is None:
+                        sel.unregister(key.fd)
+                        w.eof = True
+                        self._reap(w)
+                        if (failure is not None and w.exit_code not in (0, EXIT_JIT_SAVED)
+                                and w.rank not in failure.failed_ranks):
+                            failure.failed_ranks.append(w.rank)  # the culprit, seen after a peer's report
+                        if w.exit_code not in (0, EXIT_JIT_SAVED) and failure is None:
+                            kind = "signal" if (w.exit_code or 0) < 0 else "exit"
+                            detail = (f"killed by {signal.Signals(-w.exit_code).name}"
+                                      if kind == "signal" else f"exit code {w.exit_code}")
+                            failure = self._on_failure(gen, kind, w.rank, detail)
+                        continue
+                    failure = self._on_message(gen, w, msg, failure)
+                # Periodic checks.
+                for w in self.workers:
+                    if not w.eof and w.exit_code is None and w.proc.poll() is not None:
+                        w.exit_code = w.proc.returncode
+                self.display.maybe_show(gen, self.workers, failure)
+                if not refilled and self.pool is not None and all(w.step is not None for w in self.workers):
+                    self.pool.fill()  # after the workers are up, not competing with their start
+                    refilled = True
+                if failure is None:
+                    if not verdict_sent and self._all_exit_ready(gen):
+                        for w in self.workers:
+                            w.channel.send("verdict", ok=True)
+                        verdict_sent = True
+                    if all(w.exit_code is not None for w in self.workers):
+                        codes = [w.exit_code for w in self.workers]
+                        if all(c == 0 for c in codes):
+                            self.coord.node_done(gen, ok=True)
+                            return True
+                        failure = self._on_failure(gen, "exit", None, f"exit codes {codes}")
+                    continue
+                if self._recovery_can_proceed(gen, failure):
+                    break
+        finally:
+            sel.close()
+        self._kill_all()
+        failure.t_killed = time.time()
+        self._finish_failure(gen, failure)
+        return False
+
+    def _all_exit_ready(self, gen: int) -> bool:
+        local = all(w.exit_ready for w in self.workers)
+        return local and self.coord.all_exit_ready(gen)
+
+    # ---- messages ---------------------------------------------------------------------------
+    def _on_message(self, gen: int, w: Worker, msg: dict,
+                    failure: Optional[FailureRecord]) -> Optional[FailureRecord]:
+        t = msg["type"]
+        if t == "status":
+            w.step, w.step_time = msg.get("step"), msg.get("step_time")
+            if msg.get("step_time") is not None and w.rank == 0:
+                self.emit("step", rank=w.rank, step=w.step, step_time=w.step_time)
+        elif t == "hello":
+            if w.step is None:
+                w.step = -1
+        elif t == "failure":
+            if failure is None:
+                failure = self._on_failure(gen, msg.get("kind", "error"), msg.get("rank"),
+                                           msg.get("detail", ""), reporter=w.rank,
+                                           culprit=msg.get("kind") == "exception")
+            if msg.get("step") is not None:
+                failure.step_failed = max(failure.step_failed or 0, msg["step"])
+        elif t == "saved":
+            self.emit("checkpoint_saved", rank=w.rank, step=msg["step"], bytes=msg["bytes"],
+                      seconds=msg["seconds"], path=msg["path"], kind=msg.get("kind", "jit"))
+            if msg.get("kind", "jit") == "jit":
+                self.coord.report_saved(gen, int(msg.get("shard_id", 0)),
+                                       int(msg.get("num_shards", 1)), w.rank)
+                if failure is not None:
+                    failure.saved_ranks.append(w.rank)
+                    failure.checkpoint_bytes = max(failure.checkpoint_bytes, msg["bytes"])
+                    failure.save_s = max(failure.save_s or 0.0, msg["seconds"])
+        elif t == "save_failed":
+            self.emit("checkpoint_failed", rank=w.rank, reason=msg.get("reason", ""))
+        elif t == "restored":
+            w.restored = msg
+            self.emit("restore", rank=w.rank, step=msg["step"], path=msg["path"],
+                      seconds=msg["seconds"])
+        elif t == "resumed":
+            w.resumed = True
+            self._maybe_emit_summary(gen)
+        elif t == "exit_ready":
+            w.exit_ready = True
+            self.coord.report_exit_ready(gen, w.rank)
+        return failure
+
+    def _on_failure(self, gen: int, kind: str, rank: Optional[int], detail: str, *,
+                    reporter: Optional[int] = None, remote: bool = False,
+                    culprit: bool = True) -> FailureRecord:
+        now = time.time()
+        steps = [w.step for w in self.workers if w.step is not None and w.step >= 0]
+        rec = FailureRecord(gen=gen, kind=kind, rank=rank if culprit else None, detail=detail,
+                            t_detect=now, step_failed=max(steps) if steps else None)
+        if rank is not None and culprit:
+            rec.failed_ranks.append(rank)
+        who = f"rank {rank}" if rank is not None else "unknown rank"
+        log.warning("failure detected (%s) on %s: %s", kind, who, detail)
+        self.emit("failure_detected", kind=kind, rank=rank, node=self.cfg.node_rank,
+                  pid=self._pid_of(rank), detail=detail, reporter=reporter)
+        for w in self.workers:
+            if w.exit_code is None and not w.eof and w.rank not in rec.failed_ranks:
+                w.channel.send("failure", kind=kind, rank=rank, detail=detail)
+        if not remote:
+            self.coord.announce_failure(gen, {"kind": kind, "rank": rank, "detail": detail})
+        return rec
+
+    def _pid_of(self, rank: Optional[int]) -> Optional[int]:
+        for w in self.workers:
+            if w.rank == rank:
+                return w.proc.pid
+        return None
+
+    def _recovery_can_proceed(self, gen: int, failure: FailureRecord) -> bool:
+        """All local workers gone, or every shard covered plus a short grace for more replicas."""
+        now = time.time()
+        if all(w.exit_code is not None for w in self.workers):
+            if failure.t_covered is None and self.coord.shards_covered(gen):
+                failure.t_covered = now
+            return self.coord.node_done(gen, ok=False, wait=True)
+        if failure.t_covered is None and self.coord.shards_covered(gen):
+            failure.t_covered = now
+        if failure.t_covered is not None:
+            grace = max(1.0, failure.save_s or 0.0)
+            if now - failure.t_covered > grace:
+                return True
+        if now - failure.t_detect > self.cfg.save_timeout:
+            log.error("no complete JIT checkpoint from every shard within %.0fs; restarting from "
+                      "the newest complete checkpoint", self.cfg.save_timeout)
+            return True
+        return False
+
+    def _reap(self, w: Worker) -> None:
+        try:
+            w.exit_code = w.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            _kill_group(w.proc)
+            w.exit_code = w.proc.wait(timeout=5.0)
+
+    def _kill_all(self) -> None:
+        for w in self.workers:
+            _kill_group(w.proc)
+        for w in self.workers:
+            try:
+                w.exit_code = w.proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                log.error("worker pid %d did not die after SIGKILL", w.proc.pid)
+            w.channel.close()
+
+    # ---- recovery summary -----------------------------------------------------------------
+    def _finish_failure(self, gen: int, failure: FailureRecord) -> None:
+        self.pending_summary = failure
+        for w in self.workers:
+            if w.exit_code not in (0, EXIT_JIT_SAVED, None) and w.rank not in failure.failed_ranks:
+                if w.rank not in failure.saved_ranks and w.exit_code != -signal.SIGKILL:
+                    failure.failed_ranks.append(w.rank)
+        self.display.show_failure(failure)
+
+    def _maybe_emit_summary(self, gen: int) -> None:
+        f = self.pending_summary
+        if f is None or not all(w.resumed for w in self.workers):
+            return
+        now = time.time()
+        restored = [w.restored for w in self.workers if w.restored]
+        step_resumed = min((r["step"] for r in restored), default=0)
+        restore_s = max((r["seconds"] for r in restored), default=0.0)
+        detect_s = 0.0
+        save_s = (f.t_covered - f.t_detect) if f.t_covered else None
+        restart_s = now - (f.t_killed or now)
+        redone = None
+        if f.step_failed is not None:
+            redone = max(0, f.step_failed - step_resumed) + 1
+        summary = dict(failure_kind=f.kind, failed_ranks=f.failed_ranks, detect_s=detect_s,
+                       save_s=save_s, restart_s=restart_s, restore_s=restore_s,
+                       total_s=now - f.t_detect, checkpoint_bytes=f.checkpoint_bytes,
+                       step_failed=f.step_failed, step_resumed=step_resumed, steps_redone=redone)
+        self.emit("resumed", step=step_resumed, steps_redone=redone)
+        self.emit("recovery_summary", **summary)
+        self.display.show_summary(summary)
+        self.pending_summary = None
+        if self.cfg.node_rank != 0:
+            return
+        try:
+            prune(self.cfg.checkpoint_dir, older_than_step=step_resumed)
+        except OSError as e:
+            log.warning("could not prune old checkpoints: %s", e)
+
+
+def run(cfg: LaunchConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="[jitckpt] %(message)s")
+    return Launcher(cfg).run()

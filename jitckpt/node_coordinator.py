@@ -1,0 +1,137 @@
+"""Cross-node coordination for `jitckpt run` through torch.distributed's c10d TCPStore.
+
+Single node: everything is local and no store is created. Several nodes: node 0 serves a TCPStore
+at ``--rdzv-endpoint`` and every node's launcher is a client. Keys, per generation ``g``:
+``g/master`` (MASTER_ADDR:PORT chosen by node 0), ``g/joined`` (counter; the last to join sets
+``g/all_joined``), ``g/failed`` (first failure, set with compare_set so the first one wins),
+``g/saved/<shard>`` (a replica of that shard saved a JIT checkpoint), ``g/exit_ready`` (counter of
+ranks at the exit barrier), ``g/done/<node>`` (that node's workers are gone). Node 0 is a fixed
+leader: no election, as with torchrun's static rendezvous; if node 0's launcher dies the job ends.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import threading
+from typing import Optional
+
+from .launch_config import LaunchConfig
+
+
+class NodeCoordinator:
+    def __init__(self, cfg: LaunchConfig) -> None:
+        self.cfg = cfg
+        self._saved: dict[int, set] = {}
+        self._num_shards: dict[int, int] = {}
+        self._exit_ready: dict[int, set] = {}
+        self.store = None
+        self._pipe_r: Optional[int] = None
+        self._pipe_w: Optional[int] = None
+        self._remote: list[dict] = []
+        self._lock = threading.Lock()
+        if cfg.nnodes > 1:
+            self._connect()
+
+    # ---- store ------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        import torch.distributed as dist
+
+        host, port = self.cfg.rdzv_host, self.cfg.rdzv_port
+        timeout = datetime.timedelta(seconds=self.cfg.rdzv_timeout)
+        store = dist.TCPStore(host, port, world_size=None, is_master=self.cfg.node_rank == 0,
+                              timeout=timeout, wait_for_workers=False)
+        token = os.environ.get("JITCKPT_TOKEN", "")
+        prefix = f"jitckpt/{self.cfg.run_id}/{hashlib.sha256(token.encode()).hexdigest()[:16]}"
+        self.store = dist.PrefixStore(prefix, store)
+        self._pipe_r, self._pipe_w = os.pipe()
+
+    def _k(self, gen: int, key: str) -> str:
+        return f"g{gen}/{key}"
+
+    def begin_generation(self, gen: int) -> tuple[str, int]:
+        from .launcher import _free_port
+
+        if self.store is None:
+            return "127.0.0.1", _free_port()
+        s = self.store
+        if self.cfg.node_rank == 0:
+            port = _free_port(self.cfg.rdzv_host if self.cfg.rdzv_host != "localhost" else "127.0.0.1")
+            s.set(self._k(gen, "master"), f"{self.cfg.rdzv_host}:{port}")
+        if s.add(self._k(gen, "joined"), 1) == self.cfg.nnodes:
+            s.set(self._k(gen, "all_joined"), "1")
+        s.wait([self._k(gen, "master"), self._k(gen, "all_joined")])
+        host, _, port = s.get(self._k(gen, "master")).decode().rpartition(":")
+        threading.Thread(target=self._watch_failure, args=(gen,), daemon=True).start()
+        return host, int(port)
+
+    def _watch_failure(self, gen: int) -> None:
+        key = self._k(gen, "failed")
+        while True:
+            try:
+                self.store.wait([key], datetime.timedelta(hours=24))
+                break
+            except RuntimeError:
+                continue
+        info = json.loads(self.store.get(key))
+        with self._lock:
+            self._remote.append(info)
+        os.write(self._pipe_w, b"x")
+
+    def failure_fd(self) -> Optional[int]:
+        return self._pipe_r
+
+    def read_remote_failure(self) -> Optional[dict]:
+        os.read(self._pipe_r, 1)
+        with self._lock:
+            return self._remote.pop(0) if self._remote else None
+
+    # ---- failure and coverage ---------------------------------------------------------------
+    def announce_failure(self, gen: int, info: dict) -> None:
+        if self.store is not None:
+            self.store.compare_set(self._k(gen, "failed"), "", json.dumps(info))
+
+    def report_saved(self, gen: int, shard_id: int, num_shards: int, rank: int) -> None:
+        self._saved.setdefault(gen, set()).add(shard_id)
+        self._num_shards[gen] = num_shards
+        if self.store is not None:
+            self.store.set(self._k(gen, f"saved/{shard_id}"), str(rank))
+            self.store.set(self._k(gen, "num_shards"), str(num_shards))
+
+    def shards_covered(self, gen: int) -> bool:
+        if self.store is None:
+            n = self._num_shards.get(gen)
+            return n is not None and len(self._saved.get(gen, ())) >= n
+        if not self.store.check([self._k(gen, "num_shards")]):
+            return False
+        n = int(self.store.get(self._k(gen, "num_shards")))
+        return self.store.check([self._k(gen, f"saved/{i}") for i in range(n)])
+
+    # ---- exit barrier and generation end ------------------------------------------------------
+    def report_exit_ready(self, gen: int, rank: int) -> None:
+        self._exit_ready.setdefault(gen, set()).add(rank)
+        if self.store is not None:
+            self.store.add(self._k(gen, "exit_ready"), 1)
+
+    def all_exit_ready(self, gen: int) -> bool:
+        if self.store is None:
+            return True  # the launcher checks its local workers itself
+        return self.store.add(self._k(gen, "exit_ready"), 0) >= self.cfg.world_size
+
+    def node_done(self, gen: int, *, ok: bool, wait: bool = False) -> bool:
+        """Mark this node's workers as gone; True when every node's are (or at once, if ok)."""
+        if self.store is None:
+            return True
+        self.store.set(self._k(gen, f"done/{self.cfg.node_rank}"), "ok" if ok else "failed")
+        if ok:
+            return True
+        return self.store.check([self._k(gen, f"done/{n}") for n in range(self.cfg.nnodes)])
+
+    def close(self) -> None:
+        for fd in (self._pipe_r, self._pipe_w):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass

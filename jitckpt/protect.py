@@ -1,0 +1,153 @@
+"""``jitckpt.protect``: a correct save/restore for plain torch training objects in two lines."""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+STATE_FILE = "state.pt"
+
+
+def _rng_state() -> dict:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
+
+
+class Protected:
+    """Model, optimizer, optional scheduler and extra state, saved and restored consistently.
+
+    ``step`` counts completed ``optimizer.step()`` calls; a resumed job continues with minibatch
+    ``step`` (0-based), i.e. ``for step in range(state.restore(), total_steps)``. A checkpoint taken
+    in the middle of minibatch *i* (failure before or during the gradient all-reduce) records the
+    state at the *start* of minibatch *i*: parameters and optimizer state are untouched until
+    ``optimizer.step()``, and model buffers (BatchNorm statistics) and RNG states are taken from a
+    snapshot made when minibatch *i*'s first forward began. A failure after the all-reduce (during
+    another rank's optimizer step) lets the healthy ranks finish step *i*; they save at the start of
+    minibatch *i+1*. ``extra`` holds objects with ``state_dict``/``load_state_dict`` (GradScaler,
+    a sampler) or plain tensors/numbers/strings, saved under their keys.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any = None, *, extra: Optional[dict] = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"protect(model=...): expected a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"protect(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if scheduler is not None and not hasattr(scheduler, "state_dict"):
+            raise TypeError("protect(scheduler=...): the scheduler needs state_dict()/load_state_dict()")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.extra = dict(extra or {})
+        self.step = 0
+        self._mid_minibatch = False
+        self._rng_snapshot: Optional[dict] = None
+        self._buffer_snapshot: Optional[dict] = None
+        self._has_buffers = any(True for _ in model.buffers())
+        self._handles = [
+            model.register_forward_pre_hook(self._on_forward),
+            optimizer.register_step_post_hook(self._on_step_done),
+        ]
+
+    # Hooks -------------------------------------------------------------------------------------
+    def _on_forward(self, module: Any, args: Any) -> None:
+        if self._mid_minibatch:
+            return  # gradient accumulation or a second forward: the snapshot is already taken
+        from . import _runtime_or_none
+
+        rt = _runtime_or_none()
+        if rt is not None:
+            rt.mark_step(self.step)  # a safe point: may save (failure) or checkpoint (periodic)
+        self._rng_snapshot = _rng_state()
+        if self._has_buffers:
+            self._buffer_snapshot = {k: b.detach().clone() for k, b in self.model.named_buffers()}
+        self._mid_minibatch = True
+
+    def _on_step_done(self, *args: Any, **kwargs: Any) -> None:
+        self.step += 1
+        self._mid_minibatch = False
+
+    # Save / load ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        model_sd = self.model.state_dict()
+        rng = _rng_state()
+        if self._mid_minibatch:
+            rng = self._rng_snapshot or rng
+            if self._buffer_snapshot:
+                model_sd = {**model_sd, **{k: v for k, v in self._buffer_snapshot.items() if k in model_sd}}
+        extra = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in self.extra.items()}
+        return {
+            "step": self.step,
+            "model": model_sd,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rng": rng,
+            "extra": extra,
+        }
+
+    def save(self, path: str) -> None:
+        """Save into directory ``path`` (the save_fn given to ``jitckpt.init``)."""
+        torch.save(self.state_dict(), Path(path) / STATE_FILE)
+
+    def load(self, path: str) -> int:
+        """Load a checkpoint directory written by :meth:`save`; return the step to continue from."""
+        file = Path(path) / STATE_FILE
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"{file} not found: this checkpoint was not written by jitckpt.protect(); load it with "
+                "your own function")
+        sd = torch.load(file, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        if self.scheduler is not None and sd["scheduler"] is not None:
+            self.scheduler.load_state_dict(sd["scheduler"])
+        for k, v in sd["extra"].items():
+            if k in self.extra and hasattr(self.extra[k], "load_state_dict"):
+                self.extra[k].load_state_dict(v)
+            else:
+                self.extra[k] = v
+        _set_rng_state(sd["rng"])
+        self.step = int(sd["step"])
+        self._mid_minibatch = False
+        return self.step
+
+    def restore(self) -> int:
+        """Load the newest complete checkpoint if there is one; return the step to continue from."""
+        from . import _runtime_or_none, get_checkpoint_path
+
+        path = get_checkpoint_path()
+        if path is None:
+            return self.step
+        t0 = time.monotonic()
+        step = self.load(path)
+        rt = _runtime_or_none()
+        if rt is not None:
+            rt.report_restored(path, step, time.monotonic() - t0)
+        return step
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()

@@ -1,0 +1,50 @@
+"""Warm standby worker: a Python process that has already imported torch, waiting for a rank.
+
+The launcher keeps a pool of these so a restart costs rendezvous and checkpoint load, not
+interpreter start-up and ``import torch`` (seconds). On ``assign`` it takes the rank's environment
+and argv, starts the jitckpt worker runtime, and runs the user's script as ``__main__``.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import socket
+import sys
+
+
+def main() -> None:
+    from .control_channel import ENV_FD, ControlChannel
+
+    channel = ControlChannel(socket.socket(fileno=int(os.environ[ENV_FD])))
+    # The expensive part, done while idle: torch itself, and torch._dynamo, which DDP's
+    # constructor imports lazily (seconds on its own).
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+    import torch.optim  # noqa: F401
+
+    from . import _install_runtime
+    from .worker_runtime import WorkerRuntime
+
+    msg = channel.recv()
+    if msg is None or msg.get("type") != "assign":
+        os._exit(0)  # launcher shut the pool down
+    os.environ.update(msg["env"])
+    os.chdir(msg["cwd"])
+    argv = list(msg["argv"])
+    rt = WorkerRuntime.from_env(channel)
+    rt.start()
+    _install_runtime(rt)
+    if msg.get("module"):
+        sys.argv = argv
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    else:
+        script = argv[0]
+        sys.argv = argv
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+"""The in-worker side of jitckpt: failure detection, the consistent-state save, the exit barrier.
+
+One :class:`WorkerRuntime` per training process. It learns of a failure in four ways: a wrapped
+collective (or backward) raises a transport error; the watchdog sees a blocking region outlive the
+hang timeout; the launcher reports that another worker died; or the native interposer (libjit.so)
+reports a hung NCCL collective. It then saves a just-in-time checkpoint from a consistent state and
+exits with :data:`EXIT_JIT_SAVED`.
+
+Consistency rule: parameters and optimizer state change only inside ``optimizer.step()``. The save
+runs either on the main thread at a safe point (entering or leaving a collective or backward, the
+optimizer pre-step hook, a step boundary, interpreter exit), or on a helper thread while the main
+thread is blocked inside a collective or backward (it is then held there: a region that ends after
+a failure parks instead of returning). It never runs during the optimizer phase.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Optional
+
+from .checkpoint_store import CheckpointError, find_latest, write_checkpoint
+from .collective_hooks import CollectiveHooks, is_collective_failure
+from .control_channel import ControlChannel
+from .watchdog import DurationHistory, HangTimeout, Watchdog
+
+log = logging.getLogger("jitckpt.worker")
+
+from .exit_codes import EXIT_JIT_SAVED, EXIT_LAUNCHER_GONE, EXIT_NO_SAVE
+
+ENV_CHECKPOINT_DIR = "JITCKPT_CHECKPOINT_DIR"
+ENV_HANG_TIMEOUT = "JITCKPT_HANG_TIMEOUT"
+ENV_PERIODIC_EVERY = "JITCKPT_PERIODIC_EVERY"
+ENV_SAVE_TIMEOUT = "JITCKPT_SAVE_TIMEOUT"
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else default
+
+
+class WorkerRuntime:
+    """Failure handling for one worker process (created by ``jitckpt.init`` or the standby)."""
+
+    def __init__(self, *, rank: int, world_size: int, gen: int, checkpoint_dir: str,
+                 hang_timeout: HangTimeout, channel: Optional[ControlChannel],
+                 periodic_every: int = 0, save_timeout: float = 120.0) -> None:
+        if periodic_every < 0:
+            raise ValueError(f"periodic_every must be >= 0, got {periodic_every}")
+        self.rank, self.world_size, self.gen = rank, world_size, gen
+        self.checkpoint_dir = checkpoint_dir
+        self.channel = channel
+        self.periodic_every = periodic_every
+        self.save_timeout = save_timeout
+        self.save_fn: Optional[Callable[[str], None]] = None
+        self.step_fn: Optional[Callable[[], int]] = None
+        self.shard_id, self.num_shards, self.replica_id = 0, 1, rank
+
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._regions: dict[int, tuple[str, float]] = {}
+        self._in_optimizer = False
+        self._failure: Optional[dict] = None
+        self._failure_evt = threading.Event()
+        self._verdict_evt = threading.Event()
+        self._save_claimed = False
+        self._history = DurationHistory(hang_timeout)
+        self._hooks = CollectiveHooks(self)
+        self._watchdog = Watchdog(oldest=self._oldest_region, history=self._history,
+                                  on_hang=self._on_hang)
+        self._restored_step: Optional[int] = None
+        self._opt_steps = 0
+        self._last_step: Optional[int] = None
+        self._last_step_t = 0.0
+        self._last_status_t = 0.0
+        self._resumed_reported = False
+        self._periodic_thread: Optional[threading.Thread] = None
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, channel: Optional[ControlChannel] = None) -> "WorkerRuntime":
+        rank = _env_int("RANK", 0)
+        world = _env_int("WORLD_SIZE", 1)
+        gen = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+        ckpt = os.environ.get(ENV_CHECKPOINT_DIR) or os.path.abspath("jitckpt-checkpoints")
+        ht = HangTimeout.parse(os.environ.get(ENV_HANG_TIMEOUT, "300"))
+        return cls(rank=rank, world_size=world, gen=gen, checkpoint_dir=ckpt, hang_timeout=ht,
+                   channel=channel if channel is not None else ControlChannel.from_env(),
+                   periodic_every=_env_int(ENV_PERIODIC_EVERY, 0),
+                   save_timeout=float(os.environ.get(ENV_SAVE_TIMEOUT, "120")))
+
+    def start(self) -> None:
+        self._hooks.install()
+        self._watchdog.start()
+        if self.channel is not None:
+            self.channel.send("hello", rank=self.rank, pid=os.getpid(), gen=self.gen)
+            threading.Thread(target=self._listen, name="jitckpt-control", daemon=True).start()
+            atexit.register(self._exit_barrier)
+            self._chain_excepthook()
+        self._attach_native()
+
+    def _chain_excepthook(self) -> None:
+        """An uncaught exception in this rank is itself the failure: report it, skip the barrier."""
+        previous = sys.excepthook
+
+        def hook(etype, value, tb):  # type: ignore[no-untyped-def]
+            self._crashed = True
+            if self.channel is not None and self._failure is None:
+                self.channel.send("failure", rank=self.rank, kind="exception",
+                                  detail=f"{etype.__name__}: {value}", step=self.current_step())
+            previous(etype, value, tb)
+
+        sys.excepthook = hook
+
+    def _attach_native(self) -> None:
+        """With libjit.so preloaded, NCCL hangs it detects come here too."""
+        try:
+            from . import _native  # type: ignore[attr-defined]
+        except ImportError:
+            return
+        setter = getattr(_native, "set_failure_callback", None)
+        if setter is not None:
+            setter(lambda kind, detail: self.report_failure(kind, detail))
+
+    # ---- the user-facing pieces -------------------------------------------------------------
+    def set_save_fn(self, save_fn: Callable[[str], None], *, step_fn=None, shard_id: int = 0,
+                    num_shards: int = 1, replica_id: Optional[int] = None) -> None:
+        if not callable(save_fn):
+            raise TypeError("jitckpt.init(save_fn): save_fn must be callable as save_fn(path: str)")
+        if not 0 <= shard_id < num_shards:
+            raise ValueError(f"shard_id {shard_id} must be in [0, num_shards={num_shards})")
+        self.save_fn, self.step_fn = save_fn, step_fn
+        self.shard_id, self.num_shards = shard_id, num_shards
+        self.replica_id = self.rank // num_shards if replica_id is None else replica_id
+
+    def latest_checkpoint(self) -> Optional[str]:
+        found = find_latest(self.checkpoint_dir, shard_id=self.shard_id, num_shards=self.num_shards)
+        if found is None:
+            return None
+        path, meta = found
+        self._restored_step = meta.step
+        return str(path)
+
+    def report_restored(self, path: str, step: int, seconds: float) -> None:
+        self._restored_step = step
+        if self.channel is not None:
+            self.channel.send("restored", rank=self.rank, step=step, path=path, seconds=seconds)
+
+    def current_step(self) -> int:
+        if self.step_fn is not None:
+            return int(self.step_fn())
+        if self._last_step is not None:
+            return self._last_step
+        return (self._restored_step or 0) + self._opt_steps
+
+    def mark_step(self, step: int) -> None:
+        """A minibatch boundary: a safe point, the status heartbeat and the periodic tier."""
+        if self._failure_evt.is_set():
+            self._save_and_exit(on_main=True)
+        now = time.monotonic()
+        prev_t, prev = self._last_step_t, self._last_step
+        self._last_step, self._last_step_t = step, now
+        if self.channel is not None:
+            if not self._resumed_reported and prev is not None:
+                self._resumed_reported = True
+                self.channel.send("resumed", rank=self.rank, step=step)
+            if now - self._last_status_t > 0.5:
+                self._last_status_t = now
+                self.channel.send("status", rank=self.rank, step=step,
+                                  step_time=(now - prev_t) if prev is not None else None)
+        if (self.periodic_every and step > 0 and step % self.periodic_every == 0
+                and step != self._restored_step and self.save_fn is not None
+                and self.replica_id == 0):
+            self._periodic_save(step)
+
+    # ---- region tracking (called by CollectiveHooks on the calling thread) --------------------
+    def region_enter(self, kind: str) -> int:
+        if self._failure_evt.is_set() and not self._in_optimizer:
+            self._save_and_exit(on_main=True)
+        tok = next(self._ids)
+        with self._lock:
+            self._regions[tok] = (kind, time.monotonic())
+        return tok
+
+    def region_exit(self, token: int, exc: Optional[BaseException]) -> None:
+        with self._lock:
+            kind, start = self._regions.pop(token, ("?", time.monotonic()))
+            failed = self._failure_evt.is_set()
+        if exc is not None and is_collective_failure(exc) and not self._in_optimizer:
+            self.report_failure("error", f"{kind} raised {type(exc).__name__}: {exc}", on_main=True)
+        if failed and not self._in_optimizer:
+            self._save_and_exit(on_main=True)
+        if exc is None:
+            self._history.add(kind, time.monotonic() - start)
+
+    def optimizer_pre_step(self) -> None:
+        if self._failure_evt.is_set():
+            self._save_and_exit(on_main=True)  # grads ready, params untouched: start of minibatch
+        self._in_optimizer = True
+
+    def optimizer_post_step(self) -> None:
+        self._in_optimizer = False
+        self._opt_steps += 1
+
+    def _oldest_region(self) -> Optional[tuple[str, float]]:
+        with self._lock:
+            if not self._regions:
+                return None
+            kind, start = min(self._regions.values(), key=lambda r: r[1])
+        return kind, time.monotonic() - start
+
+    # ---- failure handling ---------------------------------------------------------------
+    def _on_hang(self, kind: str, age: float, limit: float) -> None:
+        self.report_failure("hang", f"{kind} blocked for {age:.1f}s (timeout {limit:.1f}s)")
+
+    def report_failure(self, kind: str, detail: str, *, on_main: bool = False,
+                       from_launcher: bool = False) -> None:
+        """Record a failure (first one wins), tell the launcher, and save when it is safe."""
+        with self._lock:
+            first = self._failure is None
+            if first:
+                self._failure = {"kind": kind, "detail": detail, "rank": self.rank,
+                                 "t": time.time(), "step": self.current_step()}
+        if first:
+            self._failure_evt.set()
+            log.warning("rank %d: failure detected (%s): %s", self.rank, kind, detail)
+            if self.channel is not None and not from_launcher:
+                self.channel.send("failure", rank=self.rank, kind=kind, detail=detail,
+                                  step=self._failure["step"])
+        if on_main:
+            self._save_and_exit(on_main=True)
+        # A helper thread saves only while the main thread is held inside a blocking region.
+        with self._lock:
+            claim = bool(self._regions) and not self._in_optimizer and not self._save_claimed
+            if claim:
+                self._save_claimed = True
+        if claim:
+            self._do_save_and_exit()
+        threading.Thread(target=self._save_deadline, daemon=True).start()
+
+    def _save_deadline(self) -> None:
+        time.sleep(self.save_timeout)
+        with self._lock:
+            if self._save_claimed:
+                return  # a save is under way; its thread ends the process
+        self._give_up(f"main thread reached no safe point within {self.save_timeout}s")
+
+    def _save_and_exit(self, *, on_main: bool) -> None:
+        with self._lock:
+            claim = not self._save_claimed
+            self._save_claimed = True
+        if claim:
+            self._do_save_and_exit()
+        while True:  # another thread is saving; stay parked until it exits the process
+            time.sleep(3600)
+
+    def _do_save_and_exit(self) -> None:
+        if self.save_fn is None:
+            self._give_up("no save function registered (call jitckpt.init(save_fn))")
+        step = self.current_step()
+        t0 = time.monotonic()
+        try:
+            path, meta = write_checkpoint(
+                self.checkpoint_dir, self.save_fn, kind="jit", step=step, rank=self.rank,
+                world_size=self.world_size, gen=self.gen, shard_id=self.shard_id,
+                num_shards=self.num_shards)
+        except BaseException as e:  # noqa: BLE001 - any save error must end in a clean report
+            self._give_up(f"JIT save failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        seconds = time.monotonic() - t0
+        log.warning("rank %d: JIT checkpoint of step %d saved to %s (%.3fs)", self.rank, step,
+                    path, seconds)
+        if self.channel is not None:
+            self.channel.send("saved", rank=self.rank, path=str(path), step=step,
+                              bytes=meta.total_bytes, seconds=seconds, shard_id=self.shard_id,
+                              num_shards=self.num_shards, kind="jit")
+        self._exit(EXIT_JIT_SAVED)
+
+    def _give_up(self, reason: str) -> None:
+        log.error("rank %d: %s", self.rank, reason)
+        if self.channel is not None:
+            self.channel.send("save_failed", rank=self.rank, reason=reason)
+        self._exit(EXIT_NO_SAVE)
+
+    @staticmethod
+    def _exit(code: int) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+    # ---- periodic tier ------------------------------------------------------------------
+    def _periodic_save(self, step: int) -> None:
+        """Synchronous periodic checkpoint (fallback tier), same format as JIT."""
+        if self._periodic_thread is not None:
+            self._periodic_thread.join()
+        t0 = time.monotonic()
+        try:
+            path, meta = write_checkpoint(
+                self.checkpoint_dir, self.save_fn, kind="periodic", step=step, rank=self.rank,
+                world_size=self.world_size, gen=self.gen, shard_id=self.shard_id,
+                num_shards=self.num_shards)
+        except (CheckpointError, OSError) as e:
+            log.error("rank %d: periodic checkpoint at step %d failed: %s", self.rank, step, e)
+            return
+        if self.channel is not None:
+            self.channel.send("saved", rank=self.rank, path=str(path), step=step,
+                              bytes=meta.total_bytes, seconds=time.monotonic() - t0,
+                              shard_id=self.shard_id, kind="periodic")
+
+    # ---- launcher messages and the exit barrier -----------------------------------------
+    def _listen(self) -> None:
+        assert self.channel is not None
+        while True:
+            msg = self.channel.recv()
+            if msg is None:
+                log.error("rank %d: launcher is gone; exiting", self.rank)
+                self._exit(EXIT_LAUNCHER_GONE)
+            if msg["type"] == "failure":
+                self.report_failure(msg.get("kind", "peer"), msg.get("detail", ""),
+                                    from_launcher=True)
+            elif msg["type"] == "verdict":
+                self._verdict_ok = bool(msg.get("ok"))
+                self._verdict_evt.set()
+
+    def _exit_barrier(self) -> None:
+        """At normal exit, wait until every rank finished or a failure is known.
+
+        A failure in another rank's last optimizer step leaves no later collective to hang in;
+        without this barrier the healthy ranks would exit and their state would be lost.
+        """
+        assert self.channel is not None
+        if getattr(self, "_crashed", False):
+            return
+        self.channel.send("exit_ready", rank=self.rank, step=self.current_step())
+        deadline = time.monotonic() + self.save_timeout
+        while time.monotonic() < deadline:
+            if self._failure_evt.is_set():
+                self._save_and_exit(on_main=True)
+            if self._verdict_evt.wait(0.05):
+                if getattr(self, "_verdict_ok", False):
+                    return
+                self._failure_evt.wait(5.0)
+                self._save_and_exit(on_main=True)
+        log.error("rank %d: no verdict from the launcher at exit", self.rank)
