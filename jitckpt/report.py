@@ -286,7 +286,8 @@ def print_summary(s: RunSummary, file=None) -> None:
 
     out = file or sys.stdout
     # Piped output is plain text (rich drops colour); widen it so the failure table doesn't wrap.
-    console = Console(file=out, width=None if out.isatty() else 160, highlight=False)
+    tty = getattr(out, "isatty", lambda: False)()
+    console = Console(file=out, width=None if tty else 160, highlight=False)
     job = [
         ["run dir", s.run_dir],
         ["status", f"{s.status or 'unknown'} (exit code {_fmt(s.exit_code, '')})"],

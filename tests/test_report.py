@@ -50,6 +50,7 @@ def write_two_failure_job(tmp_path, monkeypatch):
         log.emit("checkpoint_saved", rank=r, step=10, bytes=1_000_000, seconds=sec, path=f"j{r}", kind="jit")
     at(14.5)
     log.emit("restart", reason="failure", restart_count=1)
+    log = EventLog(log.path, gen=1)  # the relaunched job's generation
     at(15.3)
     log.emit("restore", rank=0, step=10, path="j0", seconds=0.8)
     log.emit("resumed", step=10, steps_redone=1)
