@@ -103,6 +103,11 @@ def resolve_params(args: argparse.Namespace) -> tuple[CostParams, dict[str, str]
     return params, source
 
 
+def _percent(fraction: float) -> str:
+    """A fraction as a percentage with 3 decimals; exact values are in --json."""
+    return f"{fraction * 100:.3f}%" if fraction >= 1e-5 else "<0.001%"
+
+
 def _print_tables(params: CostParams, source: dict[str, str], rows: list[CostRow], price: float | None) -> None:
     from rich import box
     from rich.console import Console
@@ -133,7 +138,7 @@ def _print_tables(params: CostParams, source: dict[str, str], rows: list[CostRow
     for r in rows:
         cells = [f"{r.n_gpus:g}", f"{r.optimal_frequency * SECONDS_PER_HOUR:.3g}",
                  f"{1 / r.optimal_frequency / 60:.3g}",
-                 *(f"{wf * 100:.3g}%" for wf in (r.wf_periodic, r.wf_jit, r.wf_transparent))]
+                 *(_percent(wf) for wf in (r.wf_periodic, r.wf_jit, r.wf_transparent))]
         if price is not None:
             cells += [f"{c:,.0f}" for c in (r.cost_periodic, r.cost_jit, r.cost_transparent)]
         t.add_row(*cells)
