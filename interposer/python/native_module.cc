@@ -208,7 +208,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("status", &status,
         "dict: preloaded, mode, hang_timeout, step, phase, nccl_streams, dependent_streams, communicators, "
         "collectives_completed, in_flight [{seq, op, stream, step, phase, in_host_call, age_s}], last_error, "
-        "checkpointing, watchdog_running, library, failure_callback, gil_signal, gil_preemptions.");
+        "saving, redirect_active, "
+        "watchdog_running, library, failure_callback, gil_signal, gil_preemptions.");
   m.def("set_failure_callback", &set_failure_callback, py::arg("cb"), py::kw_only(), py::arg("gil_grace_s") = 0.2,
         "Register cb(kind, detail), run once on libjit.so's watchdog thread with the GIL held when a failure "
         "is detected (a thread stuck in native code with the GIL is pre-empted after gil_grace_s). Device "

@@ -78,7 +78,8 @@ std::string Registry::status_json() {
   w.key("step").value(step());
   w.key("phase").value(phase());
   w.key("watchdog_running").value(watchdog_.running());
-  w.key("checkpointing").value(redirect_.active());
+  w.key("saving").value(saving());
+  w.key("redirect_active").value(redirect_.active());
   w.key("nccl_streams").begin_array();
   for (cudaStream_t s : graph_.nccl_streams().snapshot()) w.value(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(s)));
   w.end_array();

@@ -48,6 +48,9 @@ class Registry {
   void report_failure(const char* kind, const std::string& detail);
 
   std::string status_json();
+  // True while the JIT handler runs (with or without a working save redirect).
+  void set_saving(bool on) { saving_.store(on); }
+  bool saving() const { return saving_.load(); }
 
  private:
   Registry();
@@ -61,6 +64,7 @@ class Registry {
   std::atomic<double> hang_timeout_s_{300.0};
   std::atomic<int64_t> step_{-1};
   std::atomic<bool> forked_child_{false};
+  std::atomic<bool> saving_{false};
 
   mutable std::mutex mu_;  // phase and handler; never held across a CUDA/NCCL call or the handler
   std::string phase_ = "unknown";

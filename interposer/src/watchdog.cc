@@ -98,6 +98,7 @@ void Watchdog::poll() {
 void Watchdog::dispatch(const Failure& failure) {
   log_always("failure detected: %s: %s", failure.kind.c_str(), failure.detail.c_str());
   int device = std::max(registry_.collectives().first_device(), 0);
+  registry_.set_saving(true);
   bool redirected = registry_.redirect().begin(device);
   auto [handler, ctx] = registry_.failure_handler();
   if (handler != nullptr) {
@@ -106,6 +107,7 @@ void Watchdog::dispatch(const Failure& failure) {
     log_always("no failure callback registered (jitckpt._native.set_failure_callback); nothing saved");
   }
   if (redirected) registry_.redirect().end();
+  registry_.set_saving(false);
   registry_.failures().mark_handled();
 }
 

@@ -1,0 +1,193 @@
+// Data-parallel training step of a linear model y = X.w + b, as a real CUDA + NCCL program:
+// forward/backward kernels on a compute stream, gradient all-reduce on a separate NCCL stream
+// ordered with events (the ProcessGroupNCCL pattern), SGD with momentum on the device.
+// Batches are generated on the device from (step, rank), so any run that reaches a step with the same
+// parameters computes bitwise the same result. Driven from Python through ctypes (dp_train.py).
+//
+// Built twice (see interposer/CMakeLists.txt): with nvcc -cudart shared into libdp_train.so, and
+// with -DSIMCUDA_HOST_KERNELS into libdp_train_kernels.so (host versions of the kernels for simcuda).
+#include <cuda_runtime.h>
+
+#ifndef SIMCUDA_HOST_KERNELS
+#include <nccl.h>
+
+#include <cstdio>
+#include <cstring>
+#include <vector>
+#endif
+
+__global__ void generate_batch(float* x, float* y, long long step, int rank, int batch, int dim) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= batch) return;
+  // Deterministic pseudo-random features from (step, rank, i, j); target from a fixed linear map.
+  float target = 0.5f;
+  for (int j = 0; j < dim; ++j) {
+    unsigned h = static_cast<unsigned>(step * 2654435761ull + rank * 40503u + i * 9176u + j * 131u);
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    float v = static_cast<float>(h & 0xffff) / 65536.0f - 0.5f;
+    x[i * dim + j] = v;
+    target += v * (0.1f * static_cast<float>((j % 7) - 3));
+  }
+  y[i] = target;
+}
+
+// residual[i] = x[i].w + b - y[i]
+__global__ void forward(const float* x, const float* y, const float* params, float* residual, int batch,
+                        int dim) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= batch) return;
+  float pred = params[dim];
+  for (int j = 0; j < dim; ++j) pred += x[i * dim + j] * params[j];
+  residual[i] = pred - y[i];
+}
+
+// grad[j] = 2/B sum_i residual[i] x[i][j]; grad[dim] (bias) = 2/B sum_i residual[i]
+__global__ void backward(const float* x, const float* residual, float* grad, int batch, int dim) {
+  int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j > dim) return;
+  float g = 0.0f;
+  for (int i = 0; i < batch; ++i) g += residual[i] * (j == dim ? 1.0f : x[i * dim + j]);
+  grad[j] = 2.0f * g / static_cast<float>(batch);
+}
+
+// Gradients were summed over ranks; average, then momentum SGD.
+__global__ void sgd_momentum(float* params, float* velocity, const float* grad_sum, int n, int world, float lr,
+                             float momentum) {
+  int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= n) return;
+  float g = grad_sum[j] / static_cast<float>(world);
+  velocity[j] = momentum * velocity[j] + g;
+  params[j] -= lr * velocity[j];
+}
+
+#ifdef SIMCUDA_HOST_KERNELS
+SIMCUDA_EXPORT_KERNEL(generate_batch)
+SIMCUDA_EXPORT_KERNEL(forward)
+SIMCUDA_EXPORT_KERNEL(backward)
+SIMCUDA_EXPORT_KERNEL(sgd_momentum)
+#else
+
+namespace {
+
+struct Trainer {
+  int rank = 0, world = 1, dim = 0, batch = 0;
+  float lr = 0, momentum = 0;
+  ncclComm_t comm = nullptr;
+  cudaStream_t compute = nullptr, comm_stream = nullptr;
+  cudaEvent_t grad_ready = nullptr, reduced = nullptr;
+  float *x = nullptr, *y = nullptr, *residual = nullptr, *grad = nullptr;
+  float* state = nullptr;  // params (dim + 1) followed by velocity (dim + 1)
+  int n() const { return dim + 1; }
+};
+
+Trainer* g_trainer = nullptr;  // one model per process (the library is a test program)
+
+int fail(const char* what, int code) {
+  std::fprintf(stderr, "dp_train: %s failed with %d\n", what, code);
+  return code;
+}
+
+#define CUDA_OK(call)                                   \
+  do {                                                  \
+    cudaError_t e_ = (call);                            \
+    if (e_ != cudaSuccess) return fail(#call, 1000 + e_); \
+  } while (0)
+#define NCCL_OK(call)                                  \
+  do {                                                 \
+    ncclResult_t r_ = (call);                          \
+    if (r_ != ncclSuccess) return fail(#call, 2000 + r_); \
+  } while (0)
+
+unsigned blocks(int n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+}  // namespace
+
+extern "C" {
+
+int dp_unique_id_size() { return static_cast<int>(sizeof(ncclUniqueId)); }
+
+int dp_get_unique_id(char* out) {
+  ncclUniqueId id;
+  NCCL_OK(ncclGetUniqueId(&id));
+  std::memcpy(out, &id, sizeof id);
+  return 0;
+}
+
+int dp_init(int rank, int world, const char* unique_id, int device, int dim, int batch, float lr, float momentum) {
+  auto* t = new Trainer();
+  t->rank = rank;
+  t->world = world;
+  t->dim = dim;
+  t->batch = batch;
+  t->lr = lr;
+  t->momentum = momentum;
+  CUDA_OK(cudaSetDevice(device));
+  ncclUniqueId id;
+  std::memcpy(&id, unique_id, sizeof id);
+  NCCL_OK(ncclCommInitRank(&t->comm, world, id, rank));
+  CUDA_OK(cudaStreamCreateWithFlags(&t->compute, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&t->comm_stream, cudaStreamNonBlocking));
+  CUDA_OK(cudaEventCreateWithFlags(&t->grad_ready, cudaEventDisableTiming));
+  CUDA_OK(cudaEventCreateWithFlags(&t->reduced, cudaEventDisableTiming));
+  CUDA_OK(cudaMalloc(&t->x, sizeof(float) * batch * dim));
+  CUDA_OK(cudaMalloc(&t->y, sizeof(float) * batch));
+  CUDA_OK(cudaMalloc(&t->residual, sizeof(float) * batch));
+  CUDA_OK(cudaMalloc(&t->grad, sizeof(float) * t->n()));
+  CUDA_OK(cudaMalloc(&t->state, sizeof(float) * 2 * t->n()));
+  CUDA_OK(cudaMemset(t->state, 0, sizeof(float) * 2 * t->n()));
+  CUDA_OK(cudaDeviceSynchronize());
+  g_trainer = t;
+  return 0;
+}
+
+int dp_state_size() { return g_trainer ? 2 * g_trainer->n() : 0; }
+
+// One training step; blocks in cudaStreamSynchronize until the step is done on the device.
+int dp_step(long long step) {
+  Trainer* t = g_trainer;
+  if (t == nullptr) return fail("dp_step before dp_init", 1);
+  float* params = t->state;
+  float* velocity = t->state + t->n();
+  generate_batch<<<blocks(t->batch, 64), 64, 0, t->compute>>>(t->x, t->y, step, t->rank, t->batch, t->dim);
+  forward<<<blocks(t->batch, 64), 64, 0, t->compute>>>(t->x, t->y, params, t->residual, t->batch, t->dim);
+  backward<<<blocks(t->n(), 64), 64, 0, t->compute>>>(t->x, t->residual, t->grad, t->batch, t->dim);
+  CUDA_OK(cudaGetLastError());
+  // NCCL stream waits for the gradients; compute stream waits for the all-reduce.
+  CUDA_OK(cudaEventRecord(t->grad_ready, t->compute));
+  CUDA_OK(cudaStreamWaitEvent(t->comm_stream, t->grad_ready, 0));
+  NCCL_OK(ncclAllReduce(t->grad, t->grad, t->n(), ncclFloat32, ncclSum, t->comm, t->comm_stream));
+  CUDA_OK(cudaEventRecord(t->reduced, t->comm_stream));
+  CUDA_OK(cudaStreamWaitEvent(t->compute, t->reduced, 0));
+  sgd_momentum<<<blocks(t->n(), 64), 64, 0, t->compute>>>(params, velocity, t->grad, t->n(), t->world, t->lr,
+                                                          t->momentum);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaStreamSynchronize(t->compute));
+  return 0;
+}
+
+// Device -> host copy of params and velocity with plain cudaMemcpy (legacy default stream): the
+// save path. During a JIT save libjit.so moves it to a fresh stream.
+int dp_get_state(float* host) {
+  Trainer* t = g_trainer;
+  if (t == nullptr) return fail("dp_get_state before dp_init", 1);
+  CUDA_OK(cudaMemcpy(host, t->state, sizeof(float) * 2 * t->n(), cudaMemcpyDeviceToHost));
+  return 0;
+}
+
+int dp_set_state(const float* host) {
+  Trainer* t = g_trainer;
+  if (t == nullptr) return fail("dp_set_state before dp_init", 1);
+  CUDA_OK(cudaMemcpy(t->state, host, sizeof(float) * 2 * t->n(), cudaMemcpyHostToDevice));
+  return 0;
+}
+
+// Blocks the calling thread until the NCCL stream is idle (used by tests to hold the GIL while hung).
+int dp_wait_comm() {
+  CUDA_OK(cudaStreamSynchronize(g_trainer->comm_stream));
+  return 0;
+}
+
+}  // extern "C"
+#endif
