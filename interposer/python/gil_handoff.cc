@@ -43,9 +43,10 @@ void GilHandoff::on_signal(int, siginfo_t*, void*) {
   // True only on the thread whose thread state currently owns the GIL.
   if (!PyGILState_Check()) return;
   int saved_errno = errno;
-  PyThreadState* state = PyEval_SaveThread();
+  // Counted before the GIL is released, so the new holder already sees them.
   self.preemptions_.fetch_add(1);
   self.parked_.fetch_add(1);
+  PyThreadState* state = PyEval_SaveThread();
   while (sem_wait(&self.resume_) != 0 && errno == EINTR) {
   }
   self.parked_.fetch_sub(1);
