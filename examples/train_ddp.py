@@ -1,11 +1,14 @@
 """A deterministic DDP training script used by the demo, the tests and the benchmarks.
 
 Data for step s comes from a generator seeded with s, so a resumed job sees the same minibatches.
-Failure injection (first launch only, TORCHELASTIC_RESTART_COUNT == 0):
-  --fail-rank R --fail-step S --fail-mode M   with M one of
-  kill (SIGKILL self before backward), stop (SIGSTOP self: a hang), raise (exception in the step),
-  optim (SIGKILL self inside optimizer.step, after the gradient all-reduce),
-  kill-gen1 (same as kill but in the second launch: a failure during recovery).
+Failure injection: --inject GEN:RANK:STEP:MODE (repeatable) fires in launch GEN
+(TORCHELASTIC_RESTART_COUNT) on RANK at minibatch STEP, with MODE one of
+  kill     SIGKILL self before the forward pass
+  stop     SIGSTOP self (a hang: the process is alive but does nothing)
+  raise    an exception in the training step
+  optim    SIGKILL self inside optimizer.step(), after the gradient all-reduce
+  restore  SIGKILL self right after restoring (STEP ignored): a failure during recovery
+  save     SIGKILL self in the middle of writing its JIT checkpoint
 """
 import argparse
 import json
@@ -29,10 +32,7 @@ def parse():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--optim", default="adam", choices=["adam", "sgd"])
-    p.add_argument("--fail-rank", type=int, default=-1)
-    p.add_argument("--fail-step", type=int, default=-1)
-    p.add_argument("--fail-mode", default="kill")
-    p.add_argument("--fail-gen", type=int, default=0)
+    p.add_argument("--inject", action="append", default=[], metavar="GEN:RANK:STEP:MODE")
     p.add_argument("--out", default="")
     p.add_argument("--log", default="")
     p.add_argument("--no-jitckpt", action="store_true", help="plain DDP, for overhead comparisons")
@@ -65,14 +65,26 @@ def main():
     opt = (torch.optim.Adam(model.parameters(), lr=args.lr) if args.optim == "adam"
            else torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+    mine = {}
+    for spec in args.inject:
+        g, r, s, mode = spec.split(":")
+        if int(g) == gen and int(r) == rank:
+            mine[mode] = int(s)
     start = 0
     if not args.no_jitckpt:
         state = jitckpt.protect(model, opt, sched)
+        if "save" in mine:
+            real_save = state.save
+            def save_then_die(path):
+                real_save(path)
+                os.kill(os.getpid(), signal.SIGKILL)  # files written, metadata not yet
+            jitckpt.init(save_then_die, step_fn=lambda: state.step)
         start = state.restore()
-    inject = gen == args.fail_gen and rank == args.fail_rank
-    if inject and args.fail_mode == "optim":
+        if "restore" in mine:
+            os.kill(os.getpid(), signal.SIGKILL)
+    if "optim" in mine:
         def die_in_step(*_a, **_k):
-            if state.step == args.fail_step:
+            if state.step == mine["optim"]:
                 os.kill(os.getpid(), signal.SIGKILL)
         opt.register_step_pre_hook(die_in_step)
     logf = open(args.log, "a") if args.log else None
@@ -80,13 +92,12 @@ def main():
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         x, y = batch_for(step, rank, args)
-        if inject and step == args.fail_step:
-            if args.fail_mode == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif args.fail_mode == "stop":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            elif args.fail_mode == "raise":
-                raise RuntimeError(f"injected failure in rank {rank} at step {step}")
+        if mine.get("kill") == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mine.get("stop") == step:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if mine.get("raise") == step:
+            raise RuntimeError(f"injected failure in rank {rank} at step {step}")
         loss = loss_fn(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -115,4 +115,5 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
 
     state = Protected(model, optimizer, scheduler, extra=extra)
     init(state.save, step_fn=lambda: state.step, shard_id=shard_id, num_shards=num_shards)
+    _get_runtime().consistency_check = state.consistent_now
     return state

@@ -67,6 +67,8 @@ class Protected:
         self._rng_snapshot: Optional[dict] = None
         self._buffer_snapshot: Optional[dict] = None
         self._has_buffers = any(True for _ in model.buffers())
+        self._stepped = False          # optimizer.step() ran since this minibatch's forward
+        self._sched_epoch: Any = None  # scheduler.last_epoch when this minibatch's forward began
         self._handles = [
             model.register_forward_pre_hook(self._on_forward),
             optimizer.register_step_post_hook(self._on_step_done),
@@ -81,6 +83,8 @@ class Protected:
         rt = _runtime_or_none()
         if rt is not None:
             rt.mark_step(self.step)  # a safe point: may save (failure) or checkpoint (periodic)
+        self._stepped = False
+        self._sched_epoch = getattr(self.scheduler, "last_epoch", None)
         self._rng_snapshot = _rng_state()
         if self._has_buffers:
             self._buffer_snapshot = {k: b.detach().clone() for k, b in self.model.named_buffers()}
@@ -89,6 +93,13 @@ class Protected:
     def _on_step_done(self, *args: Any, **kwargs: Any) -> None:
         self.step += 1
         self._mid_minibatch = False
+        self._stepped = True
+
+    def consistent_now(self) -> bool:
+        """False between optimizer.step() and the scheduler's step of the same minibatch."""
+        if not self._stepped or self.scheduler is None:
+            return True
+        return getattr(self.scheduler, "last_epoch", None) != self._sched_epoch
 
     # Save / load ----------------------------------------------------------------------------
     def state_dict(self) -> dict:

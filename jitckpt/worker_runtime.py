@@ -58,8 +58,11 @@ class WorkerRuntime:
         self.channel = channel
         self.periodic_every = periodic_every
         self.save_timeout = save_timeout
+        # A region blocked this long after a failure is taken as stuck: save while it is held.
+        self.blocked_grace = 2.0
         self.save_fn: Optional[Callable[[str], None]] = None
         self.step_fn: Optional[Callable[[], int]] = None
+        self.consistency_check: Optional[Callable[[], bool]] = None
         self.shard_id, self.num_shards, self.replica_id = 0, 1, rank
 
         self._lock = threading.Lock()
@@ -180,8 +183,12 @@ class WorkerRuntime:
             self._periodic_save(step)
 
     # ---- region tracking (called by CollectiveHooks on the calling thread) --------------------
+    def _consistent(self) -> bool:
+        """Whether the saved state would be consistent now (``protect`` knows; else assume so)."""
+        return not self._in_optimizer and (self.consistency_check is None or self.consistency_check())
+
     def region_enter(self, kind: str) -> int:
-        if self._failure_evt.is_set() and not self._in_optimizer:
+        if self._failure_evt.is_set() and self._consistent():
             self._save_and_exit(on_main=True)
         tok = next(self._ids)
         with self._lock:
@@ -191,17 +198,25 @@ class WorkerRuntime:
     def region_exit(self, token: int, exc: Optional[BaseException]) -> None:
         with self._lock:
             kind, start = self._regions.pop(token, ("?", time.monotonic()))
-            failed = self._failure_evt.is_set()
-        if exc is not None and is_collective_failure(exc) and not self._in_optimizer:
-            self.report_failure("error", f"{kind} raised {type(exc).__name__}: {exc}", on_main=True)
-        if failed and not self._in_optimizer:
-            self._save_and_exit(on_main=True)
+            held = self._save_claimed  # another thread is saving: stay inside, params untouched
+        if held:
+            self._park()
+        if exc is not None and is_collective_failure(exc):
+            # Between optimizer.step() and the end of the minibatch (e.g. a scheduler step still
+            # pending) the state is torn: report, but let the error reach the user's code.
+            self.report_failure("error", f"{kind} raised {type(exc).__name__}: {exc}",
+                                on_main=self._consistent())
         if exc is None:
+            # A collective that completed had every rank's input: its result is valid, so after
+            # a failure elsewhere the main thread may still finish this minibatch and save at the
+            # next safe point, losing less work.
             self._history.add(kind, time.monotonic() - start)
 
     def optimizer_pre_step(self) -> None:
-        if self._failure_evt.is_set():
-            self._save_and_exit(on_main=True)  # grads ready, params untouched: start of minibatch
+        with self._lock:
+            held = self._save_claimed
+        if held:
+            self._park()
         self._in_optimizer = True
 
     def optimizer_post_step(self) -> None:
@@ -235,20 +250,26 @@ class WorkerRuntime:
                                   step=self._failure["step"])
         if on_main:
             self._save_and_exit(on_main=True)
-        # A helper thread saves only while the main thread is held inside a blocking region.
-        with self._lock:
-            claim = bool(self._regions) and not self._in_optimizer and not self._save_claimed
-            if claim:
-                self._save_claimed = True
-        if claim:
-            self._do_save_and_exit()
-        threading.Thread(target=self._save_deadline, daemon=True).start()
+        threading.Thread(target=self._save_when_blocked, name="jitckpt-saver", daemon=True).start()
 
-    def _save_deadline(self) -> None:
-        time.sleep(self.save_timeout)
-        with self._lock:
-            if self._save_claimed:
-                return  # a save is under way; its thread ends the process
+    def _save_when_blocked(self) -> None:
+        """Save from this thread once the main thread is stuck in a blocking region.
+
+        If the region completes instead, the main thread reaches a safe point and saves itself.
+        """
+        deadline = time.monotonic() + self.save_timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._save_claimed:
+                    return
+                blocked = any(time.monotonic() - start > self.blocked_grace
+                              for _, start in self._regions.values())
+                claim = blocked and self._consistent()
+                if claim:
+                    self._save_claimed = True
+            if claim:
+                self._do_save_and_exit()
+            time.sleep(0.02)
         self._give_up(f"main thread reached no safe point within {self.save_timeout}s")
 
     def _save_and_exit(self, *, on_main: bool) -> None:
@@ -257,7 +278,11 @@ class WorkerRuntime:
             self._save_claimed = True
         if claim:
             self._do_save_and_exit()
-        while True:  # another thread is saving; stay parked until it exits the process
+        self._park()
+
+    @staticmethod
+    def _park() -> None:
+        while True:  # another thread is saving; it ends the process
             time.sleep(3600)
 
     def _do_save_and_exit(self) -> None:

@@ -1,0 +1,92 @@
+"""Run `jitckpt run` jobs from tests: bounded in time, every process cleaned up by PID."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "examples" / "train_ddp.py"
+
+
+@dataclass
+class JobResult:
+    rc: int
+    out: str
+    workdir: Path
+    ckpt: Path
+    log: list
+    events: list
+
+    def final_params(self) -> dict:
+        return torch.load(self.workdir / "final.pt", weights_only=True)
+
+    def ev(self, name: str) -> list:
+        return [e for e in self.events if e["event"] == name]
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        procs = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def run_job(workdir: Path, *, nproc: int, script_args: list, launcher_args: Optional[list] = None,
+            timeout: float = 180.0, script: Path = TRAIN, env: Optional[dict] = None,
+            ckpt: Optional[Path] = None) -> JobResult:
+    workdir.mkdir(parents=True, exist_ok=True)
+    ckpt = ckpt or workdir / "ckpt"
+    cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(nproc),
+           "--checkpoint-dir", str(ckpt), "--run-dir", str(workdir / "run"),
+           "--status-interval", "0", *(launcher_args or []), str(script),
+           "--out", str(workdir / "final.pt"), "--log", str(workdir / "train.jsonl"), *script_args]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=workdir, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        raise AssertionError(f"job timed out after {timeout}s:\n{out[-6000:]}")
+    finally:
+        kill_tree(proc.pid)
+    events = _read_jsonl(workdir / "run" / "events.jsonl")
+    # No worker may outlive its launcher.
+    for e in events:
+        if e["event"] == "worker_start" and psutil.pid_exists(e["pid"]):
+            try:
+                p = psutil.Process(e["pid"])
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    p.kill()
+                    raise AssertionError(f"worker pid {e['pid']} outlived the launcher")
+            except psutil.NoSuchProcess:
+                pass
+    return JobResult(proc.returncode, out, workdir, ckpt, _read_jsonl(workdir / "train.jsonl"), events)
+
+
+def _read_jsonl(path: Path) -> list:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
