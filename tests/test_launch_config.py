@@ -1,0 +1,72 @@
+"""`jitckpt run` flags: torchrun spellings, validation with clear errors."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jitckpt.cli import build_parser
+from jitckpt.launch_config import LaunchConfig
+from jitckpt.watchdog import DurationHistory, HangTimeout
+
+
+def parse(*argv):
+    return LaunchConfig.from_args(build_parser().parse_args(["run", *argv]))
+
+
+def test_torchrun_spellings_and_script_args(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cfg = parse("--nproc_per_node", "3", "--max_restarts=1", "--standalone", str(script), "--lr", "0.1",
+                "--log", "x")
+    assert cfg.nproc_per_node == 3 and cfg.max_restarts == 1
+    assert cfg.script_args == ["--lr", "0.1", "--log", "x"]
+    cfg = parse("--nproc-per-node", "2", "--nnodes", "2:2", "--rdzv-endpoint", "10.0.0.1:29400",
+                "--node-rank", "1", str(script))
+    assert cfg.world_size == 4 and cfg.rdzv_host == "10.0.0.1" and cfg.rdzv_port == 29400
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nnodes", "2"], "--rdzv-endpoint"),
+    (["--nnodes", "1", "--node-rank", "1"], "--node-rank"),
+    (["--plugin", "bogus"], "unknown plugin"),
+])
+def test_bad_config_is_named(tmp_path, argv, message):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with pytest.raises(ValueError, match=message):
+        parse(*argv, str(script))
+
+
+def test_missing_script_is_a_clear_cli_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "jitckpt", "run", str(tmp_path / "nope.py")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not found" in r.stderr
+
+
+def test_elastic_range_refused():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--nnodes", "1:4", "x.py"])
+
+
+def test_hang_timeout_parsing():
+    assert HangTimeout.parse("30").fixed == 30.0
+    a = HangTimeout.parse("auto:floor=2,mult=5,startup=9,warmup=2")
+    assert a.fixed is None and (a.floor, a.multiplier, a.startup, a.warmup) == (2, 5, 9, 2)
+    assert HangTimeout.parse(a.to_text()) == a
+    for bad in ("-1", "soon", "auto:floor", "auto:speed=3", "0"):
+        with pytest.raises(ValueError):
+            HangTimeout.parse(bad)
+
+
+def test_adaptive_timeout_follows_recent_maximum():
+    h = DurationHistory(HangTimeout(fixed=None, floor=1.0, multiplier=10, startup=60, warmup=3, window=4))
+    assert h.timeout_for("backward") == 60          # not warmed up yet
+    for d in (0.01, 0.02, 0.5):
+        h.add("backward", d)
+    assert h.timeout_for("backward") == pytest.approx(5.0)   # 10 x 0.5
+    for d in (0.01, 0.01, 0.01, 0.01):
+        h.add("backward", d)
+    assert h.timeout_for("backward") == 1.0          # the floor, once the slow one left the window
+    assert h.timeout_for("all_reduce") == 60          # kinds are tracked separately
