@@ -5,7 +5,7 @@
 
 namespace simcuda {
 
-Device::Device(int id, size_t memory_bytes) : id_(id) {
+Device::Device(int id, size_t memory_bytes, const ErrorState* errors) : id_(id), errors_(errors) {
   std::snprintf(props_.name, sizeof(props_.name), "simcuda CPU device %d", id);
   for (int i = 0; i < 16; ++i) props_.uuid.bytes[i] = static_cast<char>(0x5c + id * 16 + i);
   props_.totalGlobalMem = memory_bytes;
@@ -53,7 +53,7 @@ Device::Device(int id, size_t memory_bytes) : id_(id) {
   props_.clusterLaunch = 0;
   props_.deviceNumaId = -1;
   props_.hostNumaId = -1;
-  legacy_ = Stream::create(id, Stream::Kind::Legacy, cudaStreamDefault, 0);
+  legacy_ = Stream::create(id, Stream::Kind::Legacy, cudaStreamDefault, 0, errors_);
 }
 
 bool Device::attribute(cudaDeviceAttr attr, int* v) const {
@@ -103,7 +103,7 @@ bool Device::attribute(cudaDeviceAttr attr, int* v) const {
 }
 
 std::shared_ptr<Stream> Device::create_stream(Stream::Kind kind, unsigned flags, int priority) {
-  auto s = Stream::create(id_, kind, flags, priority);
+  auto s = Stream::create(id_, kind, flags, priority, errors_);
   std::lock_guard<std::mutex> lock(mu_);
   // Drop entries of destroyed streams so the list does not grow without bound.
   std::vector<std::weak_ptr<Stream>> kept;
@@ -121,7 +121,7 @@ std::vector<std::shared_ptr<Stream>> Device::live_streams() {
   return out;
 }
 
-uint64_t Device::submit(const std::shared_ptr<Stream>& stream, Stream::Op op) {
+uint64_t Device::submit(const std::shared_ptr<Stream>& stream, Stream::Op op, bool always_run) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stream->kind() == Stream::Kind::Legacy) {
     for (auto& other : live_streams()) {
@@ -137,7 +137,7 @@ uint64_t Device::submit(const std::shared_ptr<Stream>& stream, Stream::Op op) {
       stream->enqueue([legacy, upto] { legacy->wait_until(upto); });
     }
   }
-  return stream->enqueue(std::move(op));
+  return stream->enqueue(std::move(op), always_run);
 }
 
 void Device::synchronize() {

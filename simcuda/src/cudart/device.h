@@ -7,13 +7,14 @@
 #include <mutex>
 #include <vector>
 
+#include "error_state.h"
 #include "stream.h"
 
 namespace simcuda {
 
 class Device {
  public:
-  Device(int id, size_t memory_bytes);
+  Device(int id, size_t memory_bytes, const ErrorState* errors);
   int id() const { return id_; }
   const cudaDeviceProp& properties() const { return props_; }
   // Attribute value for cudaDeviceGetAttribute; false if the attribute is not simulated.
@@ -25,7 +26,7 @@ class Device {
   // Enqueues `op` on `stream` applying the legacy default stream rules: work on the legacy stream
   // waits for all earlier work on blocking streams of this device, and work on a blocking stream waits
   // for all earlier work on the legacy stream. Returns the op's sequence number.
-  uint64_t submit(const std::shared_ptr<Stream>& stream, Stream::Op op);
+  uint64_t submit(const std::shared_ptr<Stream>& stream, Stream::Op op, bool always_run = false);
   // Blocks until every op enqueued so far on every stream of this device has finished.
   void synchronize();
 
@@ -33,6 +34,7 @@ class Device {
   std::vector<std::shared_ptr<Stream>> live_streams();
 
   const int id_;
+  const ErrorState* errors_;
   cudaDeviceProp props_{};
   std::shared_ptr<Stream> legacy_;
   std::mutex mu_;  // serializes submit() so cross-stream waits are captured consistently

@@ -48,7 +48,7 @@ Runtime::Runtime() {
   if (!ok) errors_.set_sticky(cudaErrorInitializationError);
   const size_t bytes = static_cast<size_t>(mem_mib) << 20;
   arena_ = std::make_unique<DeviceArena>(static_cast<int>(n), bytes);
-  for (int d = 0; d < n; ++d) devices_.push_back(std::make_unique<Device>(d, bytes));
+  for (int d = 0; d < n; ++d) devices_.push_back(std::make_unique<Device>(d, bytes, &errors_));
 }
 
 int Runtime::current_device() const { return t_current_device; }

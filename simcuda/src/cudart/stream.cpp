@@ -6,18 +6,19 @@
 
 namespace simcuda {
 
-std::shared_ptr<Stream> Stream::create(int device, Kind kind, unsigned flags, int priority) {
-  std::shared_ptr<Stream> s(new Stream(device, kind, flags, priority));
+std::shared_ptr<Stream> Stream::create(int device, Kind kind, unsigned flags, int priority,
+                                       const ErrorState* errors) {
+  std::shared_ptr<Stream> s(new Stream(device, kind, flags, priority, errors));
   std::thread([s] { s->run(); }).detach();
   return s;
 }
 
 bool Stream::blocking() const { return (flags_ & cudaStreamNonBlocking) == 0; }
 
-uint64_t Stream::enqueue(Op op) {
+uint64_t Stream::enqueue(Op op, bool always_run) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t seq = ++enqueued_;
-  queue_.emplace_back(seq, std::move(op));
+  queue_.push_back(Item{seq, std::move(op), always_run});
   cv_.notify_all();
   return seq;
 }
@@ -45,7 +46,7 @@ void Stream::close() {
 
 void Stream::run() {
   for (;;) {
-    std::pair<uint64_t, Op> item;
+    Item item;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return !queue_.empty() || closed_; });
@@ -53,10 +54,10 @@ void Stream::run() {
       item = std::move(queue_.front());
       queue_.pop_front();
     }
-    item.second();
+    if (item.always_run || errors_->sticky() == cudaSuccess) item.op();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      completed_ = item.first;
+      completed_ = item.seq;
     }
     cv_.notify_all();
   }

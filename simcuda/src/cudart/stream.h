@@ -9,6 +9,8 @@
 #include <mutex>
 #include <utility>
 
+#include "error_state.h"
+
 namespace simcuda {
 
 class Stream : public std::enable_shared_from_this<Stream> {
@@ -18,10 +20,13 @@ class Stream : public std::enable_shared_from_this<Stream> {
 
   // Starts the worker thread. The worker is detached and keeps the stream alive until close() and the
   // queue has drained, so a hung stream never blocks process exit (no joins in destructors).
-  static std::shared_ptr<Stream> create(int device, Kind kind, unsigned flags, int priority);
+  // `errors` decides whether ops still run: after a sticky fault the device executes nothing more.
+  static std::shared_ptr<Stream> create(int device, Kind kind, unsigned flags, int priority,
+                                        const ErrorState* errors);
 
-  // Appends `op`; returns its sequence number (1-based, increasing).
-  uint64_t enqueue(Op op);
+  // Appends `op`; returns its sequence number (1-based, increasing). Once the context has a sticky
+  // error, ops are skipped (they still count as completed) unless `always_run`.
+  uint64_t enqueue(Op op, bool always_run = false);
   // Sequence number of the most recently enqueued op (0 if none).
   uint64_t last_enqueued() const;
   // True once ops up to and including `seq` have finished.
@@ -39,17 +44,24 @@ class Stream : public std::enable_shared_from_this<Stream> {
   bool blocking() const;
 
  private:
-  Stream(int device, Kind kind, unsigned flags, int priority)
-      : device_(device), kind_(kind), flags_(flags), priority_(priority) {}
+  Stream(int device, Kind kind, unsigned flags, int priority, const ErrorState* errors)
+      : device_(device), kind_(kind), flags_(flags), priority_(priority), errors_(errors) {}
+
+  struct Item {
+    uint64_t seq;
+    Op op;
+    bool always_run;
+  };
   void run();
 
   const int device_;
   const Kind kind_;
   const unsigned flags_;
   const int priority_;
+  const ErrorState* errors_;
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
-  std::deque<std::pair<uint64_t, Op>> queue_;
+  std::deque<Item> queue_;
   uint64_t enqueued_ = 0;
   uint64_t completed_ = 0;
   bool closed_ = false;

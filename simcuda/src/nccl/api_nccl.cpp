@@ -95,10 +95,11 @@ ncclResult_t issue(ncclComm_t comm, cudaStream_t stream, Collective c) {
   auto impl = comm->impl;
   switch (FaultPlan::get().on_call(impl->rank())) {
     case FaultMode::None: break;
-    case FaultMode::Crash:
-      std::fprintf(stderr, "simcuda: SIMCUDA_FAIL_MODE=crash: killing pid %d\n", static_cast<int>(getpid()));
-      kill(getpid(), SIGKILL);
-      break;
+    case FaultMode::Crash:  // the process dies when the collective is reached on the stream
+      return simcuda::nccl::submit_to_stream(impl, stream, [] {
+        std::fprintf(stderr, "simcuda: SIMCUDA_FAIL_MODE=crash: killing pid %d\n", static_cast<int>(getpid()));
+        kill(getpid(), SIGKILL);
+      });
     case FaultMode::Error:
       impl->set_async_error(ncclSystemError);
       return fail(ncclSystemError, "injected failure (SIMCUDA_FAIL_MODE=error)");

@@ -1,6 +1,7 @@
 #include "stream_submit.h"
 
 extern "C" cudaError_t simcudaStreamEnqueue(cudaStream_t stream, void (*fn)(void*), void* data);
+extern "C" cudaError_t simcudaGetStickyError(void);
 
 namespace simcuda::nccl {
 namespace {
@@ -11,7 +12,7 @@ struct StreamWork {
 
 void run_work(void* data) {
   std::unique_ptr<StreamWork> w(static_cast<StreamWork*>(data));
-  w->work();
+  if (simcudaGetStickyError() == cudaSuccess) w->work();  // a faulted GPU runs no more kernels
   w->comm->op_finished();
 }
 }  // namespace

@@ -1,0 +1,194 @@
+"""Build and run the simcuda test programs (tests/native/test_simcuda_*.py).
+
+Programs are compiled once per source content: nvcc -cudart shared for the program, g++ with
+simcuda/host_kernel.h for its host kernel library, cached under <build>/simcuda_test_progs/, so
+all test modules (and reruns) share the few-second nvcc builds. Every process started here has a
+deadline and is killed by PID when a test ends.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import shutil
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+PROGS = Path(__file__).resolve().parent
+BUILD = Path(os.environ.get("JITCKPT_BUILD_DIR", REPO / "build" / "native"))
+SIMCUDA_LIBS = BUILD / "lib" / "simcuda"
+CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+NVCC = CUDA_HOME / "bin" / "nvcc"
+COMPILE_TIMEOUT_S = 180
+
+
+def nccl_wheel_dir() -> Path:
+    """nvidia-nccl-cu13's package dir (headers and the real libnccl.so.2 to link against)."""
+    import nvidia.nccl  # type: ignore[import-not-found]
+
+    return Path(list(nvidia.nccl.__path__)[0])
+
+
+def require_toolchain() -> None:
+    """Skip with a reason naming what is missing and how to get it."""
+    if not NVCC.exists():
+        pytest.skip(f"nvcc not found at {NVCC}: install the CUDA 13 toolkit or set CUDA_HOME")
+    for lib in ("libcudart.so.13", "libnccl.so.2"):
+        if not (SIMCUDA_LIBS / lib).exists():
+            pytest.skip(f"{SIMCUDA_LIBS / lib} missing: run `make native` (or set JITCKPT_BUILD_DIR)")
+
+
+@dataclass(frozen=True)
+class Program:
+    """A compiled test program and (if it has kernels) its host kernel library."""
+
+    exe: Path
+    kernel_lib: Optional[Path]
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """Environment that runs the program on simcuda, with SIMCUDA_* from the caller cleared."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SIMCUDA_") and k != "LD_PRELOAD"}
+        env["LD_LIBRARY_PATH"] = str(SIMCUDA_LIBS)
+        if self.kernel_lib:
+            env["SIMCUDA_KERNEL_LIB"] = str(self.kernel_lib)
+        env.update(extra)
+        return env
+
+
+def _run_compiler(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compile failed: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
+
+
+def build_program(name: str, *, kernels: bool, nccl: bool) -> Program:
+    """Compile simcuda_progs/<name>.cu (cached by content); skip if the toolchain is missing."""
+    require_toolchain()
+    src = PROGS / f"{name}.cu"
+    header = REPO / "simcuda" / "include" / "simcuda" / "host_kernel.h"
+    digest = hashlib.sha256(src.read_bytes() + header.read_bytes() + repr((kernels, nccl)).encode()).hexdigest()[:16]
+    out = BUILD / "simcuda_test_progs" / f"{name}-{digest}"
+    exe, klib = out / name, out / f"{name}_kernels.so"
+    if not exe.exists():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        cmd = [str(NVCC), "-cudart", "shared", "-o", str(tmp / name), str(src)]
+        if nccl:
+            wheel = nccl_wheel_dir()
+            # Link against NVIDIA's real libnccl.so.2: the binary must run unchanged on simcuda's.
+            cmd += ["-I", str(wheel / "include"), "-L", str(wheel / "lib"), "-l:libnccl.so.2"]
+        _run_compiler(cmd)
+        if kernels:
+            _run_compiler(["g++", "-std=c++17", "-O1", "-x", "c++", "-shared", "-fPIC", "-DSIMCUDA_HOST_KERNELS",
+                           "-include", "simcuda/host_kernel.h", "-I", str(REPO / "simcuda" / "include"),
+                           "-I", str(CUDA_HOME / "include"), str(src), "-o", str(tmp / klib.name)])
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return Program(exe, klib if kernels else None)
+
+
+def parse_kv(text: str) -> dict[str, str]:
+    """`key=value` lines of a program's output."""
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line and " " not in line.split("=", 1)[0])
+
+
+@dataclass
+class RankProcess:
+    """One running rank: its Popen, and its stdout lines collected by a reader thread."""
+
+    rank: int
+    proc: subprocess.Popen
+    lines: "queue.Queue[Optional[str]]" = field(default_factory=queue.Queue)
+    seen: list[str] = field(default_factory=list)
+
+    def start_reader(self) -> None:
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.put(line.rstrip("\n"))
+            self.lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def wait_for(self, key: str, timeout: float) -> str:
+        """Value of the first `key=` line, waiting at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        for line in self.seen:
+            if line.startswith(key + "="):
+                return line.split("=", 1)[1]
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"rank {self.rank}: no '{key}=' within {timeout}s; output so far: {self.seen}")
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise EOFError(f"rank {self.rank} exited (rc={self.proc.poll()}) before '{key}='; output: {self.seen}")
+            self.seen.append(line)
+            if line.startswith(key + "="):
+                return line.split("=", 1)[1]
+
+    def finish(self, timeout: float) -> dict[str, str]:
+        """Wait for exit (bounded) and return all key=value output."""
+        self.proc.wait(timeout=timeout)
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.seen.append(line)
+        return parse_kv("\n".join(self.seen))
+
+
+class RankGroup:
+    """Starts the ranks of one NCCL job (rank 0 first, for its unique id) and kills them all on exit."""
+
+    def __init__(self, program: Program, mode: str, nranks: int, *, env: Optional[dict[str, str]] = None,
+                 window_ms: int = 1500, stdin: bool = False) -> None:
+        self.program, self.mode, self.nranks = program, mode, nranks
+        self.env = env or program.env()
+        self.window_ms, self.stdin = window_ms, stdin
+        self.ranks: list[RankProcess] = []
+
+    def _spawn(self, rank: int, uid: str) -> RankProcess:
+        cmd = [str(self.program.exe), self.mode, str(rank), str(self.nranks), uid or "-", str(self.window_ms)]
+        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.PIPE if self.stdin else subprocess.DEVNULL, text=True)
+        rp = RankProcess(rank, proc)
+        rp.start_reader()
+        self.ranks.append(rp)
+        return rp
+
+    def __enter__(self) -> "RankGroup":
+        try:
+            uid = self._spawn(0, "").wait_for("uid", timeout=30)
+            for r in range(1, self.nranks):
+                self._spawn(r, uid)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for rp in self.ranks:
+            if rp.proc.poll() is None:
+                try:
+                    os.kill(rp.proc.pid, 9)  # SIGKILL also ends a SIGSTOPped rank
+                except ProcessLookupError:
+                    pass
+            try:
+                rp.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass

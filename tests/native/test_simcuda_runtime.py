@@ -1,0 +1,135 @@
+"""simcuda's libcudart.so.13 under real nvcc-built programs: ABI, kernels, memory, streams, errors.
+
+Verified on simcuda only (no GPU here). Programs live in tests/native/simcuda_progs/.
+"""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from simcuda_progs.simcuda_harness import SIMCUDA_LIBS, Program, build_program, parse_kv
+
+pytestmark = pytest.mark.native
+RUN_TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def roundtrip() -> Program:
+    return build_program("kernel_roundtrip", kernels=True, nccl=False)
+
+
+@pytest.fixture(scope="module")
+def streams() -> Program:
+    return build_program("streams_events", kernels=True, nccl=False)
+
+
+def run(prog: Program, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    # subprocess.run kills the child (by PID) when the timeout expires.
+    return subprocess.run([str(prog.exe), *args], env=prog.env(**env), capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+
+
+def dynsyms(path: str) -> str:
+    return subprocess.run(["readelf", "--dyn-syms", "-W", path], capture_output=True, text=True, check=True).stdout
+
+
+def test_library_identity_matches_nvidia(roundtrip: Program) -> None:
+    """SONAME and the libcudart.so.13 version node that nvcc-built binaries require."""
+    lib = SIMCUDA_LIBS / "libcudart.so.13"
+    dyn = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+    assert "Library soname: [libcudart.so.13]" in dyn
+    ours = dynsyms(str(lib))
+    needed = [word for line in dynsyms(str(roundtrip.exe)).splitlines() for word in line.split()
+              if word.endswith("@libcudart.so.13")]
+    assert "__cudaLaunchKernel@libcudart.so.13" in needed
+    for sym in needed:
+        name = sym.split("@")[0]
+        assert f"{name}@@libcudart.so.13" in ours, f"{name} not exported with version libcudart.so.13"
+    # Internal C++ symbols stay hidden.
+    assert "_ZN7simcuda" not in ours
+
+
+def test_kernel_launch_and_memcpy_roundtrip(roundtrip: Program) -> None:
+    proc = run(roundtrip)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kv = parse_kv(proc.stdout)
+    assert kv["axpy_mismatches"] == "0"
+    assert kv["fill_mismatches"] == "0"  # template kernel fill<int>
+    assert kv["memset_zero"] == "1" and kv["d2d_ok"] == "1"
+    assert kv["attr_device"] == "1" and kv["attr_pinned"] == "1" and kv["attr_host"] == "1"
+    assert kv["host_as_device"] == "cudaErrorInvalidValue"
+    assert kv["last_error"] == "cudaErrorInvalidValue"
+    assert kv["last_error_cleared"] == "cudaSuccess"  # non-sticky: cleared by cudaGetLastError
+    assert kv["out_of_range"] == "cudaErrorInvalidValue"
+    assert kv["bad_config"] == "cudaErrorInvalidConfiguration"
+    assert kv["after_bad_config"] == "cudaSuccess"
+    assert kv["device_count"] == "1" and kv["cc"] == "9.0"
+    assert kv["set_bad_device"] == "cudaErrorInvalidDevice"
+    assert kv["double_free"] == "cudaErrorInvalidValue"
+    assert kv["done"] == "1"
+
+
+def test_device_count_from_env(roundtrip: Program) -> None:
+    kv = parse_kv(run(roundtrip, SIMCUDA_DEVICES="3").stdout)
+    assert kv["device_count"] == "3"
+    assert kv["set_bad_device"] == "cudaErrorInvalidDevice"
+
+
+def test_bad_device_env_is_reported(roundtrip: Program) -> None:
+    proc = run(roundtrip, SIMCUDA_DEVICES="lots")
+    assert "SIMCUDA_DEVICES='lots' is invalid" in proc.stderr
+    assert "cudaErrorInitializationError" in proc.stdout  # every call fails instead of guessing
+
+
+def test_missing_kernel_library_fails_the_launch(roundtrip: Program) -> None:
+    env = {k: v for k, v in roundtrip.env().items() if k != "SIMCUDA_KERNEL_LIB"}
+    proc = subprocess.run([str(roundtrip.exe)], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 1
+    assert "FAIL cudaGetLastError(): cudaErrorNoKernelImageForDevice" in proc.stdout
+
+
+def test_missing_kernels_can_be_skipped(roundtrip: Program) -> None:
+    env = {k: v for k, v in roundtrip.env(SIMCUDA_MISSING_KERNEL="skip").items() if k != "SIMCUDA_KERNEL_LIB"}
+    proc = subprocess.run([str(roundtrip.exe)], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    kv = parse_kv(proc.stdout)
+    assert kv["axpy_mismatches"] == "999"  # the launch succeeded but did nothing (y[0] = 0*2+1 anyway)
+    assert kv["done"] == "1"
+
+
+def test_streams_are_asynchronous_and_events_order_work(streams: Program) -> None:
+    proc = run(streams, "async")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kv = parse_kv(proc.stdout)
+    # Enqueueing behind a blocked stream returned to the host; the stream and its event are pending.
+    assert kv["host_returned_while_stream_blocked"] == "1"
+    assert kv["stream_a_query"] == "cudaErrorNotReady"
+    assert kv["event_a_query"] == "cudaErrorNotReady"
+    # cudaStreamWaitEvent holds stream b; the legacy stream waits for blocking stream a; c does not.
+    assert kv["stream_b_query_before"] == "cudaErrorNotReady"
+    assert kv["legacy_query_before"] == "cudaErrorNotReady"
+    assert kv["nonblocking_c_done_while_a_blocked"] == "cudaSuccess"
+    # b's copy ran after a's memset(2) and kernel(+1): 0x02020202 + 1.
+    assert kv["cross_stream_value"] == str(0x02020203)
+    assert kv["event_a_after"] == "cudaSuccess" and kv["legacy_query_after"] == "cudaSuccess"
+    assert kv["elapsed_not_ready"] == "cudaErrorNotReady"
+    assert kv["elapsed_ms_ge_19"] == "1"
+    assert kv["elapsed_untimed"] == "cudaErrorInvalidResourceHandle"
+    assert kv["per_thread_value"] == str(0x02020203)
+    assert kv["priority_range"] == "0..-5" and kv["priority_kept"] == "1"
+    assert kv["flags_nonblocking"] == "1"
+    assert kv["destroyed_stream_query"] == "cudaErrorInvalidResourceHandle"
+    assert kv["after_invalid"] == "cudaErrorInvalidResourceHandle"
+    assert kv["still_works"] == "cudaSuccess"
+    assert kv["done"] == "1"
+
+
+def test_device_fault_is_sticky(streams: Program) -> None:
+    proc = run(streams, "sticky")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kv = parse_kv(proc.stdout)
+    # The launch is accepted; the fault arrives asynchronously (possibly already by this query).
+    assert kv["launch"] in ("cudaSuccess", "cudaErrorIllegalAddress")
+    for key in ("sync", "get_last_1", "get_last_2", "malloc_after", "memcpy_after", "stream_create_after"):
+        assert kv[key] == "cudaErrorIllegalAddress", key
+    assert kv["error_string"] == "an illegal memory access was encountered"
