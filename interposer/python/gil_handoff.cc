@@ -40,6 +40,9 @@ bool GilHandoff::install(const char** why) {
 void GilHandoff::on_signal(int, siginfo_t*, void*) {
   GilHandoff& self = gil_handoff();
   if (!self.active_.load() || pthread_equal(pthread_self(), self.acquirer_)) return;
+  // A thread running Python or arbitrary native code may hold locks or half-updated objects; only a
+  // thread parked in a blocking CUDA/NCCL call is known to be at a safe point.
+  if (self.blocking_probe_ == nullptr || self.blocking_probe_() == 0) return;
   // True only on the thread whose thread state currently owns the GIL.
   if (!PyGILState_Check()) return;
   int saved_errno = errno;

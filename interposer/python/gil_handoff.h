@@ -2,7 +2,8 @@
 // call (e.g. cudaStreamSynchronize behind a hung collective, called through ctypes.PyDLL, which does
 // not release the GIL). The paper's technique: after a grace period in which a healthy holder would
 // have dropped the GIL (the eval loop drops it every sys.getswitchinterval()), signal the Python
-// threads with pthread_sigqueue; the handler, on the thread that holds the GIL, releases it
+// threads with pthread_sigqueue; the handler, on the thread that holds the GIL while it is inside a
+// blocking CUDA/NCCL call intercepted by libjit.so (never while it runs Python), releases it
 // (PyEval_SaveThread) and parks inside the handler until release() lets it take the GIL back, so it
 // never runs Python without the GIL.
 #pragma once
@@ -20,6 +21,8 @@ namespace jitckpt {
 class GilHandoff {
  public:
   GilHandoff();
+  // Tells whether the calling thread is inside a blocking CUDA/NCCL call (async-signal-safe).
+  void set_blocking_probe(int (*probe)(void)) { blocking_probe_ = probe; }
   // Installs the signal handler (idempotent). Returns false with errno-style reason if the signal
   // already has a foreign handler.
   bool install(const char** why);
@@ -38,6 +41,7 @@ class GilHandoff {
   void signal_python_threads();
 
   int signo_;
+  int (*blocking_probe_)(void) = nullptr;
   bool installed_ = false;
   std::atomic<bool> active_{false};
   pthread_t acquirer_{};

@@ -184,6 +184,7 @@ void set_failure_callback(py::object cb, double gil_grace_s) {
     throw py::value_error("set_failure_callback: gil_grace_s must be in (0, 60] seconds");
   const char* why = nullptr;
   if (!cb.is_none() && !jitckpt::gil_handoff().install(&why)) throw std::runtime_error(why);
+  if (const jitckpt_api* api = NativeState::instance().api()) jitckpt::gil_handoff().set_blocking_probe(api->in_blocking_call);
   NativeState::instance().set_callback(cb, gil_grace_s);
 }
 

@@ -3,9 +3,12 @@
 #include <string>
 
 #include "jitckpt/jit_abi.h"
+#include "blocking_call.h"
 #include "registry.h"
 
 using jitckpt::Registry;
+
+thread_local int jitckpt::BlockingCallScope::depth_ = 0;
 
 namespace {
 
@@ -40,8 +43,10 @@ void trigger_failure(const char* kind, const char* detail) {
   Registry::instance().report_failure(kind ? kind : "manual", detail ? detail : "");
 }
 
-constexpr jitckpt_api kApi = {JITCKPT_ABI_VERSION, configure, mark_minibatch, set_phase,
-                              status_json, set_failure_handler, trigger_failure};
+int in_blocking_call() { return jitckpt::BlockingCallScope::active() ? 1 : 0; }
+
+constexpr jitckpt_api kApi = {JITCKPT_ABI_VERSION, configure,           mark_minibatch,  set_phase,
+                              status_json,         set_failure_handler, trigger_failure, in_blocking_call};
 
 }  // namespace
 

@@ -4,10 +4,12 @@
 // torch imports them) to an unversioned definition of an LD_PRELOADed object.
 #include <cuda_runtime_api.h>
 
+#include "blocking_call.h"
 #include "diagnostics.h"
 #include "real_api.h"
 #include "registry.h"
 
+using jitckpt::BlockingCallScope;
 using jitckpt::real_cuda;
 using jitckpt::Registry;
 
@@ -17,6 +19,7 @@ constexpr cudaError_t kMissing = cudaErrorSharedObjectSymbolNotFound;
 
 // During the save: wait for the save stream only; every stream the save used was redirected to it.
 cudaError_t synchronize_save_stream(Registry& r) {
+  BlockingCallScope blocking;
   auto sync = real_cuda.streamSynchronize.get();
   return sync ? sync(r.redirect().stream()) : kMissing;
 }
@@ -66,6 +69,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   Registry& r = Registry::instance();
   if (__builtin_expect(r.redirect().active(), 0)) return synchronize_save_stream(r);
   auto fn = real_cuda.streamSynchronize.get();
+  BlockingCallScope blocking;
   return fn ? fn(stream) : kMissing;
 }
 
@@ -73,6 +77,7 @@ cudaError_t cudaDeviceSynchronize(void) {
   Registry& r = Registry::instance();
   if (__builtin_expect(r.redirect().active(), 0)) return synchronize_save_stream(r);
   auto fn = real_cuda.deviceSynchronize.get();
+  BlockingCallScope blocking;
   return fn ? fn() : kMissing;
 }
 
@@ -87,6 +92,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     return query ? query(event) : kMissing;
   }
   auto fn = real_cuda.eventSynchronize.get();
+  BlockingCallScope blocking;
   return fn ? fn(event) : kMissing;
 }
 
@@ -99,6 +105,7 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpy
     return st != cudaSuccess ? st : synchronize_save_stream(r);
   }
   auto fn = real_cuda.memcpy.get();
+  BlockingCallScope blocking;
   return fn ? fn(dst, src, count, kind) : kMissing;
 }
 

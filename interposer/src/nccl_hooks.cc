@@ -4,9 +4,11 @@
 
 #include <cstdio>
 
+#include "blocking_call.h"
 #include "real_api.h"
 #include "registry.h"
 
+using jitckpt::BlockingCallScope;
 using jitckpt::NextSymbol;
 using jitckpt::real_nccl;
 using jitckpt::Registry;
@@ -22,7 +24,10 @@ void report_sync_error(Registry& r, const char* op, ncclResult_t rc) {
   char detail[200];
   std::snprintf(detail, sizeof detail, "%s returned %d (%s)", op, static_cast<int>(rc), str ? str(rc) : "?");
   r.report_failure("nccl_error", detail);
-  if (r.failure_handler().first != nullptr) r.failures().wait_handled();
+  if (r.failure_handler().first != nullptr) {
+    BlockingCallScope blocking;  // this thread may hold the GIL the handler needs
+    r.failures().wait_handled();
+  }
 }
 
 template <typename Fn, typename... Args>
@@ -30,6 +35,7 @@ ncclResult_t forward_collective(const char* op, NextSymbol<Fn>& next, ncclComm_t
                                 Args... args) {
   Fn fn = next.get();
   if (fn == nullptr) return ncclSystemError;
+  BlockingCallScope blocking;  // NCCL host calls can block (connection setup, full queues)
   Registry& r = Registry::instance();
   if (!r.tracking()) return fn(args...);
   r.graph().note_collective_stream(stream);
@@ -45,6 +51,7 @@ template <typename Fn, typename... Args>
 ncclResult_t forward_comm_init(NextSymbol<Fn>& next, ncclComm_t* comm, Args... args) {
   Fn fn = next.get();
   if (fn == nullptr) return ncclSystemError;
+  BlockingCallScope blocking;  // rendezvous with the peers
   ncclResult_t rc = fn(comm, args...);
   Registry& r = Registry::instance();
   if (call_succeeded(rc) && comm != nullptr && r.tracking()) r.collectives().add_comm(*comm);
@@ -130,7 +137,11 @@ ncclResult_t ncclGroupStart() {
 ncclResult_t ncclGroupEnd() {
   auto fn = real_nccl.groupEnd.get();
   if (fn == nullptr) return ncclSystemError;
-  ncclResult_t rc = fn();
+  ncclResult_t rc;
+  {
+    BlockingCallScope blocking;
+    rc = fn();
+  }
   Registry& r = Registry::instance();
   if (!r.tracking()) return rc;
   r.collectives().group_end(call_succeeded(rc));

@@ -26,6 +26,9 @@ typedef struct jitckpt_api {
   void (*set_failure_handler)(jitckpt_failure_handler fn, void* ctx);
   // Reports a failure as if the watchdog had detected it (tests, and the runtime's own detections).
   void (*trigger_failure)(const char* kind, const char* detail);
+  // Non-zero while the calling thread is inside an intercepted blocking CUDA/NCCL call
+  // (async-signal-safe: reads an initial-exec thread-local).
+  int (*in_blocking_call)(void);
 } jitckpt_api;
 
 const jitckpt_api* jitckpt_api_v1(void);
