@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import pytest
 
-from simcuda_progs.simcuda_harness import Program, RankGroup, build_program
+from simcuda_progs.simcuda_harness import Program, RankGroup, build_program, parse_kv
 
 pytestmark = pytest.mark.native
 STEP_TIMEOUT_S = 30
@@ -107,3 +108,18 @@ def test_bad_injection_config_is_reported(ranks_prog: Program) -> None:
         out = "\n".join(group.ranks[0].seen)
     assert "SIMCUDA_FAIL_MODE='explode' is invalid" in out
     assert "FAIL ncclCommInitRank" in out and "init_done" not in kv
+
+
+def test_single_process_ranks_and_nonblocking_init() -> None:
+    prog = build_program("nccl_single_process", kernels=False, nccl=True)
+    proc = subprocess.run([str(prog.exe)], env=prog.env(SIMCUDA_DEVICES="2"), capture_output=True, text=True,
+                          timeout=STEP_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kv = parse_kv(proc.stdout)
+    assert kv["initall_device1"] == "1"
+    assert kv["initall_sum"] == "3,3"  # 1 + 2 on both ranks, issued from one thread in a group
+    assert kv["nonblocking_init_0"] == "7" and kv["nonblocking_init_1"] == "7"  # ncclInProgress
+    assert kv["nonblocking_ready"] == "0,0"
+    assert kv["nonblocking_sum"] == "3,3"
+    assert kv["symbol_value"] == "7" and kv["symbol_is_device"] == "1"
+    assert kv["bad_symbol"] == "cudaErrorInvalidSymbol"
