@@ -267,3 +267,44 @@ def test_scheduler_for_other_optimizer_is_rejected():
     b = torch.optim.SGD(model_params(), lr=0.1)
     with pytest.raises(ValueError, match="different optimizer"):
         UpdateUndo(a, torch.optim.lr_scheduler.StepLR(b, 1))
+
+
+def test_stale_momentum_buffer_survives_undo_when_momentum_set_to_zero():
+    params = model_params()
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    grads(params, 1)
+    opt.step()
+    opt.param_groups[0]["momentum"] = 0.0
+    undo = UpdateUndo(opt)
+    bufs = [opt.state[p]["momentum_buffer"].clone() for p in params]
+    grads(params, 2)
+    opt.step()
+    undo.undo_last_step()
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], b) for p, b in zip(params, bufs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    lambda ps: Lamb(ps, lr=1e-2, weight_decay=1e-2),
+], ids=["sgd", "adamw", "lamb"])
+def test_other_float_dtypes_undo_to_a_few_ulp(dtype, make):
+    params = [torch.nn.Parameter(p.detach().to(dtype)) for p in model_params()]
+    opt = make(params)
+    for i in range(2):
+        for p, g in zip(params, model_params(10 + i)):
+            p.grad = g.detach().to(dtype)
+        opt.step()
+    undo = UpdateUndo(opt)
+    for p, g in zip(params, model_params(20)):
+        p.grad = g.detach().to(dtype)
+    x0 = [p.detach().clone() for p in params]
+    opt.step()
+    x1 = [p.detach().clone() for p in params]
+    undo.undo_last_step()
+    eps = torch.finfo(dtype).eps
+    for p, a, b in zip(params, x0, x1):
+        a64, b64 = a.double(), b.double()
+        bound = 4 * eps * (a64.abs() + b64.abs() + (a64 - b64).abs())
+        assert ((p.detach().double() - a64).abs() <= bound).all()

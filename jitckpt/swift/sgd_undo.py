@@ -93,7 +93,8 @@ class SGDInverse(InverseRule):
                 denom = nonzero_divisor(1.0 - lr * k * wd, "1 - lr*k*weight_decay", self.name)
                 x0 = (x1 + (lr * k) * gs.to(torch.float64)) / denom
             p.detach().copy_(x0)
-            state.pop("momentum_buffer", None)
+            if not mark.had_buffer:  # created by this step; a stale one (momentum now 0) stays
+                state.pop("momentum_buffer", None)
             return
         buf1 = state["momentum_buffer"]
         b1 = buf1.to(torch.float64)
