@@ -4,15 +4,13 @@ The bounds checked here are the ones stated in jitckpt/swift/undo.py's docstring
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import jitckpt.swift as swift
-from jitckpt.swift import Lamb, NotInvertibleError, UndoError, UpdateUndo
+from jitckpt.swift import Lamb, UpdateUndo
 
 F32 = torch.float32
 EPS = torch.finfo(F32).eps

@@ -31,7 +31,6 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import pytest
 
 WORLD, FAIL_RANK, FAIL_IT, K, ITERS = 3, 2, 5, 2, 12
 LOSS_REL_BOUND = 1e-5

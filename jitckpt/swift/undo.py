@@ -38,6 +38,7 @@ identical state and marks undo to bitwise-identical state.
 """
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -141,7 +142,9 @@ class UpdateUndo:
                 self._rule.capture(optimizer, p, mark)
                 record.marks[id(p)] = mark
         if self.scheduler is not None:
-            record.scheduler_state = self.scheduler.state_dict()
+            # A scheduler's state is a handful of scalars and small lists; deep-copied because
+            # some schedulers update those lists in place.
+            record.scheduler_state = copy.deepcopy(self.scheduler.state_dict())
         self._record = record
 
     def _post_step(self, optimizer, args, kwargs) -> None:
