@@ -5,7 +5,10 @@ namespace simcuda {
 void KernelRegistry::register_function(const void* host_fun, const char* mangled_name) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& slot = by_host_fun_[host_fun];
-  if (!slot) slot = std::make_unique<KernelEntry>();
+  if (!slot) {
+    slot = std::make_unique<KernelEntry>();
+    by_handle_[slot.get()] = slot.get();
+  }
   slot->mangled_name = mangled_name ? mangled_name : "";
   slot->host_fun = host_fun;
 }
@@ -23,9 +26,8 @@ const KernelEntry* KernelRegistry::find_by_host_fun(const void* host_fun) const 
 
 const KernelEntry* KernelRegistry::find_by_handle(cudaKernel_t handle) const {
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [fun, entry] : by_host_fun_)
-    if (reinterpret_cast<const void*>(entry.get()) == reinterpret_cast<const void*>(handle)) return entry.get();
-  return nullptr;
+  auto it = by_handle_.find(reinterpret_cast<const void*>(handle));
+  return it == by_handle_.end() ? nullptr : it->second;
 }
 
 std::optional<DeviceVariable> KernelRegistry::find_variable(const void* host_var) const {

@@ -37,6 +37,7 @@ class KernelRegistry {
  private:
   mutable std::mutex mu_;
   std::map<const void*, std::unique_ptr<KernelEntry>> by_host_fun_;
+  std::map<const void*, const KernelEntry*> by_handle_;  // cudaKernel_t is the entry's address
   std::map<const void*, DeviceVariable> variables_;
   HostKernelLibrary library_;
 };
