@@ -92,11 +92,12 @@ PyGILState_STATE GilHandoff::acquire(std::chrono::milliseconds grace) {
   return state;
 }
 
-void GilHandoff::release(PyGILState_STATE state) {
+void GilHandoff::release(PyGILState_STATE state, bool resume_parked) {
   active_.store(false);
   int parked = parked_.load();
   PyGILState_Release(state);
-  for (int i = 0; i < parked; ++i) sem_post(&resume_);
+  if (resume_parked)
+    for (int i = 0; i < parked; ++i) sem_post(&resume_);
 }
 
 }  // namespace jitckpt

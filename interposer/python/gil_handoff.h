@@ -30,7 +30,9 @@ class GilHandoff {
 
   // On a thread that does not hold the GIL.
   PyGILState_STATE acquire(std::chrono::milliseconds grace);
-  void release(PyGILState_STATE state);
+  // Releases the GIL; with resume_parked, threads parked in the handler take it back and return
+  // into their blocked call, otherwise they stay parked (until the process exits).
+  void release(PyGILState_STATE state, bool resume_parked);
 
   // Number of threads currently parked in the handler (status/tests).
   int parked() const { return parked_.load(); }

@@ -35,7 +35,8 @@ class NativeState {
   std::string library_path() const { return library_path_; }
 
   // Called with the GIL held.
-  void set_callback(py::object cb, double gil_grace_s) {
+  void set_callback(py::object cb, double gil_grace_s, bool resume) {
+    resume_ = resume;
     PyObject* old = callback_;
     callback_ = cb.is_none() ? nullptr : cb.release().ptr();
     Py_XDECREF(old);
@@ -57,9 +58,9 @@ class NativeState {
   }
 
   // libjit.so's watchdog thread, no GIL. Takes the GIL (pre-empting a stuck holder), runs cb.
-  static void on_failure(const char* kind, const char* detail, void* ctx) {
+  static int on_failure(const char* kind, const char* detail, void* ctx) {
     auto* self = static_cast<NativeState*>(ctx);
-    if (!Py_IsInitialized()) return;
+    if (!Py_IsInitialized()) return 0;
     jitckpt::GilHandoff& handoff = jitckpt::gil_handoff();
     PyGILState_STATE gil = handoff.acquire(self->gil_grace_);
     if (self->callback_ != nullptr) {
@@ -75,7 +76,10 @@ class NativeState {
         PyErr_Print();
       }
     }
-    handoff.release(gil);
+    // Default: the failure is terminal. Threads stuck in CUDA stay parked without the GIL and device
+    // work stays redirected, so a save the callback only scheduled (another Python thread) can run.
+    handoff.release(gil, self->resume_);
+    return self->resume_ ? 0 : 1;
   }
 
   // A normal interpreter shutdown would wait for the thread parked in a blocked CUDA call, so
@@ -111,6 +115,7 @@ class NativeState {
   std::string library_path_;
   PyObject* callback_ = nullptr;
   std::chrono::milliseconds gil_grace_{200};
+  bool resume_ = false;
 };
 
 const jitckpt_api& require_api() {
@@ -177,7 +182,7 @@ py::dict status() {
   return out;
 }
 
-void set_failure_callback(py::object cb, double gil_grace_s) {
+void set_failure_callback(py::object cb, double gil_grace_s, bool resume) {
   if (!cb.is_none() && !PyCallable_Check(cb.ptr()))
     throw py::type_error("set_failure_callback: cb must be callable as cb(kind: str, detail: str) or None");
   if (!std::isfinite(gil_grace_s) || gil_grace_s <= 0 || gil_grace_s > 60)
@@ -185,7 +190,7 @@ void set_failure_callback(py::object cb, double gil_grace_s) {
   const char* why = nullptr;
   if (!cb.is_none() && !jitckpt::gil_handoff().install(&why)) throw std::runtime_error(why);
   if (const jitckpt_api* api = NativeState::instance().api()) jitckpt::gil_handoff().set_blocking_probe(api->in_blocking_call);
-  NativeState::instance().set_callback(cb, gil_grace_s);
+  NativeState::instance().set_callback(cb, gil_grace_s, resume);
 }
 
 void trigger_failure(const std::string& kind, const std::string& detail) {
@@ -212,9 +217,13 @@ PYBIND11_MODULE(_native, m) {
         "saving, redirect_active, "
         "watchdog_running, library, failure_callback, gil_signal, gil_preemptions.");
   m.def("set_failure_callback", &set_failure_callback, py::arg("cb"), py::kw_only(), py::arg("gil_grace_s") = 0.2,
+        py::arg("resume") = false,
         "Register cb(kind, detail), run once on libjit.so's watchdog thread with the GIL held when a failure "
-        "is detected (a thread stuck in native code with the GIL is pre-empted after gil_grace_s). Device "
-        "work issued by cb goes to a fresh stream. cb should save and exit (os._exit or SystemExit).");
+        "is detected (a GIL holder stuck in a blocking CUDA/NCCL call is pre-empted after gil_grace_s). "
+        "Device work goes to a fresh stream from then on. cb should save and exit (os._exit or SystemExit). "
+        "If cb returns: by default stuck threads stay parked and the redirection stays on (the failure is "
+        "terminal; another thread may finish the save); with resume=True they take the GIL back and return "
+        "into their blocked call, and the redirection ends.");
   m.def("trigger_failure", &trigger_failure, py::arg("kind"), py::arg("detail") = "",
         "Report a failure as if the watchdog had detected it (runs the callback on the watchdog thread).");
   m.def("library_path", []() { return NativeState::instance().library_path(); },

@@ -101,13 +101,16 @@ void Watchdog::dispatch(const Failure& failure) {
   registry_.set_saving(true);
   bool redirected = registry_.redirect().begin(device);
   auto [handler, ctx] = registry_.failure_handler();
+  bool keep_saving = false;
   if (handler != nullptr) {
-    handler(failure.kind.c_str(), failure.detail.c_str(), ctx);
+    keep_saving = handler(failure.kind.c_str(), failure.detail.c_str(), ctx) != 0;
   } else {
     log_always("no failure callback registered (jitckpt._native.set_failure_callback); nothing saved");
   }
-  if (redirected) registry_.redirect().end();
-  registry_.set_saving(false);
+  if (!keep_saving) {
+    if (redirected) registry_.redirect().end();
+    registry_.set_saving(false);
+  }
   registry_.failures().mark_handled();
 }
 

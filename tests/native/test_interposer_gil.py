@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent("""
     release_r, release_w = os.pipe()
     main_ident = threading.main_thread().ident
 
-    def on_failure(kind, detail):
+    def save(kind, detail):
         out = (ctypes.c_float * n)()
         rc = lib.copy_to_host(out, dev, n)  # plain cudaMemcpy on the legacy default stream
         status = _native.status()
@@ -47,11 +47,17 @@ SCRIPT = textwrap.dedent("""
                           "on_main": threading.get_ident() == main_ident,
                           "preemptions": status["gil_preemptions"], "saving": status["saving"],
                           "redirect_active": status["redirect_active"]}), flush=True)
+
+    def on_failure(kind, detail):
+        if mode == "deferred":  # only schedule the save; it runs after the callback has returned
+            threading.Thread(target=lambda: (save(kind, detail), os._exit(76))).start()
+            return
+        save(kind, detail)
         if mode == "exit":
             raise SystemExit(75)
         os.write(release_w, b"x")  # let the blocked stream finish; main gets the GIL back
 
-    _native.set_failure_callback(on_failure, gil_grace_s=0.1)
+    _native.set_failure_callback(on_failure, gil_grace_s=0.1, resume=(mode == "return"))
     rc = lib.block_and_sync(release_r)  # holds the GIL; returns only after the callback released it
     print(json.dumps({"main_resumed": True, "sync_rc": rc, "preemptions": _native.status()["gil_preemptions"],
                       "redirect_active": _native.status()["redirect_active"]}), flush=True)
@@ -82,7 +88,18 @@ def test_callback_preempts_gil_holder_blocked_in_cuda_and_saves() -> None:
     assert got["copy_rc"] == 0 and got["copy_ok"] is True  # copied on the fresh stream, no deadlock
 
 
-def test_gil_handed_back_when_callback_returns() -> None:
+def test_save_scheduled_on_another_thread_runs_with_main_still_parked() -> None:
+    proc = run_blocked_main("deferred")
+    assert proc.returncode == 76, proc.stderr
+    (got,) = (json.loads(line) for line in proc.stdout.splitlines())
+    # The callback returned; the main thread stayed parked without the GIL and the copy was still
+    # redirected, so the other Python thread could save.
+    assert got["on_main"] is False and got["preemptions"] >= 1
+    assert got["saving"] is True and got["redirect_active"] is True
+    assert got["copy_rc"] == 0 and got["copy_ok"] is True
+
+
+def test_gil_handed_back_when_callback_returns_with_resume() -> None:
     proc = run_blocked_main("return")
     assert proc.returncode == 0, proc.stderr
     cb, main = (json.loads(line) for line in proc.stdout.splitlines())

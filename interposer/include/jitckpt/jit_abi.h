@@ -13,7 +13,9 @@ extern "C" {
 
 // Called on the watchdog thread, once per detected failure, while device copies are redirected to a
 // fresh stream. `kind` is one of "hang", "nccl_error", "nccl_async_error", "cuda_error", "manual".
-typedef void (*jitckpt_failure_handler)(const char* kind, const char* detail, void* ctx);
+// Returns 0 to end save mode (redirection) on return, non-zero to keep it on until the process
+// exits (the save continues on another thread).
+typedef int (*jitckpt_failure_handler)(const char* kind, const char* detail, void* ctx);
 
 typedef struct jitckpt_api {
   unsigned abi_version;  // JITCKPT_ABI_VERSION
