@@ -9,8 +9,9 @@ every rank, and training re-runs iteration FAIL_IT. The loss trajectory is compa
 failure-free run of the same script.
 
 Stated bound: right after the undo, every parameter is within the stated UpdateUndo bound of
-the failure-free run's value (2*eps*(|x1| + |x1 - x0|) + eps*|x0| elementwise, Adam without
-weight decay); the re-run iteration's loss then differs by at most sum_i |dL/dx_i| * bound_i
+the failure-free run's value (2*eps*(|x1| + |x1 - x0|) + eps*|x0| elementwise: the stated
+parameter bound with c = 1 and |D| = |x1 - x0| up to rounding, as both optimizers run without
+weight decay; Adam and SGD with nesterov momentum); the re-run iteration's loss then differs by at most sum_i |dL/dx_i| * bound_i
 (first order, times 2 for the second-order remainder) plus the float32 rounding of the loss,
 and later losses by at most LOSS_REL_BOUND = 1e-5 relative (~80 float32 ulp: the few-ulp
 perturbation carried through the remaining Adam steps of this small, well-conditioned model;
@@ -31,6 +32,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
+
 
 WORLD, FAIL_RANK, FAIL_IT, K, ITERS = 3, 2, 5, 2, 12
 LOSS_REL_BOUND = 1e-5
@@ -48,7 +51,16 @@ def _group(port: int, generation: str, rank: int):
     return dist.ProcessGroupGloo(dist.PrefixStore(generation, store), rank, WORLD, timeout)
 
 
-def _worker(rank: int, port: int, mode: str, out: str) -> None:
+OPTIMIZERS = {
+    # name: (factory, torch module holding the for-loop functional, its name)
+    "adam": (lambda ps, torch: torch.optim.Adam(ps, lr=0.02), "torch.optim.adam",
+             "_single_tensor_adam"),
+    "sgd-nesterov": (lambda ps, torch: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+                     "torch.optim.sgd", "_single_tensor_sgd"),
+}
+
+
+def _worker(rank: int, port: int, mode: str, out: str, kind: str) -> None:
     import torch
 
     from jitckpt.swift import UpdateUndo
@@ -56,14 +68,15 @@ def _worker(rank: int, port: int, mode: str, out: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     params = list(model.parameters())
-    opt = torch.optim.Adam(params, lr=0.02)
+    make_opt, module_name, functional = OPTIMIZERS[kind]
+    opt = make_opt(params, torch)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     undo = UpdateUndo(opt, sched)
     works: dict[int, object] = {}
     dying = mode == "fail" and rank == FAIL_RANK
     current = {"it": -1}
-    adam_mod = importlib.import_module("torch.optim.adam")
-    single = adam_mod._single_tensor_adam
+    module = importlib.import_module(module_name)
+    single = getattr(module, functional)
 
     def per_param_step(ps, *args, **kwargs):
         # SWIFT: wait for this tensor's all-reduce, then launch its update.
@@ -71,10 +84,14 @@ def _worker(rank: int, port: int, mode: str, out: str) -> None:
             if dying and current["it"] == FAIL_IT and i == K:
                 os.kill(os.getpid(), signal.SIGKILL)
             works[id(p)].wait()
-            cut = [a[i:i + 1] if isinstance(a, list) and len(a) == len(ps) else a for a in args]
+            lists = [isinstance(a, list) and len(a) == len(ps) for a in args]
+            cut = [a[i:i + 1] if is_list else a for a, is_list in zip(args, lists)]
             single([p], *cut, **kwargs)
+            for a, c, is_list in zip(args, cut, lists):
+                if is_list:  # e.g. SGD's first step stores new momentum buffers in the list
+                    a[i] = c[0]
 
-    adam_mod._single_tensor_adam = per_param_step
+    setattr(module, functional, per_param_step)
     result: dict = {"losses": {}, "rank": rank}
     if mode == "replacement":
         pg = _group(port, "gen1", rank)
@@ -162,9 +179,9 @@ def _broadcast_state(pg, rank, model, opt, sched, it) -> int:
 
 
 # -------------------------------------------------------------------- test side -------------
-def _child(rank: int, port: int, mode: str, out: str) -> None:
+def _child(rank: int, port: int, mode: str, out: str, kind: str) -> None:
     try:
-        _worker(rank, port, mode, out)
+        _worker(rank, port, mode, out, kind)
     except BaseException as exc:  # report, then exit non-zero without running parent cleanup
         Path(out + ".err").write_text(repr(exc))
         os._exit(1)
@@ -175,10 +192,10 @@ class _Procs:
     """Worker processes of one run, forked from the test process (torch is already imported,
     so a worker starts in milliseconds); killed by PID on exit."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, kind: str) -> None:
         import torch.distributed as dist
 
-        self.tmp = tmp
+        self.tmp, self.kind = tmp, kind
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.port = self.store.port
         self.procs: dict[str, multiprocessing.process.BaseProcess] = {}
@@ -186,7 +203,8 @@ class _Procs:
     def spawn(self, name: str, rank: int, mode: str) -> None:
         ctx = multiprocessing.get_context("fork")
         proc = ctx.Process(target=_child, args=(rank, self.port, mode,
-                                               str(self.tmp / f"{name}.json")), daemon=True)
+                                               str(self.tmp / f"{name}.json"), self.kind),
+                           daemon=True)
         proc.start()
         self.procs[name] = proc
 
@@ -214,7 +232,7 @@ class _Procs:
                 proc.join(timeout=10)
 
 
-def _run(tmp: Path, mode: str) -> dict[str, dict]:
+def _run(tmp: Path, mode: str, kind: str) -> dict[str, dict]:
     import torch
 
     # Build an optimizer once before forking: its first construction imports torch._dynamo
@@ -222,7 +240,7 @@ def _run(tmp: Path, mode: str) -> dict[str, dict]:
     torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
     tmp.mkdir()
     deadline = time.monotonic() + PROC_TIMEOUT
-    with _Procs(tmp) as run:
+    with _Procs(tmp, kind) as run:
         for r in range(WORLD):
             run.spawn(f"r{r}", r, mode)
         if mode == "fail":
@@ -236,11 +254,12 @@ def _run(tmp: Path, mode: str) -> dict[str, dict]:
         return {n: run.result(n) for n in names}
 
 
-def test_failure_mid_optimizer_step_recovers_by_undo_and_broadcast(tmp_path):
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_failure_mid_optimizer_step_recovers_by_undo_and_broadcast(tmp_path, kind):
     import torch
 
-    ref = _run(tmp_path / "ref", "ref")
-    fail = _run(tmp_path / "fail", "fail")
+    ref = _run(tmp_path / "ref", "ref", kind)
+    fail = _run(tmp_path / "fail", "fail", kind)
     r0, r1 = fail["r0"], fail["r1"]
     # Both survivors saw the failure inside step FAIL_IT and undid exactly K parameters.
     for r in (r0, r1):
