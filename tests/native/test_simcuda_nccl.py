@@ -123,3 +123,11 @@ def test_single_process_ranks_and_nonblocking_init() -> None:
     assert kv["nonblocking_sum"] == "3,3"
     assert kv["symbol_value"] == "7" and kv["symbol_is_device"] == "1"
     assert kv["bad_symbol"] == "cudaErrorInvalidSymbol"
+
+
+def test_allreduce_bench_mode_reports_time(ranks_prog: Program) -> None:
+    with RankGroup(ranks_prog, "bench", 2, window_ms=1) as group:  # window = MiB for bench
+        results = [rp.finish(timeout=STEP_TIMEOUT_S) for rp in group.ranks]
+    for kv in results:
+        assert float(kv["ms_per_iter"]) > 0.0
+        assert kv["exit_clean"] == "1"

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace simcuda::nccl {
 namespace {
@@ -68,28 +69,56 @@ uint16_t float_to_fp16(float f) {
   return sign | static_cast<uint16_t>(half);
 }
 
-template <typename T>
-T apply(T a, T b, ncclRedOp_t op) {
+struct SumOp { template <typename T> T operator()(T a, T b) const { return static_cast<T>(a + b); } };
+struct ProdOp { template <typename T> T operator()(T a, T b) const { return static_cast<T>(a * b); } };
+struct MaxOp { template <typename T> T operator()(T a, T b) const { return std::max(a, b); } };
+struct MinOp { template <typename T> T operator()(T a, T b) const { return std::min(a, b); } };
+
+// Dispatches on the op once per call so the element loops stay branch-free (and vectorize).
+template <template <typename> class Kernel, typename... Args>
+void with_op(ncclRedOp_t op, Args&&... args) {
   switch (op) {
-    case ncclProd: return static_cast<T>(a * b);
-    case ncclMax: return std::max(a, b);
-    case ncclMin: return std::min(a, b);
-    default: return static_cast<T>(a + b);  // ncclSum and ncclAvg
+    case ncclProd: Kernel<ProdOp>::run(std::forward<Args>(args)...); break;
+    case ncclMax: Kernel<MaxOp>::run(std::forward<Args>(args)...); break;
+    case ncclMin: Kernel<MinOp>::run(std::forward<Args>(args)...); break;
+    default: Kernel<SumOp>::run(std::forward<Args>(args)...); break;  // ncclSum and ncclAvg
   }
 }
 
 template <typename T>
+struct TypedReduce {
+  template <typename Op>
+  struct With {
+    static void run(void* acc, const void* in, size_t n) {
+      T* a = static_cast<T*>(acc);
+      const T* b = static_cast<const T*>(in);
+      const Op op;
+      for (size_t i = 0; i < n; ++i) a[i] = op(a[i], b[i]);
+    }
+  };
+};
+
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
+struct HalfReduce {
+  template <typename Op>
+  struct With {
+    static void run(void* acc, const void* in, size_t n) {
+      uint16_t* a = static_cast<uint16_t*>(acc);
+      const uint16_t* b = static_cast<const uint16_t*>(in);
+      const Op op;
+      for (size_t i = 0; i < n; ++i) a[i] = FromF(op(ToF(a[i]), ToF(b[i])));
+    }
+  };
+};
+
+template <typename T>
 void reduce_typed(void* acc, const void* in, size_t n, ncclRedOp_t op) {
-  T* a = static_cast<T*>(acc);
-  const T* b = static_cast<const T*>(in);
-  for (size_t i = 0; i < n; ++i) a[i] = apply(a[i], b[i], op);
+  with_op<TypedReduce<T>::template With>(op, acc, in, n);
 }
 
 template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
 void reduce_half(void* acc, const void* in, size_t n, ncclRedOp_t op) {
-  uint16_t* a = static_cast<uint16_t*>(acc);
-  const uint16_t* b = static_cast<const uint16_t*>(in);
-  for (size_t i = 0; i < n; ++i) a[i] = FromF(apply(ToF(a[i]), ToF(b[i]), op));
+  with_op<HalfReduce<ToF, FromF>::template With>(op, acc, in, n);
 }
 
 template <typename T>

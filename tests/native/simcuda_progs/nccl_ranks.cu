@@ -4,6 +4,7 @@
 //   collectives  every collective/dtype/op, results checked locally; prints ok_<name>=0|1
 //   stop         allreduce, print phase1_done, wait for "go" on stdin, allreduce again and report
 //                whether its event stays cudaErrorNotReady for the window, then ncclCommAbort
+//   bench        float32 allreduce of <window-ms> MiB: one warm-up, then 5 timed; prints ms_per_iter
 //   inject       three allreduces with an event after each; reports call results, event states
 //                after the window, the async error and a cudaMalloc probe (failure injection tests)
 // No kernels: host code only, built with nvcc -cudart shared.
@@ -214,6 +215,25 @@ static void run_inject(int window_ms) {
   NCCLCHECK(ncclCommAbort(g_comm));
 }
 
+static void run_bench(int mib) {
+  const size_t n = static_cast<size_t>(mib) << 18;  // floats
+  float* d = to_device(std::vector<float>(n, 1.0f));
+  NCCLCHECK(ncclAllReduce(d, d, n, ncclFloat32, ncclSum, g_comm, g_stream));
+  CUDACHECK(cudaStreamSynchronize(g_stream));
+  cudaEvent_t t0, t1;
+  CUDACHECK(cudaEventCreate(&t0));
+  CUDACHECK(cudaEventCreate(&t1));
+  const int iters = 5;
+  CUDACHECK(cudaEventRecord(t0, g_stream));
+  for (int i = 0; i < iters; ++i) NCCLCHECK(ncclAllReduce(d, d, n, ncclFloat32, ncclSum, g_comm, g_stream));
+  CUDACHECK(cudaEventRecord(t1, g_stream));
+  CUDACHECK(cudaEventSynchronize(t1));
+  float ms = 0;
+  CUDACHECK(cudaEventElapsedTime(&ms, t0, t1));
+  std::printf("ms_per_iter=%.3f\n", ms / iters);
+  NCCLCHECK(ncclCommDestroy(g_comm));
+}
+
 int main(int argc, char** argv) {
   if (argc < 4) {
     std::fprintf(stderr, "usage: %s collectives|stop|inject <rank> <nranks> [uid-hex] [window-ms]\n", argv[0]);
@@ -249,6 +269,8 @@ int main(int argc, char** argv) {
     NCCLCHECK(ncclCommDestroy(g_comm));
   } else if (mode == "stop") {
     run_stop(window_ms);
+  } else if (mode == "bench") {
+    run_bench(window_ms);
   } else if (mode == "inject") {
     run_inject(window_ms);
   } else {

@@ -90,7 +90,9 @@ def build_program(name: str, *, kernels: bool, nccl: bool) -> Program:
             _run_compiler(["g++", "-std=c++17", "-O1", "-x", "c++", "-shared", "-fPIC", "-DSIMCUDA_HOST_KERNELS",
                            "-include", "simcuda/host_kernel.h", "-I", str(REPO / "simcuda" / "include"),
                            "-I", str(CUDA_HOME / "include"), str(src), "-o", str(tmp / klib.name)])
-        shutil.rmtree(out, ignore_errors=True)
+        for stale in out.parent.glob(f"{name}-*"):  # builds of older sources
+            if stale != tmp:
+                shutil.rmtree(stale, ignore_errors=True)
         tmp.rename(out)
     return Program(exe, klib if kernels else None)
 
