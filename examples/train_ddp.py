@@ -106,7 +106,8 @@ def main():
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if logf:
-            logf.write(json.dumps({"gen": gen, "rank": rank, "step": step, "loss": loss.item(),
+            psum = float(sum(p.double().sum() for p in model.parameters()))
+            logf.write(json.dumps({"gen": gen, "rank": rank, "step": step, "loss": loss.item(), "psum": psum,
                                    "t": time.time(), "dt": time.perf_counter() - t0}) + "\n")
             logf.flush()
     if rank == 0 and args.out:

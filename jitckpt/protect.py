@@ -122,6 +122,9 @@ class Protected:
     def save(self, path: str) -> None:
         """Save into directory ``path`` (the save_fn given to ``jitckpt.init``)."""
         torch.save(self.state_dict(), Path(path) / STATE_FILE)
+        from . import ddp_layout
+
+        ddp_layout.save(self.model, path)
 
     def load(self, path: str) -> int:
         """Load a checkpoint directory written by :meth:`save`; return the step to continue from."""

@@ -83,7 +83,7 @@ class WorkerRuntime:
         self._last_step_t = 0.0
         self._last_status_t = 0.0
         self._resumed_reported = False
-        self._periodic_thread: Optional[threading.Thread] = None
+        self._latest: dict = {}
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -100,6 +100,9 @@ class WorkerRuntime:
 
     def start(self) -> None:
         self._hooks.install()
+        from . import ddp_layout
+
+        ddp_layout.install_pinning(lambda: ddp_layout.load(self.latest_checkpoint()))
         self._watchdog.start()
         if self.channel is not None:
             self.channel.send("hello", rank=self.rank, pid=os.getpid(), gen=self.gen)
@@ -143,12 +146,17 @@ class WorkerRuntime:
         self.replica_id = self.rank // num_shards if replica_id is None else replica_id
 
     def latest_checkpoint(self) -> Optional[str]:
-        found = find_latest(self.checkpoint_dir, shard_id=self.shard_id, num_shards=self.num_shards)
-        if found is None:
+        """The newest complete checkpoint, chosen once per process so every caller agrees."""
+        key = (self.shard_id, self.num_shards)
+        if key not in self._latest:
+            found = find_latest(self.checkpoint_dir, shard_id=self.shard_id,
+                                num_shards=self.num_shards)
+            self._latest[key] = None if found is None else (str(found[0]), found[1].step)
+        if self._latest[key] is None:
             return None
-        path, meta = found
-        self._restored_step = meta.step
-        return str(path)
+        path, step = self._latest[key]
+        self._restored_step = step
+        return path
 
     def report_restored(self, path: str, step: int, seconds: float) -> None:
         self._restored_step = step
@@ -324,8 +332,6 @@ class WorkerRuntime:
     # ---- periodic tier ------------------------------------------------------------------
     def _periodic_save(self, step: int) -> None:
         """Synchronous periodic checkpoint (fallback tier), same format as JIT."""
-        if self._periodic_thread is not None:
-            self._periodic_thread.join()
         t0 = time.monotonic()
         try:
             path, meta = write_checkpoint(
