@@ -121,6 +121,8 @@ def test_single_process_ranks_and_nonblocking_init() -> None:
     assert kv["nonblocking_init_0"] == "7" and kv["nonblocking_init_1"] == "7"  # ncclInProgress
     assert kv["nonblocking_ready"] == "0,0"
     assert kv["nonblocking_sum"] == "3,3"
+    # Rank 1 of the "lonely" communicator never joins: init stays ncclInProgress, abort unblocks it.
+    assert kv["lonely_init"] == "7" and kv["lonely_state"] == "7" and kv["lonely_abort"] == "0"
     assert kv["symbol_value"] == "7" and kv["symbol_is_device"] == "1"
     assert kv["bad_symbol"] == "cudaErrorInvalidSymbol"
 

@@ -61,6 +61,7 @@ ncclResult_t init_rank(ncclComm_t* out, int nranks, const ncclUniqueId& id, int 
   }
   *out = new ncclComm{comm};
   if (!blocking) {
+    comm->init_started();
     std::thread([comm] { comm->initialize(); }).detach();
     return ncclInProgress;
   }

@@ -11,13 +11,14 @@ Communicator::Communicator(int nranks, int rank, int device, RendezvousId id)
 
 ncclResult_t Communicator::initialize() {
   ncclResult_t result = ncclSuccess;
-  auto ports = exchange_ports(id_, nranks_, rank_, mesh_.listen_port());
+  auto ports = exchange_ports(id_, nranks_, rank_, mesh_.listen_port(), bootstrap_);
   if (!ports || !mesh_.connect(*ports, id_.nonce)) result = ncclSystemError;
   async_error_.store(result);
   {
     std::lock_guard<std::mutex> lock(state_mu_);
     init_result_ = result;
     initialized_ = true;
+    init_running_ = false;
   }
   state_cv_.notify_all();
   return result;
@@ -51,9 +52,17 @@ void Communicator::execute(const std::vector<Collective>& batch) {
 
 void Communicator::hang_until_abort() { mesh_.wait_for_abort(); }
 
+void Communicator::init_started() {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  init_running_ = true;
+}
+
 void Communicator::abort() {
   mesh_.abort();
+  bootstrap_.interrupt();
+  std::unique_lock<std::mutex> lock(state_mu_);
   state_cv_.notify_all();
+  state_cv_.wait(lock, [&] { return !init_running_; });
 }
 
 void Communicator::op_enqueued() {

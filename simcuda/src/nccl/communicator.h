@@ -26,6 +26,8 @@ class Communicator {
 
   // Rendezvous and mesh setup; blocking. Sets the async error to the outcome.
   ncclResult_t initialize();
+  // Marks that initialize() will run (on another thread), so abort() waits for it.
+  void init_started();
   // ncclInProgress while a non-blocking init runs, then the first asynchronous error (or success).
   ncclResult_t async_error() const { return async_error_.load(); }
   void set_async_error(ncclResult_t e);
@@ -35,6 +37,7 @@ class Communicator {
   void execute(const std::vector<Collective>& batch);
   // Blocks until abort() (failure injection "hang").
   void hang_until_abort();
+  // Unblocks everything (init included) and waits until a running initialize() has returned.
   void abort();
 
   // Outstanding stream operations, for ncclCommFinalize.
@@ -51,11 +54,13 @@ class Communicator {
   const int nranks_, rank_, device_;
   const RendezvousId id_;
   PeerMesh mesh_;
+  BootstrapSocket bootstrap_;
   std::atomic<ncclResult_t> async_error_{ncclInProgress};
   std::mutex exec_mu_;  // one batch at a time: messages between two ranks must stay in call order
   std::mutex state_mu_;
   std::condition_variable state_cv_;
   bool initialized_ = false;
+  bool init_running_ = false;
   ncclResult_t init_result_ = ncclInProgress;  // async errors later do not undo a good init
   long outstanding_ = 0;
 };

@@ -1,5 +1,6 @@
 #include "rendezvous.h"
 
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -71,14 +72,37 @@ RendezvousId start_bootstrap_root() {
   return id;
 }
 
+bool BootstrapSocket::adopt(int fd) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (interrupted_) {
+    close(fd);
+    return false;
+  }
+  fd_ = fd;
+  return true;
+}
+
+void BootstrapSocket::release() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
+}
+
+void BootstrapSocket::interrupt() {
+  std::lock_guard<std::mutex> lock(mu_);
+  interrupted_ = true;
+  if (fd_ >= 0) shutdown(fd_, SHUT_RDWR);
+}
+
 std::optional<std::vector<uint16_t>> exchange_ports(const RendezvousId& id, int nranks, int rank,
-                                                    uint16_t my_port) {
+                                                    uint16_t my_port, BootstrapSocket& socket) {
   int fd = connect_loopback(id.root_port);
-  if (fd < 0) return std::nullopt;
+  if (fd < 0 || !socket.adopt(fd)) return std::nullopt;
   RankHello h{id.nonce, nranks, rank, my_port};
   std::vector<uint16_t> ports(static_cast<size_t>(nranks));
+  // Blocks until every rank has registered with the root (no timeout, like NCCL's bootstrap).
   const bool ok = send_all(fd, &h, sizeof(h)) && recv_all(fd, ports.data(), ports.size() * sizeof(uint16_t));
-  close(fd);
+  socket.release();
   if (!ok) return std::nullopt;
   return ports;
 }

@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -32,8 +33,23 @@ struct RankHello {
   uint16_t mesh_port;
 };
 
-// Exchanges mesh ports through the root. Returns the port of every rank, or nothing on failure.
+// The socket a rank is blocked on while talking to the root, so ncclCommAbort can interrupt it.
+class BootstrapSocket {
+ public:
+  // Takes ownership of `fd` unless interrupt() already ran (then closes it and returns false).
+  bool adopt(int fd);
+  void release();    // closes the adopted fd
+  void interrupt();  // shuts the fd down (unblocking recv) and refuses later adopt() calls
+
+ private:
+  std::mutex mu_;
+  int fd_ = -1;
+  bool interrupted_ = false;
+};
+
+// Exchanges mesh ports through the root. Returns the port of every rank, or nothing on failure or
+// interruption.
 std::optional<std::vector<uint16_t>> exchange_ports(const RendezvousId& id, int nranks, int rank,
-                                                    uint16_t my_port);
+                                                    uint16_t my_port, BootstrapSocket& socket);
 
 }  // namespace simcuda::nccl

@@ -77,6 +77,17 @@ int main() {
   std::printf("nonblocking_sum=%g,%g\n", out[0], out[1]);
   for (int i = 0; i < 2; ++i) CHECK(ncclCommAbort(comms[i]));
 
+  // A non-blocking init whose peer never shows up stays in progress; ncclCommAbort ends it.
+  ncclUniqueId lonely;
+  CHECK(ncclGetUniqueId(&lonely));
+  ncclComm_t half;
+  CHECK(cudaSetDevice(0));
+  std::printf("lonely_init=%d\n", static_cast<int>(ncclCommInitRankConfig(&half, 2, lonely, 0, &config)));
+  ncclResult_t lonely_state = ncclSuccess;
+  CHECK(ncclCommGetAsyncError(half, &lonely_state));
+  std::printf("lonely_state=%d\n", static_cast<int>(lonely_state));
+  std::printf("lonely_abort=%d\n", static_cast<int>(ncclCommAbort(half)));
+
   // __device__ symbols.
   CHECK(cudaSetDevice(0));
   const int init[4] = {5, 6, 7, 8};
