@@ -56,6 +56,7 @@ def test_kernel_launch_and_memcpy_roundtrip(roundtrip: Program) -> None:
     kv = parse_kv(proc.stdout)
     assert kv["axpy_mismatches"] == "0"
     assert kv["fill_mismatches"] == "0"  # template kernel fill<int>
+    assert kv["histogram"] == "250,250,250,250" and kv["atomic_total"] == "500"  # atomics
     assert kv["memset_zero"] == "1" and kv["d2d_ok"] == "1"
     assert kv["attr_device"] == "1" and kv["attr_pinned"] == "1" and kv["attr_host"] == "1"
     assert kv["host_as_device"] == "cudaErrorInvalidValue"

@@ -41,7 +41,11 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#undef __launch_bounds__
+#define __launch_bounds__(...)
 #define __shared__ static_assert(false, "simcuda host kernels do not support __shared__");
+// Constant memory would live in the kernel library, apart from the program's cudaMemcpyToSymbol.
+#define __constant__ static_assert(false, "simcuda host kernels do not support __constant__ variables");
 
 
 namespace simcuda {
@@ -112,6 +116,36 @@ extern "C" __attribute__((weak, visibility("default"))) const simcuda_host_kerne
     size_t* count) {
   *count = simcuda::kernel_table().size();
   return simcuda::kernel_table().data();
+}
+
+// Device atomics on host memory. Threads of one launch run one at a time, but launches on different
+// streams run concurrently, so these are real atomic read-modify-writes.
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+template <typename F>
+inline F simcuda_atomic_update(F* p, F v, F (*combine)(F, F)) {
+  F old;
+  __atomic_load(p, &old, __ATOMIC_SEQ_CST);
+  for (;;) {
+    F desired = combine(old, v);
+    if (__atomic_compare_exchange(p, &old, &desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) return old;
+  }
+}
+inline float atomicAdd(float* p, float v) {
+  return simcuda_atomic_update<float>(p, v, [](float a, float b) { return a + b; });
+}
+inline double atomicAdd(double* p, double v) {
+  return simcuda_atomic_update<double>(p, v, [](double a, double b) { return a + b; });
+}
+inline int atomicMax(int* p, int v) { return simcuda_atomic_update<int>(p, v, [](int a, int b) { return a > b ? a : b; }); }
+inline int atomicMin(int* p, int v) { return simcuda_atomic_update<int>(p, v, [](int a, int b) { return a < b ? a : b; }); }
+inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+inline int atomicCAS(int* p, int expected, int desired) {
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  return expected;
 }
 
 // Aborts the current launch with `code` (a cudaError_t value, e.g. 700 = cudaErrorIllegalAddress).

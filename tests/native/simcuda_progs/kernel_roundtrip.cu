@@ -13,8 +13,17 @@ __global__ void fill(T* out, T value, int n) {
   if (i < n) out[i] = value + static_cast<T>(i);
 }
 
+__global__ void histogram(const int* values, int n, int* bins, float* total) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) {
+    atomicAdd(&bins[values[i] % 4], 1);
+    atomicAdd(total, 0.5f);
+  }
+}
+
 #ifdef SIMCUDA_HOST_KERNELS
 SIMCUDA_EXPORT_KERNEL(axpy)
+SIMCUDA_EXPORT_KERNEL(histogram)
 SIMCUDA_EXPORT_KERNEL(fill<int>)
 #else
 #include <cstdio>
@@ -58,6 +67,22 @@ int main() {
   for (int i = 0; i < n; ++i)
     if (iv[i] != 7 + i) ++bad;
   std::printf("fill_mismatches=%d\n", bad);
+
+  // Atomics: 1000 values into 4 bins (250 each), total 500.
+  int* bins = nullptr;
+  float* total = nullptr;
+  CHECK(cudaMalloc(&bins, 4 * sizeof(int)));
+  CHECK(cudaMalloc(&total, sizeof(float)));
+  CHECK(cudaMemset(bins, 0, 4 * sizeof(int)));
+  CHECK(cudaMemset(total, 0, sizeof(float)));
+  CHECK(cudaMemcpy(di, iv.data(), n * sizeof(int), cudaMemcpyHostToDevice));
+  histogram<<<8, 128>>>(di, n, bins, total);
+  int hb[4] = {0, 0, 0, 0};
+  float ht = 0;
+  CHECK(cudaMemcpy(hb, bins, sizeof(hb), cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(&ht, total, sizeof(ht), cudaMemcpyDeviceToHost));
+  std::printf("histogram=%d,%d,%d,%d\n", hb[0], hb[1], hb[2], hb[3]);
+  std::printf("atomic_total=%g\n", ht);
 
   // D2D + memset + D2H through cudaMemcpyDefault.
   CHECK(cudaMemcpy(dx, dy, n * sizeof(float), cudaMemcpyDeviceToDevice));
