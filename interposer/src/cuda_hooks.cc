@@ -4,6 +4,8 @@
 // torch imports them) to an unversioned definition of an LD_PRELOADed object.
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
+
 #include "blocking_call.h"
 #include "diagnostics.h"
 #include "real_api.h"
@@ -22,6 +24,39 @@ cudaError_t synchronize_save_stream(Registry& r) {
   BlockingCallScope blocking;
   auto sync = real_cuda.streamSynchronize.get();
   return sync ? sync(r.redirect().stream()) : kMissing;
+}
+
+// Errors that mean the device (or its link) failed; they are sticky on a GPU. Other errors (bad
+// handles, no device/driver) are returned without a failure report.
+bool is_device_fault(cudaError_t e) {
+  switch (e) {
+    case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorExternalDevice:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// A synchronizing call returned a device fault: report it before the application sees it.
+cudaError_t checked(Registry& r, const char* call, cudaError_t e) {
+  if (__builtin_expect(is_device_fault(e), 0)) {
+    auto name = real_cuda.getErrorName.get();
+    char detail[160];
+    std::snprintf(detail, sizeof detail, "%s returned %s", call, name ? name(e) : "a device fault");
+    r.report_failure_and_hold("cuda_error", detail);
+  }
+  return e;
 }
 
 }  // namespace
@@ -70,7 +105,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   if (__builtin_expect(r.redirect().active(), 0)) return synchronize_save_stream(r);
   auto fn = real_cuda.streamSynchronize.get();
   BlockingCallScope blocking;
-  return fn ? fn(stream) : kMissing;
+  return fn ? checked(r, "cudaStreamSynchronize", fn(stream)) : kMissing;
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
@@ -78,7 +113,7 @@ cudaError_t cudaDeviceSynchronize(void) {
   if (__builtin_expect(r.redirect().active(), 0)) return synchronize_save_stream(r);
   auto fn = real_cuda.deviceSynchronize.get();
   BlockingCallScope blocking;
-  return fn ? fn() : kMissing;
+  return fn ? checked(r, "cudaDeviceSynchronize", fn()) : kMissing;
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
@@ -93,7 +128,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   }
   auto fn = real_cuda.eventSynchronize.get();
   BlockingCallScope blocking;
-  return fn ? fn(event) : kMissing;
+  return fn ? checked(r, "cudaEventSynchronize", fn(event)) : kMissing;
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind) {
@@ -106,7 +141,7 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpy
   }
   auto fn = real_cuda.memcpy.get();
   BlockingCallScope blocking;
-  return fn ? fn(dst, src, count, kind) : kMissing;
+  return fn ? checked(r, "cudaMemcpy", fn(dst, src, count, kind)) : kMissing;
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind,

@@ -17,17 +17,12 @@ namespace {
 
 bool call_succeeded(ncclResult_t rc) { return rc == ncclSuccess || rc == ncclInProgress; }
 
-// A collective failed synchronously: report it, and hold this thread (it may hold the GIL and is
-// about to surface the error) until the JIT handler has run, if one is registered.
+// A collective failed synchronously: report it before the error reaches the application.
 void report_sync_error(Registry& r, const char* op, ncclResult_t rc) {
   auto str = real_nccl.getErrorString.get();
   char detail[200];
   std::snprintf(detail, sizeof detail, "%s returned %d (%s)", op, static_cast<int>(rc), str ? str(rc) : "?");
-  r.report_failure("nccl_error", detail);
-  if (r.failure_handler().first != nullptr) {
-    BlockingCallScope blocking;  // this thread may hold the GIL the handler needs
-    r.failures().wait_handled();
-  }
+  r.report_failure_and_hold("nccl_error", detail);
 }
 
 template <typename Fn, typename... Args>

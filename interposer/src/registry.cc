@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "blocking_call.h"
 #include "diagnostics.h"
 #include "json_writer.h"
 
@@ -66,6 +67,13 @@ void Registry::report_failure(const char* kind, const std::string& detail) {
   f.step = step();
   f.phase = phase();
   if (failures_.report(std::move(f))) watchdog_.ensure_started();
+}
+
+void Registry::report_failure_and_hold(const char* kind, const std::string& detail) {
+  report_failure(kind, detail);
+  if (failure_handler().first == nullptr || Watchdog::on_watchdog_thread()) return;
+  BlockingCallScope blocking;  // lets the GIL hand-off pre-empt this thread while it waits
+  failures_.wait_handled();
 }
 
 std::string Registry::status_json() {

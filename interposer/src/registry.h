@@ -46,6 +46,9 @@ class Registry {
   void set_failure_handler(jitckpt_failure_handler fn, void* ctx);
   std::pair<jitckpt_failure_handler, void*> failure_handler() const;
   void report_failure(const char* kind, const std::string& detail);
+  // An application thread hit the failure synchronously (it may hold the GIL and is about to surface
+  // the error): report it and, if a handler is registered, hold the thread until it has run.
+  void report_failure_and_hold(const char* kind, const std::string& detail);
 
   std::string status_json();
   // True while the JIT handler runs (with or without a working save redirect).

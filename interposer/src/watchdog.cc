@@ -35,7 +35,10 @@ void Watchdog::ensure_started() {
   });
 }
 
+thread_local bool Watchdog::on_watchdog_thread_ = false;
+
 void Watchdog::run() {
+  on_watchdog_thread_ = true;
   for (;;) {
     if (auto failure = registry_.failures().wait_for_report(poll_interval(registry_.hang_timeout()))) {
       dispatch(*failure);

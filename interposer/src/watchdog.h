@@ -17,6 +17,8 @@ class Watchdog {
   explicit Watchdog(Registry& registry) : registry_(registry) {}
   void ensure_started();
   bool running() const { return running_.load(std::memory_order_acquire); }
+  // True on the watchdog thread (which runs the handler and must never wait for it).
+  static bool on_watchdog_thread() { return on_watchdog_thread_; }
 
  private:
   void run();
@@ -26,6 +28,7 @@ class Watchdog {
   Registry& registry_;
   std::once_flag started_;
   std::atomic<bool> running_{false};
+  static thread_local bool on_watchdog_thread_;
 };
 
 }  // namespace jitckpt

@@ -109,7 +109,14 @@ def run_clean(groups, tmp_path: Path, name: str, ckpt_dir: Path) -> list[bytes]:
     return finals
 
 
-@pytest.mark.parametrize("mode", ["hang", "crash"])
+# What the injected rank does and how it ends: hang -> stuck in its own all-reduce, detects the hang,
+# saves (75); crash -> SIGKILL; error -> ncclAllReduce returns ncclSystemError, libjit.so reports
+# nccl_error before the error surfaces, the rank saves (75); sticky -> a sticky device error, seen as
+# cuda_error on the sentinel event, the rank cannot copy its state (76). The others always see a hang.
+INJECTED = {"hang": (75, "hang"), "crash": (-9, None), "error": (75, "nccl_error"), "sticky": (76, None)}
+
+
+@pytest.mark.parametrize("mode", list(INJECTED))
 def test_rank_failure_jit_saved_and_resumed_bitwise(groups, tmp_path: Path, mode: str) -> None:
     need_build()
     reference = run_clean(groups, tmp_path, "reference", tmp_path / "no-ckpt")
@@ -138,8 +145,13 @@ def test_rank_failure_jit_saved_and_resumed_bitwise(groups, tmp_path: Path, mode
         if meta["kind"] == "hang":  # detected one poll period (timeout/20) after the timeout at most
             age = float(meta["detail"].split(" for ")[1].split(" s ")[0])
             assert HANG_TIMEOUT_S <= age < HANG_TIMEOUT_S * 1.05 + 0.1, meta["detail"]
-    # The injected rank: a hung rank is stuck in its own all-reduce and saves too; a crashed one is gone.
-    assert codes[FAIL_RANK] == (75 if mode == "hang" else -9), (codes, failing.logs())
+    expected_code, expected_kind = INJECTED[mode]
+    assert codes[FAIL_RANK] == expected_code, (codes, failing.logs())
+    if expected_kind is not None:
+        meta = json.loads((ckpt / f"rank{FAIL_RANK}.json").read_text())
+        assert meta["kind"] == expected_kind and meta["step"] == FAIL_STEP, meta
+    if mode == "sticky":
+        assert "cannot save after cuda_error" in failing.logs(), failing.logs()
     # Detected within the timeout (plus start-up and poll slack), not at the run timeout.
     assert elapsed < RUN_TIMEOUT_S / 2, elapsed
     failing.close()

@@ -4,7 +4,7 @@ One process per rank. The step runs through ``ctypes.PyDLL``, so the main thread
 it blocks in cudaStreamSynchronize behind a hung all-reduce, the case libjit.so's GIL hand-off must
 handle. On a failure reported by libjit.so, the callback copies the device state to the host (plain
 cudaMemcpy, which libjit.so moves to a fresh stream), writes ``<ckpt-dir>/rank<r>.bin`` + ``.json``
-and exits with code 75 (jitckpt's EXIT_JIT_SAVED). On start it resumes from any checkpoint there.
+and exits with code 75 (jitckpt's EXIT_JIT_SAVED), or 76 if this rank cannot copy its state. On start it resumes from any checkpoint there.
 
     python dp_train.py --lib-dir D --rank R --world W --id-file F --steps N --ckpt-dir C --out O
 
@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 EXIT_JIT_SAVED = 75
+EXIT_NO_SAVE = 76
 ID_WAIT_S = 60.0
 
 
@@ -145,7 +146,11 @@ def run_harness(args: argparse.Namespace) -> int:
     def on_failure(kind: str, detail: str) -> None:
         # Runs on libjit.so's watchdog thread while the main thread is stuck in dp_step.
         t0 = time.monotonic()
-        state = model.get_state()
+        try:
+            state = model.get_state()
+        except RuntimeError as e:  # e.g. a sticky device error on this rank: a replica must save
+            print(f"rank {args.rank}: cannot save after {kind} ({detail}): {e}", flush=True)
+            raise SystemExit(EXIT_NO_SAVE)
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)
         base = args.ckpt_dir / f"rank{args.rank}"
         base.with_suffix(".bin").write_bytes(state)
