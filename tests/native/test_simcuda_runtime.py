@@ -71,6 +71,16 @@ def test_kernel_launch_and_memcpy_roundtrip(roundtrip: Program) -> None:
     assert kv["done"] == "1"
 
 
+def test_per_thread_default_stream_build() -> None:
+    """nvcc --default-stream per-thread binds the _ptsz/_ptds entry points; same results."""
+    prog = build_program("kernel_roundtrip", kernels=True, nccl=False, nvcc_flags=("--default-stream", "per-thread"))
+    assert "cudaMemcpy_ptds@libcudart.so.13" in dynsyms(str(prog.exe))
+    proc = run(prog)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kv = parse_kv(proc.stdout)
+    assert kv["axpy_mismatches"] == "0" and kv["histogram"] == "250,250,250,250" and kv["done"] == "1"
+
+
 def test_device_count_from_env(roundtrip: Program) -> None:
     kv = parse_kv(run(roundtrip, SIMCUDA_DEVICES="3").stdout)
     assert kv["device_count"] == "3"
@@ -117,6 +127,7 @@ def test_streams_are_asynchronous_and_events_order_work(streams: Program) -> Non
     assert kv["elapsed_ms_ge_19"] == "1"
     assert kv["elapsed_untimed"] == "cudaErrorInvalidResourceHandle"
     assert kv["per_thread_value"] == str(0x02020203)
+    assert kv["h2d_pageable_staged"] == "1"  # the source could be reused as soon as the call returned
     assert kv["priority_range"] == "0..-5" and kv["priority_kept"] == "1"
     assert kv["flags_nonblocking"] == "1"
     assert kv["destroyed_stream_query"] == "cudaErrorInvalidResourceHandle"

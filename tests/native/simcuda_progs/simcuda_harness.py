@@ -68,19 +68,20 @@ def _run_compiler(cmd: list[str]) -> None:
         raise RuntimeError(f"compile failed: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
 
 
-def build_program(name: str, *, kernels: bool, nccl: bool) -> Program:
-    """Compile simcuda_progs/<name>.cu (cached by content); skip if the toolchain is missing."""
+def build_program(name: str, *, kernels: bool, nccl: bool, nvcc_flags: tuple[str, ...] = ()) -> Program:
+    """Compile simcuda_progs/<name>.cu (cached by content and flags); skip if the toolchain is missing."""
     require_toolchain()
     src = PROGS / f"{name}.cu"
     header = REPO / "simcuda" / "include" / "simcuda" / "host_kernel.h"
-    digest = hashlib.sha256(src.read_bytes() + header.read_bytes() + repr((kernels, nccl)).encode()).hexdigest()[:16]
-    out = BUILD / "simcuda_test_progs" / f"{name}-{digest}"
+    digest = hashlib.sha256(src.read_bytes() + header.read_bytes() + repr((kernels, nccl, nvcc_flags)).encode()).hexdigest()[:16]
+    variant = name + "".join("_" + f.strip("-").replace(" ", "_").replace("=", "_") for f in nvcc_flags)
+    out = BUILD / "simcuda_test_progs" / f"{variant}-{digest}"
     exe, klib = out / name, out / f"{name}_kernels.so"
     if not exe.exists():
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        cmd = [str(NVCC), "-cudart", "shared", "-o", str(tmp / name), str(src)]
+        cmd = [str(NVCC), "-cudart", "shared", *nvcc_flags, "-o", str(tmp / name), str(src)]
         if nccl:
             wheel = nccl_wheel_dir()
             # Link against NVIDIA's real libnccl.so.2: the binary must run unchanged on simcuda's.
@@ -90,7 +91,7 @@ def build_program(name: str, *, kernels: bool, nccl: bool) -> Program:
             _run_compiler(["g++", "-std=c++17", "-O1", "-x", "c++", "-shared", "-fPIC", "-DSIMCUDA_HOST_KERNELS",
                            "-include", "simcuda/host_kernel.h", "-I", str(REPO / "simcuda" / "include"),
                            "-I", str(CUDA_HOME / "include"), str(src), "-o", str(tmp / klib.name)])
-        for stale in out.parent.glob(f"{name}-*"):  # builds of older sources
+        for stale in out.parent.glob(f"{variant}-*"):  # builds of older sources
             if stale != tmp:
                 shutil.rmtree(stale, ignore_errors=True)
         tmp.rename(out)

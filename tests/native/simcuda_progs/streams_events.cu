@@ -21,6 +21,7 @@ __global__ void faulting(int* p, int code) {
 SIMCUDA_EXPORT_KERNEL(add_one)
 SIMCUDA_EXPORT_KERNEL(faulting)
 #else
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -131,7 +132,20 @@ static int run_async() {
   std::printf("elapsed_untimed=%s\n", name(cudaEventElapsedTime(&ms, t0, untimed)));
   cudaGetLastError();
 
-  // 5. Per-thread default stream and stream priorities.
+  // 5. An async copy from pageable memory is staged: overwriting the source right after the call
+  //    (while the stream is still held by a gate) does not change what lands on the device.
+  Gate gate3;
+  std::vector<int> src(n, 11);
+  CHECK(cudaLaunchHostFunc(c, Gate::wait, &gate3));
+  CHECK(cudaMemcpyAsync(d, src.data(), n * sizeof(int), cudaMemcpyHostToDevice, c));
+  std::fill(src.begin(), src.end(), -1);
+  gate3.open();
+  CHECK(cudaStreamSynchronize(c));
+  std::vector<int> staged(n);
+  CHECK(cudaMemcpy(staged.data(), d, n * sizeof(int), cudaMemcpyDeviceToHost));
+  std::printf("h2d_pageable_staged=%d\n", staged[0] == 11 && staged[n - 1] == 11 ? 1 : 0);
+
+  // 6. Per-thread default stream and stream priorities.
   int v = 0;
   CHECK(cudaMemcpyAsync(&v, d2 + 100, sizeof(int), cudaMemcpyDeviceToHost, cudaStreamPerThread));
   CHECK(cudaStreamSynchronize(cudaStreamPerThread));
@@ -147,7 +161,7 @@ static int run_async() {
   CHECK(cudaStreamGetFlags(hi, &flags));
   std::printf("flags_nonblocking=%d\n", flags == cudaStreamNonBlocking ? 1 : 0);
 
-  // 6. Invalid handles are non-sticky errors.
+  // 7. Invalid handles are non-sticky errors.
   CHECK(cudaStreamDestroy(hi));
   std::printf("destroyed_stream_query=%s\n", name(cudaStreamQuery(hi)));
   std::printf("after_invalid=%s\n", name(cudaGetLastError()));
