@@ -78,6 +78,7 @@ class NativeState {
     }
     // Default: the failure is terminal. Threads stuck in CUDA stay parked without the GIL and device
     // work stays redirected, so a save the callback only scheduled (another Python thread) can run.
+    if (self->resume_) self->api_->end_save_mode();  // before the parked threads run again
     handoff.release(gil, self->resume_);
     return self->resume_ ? 0 : 1;
   }

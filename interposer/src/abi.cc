@@ -45,8 +45,11 @@ void trigger_failure(const char* kind, const char* detail) {
 
 int in_blocking_call() { return jitckpt::BlockingCallScope::active() ? 1 : 0; }
 
-constexpr jitckpt_api kApi = {JITCKPT_ABI_VERSION, configure,           mark_minibatch,  set_phase,
-                              status_json,         set_failure_handler, trigger_failure, in_blocking_call};
+void end_save_mode() { Registry::instance().end_save_mode(); }
+
+constexpr jitckpt_api kApi = {JITCKPT_ABI_VERSION, configure,        mark_minibatch,
+                              set_phase,           status_json,      set_failure_handler,
+                              trigger_failure,     in_blocking_call, end_save_mode};
 
 }  // namespace
 

@@ -53,6 +53,10 @@ class Registry {
   std::string status_json();
   // True while the JIT handler runs (with or without a working save redirect).
   void set_saving(bool on) { saving_.store(on); }
+  void end_save_mode() {
+    redirect_.end();
+    saving_.store(false);
+  }
   bool saving() const { return saving_.load(); }
 
  private:

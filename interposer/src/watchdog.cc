@@ -102,7 +102,7 @@ void Watchdog::dispatch(const Failure& failure) {
   log_always("failure detected: %s: %s", failure.kind.c_str(), failure.detail.c_str());
   int device = std::max(registry_.collectives().first_device(), 0);
   registry_.set_saving(true);
-  bool redirected = registry_.redirect().begin(device);
+  registry_.redirect().begin(device);  // on failure the save runs unredirected (logged)
   auto [handler, ctx] = registry_.failure_handler();
   bool keep_saving = false;
   if (handler != nullptr) {
@@ -110,10 +110,7 @@ void Watchdog::dispatch(const Failure& failure) {
   } else {
     log_always("no failure callback registered (jitckpt._native.set_failure_callback); nothing saved");
   }
-  if (!keep_saving) {
-    if (redirected) registry_.redirect().end();
-    registry_.set_saving(false);
-  }
+  if (!keep_saving) registry_.end_save_mode();
   registry_.failures().mark_handled();
 }
 

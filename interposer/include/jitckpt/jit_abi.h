@@ -31,6 +31,8 @@ typedef struct jitckpt_api {
   // Non-zero while the calling thread is inside an intercepted blocking CUDA/NCCL call
   // (async-signal-safe: reads an initial-exec thread-local).
   int (*in_blocking_call)(void);
+  // Ends save mode (redirection) now; for a handler that lets blocked threads resume before returning.
+  void (*end_save_mode)(void);
 } jitckpt_api;
 
 const jitckpt_api* jitckpt_api_v1(void);
