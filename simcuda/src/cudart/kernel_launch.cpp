@@ -1,5 +1,6 @@
 #include "kernel_launch.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -26,20 +27,23 @@ bool valid_dims(dim3 grid, dim3 block) {
 
 // Owns a copy of the launch arguments: the caller's argument slots die when the stub returns.
 struct ArgumentCopy {
+  static constexpr size_t kAlign = 64;  // at least the alignment of any kernel parameter type
   std::vector<char> bytes;
   std::vector<void*> slots;
   ArgumentCopy(const simcuda_host_kernel& impl, void** args) {
     std::vector<size_t> offsets;
     size_t total = 0;
     for (unsigned i = 0; i < impl.num_params; ++i) {
-      total = (total + 15) / 16 * 16;  // 16-byte aligned slots fit every kernel parameter type
+      total = (total + kAlign - 1) / kAlign * kAlign;
       offsets.push_back(total);
       total += impl.param_sizes[i];
     }
-    bytes.resize(total);
+    bytes.resize(total + kAlign);
+    char* base = bytes.data();
+    base += (kAlign - reinterpret_cast<uintptr_t>(base) % kAlign) % kAlign;
     for (unsigned i = 0; i < impl.num_params; ++i) {
-      std::memcpy(bytes.data() + offsets[i], args[i], impl.param_sizes[i]);
-      slots.push_back(bytes.data() + offsets[i]);
+      std::memcpy(base + offsets[i], args[i], impl.param_sizes[i]);
+      slots.push_back(base + offsets[i]);
     }
   }
 };

@@ -99,9 +99,11 @@ static int run_async() {
   std::printf("stream_b_query_before=%s\n", name(cudaStreamQuery(b)));
 
   // 3. The legacy default stream waits for blocking stream a; non-blocking stream c does not.
-  CHECK(cudaMemsetAsync(d2, 0, 4, 0));  // queued behind a (and behind nothing else)
+  int* d3 = nullptr;  // the legacy and non-blocking streams are unordered: give them their own buffer
+  CHECK(cudaMalloc(&d3, 16 * sizeof(int)));
+  CHECK(cudaMemsetAsync(d3, 0, 4, 0));  // queued behind a (and behind nothing else)
   std::printf("legacy_query_before=%s\n", name(cudaStreamQuery(0)));
-  CHECK(cudaMemsetAsync(d2 + 8, 0, 4, c));
+  CHECK(cudaMemsetAsync(d3 + 8, 0, 4, c));
   CHECK(cudaStreamSynchronize(c));
   std::printf("nonblocking_c_done_while_a_blocked=%s\n", name(cudaStreamQuery(c)));
 
@@ -109,7 +111,6 @@ static int run_async() {
   CHECK(cudaStreamSynchronize(b));
   std::vector<int> h(n);
   CHECK(cudaMemcpy(h.data(), d2, n * sizeof(int), cudaMemcpyDeviceToHost));
-  // Element 100 is written only by b's copy (the small memsets touch elements 0 and 8).
   std::printf("cross_stream_value=%d\n", h[100]);
   std::printf("event_a_after=%s\n", name(cudaEventQuery(ev_a)));
   CHECK(cudaDeviceSynchronize());
