@@ -1,0 +1,231 @@
+"""Restore from the newest usable tier: in-memory snapshot (REFT-load) or an on-disk checkpoint.
+
+Collective: every rank of the job calls :func:`restore` after ``init_process_group``.
+
+1. Each node's ranks verify their keeper's complete objects (checksums, split among the node's
+   ranks) and all-gather a catalogue of what survived.
+2. :func:`latest_memory_step` picks the newest step from which the whole state can be rebuilt:
+   every data part present on some node, or (AEC) decodable from parity, or (ARC) present on the
+   successor. The newest verified on-disk checkpoint (:func:`checkpoint_store.find_latest`, all
+   kinds: jit, periodic, flushed snapshots) is compared with it and the newer one wins; at equal
+   steps memory wins (faster).
+3. Objects are broadcast from a node that holds them (gloo), missing parts are decoded from XOR
+   parity, and the state is rebuilt bit for bit.
+4. A state with NaN/Inf in a floating tensor, or one whose load fails anywhere, is not used: its
+   step is rejected in every keeper (never offered again, so a restart cannot loop on it) and the
+   next tier is tried once. :func:`reject_snapshot` does the same when the trainer finds a NaN loss
+   right after resuming.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint_store import find_latest
+from .snapshot_checksum import checksum_of
+from .snapshot_client import META_KEY, STATE_FILE, Topology
+from .snapshot_keeper_client import KeeperClient, KeeperError
+from .snapshot_layout import rebuild
+from .snapshot_protection import ProtectionPlan
+
+log = logging.getLogger("jitckpt.snapshot")
+
+
+@dataclass
+class RestoreResult:
+    """What :func:`restore` loaded: ``state`` is None when no tier had a usable checkpoint."""
+
+    source: str                 # "memory" | "disk" | "none"
+    step: Optional[int]
+    state: Any
+    seconds: float
+    decoded: list = field(default_factory=list)    # data parts rebuilt from parity
+    remote: list = field(default_factory=list)     # objects fetched from another node
+    skipped: list = field(default_factory=list)    # (tier/step, reason)
+    path: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """The newest in-memory step that can be rebuilt, and where each needed object lives."""
+
+    step: int
+    plan: ProtectionPlan
+    holders: dict       # key -> (rank, size)
+    decoded: list
+
+
+def _is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def local_catalogue(keeper: KeeperClient, topo: Topology) -> list[dict]:
+    """This rank's share of its keeper's complete objects, checksum-verified."""
+    entries = keeper.listing()
+    out = []
+    for i, e in enumerate(entries):
+        if i % topo.ranks_per_node != topo.local_rank:
+            continue
+        try:
+            m, info = keeper.open(e["key"], e["step"])
+        except KeyError:
+            continue
+        if checksum_of(memoryview(m)[:e["size"]], info["algo"]) != info["checksum"]:
+            log.warning("in-memory snapshot object %s step %s fails its checksum; not used",
+                        e["key"], e["step"])
+            continue
+        entry = {**e, "rank": topo.rank, "node": topo.node}
+        if e["key"] == META_KEY:
+            entry["plan"] = pickle.loads(m[:e["size"]])["plan"]
+        out.append(entry)
+    return out
+
+
+def latest_memory_step(catalogues: list, topo: Topology, skipped: Optional[list] = None) -> Optional[MemoryChoice]:
+    """Newest step rebuildable from the gathered catalogues for this job's topology, or None."""
+    by_step: dict[int, dict] = {}
+    for cat in catalogues:
+        for e in cat:
+            slot = by_step.setdefault(int(e["step"]), {})
+            if e["key"] not in slot or e["rank"] < slot[e["key"]]["rank"]:
+                slot[e["key"]] = e
+    for step in sorted(by_step, reverse=True):
+        objs = by_step[step]
+        meta = objs.get(META_KEY)
+        if meta is None:
+            _skip(skipped, f"memory step {step}", "no surviving metadata object")
+            continue
+        p = meta["plan"]
+        if (p["num_nodes"], p["ranks_per_node"]) != (topo.num_nodes, topo.ranks_per_node):
+            _skip(skipped, f"memory step {step}",
+                  f"taken on {p['num_nodes']} nodes x {p['ranks_per_node']} ranks, this job has "
+                  f"{topo.num_nodes} x {topo.ranks_per_node}")
+            continue
+        plan = ProtectionPlan(**p)
+        need = plan.fetch_list(set(objs))
+        if need is None:
+            _skip(skipped, f"memory step {step}", "more objects lost than the protection scheme covers")
+            continue
+        holders = {k: (objs[k]["rank"], objs[k]["size"]) for k in need + [META_KEY]}
+        decoded = sorted(f"x{k}.{l}" for k in range(plan.m) for l in range(plan.r)
+                         if f"x{k}.{l}" not in objs)
+        return MemoryChoice(step, plan, holders, decoded)
+    return None
+
+
+def _skip(skipped: Optional[list], what: str, why: str) -> None:
+    log.info("restore: skipping %s: %s", what, why)
+    if skipped is not None:
+        skipped.append((what, why))
+
+
+def _all_true(flag: bool, group: Any) -> bool:
+    if not _is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
+def _finite(state: Any) -> bool:
+    if isinstance(state, torch.Tensor):
+        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+    if isinstance(state, dict):
+        return all(_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(_finite(v) for v in state)
+    return True
+
+
+def _load_memory(choice: MemoryChoice, keeper: KeeperClient, topo: Topology, group: Any,
+                 remote: list) -> Any:
+    objects: dict[str, torch.Tensor] = {}
+    for key in sorted(choice.holders):
+        holder, size = choice.holders[key]
+        if holder == topo.rank:
+            m, _ = keeper.open(key, choice.step)
+            t = torch.frombuffer(m, dtype=torch.uint8, count=size)
+        else:
+            t = torch.empty(size, dtype=torch.uint8)
+            if holder // topo.ranks_per_node != topo.node:
+                remote.append(key)
+        if topo.world > 1:
+            dist.broadcast(t, src=dist.get_global_rank(group, holder) if group is not None else holder,
+                           group=group)
+        objects[key] = t
+    meta = pickle.loads(objects.pop(META_KEY).numpy().tobytes())
+    flat = choice.plan.assemble(objects)
+    return rebuild(meta["skeleton"], flat.numpy())
+
+
+def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] = None,
+            checkpoint_dir: Optional[str] = None, group: Any = None,
+            check_finite: bool = True) -> RestoreResult:
+    """Load the newest usable state (memory or disk tier); see the module docstring."""
+    t0 = time.monotonic()
+    topo = Topology.detect(ranks_per_node, group)
+    skipped: list = []
+    keeper: Optional[KeeperClient] = None
+    try:
+        keeper = KeeperClient(socket_path)
+        mine = local_catalogue(keeper, topo)
+    except (KeeperError, ValueError) as e:
+        _skip(skipped, "memory tier", str(e))
+        mine = []
+    if topo.world > 1:
+        gathered: list = [None] * topo.world
+        dist.all_gather_object(gathered, mine, group=group)
+    else:
+        gathered = [mine]
+    choice = latest_memory_step(gathered, topo, skipped)
+    disk = find_latest(checkpoint_dir) if checkpoint_dir else None
+    disk_step = disk[1].step if disk else None
+    try:
+        if choice is not None and (disk_step is None or choice.step >= disk_step):
+            remote: list = []
+            state, ok = None, False
+            try:
+                state = _load_memory(choice, keeper, topo, group, remote)
+                ok = not check_finite or _finite(state)
+                if not ok:
+                    _skip(skipped, f"memory step {choice.step}", "restored state has NaN/Inf")
+            except (KeeperError, ValueError, KeyError) as e:
+                _skip(skipped, f"memory step {choice.step}", f"load failed: {e}")
+            if _all_true(ok, group):
+                if keeper is not None and topo.local_rank == 0:
+                    keeper.discard_newer(choice.step)  # stale partial versions of later steps
+                return RestoreResult("memory", choice.step, state, time.monotonic() - t0,
+                                     decoded=choice.decoded, remote=remote, skipped=skipped)
+            if keeper is not None and topo.local_rank == 0:
+                keeper.reject(choice.step)
+            _skip(skipped, f"memory step {choice.step}", "rejected; falling back to disk")
+        if disk is not None:
+            path, meta = disk
+            state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+            ok = not check_finite or _finite(state)
+            if _all_true(ok, group):
+                if keeper is not None and topo.local_rank == 0:
+                    keeper.discard_newer(meta.step)
+                return RestoreResult("disk", meta.step, state, time.monotonic() - t0, skipped=skipped,
+                                     path=str(path))
+            _skip(skipped, f"disk {path}", "restored state has NaN/Inf")
+        return RestoreResult("none", None, None, time.monotonic() - t0, skipped=skipped)
+    finally:
+        if keeper is not None:
+            keeper.close()  # restored tensors view a private buffer, not the keeper's memory
+
+
+def reject_snapshot(step: int, *, socket_path: Optional[str] = None) -> None:
+    """Never offer in-memory step ``step`` again (e.g. training diverged right after restoring it)."""
+    k = KeeperClient(socket_path)
+    try:
+        k.reject(step)
+    finally:
+        k.close()

@@ -1,0 +1,299 @@
+"""Unit tests of the in-memory snapshot tier: layout, XOR parity, keeper, NaN fallback."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jitckpt.checkpoint_store import write_checkpoint
+from jitckpt.snapshot_client import STATE_FILE, SnapshotTaker
+from jitckpt.snapshot_keeper_client import KeeperClient, KeeperError
+from jitckpt.snapshot_layout import FlatState, rebuild
+from jitckpt.snapshot_protection import ProtectionPlan
+from jitckpt.snapshot_restore import reject_snapshot, restore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _model_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.BatchNorm1d(13), torch.nn.Linear(13, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 7)).sum().backward()
+    opt.step()
+    return {"step": 3, "model": model.state_dict(), "optimizer": opt.state_dict(),
+            "extra": [torch.tensor(1.5, dtype=torch.float64), (torch.arange(5, dtype=torch.int16), "s")]}
+
+
+def _assert_same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
+                           b.view(-1).view(torch.uint8) if b.numel() else b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+def _flat_bytes(flat: FlatState, n: int) -> torch.Tensor:
+    out = torch.empty(n, dtype=torch.uint8)
+    flat.read_into(0, out)
+    return out
+
+
+def test_layout_round_trip_is_bitwise_and_keeps_state_dict_metadata() -> None:
+    state = _model_state()
+    flat = FlatState(state)
+    back = rebuild(flat.skeleton, _flat_bytes(flat, flat.total).numpy())
+    _assert_same(state, back)
+    assert back["model"]._metadata == state["model"]._metadata  # load_state_dict reads versions
+
+
+def test_layout_reads_ranges_across_tensor_seams_and_pads_with_zeros() -> None:
+    flat = FlatState({"a": torch.arange(10, dtype=torch.uint8), "b": torch.arange(3, dtype=torch.uint8)})
+    whole = _flat_bytes(flat, flat.total + 16)
+    assert whole[:10].tolist() == list(range(10)) and whole[10:64].eq(0).all()
+    assert whole[64:67].tolist() == [0, 1, 2] and whole[67:].eq(0).all()
+    part = torch.empty(60, dtype=torch.uint8)
+    flat.read_into(8, part)
+    assert torch.equal(part, whole[8:68])
+
+
+def test_layout_rejects_non_cpu_tensors_with_a_clear_error() -> None:
+    t = torch.empty(2, device="meta")
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        FlatState({"x": t})
+
+
+def _encode(plan: ProtectionPlan, flat: FlatState) -> dict:
+    """All objects every rank would write (key -> bytes), as stored by the keepers."""
+    objs = {}
+    for node in range(plan.m):
+        for l in range(plan.r):
+            for spec in plan.rank_objects(node, l):
+                dst = torch.zeros(spec.size, dtype=torch.uint8)
+                tmp = torch.empty(spec.size, dtype=torch.uint8)
+                flat.read_into(spec.sources[0][0], dst)
+                for off, _ in spec.sources[1:]:
+                    flat.read_into(off, tmp)
+                    dst ^= tmp
+                objs.setdefault(spec.key, dst)
+    return objs
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(2, 5), r=st.integers(1, 3), nbytes=st.integers(0, 3000), seed=st.integers(0, 99))
+def test_aec_parity_decodes_any_single_lost_node(m: int, r: int, nbytes: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    state = {"w": torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g),
+             "f": torch.randn(7, generator=g)}
+    flat = FlatState(state)
+    plan = ProtectionPlan(scheme="aec", num_nodes=m, ranks_per_node=r, total_bytes=flat.total)
+    objs = _encode(plan, flat)
+    assert set(objs) == {f"{c}{k}.{l}" for c in "xp" for k in range(m) for l in range(r)}
+    assert all(o.numel() == plan.L // r for k, o in objs.items() if k[0] == "p")
+    for lost in range(m):
+        held = {k: v for k, v in objs.items() if lost not in plan.holders(k)}
+        need = plan.fetch_list(set(held))
+        assert need is not None and all(k in held for k in need)
+        rebuilt = plan.assemble({k: held[k] for k in need})
+        _assert_same(state, rebuild(flat.skeleton, rebuilt.numpy()))
+    if m >= 3:  # two lost nodes exceed one XOR parity
+        held = {k: v for k, v in objs.items() if not ({0, 1} & set(plan.holders(k)))}
+        assert plan.fetch_list(set(held)) is None
+
+
+def test_aec_decode_uses_parity_not_a_copy() -> None:
+    flat = FlatState({"w": torch.arange(4000, dtype=torch.int32)})
+    plan = ProtectionPlan(scheme="aec", num_nodes=3, ranks_per_node=1, total_bytes=flat.total)
+    objs = _encode(plan, flat)
+    held = {k: v for k, v in objs.items() if k not in ("x1.0", "p1.0")}
+    rebuilt = plan.assemble(held)
+    assert torch.equal(rebuilt[:flat.total], _flat_bytes(flat, flat.total))
+    corrupt = dict(held, **{"p2.0": held["p2.0"].clone()})
+    corrupt["p2.0"][0] ^= 1  # x1's first segment is covered by p2: a flipped parity bit shows up
+    assert not torch.equal(plan.assemble(corrupt)[:flat.total], _flat_bytes(flat, flat.total))
+
+
+def test_arc_recovers_a_lost_node_from_its_predecessor_copy() -> None:
+    flat = FlatState(_model_state())
+    plan = ProtectionPlan(scheme="arc", num_nodes=3, ranks_per_node=2, total_bytes=flat.total)
+    objs = _encode(plan, flat)
+    assert plan.holders("x1.0") == [1, 0]
+    stored = {n: {s.key for l in range(2) for s in plan.rank_objects(n, l)} for n in range(3)}
+    assert stored[0] == {"x0.0", "x0.1", "x1.0", "x1.1"}
+    avail = stored[0] | stored[2]  # node 1 lost
+    need = plan.fetch_list(avail)
+    assert need is not None
+    _assert_same(_model_state(), rebuild(flat.skeleton, plan.assemble({k: objs[k] for k in need}).numpy()))
+    assert plan.fetch_list(stored[2]) is None  # nodes 0 and 1 lost: x1 had only those two homes
+
+
+def test_plan_validates_configuration() -> None:
+    with pytest.raises(ValueError, match="at least 2 nodes"):
+        ProtectionPlan(scheme="aec", num_nodes=1, ranks_per_node=2, total_bytes=10)
+    with pytest.raises(ValueError, match="must be one of"):
+        ProtectionPlan(scheme="raid6", num_nodes=3, ranks_per_node=1, total_bytes=10)
+
+
+# Keeper ------------------------------------------------------------------------------------------
+@pytest.fixture
+def keeper(tmp_path):
+    sock = str(tmp_path / "k.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot_keeper", "--socket", sock,
+                             "--max-lifetime", "120"], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = proc.stdout.readline()  # blocks until the keeper listens (it exits on failure: EOF)
+        assert line.startswith("ready"), line
+        yield sock, proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_keeper_keeps_one_complete_and_one_in_progress_and_outlives_its_writer(keeper) -> None:
+    sock, proc = keeper
+    c = KeeperClient(sock)
+    m = c.begin("x0.0", 1, 16)
+    m[:16] = bytes(range(16))
+    assert c.listing() == []  # in progress is never listed
+    c.commit([{"key": "x0.0", "step": 1, "checksum": 7, "algo": "crc32"}])
+    m2 = c.begin("x0.0", 2, 16)
+    m2[:16] = b"\xff" * 16
+    assert [e["step"] for e in c.listing()] == [1]
+    c.commit([{"key": "x0.0", "step": 2, "checksum": 8, "algo": "crc32"}])
+    c.begin("x0.0", 3, 16)  # reuses step 1's buffer; step 2 stays readable
+    assert [e["step"] for e in c.listing()] == [2]
+    c.close()  # the writer goes away; memory stays with the keeper
+    c = KeeperClient(sock)
+    m, info = c.open("x0.0", 2)
+    assert m[:16] == b"\xff" * 16 and info["checksum"] == 8
+    with pytest.raises(KeeperError, match="no begin"):
+        c.commit([{"key": "x0.0", "step": 9, "checksum": 0, "algo": "crc32"}])
+    c.reject(2)
+    assert c.listing() == []
+    c.close()
+    proc.kill()
+    proc.wait(timeout=10)
+    with pytest.raises(KeeperError, match="cannot connect"):
+        KeeperClient(sock)
+
+
+def test_keeper_client_names_the_missing_socket() -> None:
+    os.environ.pop("JITCKPT_SNAPSHOT_SOCKET", None)
+    with pytest.raises(ValueError, match="JITCKPT_SNAPSHOT_SOCKET"):
+        KeeperClient()
+
+
+# Restore tiers (single rank, no process group) ------------------------------------------------------
+def _take(sock: str, state: dict, step: int, **kw) -> SnapshotTaker:
+    snap = SnapshotTaker(state_fn=lambda: state, socket_path=sock, scheme="none", **kw)
+    assert snap.begin(step)
+    assert snap.wait() == step
+    return snap
+
+
+def test_memory_restore_is_bitwise_and_newest_tier_wins(keeper, tmp_path) -> None:
+    sock, _ = keeper
+    state = _model_state()
+    snap = _take(sock, state, 5, chunk_bytes=4096)
+    assert snap.stats.bytes_copied >= FlatState(state).total
+    snap.close()
+    ckpt = tmp_path / "ckpt"
+    older = _model_state(seed=1)
+    write_checkpoint(ckpt, lambda d: torch.save(older, Path(d) / STATE_FILE), kind="periodic", step=4,
+                     rank=0, world_size=1, gen=0)
+    res = restore(socket_path=sock, ranks_per_node=1, checkpoint_dir=str(ckpt))
+    assert (res.source, res.step) == ("memory", 5)
+    _assert_same(state, res.state)
+    write_checkpoint(ckpt, lambda d: torch.save(older, Path(d) / STATE_FILE), kind="jit", step=6,
+                     rank=0, world_size=1, gen=1)
+    res = restore(socket_path=sock, ranks_per_node=1, checkpoint_dir=str(ckpt))
+    assert (res.source, res.step) == ("disk", 6)  # a newer JIT checkpoint beats the snapshot
+
+
+def test_nan_snapshot_falls_back_to_disk_and_is_never_retried(keeper, tmp_path) -> None:
+    sock, _ = keeper
+    bad = _model_state()
+    bad["model"]["0.weight"][0, 0] = math.nan
+    _take(sock, bad, 9).close()
+    ckpt = tmp_path / "ckpt"
+    good = _model_state(seed=2)
+    write_checkpoint(ckpt, lambda d: torch.save(good, Path(d) / STATE_FILE), kind="snapshot", step=7,
+                     rank=0, world_size=1, gen=0)
+    res = restore(socket_path=sock, ranks_per_node=1, checkpoint_dir=str(ckpt))
+    assert (res.source, res.step) == ("disk", 7)
+    assert any("NaN" in why for _, why in res.skipped)
+    _assert_same(good, res.state)
+    again = restore(socket_path=sock, ranks_per_node=1, checkpoint_dir=str(ckpt))
+    assert (again.source, again.step) == ("disk", 7)
+    assert not any("NaN" in why for _, why in again.skipped)  # step 9 is not even considered
+
+
+def test_nan_everywhere_gives_no_state_instead_of_looping(keeper, tmp_path) -> None:
+    sock, _ = keeper
+    bad = {"w": torch.tensor([math.inf])}
+    _take(sock, bad, 3).close()
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, lambda d: torch.save(bad, Path(d) / STATE_FILE), kind="snapshot", step=2,
+                     rank=0, world_size=1, gen=0)
+    res = restore(socket_path=sock, ranks_per_node=1, checkpoint_dir=str(ckpt))
+    assert (res.source, res.state) == ("none", None)
+    assert len(res.skipped) >= 2
+
+
+def test_reject_snapshot_after_a_diverged_resume(keeper) -> None:
+    sock, _ = keeper
+    _take(sock, {"w": torch.ones(3)}, 4).close()
+    assert restore(socket_path=sock, ranks_per_node=1).step == 4
+    reject_snapshot(4, socket_path=sock)
+    assert restore(socket_path=sock, ranks_per_node=1).source == "none"
+
+
+def test_corrupt_object_is_not_used(keeper) -> None:
+    sock, _ = keeper
+    _take(sock, {"w": torch.arange(100.0)}, 1).close()
+    c = KeeperClient(sock)
+    m, _ = c.open("x0.0", 1)
+    m[0] ^= 0xFF  # memory corruption after commit
+    c.close()
+    res = restore(socket_path=sock, ranks_per_node=1)
+    assert res.source == "none"
+
+
+def test_disk_flush_goes_through_the_shared_checkpoint_format(keeper, tmp_path) -> None:
+    from jitckpt.checkpoint_store import find_latest
+
+    sock, _ = keeper
+    state = {"step": 2, "w": torch.arange(10.0)}
+    snap = SnapshotTaker(state_fn=lambda: state, socket_path=sock, scheme="none", flush_every=1,
+                         flush_dir=str(tmp_path / "ckpt"))
+    assert snap.begin(2) and snap.wait() == 2
+    snap.close()
+    assert snap.stats.flushed == [2]
+    path, meta = find_latest(tmp_path / "ckpt")
+    assert (meta.kind, meta.step) == ("snapshot", 2)
+    _assert_same(state, torch.load(path / STATE_FILE, weights_only=True))
+
+
+def test_taker_validates_configuration(keeper) -> None:
+    sock, _ = keeper
+    with pytest.raises(ValueError, match="needs >= 2 nodes"):
+        SnapshotTaker(state_fn=dict, socket_path=sock, scheme="aec")
+    with pytest.raises(ValueError, match="flush_dir"):
+        SnapshotTaker(state_fn=dict, socket_path=sock, scheme="none", flush_every=2)
