@@ -133,3 +133,13 @@ def test_allreduce_bench_mode_reports_time(ranks_prog: Program) -> None:
     for kv in results:
         assert float(kv["ms_per_iter"]) > 0.0
         assert kv["exit_clean"] == "1"
+
+
+def test_comm_split(ranks_prog: Program) -> None:
+    with RankGroup(ranks_prog, "split", 3) as group:
+        results = [rp.finish(timeout=STEP_TIMEOUT_S) for rp in group.ranks]
+    # color rank % 2 -> {0, 2} and {1}; key -rank puts rank 2 first.
+    assert [kv["split_count"] for kv in results] == ["2", "1", "2"]
+    assert [kv["split_rank"] for kv in results] == ["1", "0", "0"]
+    assert [kv["split_sum"] for kv in results] == ["2", "1", "2"]
+    assert all(kv["nocolor_null"] == "1" and kv["exit_clean"] == "1" for kv in results)

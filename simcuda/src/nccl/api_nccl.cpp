@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -43,7 +44,9 @@ ncclResult_t fail(ncclResult_t r, const std::string& why) {
   return r;
 }
 
-ncclResult_t init_rank(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank, bool blocking) {
+// `device` < 0: the calling thread's current device.
+ncclResult_t init_rank(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank, bool blocking,
+                       int device = -1) {
   if (!out) return fail(ncclInvalidArgument, "comm out-pointer is NULL");
   if (!FaultPlan::get().config_error().empty()) return fail(ncclInvalidArgument, FaultPlan::get().config_error());
   if (nranks < 1 || rank < 0 || rank >= nranks)
@@ -51,8 +54,7 @@ ncclResult_t init_rank(ncclComm_t* out, int nranks, const ncclUniqueId& id, int 
                                          std::to_string(nranks));
   auto rid = simcuda::nccl::RendezvousId::decode(id);
   if (!rid) return fail(ncclInvalidArgument, "ncclUniqueId was not produced by simcuda's ncclGetUniqueId");
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return fail(ncclUnhandledCudaError, "cudaGetDevice failed");
+  if (device < 0 && cudaGetDevice(&device) != cudaSuccess) return fail(ncclUnhandledCudaError, "cudaGetDevice failed");
   std::shared_ptr<Communicator> comm;
   try {
     comm = std::make_shared<Communicator>(nranks, rank, device, *rid);
@@ -189,6 +191,51 @@ SIMCUDA_NCCL_API ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const
   for (ncclResult_t r : results)
     if (r != ncclSuccess) return fail(r, "ncclCommInitAll: a rank failed to initialize");
   return ncclSuccess;
+}
+
+// Collective over `comm`: ranks with the same color form a new communicator, ordered by (key, rank).
+// The color's lowest new rank starts the new bootstrap root; its id travels over the parent's mesh.
+SIMCUDA_NCCL_API ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm,
+                                            ncclConfig_t* config) {
+  if (!comm || !newcomm) return fail(ncclInvalidArgument, "comm or newcomm is NULL");
+  if (color < NCCL_SPLIT_NOCOLOR) return fail(ncclInvalidArgument, "color must be >= 0 or NCCL_SPLIT_NOCOLOR");
+  if (config && config->magic != NCCL_API_MAGIC)
+    return fail(ncclInvalidArgument, "ncclConfig_t not initialized with NCCL_CONFIG_INITIALIZER");
+  const bool blocking = !config || config->blocking != 0;
+  auto parent = comm->impl;
+  struct Member {
+    int32_t color, key, rank;
+  };
+  const auto n = static_cast<size_t>(parent->nranks());
+  std::vector<Member> members(n);
+  const Member mine{color, key, parent->rank()};
+  if (!parent->allgather_host(&mine, members.data(), sizeof(Member)))
+    return fail(ncclSystemError, "ncclCommSplit: exchange over the parent communicator failed");
+  std::vector<Member> group;
+  for (const Member& m : members)
+    if (m.color == color && color != NCCL_SPLIT_NOCOLOR) group.push_back(m);
+  std::sort(group.begin(), group.end(),
+            [](const Member& a, const Member& b) { return a.key != b.key ? a.key < b.key : a.rank < b.rank; });
+  int new_rank = -1;
+  for (size_t i = 0; i < group.size(); ++i)
+    if (group[i].rank == parent->rank()) new_rank = static_cast<int>(i);
+  ncclUniqueId my_id{};
+  if (new_rank == 0) {
+    try {
+      my_id = simcuda::nccl::start_bootstrap_root().encode();
+    } catch (const std::exception& e) {
+      return fail(ncclSystemError, e.what());
+    }
+  }
+  std::vector<ncclUniqueId> ids(n);
+  if (!parent->allgather_host(&my_id, ids.data(), sizeof(ncclUniqueId)))
+    return fail(ncclSystemError, "ncclCommSplit: exchange over the parent communicator failed");
+  if (new_rank < 0) {
+    *newcomm = nullptr;  // NCCL_SPLIT_NOCOLOR
+    return ncclSuccess;
+  }
+  const ncclUniqueId& id = ids[static_cast<size_t>(group[0].rank)];
+  return init_rank(newcomm, static_cast<int>(group.size()), id, new_rank, blocking, parent->device());
 }
 
 SIMCUDA_NCCL_API ncclResult_t ncclCommFinalize(ncclComm_t comm) {

@@ -50,6 +50,20 @@ void Communicator::execute(const std::vector<Collective>& batch) {
   if (st == ExchangeStatus::PeerLost) mesh_.wait_for_abort();
 }
 
+bool Communicator::allgather_host(const void* mine, void* all, size_t bytes) {
+  if (!wait_initialized()) return false;
+  wait_idle();
+  std::lock_guard<std::mutex> lock(exec_mu_);
+  std::vector<Transfer> xfers;
+  for (int p = 0; p < nranks_; ++p) {
+    if (p == rank_) continue;
+    xfers.push_back({p, true, const_cast<void*>(mine), bytes});
+    xfers.push_back({p, false, static_cast<char*>(all) + static_cast<size_t>(p) * bytes, bytes});
+  }
+  std::memcpy(static_cast<char*>(all) + static_cast<size_t>(rank_) * bytes, mine, bytes);
+  return mesh_.exchange(xfers) == ExchangeStatus::Ok;
+}
+
 void Communicator::hang_until_abort() { mesh_.wait_for_abort(); }
 
 void Communicator::init_started() {

@@ -40,6 +40,10 @@ class Communicator {
   // Unblocks everything (init included) and waits until a running initialize() has returned.
   void abort();
 
+  // Host-side all-gather of `bytes` per rank into `all` (rank order), for ncclCommSplit. Waits for
+  // this communicator's queued stream work first, so it never interleaves with a collective.
+  bool allgather_host(const void* mine, void* all, size_t bytes);
+
   // Outstanding stream operations, for ncclCommFinalize.
   void op_enqueued();
   void op_finished();

@@ -4,6 +4,7 @@
 //   collectives  every collective/dtype/op, results checked locally; prints ok_<name>=0|1
 //   stop         allreduce, print phase1_done, wait for "go" on stdin, allreduce again and report
 //                whether its event stays cudaErrorNotReady for the window, then ncclCommAbort
+//   split        ncclCommSplit by color rank % 2 (key -rank), then an allreduce in each part
 //   bench        float32 allreduce of <window-ms> MiB: one warm-up, then 5 timed; prints ms_per_iter
 //   inject       three allreduces with an event after each; reports call results, event states
 //                after the window, the async error and a cudaMalloc probe (failure injection tests)
@@ -215,6 +216,26 @@ static void run_inject(int window_ms) {
   NCCLCHECK(ncclCommAbort(g_comm));
 }
 
+static void run_split() {
+  ncclComm_t sub = nullptr;
+  NCCLCHECK(ncclCommSplit(g_comm, g_rank % 2, -g_rank, &sub, nullptr));
+  int count = 0, rank = -1;
+  NCCLCHECK(ncclCommCount(sub, &count));
+  NCCLCHECK(ncclCommUserRank(sub, &rank));
+  std::printf("split_count=%d\n", count);
+  std::printf("split_rank=%d\n", rank);
+  std::vector<int32_t> v(8, g_rank);
+  int32_t* d = to_device(v);
+  NCCLCHECK(ncclAllReduce(d, d, 8, ncclInt32, ncclSum, sub, g_stream));
+  std::printf("split_sum=%d\n", to_host(d, 8)[0]);
+  ncclComm_t none = reinterpret_cast<ncclComm_t>(1);
+  NCCLCHECK(ncclCommSplit(g_comm, g_rank == 0 ? 0 : NCCL_SPLIT_NOCOLOR, 0, &none, nullptr));
+  std::printf("nocolor_null=%d\n", g_rank == 0 ? none != nullptr : none == nullptr);
+  NCCLCHECK(ncclCommDestroy(sub));
+  if (none) NCCLCHECK(ncclCommDestroy(none));
+  NCCLCHECK(ncclCommDestroy(g_comm));
+}
+
 static void run_bench(int mib) {
   const size_t n = static_cast<size_t>(mib) << 18;  // floats
   float* d = to_device(std::vector<float>(n, 1.0f));
@@ -269,6 +290,8 @@ int main(int argc, char** argv) {
     NCCLCHECK(ncclCommDestroy(g_comm));
   } else if (mode == "stop") {
     run_stop(window_ms);
+  } else if (mode == "split") {
+    run_split();
   } else if (mode == "bench") {
     run_bench(window_ms);
   } else if (mode == "inject") {
