@@ -29,7 +29,7 @@ def test_collectives_correct(ranks_prog: Program, nranks: int) -> None:
         results = [rp.finish(timeout=STEP_TIMEOUT_S) for rp in group.ranks]
     for rank, kv in enumerate(results):
         oks = {k: v for k, v in kv.items() if k.startswith("ok_")}
-        assert len(oks) == 13, (rank, kv)
+        assert len(oks) == 14, (rank, kv)
         assert all(v == "1" for v in oks.values()), (rank, oks)
         assert kv["exit_clean"] == "1"
 

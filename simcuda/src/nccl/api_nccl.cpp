@@ -83,7 +83,8 @@ ncclResult_t validate(ncclComm_t comm, const Collective& c) {
                        c.kind == Collective::Kind::ReduceScatter;
   if (reduces && (!simcuda::nccl::valid_op(c.op) || c.type == ncclFloat8e4m3 || c.type == ncclFloat8e5m2))
     return fail(ncclInvalidArgument, "unsupported reduction op/datatype (simcuda supports sum/prod/max/min/avg)");
-  const bool rooted = c.kind == Collective::Kind::Broadcast || c.kind == Collective::Kind::Reduce || c.is_p2p();
+  const bool rooted = c.kind == Collective::Kind::Broadcast || c.kind == Collective::Kind::Reduce ||
+                      c.kind == Collective::Kind::Gather || c.is_p2p();
   if (rooted && (c.peer < 0 || c.peer >= comm->impl->nranks())) return fail(ncclInvalidArgument, "root/peer out of range");
   return ncclSuccess;
 }
@@ -308,6 +309,10 @@ SIMCUDA_NCCL_API ncclResult_t ncclReduceScatter(const void* s, void* r, size_t n
 SIMCUDA_NCCL_API ncclResult_t ncclAlltoAll(const void* s, void* r, size_t n, ncclDataType_t t, ncclComm_t comm,
                                            cudaStream_t st) {
   return issue(comm, st, {Collective::Kind::AllToAll, s, r, n, t, ncclSum, 0});
+}
+SIMCUDA_NCCL_API ncclResult_t ncclGather(const void* s, void* r, size_t n, ncclDataType_t t, int root,
+                                         ncclComm_t comm, cudaStream_t st) {
+  return issue(comm, st, {Collective::Kind::Gather, s, r, n, t, ncclSum, root});
 }
 SIMCUDA_NCCL_API ncclResult_t ncclSend(const void* s, size_t n, ncclDataType_t t, int peer, ncclComm_t comm,
                                        cudaStream_t st) {

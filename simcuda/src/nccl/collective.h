@@ -8,7 +8,7 @@
 namespace simcuda::nccl {
 
 struct Collective {
-  enum class Kind { AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, AllToAll, Send, Recv };
+  enum class Kind { AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, AllToAll, Gather, Send, Recv };
   Kind kind;
   const void* send;
   void* recv;

@@ -194,6 +194,18 @@ ExchangeStatus Communicator::run(const Collective& c) {
       if (st == ExchangeStatus::Ok) std::memcpy(static_cast<char*>(c.recv) + me * bytes, src.data() + me * bytes, bytes);
       return st;
     }
+    case Collective::Kind::Gather: {
+      if (rank_ != c.peer) {
+        xfers.push_back({c.peer, true, const_cast<void*>(c.send), bytes});
+        return mesh_.exchange(xfers);
+      }
+      std::vector<char> mine(static_cast<const char*>(c.send), static_cast<const char*>(c.send) + bytes);
+      for (size_t p = 0; p < n; ++p)
+        if (p != me) xfers.push_back({static_cast<int>(p), false, static_cast<char*>(c.recv) + p * bytes, bytes});
+      auto st = mesh_.exchange(xfers);
+      if (st == ExchangeStatus::Ok) std::memcpy(static_cast<char*>(c.recv) + me * bytes, mine.data(), bytes);
+      return st;
+    }
     default: return run_p2p({c});
   }
 }

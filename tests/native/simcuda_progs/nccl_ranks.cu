@@ -145,6 +145,17 @@ static void run_collectives() {
     NCCLCHECK(ncclReduceScatter(bs, bo, c, ncclFloat32, ncclSum, g_comm, g_stream));
     report("reducescatter", to_host(bo, c)[2] == static_cast<float>(R * (r * c + 2)));
   }
+  {  // gather to the last rank
+    const int c = 8;
+    std::vector<int32_t> v(c, r + 7);
+    int32_t* s = to_device(v);
+    int32_t* o = to_device(std::vector<int32_t>(static_cast<size_t>(c) * R, -1));
+    NCCLCHECK(ncclGather(s, o, c, ncclInt32, R - 1, g_comm, g_stream));
+    auto out = to_host(o, static_cast<size_t>(c) * R);
+    bool ok = true;
+    for (int k = 0; k < R; ++k) ok &= out[static_cast<size_t>(k) * c + 1] == (r == R - 1 ? k + 7 : -1);
+    report("gather", ok);
+  }
   {  // ring exchange with send/recv in a group
     std::vector<int32_t> v(n, r);
     int32_t* s = to_device(v);
