@@ -63,6 +63,7 @@ class Program:
 
 
 def _run_compiler(cmd: list[str]) -> None:
+    """Run a compiler command with a timeout; raise with its output if it fails."""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError(f"compile failed: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
@@ -113,6 +114,8 @@ class RankProcess:
     seen: list[str] = field(default_factory=list)
 
     def start_reader(self) -> None:
+        """Collect stdout lines on a daemon thread (None marks EOF), so waits can have deadlines."""
+
         def pump() -> None:
             assert self.proc.stdout is not None
             for line in self.proc.stdout:
@@ -166,6 +169,7 @@ class RankGroup:
         self.ranks: list[RankProcess] = []
 
     def _spawn(self, rank: int, uid: str) -> RankProcess:
+        """Start one rank (rank 0 gets no uid: it creates and prints one)."""
         cmd = [str(self.program.exe), self.mode, str(rank), str(self.nranks), uid or "-", str(self.window_ms)]
         proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.PIPE if self.stdin else subprocess.DEVNULL, text=True)
@@ -175,6 +179,7 @@ class RankGroup:
         return rp
 
     def __enter__(self) -> "RankGroup":
+        """Start rank 0, read its unique id, start the other ranks with it."""
         try:
             uid = self._spawn(0, "").wait_for("uid", timeout=30)
             for r in range(1, self.nranks):
@@ -185,6 +190,7 @@ class RankGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """SIGKILL every rank still alive (by PID) and reap it."""
         for rp in self.ranks:
             if rp.proc.poll() is None:
                 try:
