@@ -8,8 +8,6 @@
 
 using jitckpt::Registry;
 
-thread_local int jitckpt::BlockingCallScope::depth_ = 0;
-
 namespace {
 
 int configure(const char* mode, double hang_timeout_s, char* err, size_t err_len) {

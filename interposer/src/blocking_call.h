@@ -16,7 +16,8 @@ class BlockingCallScope {
   static bool active() { return depth_ > 0; }
 
  private:
-  static thread_local int depth_ __attribute__((tls_model("initial-exec")));
+  // Inline with a constant initializer: every TU sees it needs no dynamic init (no TLS wrapper call).
+  static inline thread_local int depth_ __attribute__((tls_model("initial-exec"))) = 0;
 };
 
 }  // namespace jitckpt

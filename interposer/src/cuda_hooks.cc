@@ -48,14 +48,16 @@ bool is_device_fault(cudaError_t e) {
   }
 }
 
+__attribute__((noinline)) void report_device_fault(Registry& r, const char* call, cudaError_t e) {
+  auto name = real_cuda.getErrorName.get();
+  char detail[160];
+  std::snprintf(detail, sizeof detail, "%s returned %s", call, name ? name(e) : "a device fault");
+  r.report_failure_and_hold("cuda_error", detail);
+}
+
 // A synchronizing call returned a device fault: report it before the application sees it.
-cudaError_t checked(Registry& r, const char* call, cudaError_t e) {
-  if (__builtin_expect(is_device_fault(e), 0)) {
-    auto name = real_cuda.getErrorName.get();
-    char detail[160];
-    std::snprintf(detail, sizeof detail, "%s returned %s", call, name ? name(e) : "a device fault");
-    r.report_failure_and_hold("cuda_error", detail);
-  }
+inline __attribute__((always_inline)) cudaError_t checked(Registry& r, const char* call, cudaError_t e) {
+  if (__builtin_expect(e != cudaSuccess, 0) && is_device_fault(e)) report_device_fault(r, call, e);
   return e;
 }
 
