@@ -12,6 +12,7 @@
 #include "registry.h"
 
 using jitckpt::BlockingCallScope;
+using jitckpt::NextSymbol;
 using jitckpt::real_cuda;
 using jitckpt::Registry;
 
@@ -61,35 +62,35 @@ inline __attribute__((always_inline)) cudaError_t checked(Registry& r, const cha
   return e;
 }
 
-}  // namespace
-
-// Exported (the library is built with -fvisibility=hidden).
-#pragma GCC visibility push(default)
-extern "C" {
-
-cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+// One implementation per entry point, shared by the legacy-default-stream name and its
+// per-thread-default-stream twin (_ptsz/_ptds, used by code built with --default-stream per-thread).
+template <typename Fn>
+cudaError_t event_record(NextSymbol<Fn>& next, cudaEvent_t event, cudaStream_t stream) {
   Registry& r = Registry::instance();
   if (__builtin_expect(r.redirect().active(), 0)) {
     stream = r.redirect().stream();
   } else {
     r.graph().note_event_record(event, stream);
   }
-  auto fn = real_cuda.eventRecord.get();
+  auto fn = next.get();
   return fn ? fn(event, stream) : kMissing;
 }
 
-cudaError_t cudaEventRecordWithFlags(cudaEvent_t event, cudaStream_t stream, unsigned int flags) {
+template <typename Fn>
+cudaError_t event_record_with_flags(NextSymbol<Fn>& next, cudaEvent_t event, cudaStream_t stream,
+                                    unsigned int flags) {
   Registry& r = Registry::instance();
   if (__builtin_expect(r.redirect().active(), 0)) {
     stream = r.redirect().stream();
   } else {
     r.graph().note_event_record(event, stream);
   }
-  auto fn = real_cuda.eventRecordWithFlags.get();
+  auto fn = next.get();
   return fn ? fn(event, stream, flags) : kMissing;
 }
 
-cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
+template <typename Fn>
+cudaError_t stream_wait_event(NextSymbol<Fn>& next, cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
   Registry& r = Registry::instance();
   if (__builtin_expect(r.redirect().active(), 0)) {
     // All save work is in order on the save stream; a wait could only add the hung dependency.
@@ -98,16 +99,74 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
     return cudaSuccess;
   }
   r.graph().note_stream_wait(stream, event);
-  auto fn = real_cuda.streamWaitEvent.get();
+  auto fn = next.get();
   return fn ? fn(stream, event, flags) : kMissing;
 }
 
-cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+template <typename Fn>
+cudaError_t stream_synchronize(NextSymbol<Fn>& next, cudaStream_t stream) {
   Registry& r = Registry::instance();
   if (__builtin_expect(r.redirect().active(), 0)) return synchronize_save_stream(r);
-  auto fn = real_cuda.streamSynchronize.get();
+  auto fn = next.get();
   BlockingCallScope blocking;
   return fn ? checked(r, "cudaStreamSynchronize", fn(stream)) : kMissing;
+}
+
+template <typename Fn>
+cudaError_t memcpy_sync(NextSymbol<Fn>& next, void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
+  Registry& r = Registry::instance();
+  if (__builtin_expect(r.redirect().active(), 0)) {
+    auto async = real_cuda.memcpyAsync.get();
+    if (async == nullptr) return kMissing;
+    cudaError_t st = async(dst, src, count, kind, r.redirect().stream());
+    return st != cudaSuccess ? st : synchronize_save_stream(r);
+  }
+  auto fn = next.get();
+  BlockingCallScope blocking;
+  return fn ? checked(r, "cudaMemcpy", fn(dst, src, count, kind)) : kMissing;
+}
+
+// Calls that only take a stream to enqueue on: redirected during the save, otherwise untouched.
+template <typename Fn, typename... Args>
+cudaError_t enqueue(NextSymbol<Fn>& next, cudaStream_t stream, Args... args_before_stream) {
+  Registry& r = Registry::instance();
+  if (__builtin_expect(r.redirect().active(), 0)) stream = r.redirect().stream();
+  auto fn = next.get();
+  return fn ? fn(args_before_stream..., stream) : kMissing;
+}
+
+}  // namespace
+
+// Exported (the library is built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+extern "C" {
+
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  return event_record(real_cuda.eventRecord, event, stream);
+}
+cudaError_t cudaEventRecord_ptsz(cudaEvent_t event, cudaStream_t stream) {
+  return event_record(real_cuda.eventRecord_ptsz, event, stream);
+}
+
+cudaError_t cudaEventRecordWithFlags(cudaEvent_t event, cudaStream_t stream, unsigned int flags) {
+  return event_record_with_flags(real_cuda.eventRecordWithFlags, event, stream, flags);
+}
+cudaError_t cudaEventRecordWithFlags_ptsz(cudaEvent_t event, cudaStream_t stream, unsigned int flags) {
+  return event_record_with_flags(real_cuda.eventRecordWithFlags_ptsz, event, stream, flags);
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
+  return stream_wait_event(real_cuda.streamWaitEvent, stream, event, flags);
+}
+cudaError_t cudaStreamWaitEvent_ptsz(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
+  return stream_wait_event(real_cuda.streamWaitEvent_ptsz, stream, event, flags);
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  return stream_synchronize(real_cuda.streamSynchronize, stream);
+}
+cudaError_t cudaStreamSynchronize_ptsz(cudaStream_t stream) {
+  return stream_synchronize(real_cuda.streamSynchronize_ptsz, stream);
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
@@ -134,48 +193,45 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind) {
-  Registry& r = Registry::instance();
-  if (__builtin_expect(r.redirect().active(), 0)) {
-    auto async = real_cuda.memcpyAsync.get();
-    if (async == nullptr) return kMissing;
-    cudaError_t st = async(dst, src, count, kind, r.redirect().stream());
-    return st != cudaSuccess ? st : synchronize_save_stream(r);
-  }
-  auto fn = real_cuda.memcpy.get();
-  BlockingCallScope blocking;
-  return fn ? checked(r, "cudaMemcpy", fn(dst, src, count, kind)) : kMissing;
+  return memcpy_sync(real_cuda.memcpy, dst, src, count, kind);
+}
+cudaError_t cudaMemcpy_ptds(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind) {
+  return memcpy_sync(real_cuda.memcpy_ptds, dst, src, count, kind);
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind,
                             cudaStream_t stream) {
-  Registry& r = Registry::instance();
-  if (__builtin_expect(r.redirect().active(), 0)) stream = r.redirect().stream();
-  auto fn = real_cuda.memcpyAsync.get();
-  return fn ? fn(dst, src, count, kind, stream) : kMissing;
+  return enqueue(real_cuda.memcpyAsync, stream, dst, src, count, kind);
+}
+cudaError_t cudaMemcpyAsync_ptsz(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind,
+                                 cudaStream_t stream) {
+  return enqueue(real_cuda.memcpyAsync_ptsz, stream, dst, src, count, kind);
 }
 
 cudaError_t cudaMemsetAsync(void* dst, int value, size_t count, cudaStream_t stream) {
-  Registry& r = Registry::instance();
-  if (__builtin_expect(r.redirect().active(), 0)) stream = r.redirect().stream();
-  auto fn = real_cuda.memsetAsync.get();
-  return fn ? fn(dst, value, count, stream) : kMissing;
+  return enqueue(real_cuda.memsetAsync, stream, dst, value, count);
+}
+cudaError_t cudaMemsetAsync_ptsz(void* dst, int value, size_t count, cudaStream_t stream) {
+  return enqueue(real_cuda.memsetAsync_ptsz, stream, dst, value, count);
 }
 
 cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** args, size_t shared_mem,
                              cudaStream_t stream) {
-  Registry& r = Registry::instance();
-  if (__builtin_expect(r.redirect().active(), 0)) stream = r.redirect().stream();
-  auto fn = real_cuda.launchKernel.get();
-  return fn ? fn(func, grid, block, args, shared_mem, stream) : kMissing;
+  return enqueue(real_cuda.launchKernel, stream, func, grid, block, args, shared_mem);
+}
+cudaError_t cudaLaunchKernel_ptsz(const void* func, dim3 grid, dim3 block, void** args, size_t shared_mem,
+                                  cudaStream_t stream) {
+  return enqueue(real_cuda.launchKernel_ptsz, stream, func, grid, block, args, shared_mem);
 }
 
 // What nvcc 13 generated launch stubs (<<<...>>>) call.
 cudaError_t __cudaLaunchKernel(cudaKernel_t kernel, dim3 grid, dim3 block, void** args, size_t shared_mem,
                                cudaStream_t stream) {
-  Registry& r = Registry::instance();
-  if (__builtin_expect(r.redirect().active(), 0)) stream = r.redirect().stream();
-  auto fn = real_cuda.internalLaunchKernel.get();
-  return fn ? fn(kernel, grid, block, args, shared_mem, stream) : kMissing;
+  return enqueue(real_cuda.internalLaunchKernel, stream, kernel, grid, block, args, shared_mem);
+}
+cudaError_t __cudaLaunchKernel_ptsz(cudaKernel_t kernel, dim3 grid, dim3 block, void** args, size_t shared_mem,
+                                    cudaStream_t stream) {
+  return enqueue(real_cuda.internalLaunchKernel_ptsz, stream, kernel, grid, block, args, shared_mem);
 }
 
 }  // extern "C"

@@ -28,6 +28,18 @@ struct RealCuda {
   NextSymbol<decltype(&::cudaMemsetAsync)> memsetAsync{"cudaMemsetAsync", kCudartSoname};
   NextSymbol<LaunchKernelFn> launchKernel{"cudaLaunchKernel", kCudartSoname};
   NextSymbol<InternalLaunchKernelFn> internalLaunchKernel{"__cudaLaunchKernel", kCudartSoname};
+  // Per-thread-default-stream twins (same signatures).
+  NextSymbol<decltype(&::cudaEventRecord)> eventRecord_ptsz{"cudaEventRecord_ptsz", kCudartSoname};
+  NextSymbol<decltype(&::cudaEventRecordWithFlags)> eventRecordWithFlags_ptsz{"cudaEventRecordWithFlags_ptsz",
+                                                                              kCudartSoname};
+  NextSymbol<decltype(&::cudaStreamWaitEvent)> streamWaitEvent_ptsz{"cudaStreamWaitEvent_ptsz", kCudartSoname};
+  NextSymbol<decltype(&::cudaStreamSynchronize)> streamSynchronize_ptsz{"cudaStreamSynchronize_ptsz",
+                                                                        kCudartSoname};
+  NextSymbol<decltype(&::cudaMemcpy)> memcpy_ptds{"cudaMemcpy_ptds", kCudartSoname};
+  NextSymbol<decltype(&::cudaMemcpyAsync)> memcpyAsync_ptsz{"cudaMemcpyAsync_ptsz", kCudartSoname};
+  NextSymbol<decltype(&::cudaMemsetAsync)> memsetAsync_ptsz{"cudaMemsetAsync_ptsz", kCudartSoname};
+  NextSymbol<LaunchKernelFn> launchKernel_ptsz{"cudaLaunchKernel_ptsz", kCudartSoname};
+  NextSymbol<InternalLaunchKernelFn> internalLaunchKernel_ptsz{"__cudaLaunchKernel_ptsz", kCudartSoname};
   // Not interposed; used by the watchdog and the save redirect.
   NextSymbol<decltype(&::cudaEventQuery)> eventQuery{"cudaEventQuery", kCudartSoname};
   NextSymbol<decltype(&::cudaEventCreateWithFlags)> eventCreateWithFlags{"cudaEventCreateWithFlags",

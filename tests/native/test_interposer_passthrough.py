@@ -52,11 +52,14 @@ def test_probe_references_versioned_cudart_symbols() -> None:
     assert "__cudaLaunchKernel@libcudart.so.13" in syms
 
 
-def test_real_cudart_results_unchanged_under_preload() -> None:
-    need(LIBJIT, PROBE, REAL_CUDART_DIR / "libcudart.so.13")
+@pytest.mark.parametrize("suffix", ["", "_ptsz"], ids=["legacy-stream", "per-thread-stream"])
+def test_real_cudart_results_unchanged_under_preload(suffix: str) -> None:
+    """Same with the probe built with --default-stream per-thread (cudaX_ptsz / cudaMemcpy_ptds)."""
+    probe = PROBE.with_name(PROBE.name + suffix)
+    need(LIBJIT, probe, REAL_CUDART_DIR / "libcudart.so.13")
     base = clean_env(LD_LIBRARY_PATH=str(REAL_CUDART_DIR))
-    plain = run([str(PROBE)], base)
-    pre = run([str(PROBE)], {**base, "LD_PRELOAD": str(LIBJIT), "JITCKPT_VERBOSE": "1"})
+    plain = run([str(probe)], base)
+    pre = run([str(probe)], {**base, "LD_PRELOAD": str(LIBJIT), "JITCKPT_VERBOSE": "1"})
     assert plain.returncode == 0, plain.stderr
     assert pre.returncode == 0, pre.stderr
     # Same call, same real error code, line by line (no GPU here: e.g. cudaErrorInsufficientDriver).
@@ -66,8 +69,10 @@ def test_real_cudart_results_unchanged_under_preload() -> None:
     assert any("cudaError" in line and "cudaSuccess" not in line for line in lines)
     # The versioned references were bound to libjit.so's unversioned definitions, which forwarded
     # to the real runtime (the verbose log names each symbol when it is first resolved).
-    for sym in ("cudaEventRecord", "cudaStreamWaitEvent", "cudaMemcpy", "cudaMemcpyAsync", "__cudaLaunchKernel",
-                "cudaLaunchKernel", "cudaStreamSynchronize", "cudaDeviceSynchronize"):
+    ptsz = {"": "", "_ptsz": "_ptsz"}[suffix]
+    for sym in (f"cudaEventRecord{ptsz}", f"cudaStreamWaitEvent{ptsz}", f"cudaMemcpyAsync{ptsz}",
+                f"__cudaLaunchKernel{ptsz}", f"cudaLaunchKernel{ptsz}", f"cudaStreamSynchronize{ptsz}",
+                f"cudaMemsetAsync{ptsz}", "cudaMemcpy_ptds" if ptsz else "cudaMemcpy", "cudaDeviceSynchronize"):
         assert f"interposed {sym} -> 0x" in pre.stderr, (sym, pre.stderr)
     assert "cannot find the next definition" not in pre.stderr
 
