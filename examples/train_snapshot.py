@@ -32,6 +32,9 @@ def parse():
     p.add_argument("--restore", action="store_true")
     p.add_argument("--out", default="")
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--pause-at", type=int, default=-1,
+                   help="after committing step N's snapshot, print 'paused' and block on stdin (the "
+                        "test kills a node there)")
     return p.parse_args()
 
 
@@ -72,6 +75,7 @@ def main():
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
+        loss = loss.detach()
         flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         with snap.idle():
             dist.all_reduce(flat)
@@ -81,8 +85,11 @@ def main():
             p.grad.copy_(flat[off:off + p.numel()].view_as(p))
             off += p.numel()
         committed = snap.wait()
+        if step == args.pause_at:
+            emit(event="paused", rank=rank, step=step, snapshot=committed)
+            sys.stdin.read()
         opt.step()
-        emit(event="step", rank=rank, step=step, snapshot=committed, loss=float(loss))
+        emit(event="step", rank=rank, step=step, snapshot=committed, loss=loss.item())
     snap.close()
     if args.out and rank == 0:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
