@@ -27,6 +27,8 @@ import jitckpt
 def parse():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--in-dim", type=int, default=32)
+    p.add_argument("--out-dim", type=int, default=8)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=16)
@@ -37,12 +39,16 @@ def parse():
     p.add_argument("--log", default="")
     p.add_argument("--no-jitckpt", action="store_true", help="plain DDP, for overhead comparisons")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (slow steps)")
+    p.add_argument("--baseline-save-every", type=int, default=0,
+                   help="with --no-jitckpt: torch.save on rank 0 every N steps, resume from it (the "
+                        "torchrun + periodic checkpoint baseline)")
+    p.add_argument("--baseline-dir", default="")
     return p.parse_args()
 
 
 def build(args):
     torch.manual_seed(0)
-    dims = [32] + [args.hidden] * args.layers + [8]
+    dims = [args.in_dim] + [args.hidden] * args.layers + [args.out_dim]
     layers = []
     for a, b in zip(dims[:-1], dims[1:]):
         layers += [nn.Linear(a, b), nn.Tanh()]
@@ -51,8 +57,8 @@ def build(args):
 
 def batch_for(step, rank, args):
     g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(args.batch, 32, generator=g)
-    y = torch.randn(args.batch, 8, generator=g)
+    x = torch.randn(args.batch, args.in_dim, generator=g)
+    y = torch.randn(args.batch, args.out_dim, generator=g)
     return x, y
 
 
@@ -82,6 +88,13 @@ def main():
         start = state.restore()
         if "restore" in mine:
             os.kill(os.getpid(), signal.SIGKILL)
+    baseline_file = os.path.join(args.baseline_dir, "ckpt.pt") if args.baseline_dir else ""
+    if args.no_jitckpt and baseline_file and os.path.exists(baseline_file):
+        sd = torch.load(baseline_file, weights_only=True)
+        model.module.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+        sched.load_state_dict(sd["scheduler"])
+        start = sd["step"]
     if "optim" in mine:
         def die_in_step(*_a, **_k):
             if state.step == mine["optim"]:
@@ -93,6 +106,9 @@ def main():
         t0 = time.perf_counter()
         x, y = batch_for(step, rank, args)
         if mine.get("kill") == step:
+            if logf:
+                logf.write(json.dumps({"gen": gen, "rank": rank, "dying": step, "t": time.time()}) + "\n")
+                logf.flush()
             os.kill(os.getpid(), signal.SIGKILL)
         if mine.get("stop") == step:
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -103,10 +119,15 @@ def main():
         loss.backward()
         opt.step()
         sched.step()
+        if args.baseline_save_every and rank == 0 and (step + 1) % args.baseline_save_every == 0:
+            os.makedirs(args.baseline_dir, exist_ok=True)
+            torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict(), "step": step + 1}, baseline_file + ".tmp")
+            os.replace(baseline_file + ".tmp", baseline_file)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if logf:
-            psum = float(sum(p.double().sum() for p in model.parameters()))
+            psum = float(sum(p.detach().double().sum() for p in model.parameters()))
             logf.write(json.dumps({"gen": gen, "rank": rank, "step": step, "loss": loss.item(), "psum": psum,
                                    "t": time.time(), "dt": time.perf_counter() - t0}) + "\n")
             logf.flush()

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # torch is imported only by workers, not by the launcher
     from .worker_runtime import WorkerRuntime
 
 __version__ = "0.1.0"
-__all__ = ["init", "get_checkpoint_path", "protect", "mark_step", "Protected", "EXIT_JIT_SAVED",
+__all__ = ["init", "get_checkpoint_path", "protect", "mark_step", "blocking_region", "Protected", "EXIT_JIT_SAVED",
            "EXIT_NO_SAVE"]
 
 _runtime: Optional["WorkerRuntime"] = None
@@ -92,7 +92,30 @@ def get_checkpoint_path() -> Optional[str]:
     Checks every candidate against its metadata (sizes, CRC32) and skips incomplete or corrupt
     ones with a logged warning; a JIT checkpoint from any data-parallel replica qualifies.
     """
-    return _get_runtime().latest_checkpoint()
+    return _get_runtime().select_checkpoint()
+
+
+class blocking_region:
+    """Context manager marking code that waits on other ranks (a collective jitckpt cannot see).
+
+    While the main thread is inside, a hang shows up as a region that outlives the hang timeout,
+    and a JIT save may run on a helper thread (the main thread is held until it is done). Use it
+    around e.g. a native all-reduce + synchronize called through ctypes::
+
+        with jitckpt.blocking_region("allreduce"):
+            lib.train_step(step)
+    """
+
+    def __init__(self, kind: str = "collective") -> None:
+        self.kind = kind
+
+    def __enter__(self) -> "blocking_region":
+        self._rt = _get_runtime()
+        self._tok = self._rt.region_enter(self.kind)
+        return self
+
+    def __exit__(self, etype, exc, tb) -> None:  # type: ignore[no-untyped-def]
+        self._rt.region_exit(self._tok, exc)
 
 
 def mark_step(step: int) -> None:

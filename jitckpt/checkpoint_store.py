@@ -204,8 +204,9 @@ def list_candidates(root: str | os.PathLike) -> list[Candidate]:
         m = _DIR_RE.match(p.name)
         if m and p.is_dir():
             out.append(Candidate(p, m["kind"], int(m["gen"]), int(m["rank"]), int(m["step"])))
-    # Newest step first; at equal steps prefer JIT (taken from live replicas), then newer generation.
-    out.sort(key=lambda c: (c.step, c.kind == "jit", c.gen), reverse=True)
+    # Newest step first; at equal steps prefer JIT (taken from live replicas), then the newer
+    # generation, then the lowest rank (so every reader examines candidates in the same order).
+    out.sort(key=lambda c: (c.step, c.kind == "jit", c.gen, -c.rank), reverse=True)
     return out
 
 

@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # `jitckpt report ... | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

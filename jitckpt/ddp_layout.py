@@ -4,8 +4,9 @@ DDP builds its first buckets in reverse parameter order and rebuilds them once, 
 backward pass, in the order gradients became ready. With three or more ranks the all-reduce's
 summation order per element depends on where the element sits in its bucket, so a restarted job
 whose first minibatch runs on the initial layout computes different low bits than the original
-job, which ran that minibatch on the rebuilt layout. ``protect()`` therefore saves the live layout
-with each checkpoint, and the restarted worker builds its DDP with exactly that layout.
+job, which ran that minibatch on the rebuilt layout. ``protect()`` therefore records the layout
+after DDP's rebuild, saves it with each checkpoint, and the restarted worker builds its DDP with
+exactly that layout.
 """
 from __future__ import annotations
 
@@ -33,7 +34,11 @@ def _reducer_params(ddp: torch.nn.Module) -> list:
 
 
 def capture(model: torch.nn.Module) -> Optional[dict]:
-    """The bucket layout of a DDP model's reducer, as parameter indices per bucket (or None)."""
+    """The bucket layout of a DDP model's reducer, as parameter indices per bucket (or None).
+
+    Call it from the training thread outside backward: it takes the reducer's lock and allocates
+    one bucket-sized buffer per bucket.
+    """
     reducer = getattr(model, "reducer", None)
     if reducer is None or not hasattr(reducer, "_get_zeros_like_grad_buckets"):
         return None
@@ -52,10 +57,8 @@ def capture(model: torch.nn.Module) -> Optional[dict]:
     return {"buckets": layout, "shapes": shapes}
 
 
-def save(model: torch.nn.Module, directory: str) -> None:
-    layout = capture(model)
-    if layout is not None:
-        (Path(directory) / LAYOUT_FILE).write_text(json.dumps(layout))
+def write(layout: dict, directory: str) -> None:
+    (Path(directory) / LAYOUT_FILE).write_text(json.dumps(layout))
 
 
 def load(checkpoint_dir: Optional[str]) -> Optional[dict]:

@@ -82,7 +82,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="warm standby processes per local rank (0 = start cold)")
     g.add_argument("--status-interval", type=float, default=10.0, help="seconds between status lines (0 = off)")
     g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    g.add_argument("--metrics-addr", default="127.0.0.1", help="metrics bind address (loopback default)")
+    g.add_argument("--metrics-addr", default="127.0.0.1",
+                   help="metrics bind address (loopback default; any other needs $JITCKPT_METRICS_TOKEN, "
+                        "sent by scrapers as a bearer token)")
     g.add_argument("--preload", default="", help="LD_PRELOAD for workers (e.g. libjit.so)")
     g.add_argument("--plugin", default="", help="proxy plugins (undo,logging)")
     p.add_argument("script", help="training script (or module with -m, or program with --no-python)")

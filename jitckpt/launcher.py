@@ -137,7 +137,8 @@ class Launcher:
         self.metrics = None
         if cfg.metrics_port is not None:
             from .metrics import JobMetrics
-            self.metrics = JobMetrics(port=cfg.metrics_port, addr=cfg.metrics_addr)
+            self.metrics = JobMetrics(port=cfg.metrics_port, addr=cfg.metrics_addr,
+                                      token=os.environ.get("JITCKPT_METRICS_TOKEN") or None)
         self.coord = NodeCoordinator(cfg)
         self.display = StatusDisplay(enabled=cfg.status_interval > 0, interval=cfg.status_interval)
         self.pool: Optional[StandbyPool] = None
@@ -158,8 +159,11 @@ class Launcher:
                   world_size=cfg.world_size, script=cfg.script, checkpoint_dir=cfg.checkpoint_dir,
                   hang_timeout=cfg.hang_timeout, node_rank=cfg.node_rank)
         if not cfg.no_python:
-            self.pool = StandbyPool(size=cfg.nproc_per_node * cfg.warm_standby,
-                                    env=self._base_env(), python=sys.executable)
+            env = self._base_env()
+            if cfg.preload:  # must be in the environment when the standby process starts
+                env["LD_PRELOAD"] = cfg.preload
+            self.pool = StandbyPool(size=cfg.nproc_per_node * cfg.warm_standby, env=env,
+                                    python=sys.executable)
             self.pool.fill()
         try:
             gen = 0
@@ -429,7 +433,7 @@ class Launcher:
         now = time.time()
         restored = [w.restored for w in self.workers if w.restored]
         step_resumed = min((r["step"] for r in restored), default=0)
-        restore_s = max((r["seconds"] for r in restored), default=0.0)
+        restore_s = max((r["seconds"] or 0.0 for r in restored), default=0.0)
         detect_s = 0.0
         save_s = (f.t_covered - f.t_detect) if f.t_covered else None
         restart_s = now - (f.t_killed or now)
@@ -454,4 +458,9 @@ class Launcher:
 
 def run(cfg: LaunchConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="[jitckpt] %(message)s")
-    return Launcher(cfg).run()
+    try:
+        launcher = Launcher(cfg)
+    except (ValueError, OSError) as e:  # e.g. a metrics address that needs a token, a busy port
+        print(f"jitckpt run: error: {e}", file=sys.stderr)
+        return 2
+    return launcher.run()

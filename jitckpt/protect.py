@@ -69,8 +69,11 @@ class Protected:
         self._has_buffers = any(True for _ in model.buffers())
         self._stepped = False          # optimizer.step() ran since this minibatch's forward
         self._sched_epoch: Any = None  # scheduler.last_epoch when this minibatch's forward began
+        self._ddp_layout: Optional[dict] = None
+        self._train_forwards = 0
         self._handles = [
             model.register_forward_pre_hook(self._on_forward),
+            model.register_forward_hook(self._after_forward),
             optimizer.register_step_post_hook(self._on_step_done),
         ]
 
@@ -89,6 +92,15 @@ class Protected:
         if self._has_buffers:
             self._buffer_snapshot = {k: b.detach().clone() for k, b in self.model.named_buffers()}
         self._mid_minibatch = True
+
+    def _after_forward(self, module: Any, args: Any, output: Any) -> None:
+        # DDP rebuilds its buckets at the start of the second training forward; record the layout
+        # here, on the main thread: at save time the reducer may be locked by a blocked backward.
+        if self._train_forwards < 2 and torch.is_grad_enabled() and hasattr(self.model, "reducer"):
+            from . import ddp_layout
+
+            self._train_forwards += 1
+            self._ddp_layout = ddp_layout.capture(self.model) or self._ddp_layout
 
     def _on_step_done(self, *args: Any, **kwargs: Any) -> None:
         self.step += 1
@@ -122,9 +134,10 @@ class Protected:
     def save(self, path: str) -> None:
         """Save into directory ``path`` (the save_fn given to ``jitckpt.init``)."""
         torch.save(self.state_dict(), Path(path) / STATE_FILE)
-        from . import ddp_layout
+        if self._ddp_layout is not None:
+            from . import ddp_layout
 
-        ddp_layout.save(self.model, path)
+            ddp_layout.write(self._ddp_layout, path)
 
     def load(self, path: str) -> int:
         """Load a checkpoint directory written by :meth:`save`; return the step to continue from."""
@@ -150,9 +163,9 @@ class Protected:
 
     def restore(self) -> int:
         """Load the newest complete checkpoint if there is one; return the step to continue from."""
-        from . import _runtime_or_none, get_checkpoint_path
+        from . import _get_runtime, _runtime_or_none
 
-        path = get_checkpoint_path()
+        path = _get_runtime().latest_checkpoint()
         if path is None:
             return self.step
         t0 = time.monotonic()

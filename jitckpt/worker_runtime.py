@@ -84,6 +84,7 @@ class WorkerRuntime:
         self._last_status_t = 0.0
         self._resumed_reported = False
         self._latest: dict = {}
+        self._native = None  # jitckpt._native when libjit.so is preloaded
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -130,9 +131,27 @@ class WorkerRuntime:
             from . import _native  # type: ignore[attr-defined]
         except ImportError:
             return
-        setter = getattr(_native, "set_failure_callback", None)
-        if setter is not None:
-            setter(lambda kind, detail: self.report_failure(kind, detail))
+        if not _native.preloaded():
+            return
+        try:
+            _native.set_failure_callback(lambda kind, detail: self.report_failure(kind, detail))
+        except RuntimeError as e:  # the signal libjit uses to take the GIL is already in use
+            log.warning("rank %d: libjit.so hang detection not attached: %s", self.rank, e)
+            return
+        self._native = _native
+        self._native_timeout = None
+        self._sync_native_timeout()
+
+    def _sync_native_timeout(self) -> None:
+        """libjit.so watches NCCL collectives with one timeout: keep it at the current policy's."""
+        t = self._history.timeout_for("backward")
+        if self._native_timeout is None or abs(t - self._native_timeout) > 0.1 * self._native_timeout:
+            self._native.configure(hang_timeout=t)
+            self._native_timeout = t
+
+    def _native_phase(self, phase: str) -> None:
+        if self._native is not None:
+            self._native.set_phase(phase)
 
     # ---- the user-facing pieces -------------------------------------------------------------
     def set_save_fn(self, save_fn: Callable[[str], None], *, step_fn=None, shard_id: int = 0,
@@ -158,7 +177,14 @@ class WorkerRuntime:
         self._restored_step = step
         return path
 
-    def report_restored(self, path: str, step: int, seconds: float) -> None:
+    def select_checkpoint(self) -> Optional[str]:
+        """``jitckpt.get_checkpoint_path()``: the newest checkpoint, reported as the restore point."""
+        path = self.latest_checkpoint()
+        if path is not None and self._restored_step is not None:
+            self.report_restored(path, self._restored_step, None)
+        return path
+
+    def report_restored(self, path: str, step: int, seconds: Optional[float]) -> None:
         self._restored_step = step
         if self.channel is not None:
             self.channel.send("restored", rank=self.rank, step=step, path=path, seconds=seconds)
@@ -174,6 +200,10 @@ class WorkerRuntime:
         """A minibatch boundary: a safe point, the status heartbeat and the periodic tier."""
         if self._failure_evt.is_set():
             self._save_and_exit(on_main=True)
+        if self._native is not None:
+            self._native.mark_minibatch(step)
+            self._native.set_phase("forward")
+            self._sync_native_timeout()
         now = time.monotonic()
         prev_t, prev = self._last_step_t, self._last_step
         self._last_step, self._last_step_t = step, now
@@ -201,6 +231,7 @@ class WorkerRuntime:
         tok = next(self._ids)
         with self._lock:
             self._regions[tok] = (kind, time.monotonic())
+        self._native_phase("backward" if kind == "backward" else "allreduce")
         return tok
 
     def region_exit(self, token: int, exc: Optional[BaseException]) -> None:
@@ -226,9 +257,11 @@ class WorkerRuntime:
         if held:
             self._park()
         self._in_optimizer = True
+        self._native_phase("optimizer")
 
     def optimizer_post_step(self) -> None:
         self._in_optimizer = False
+        self._native_phase("idle")
         self._opt_steps += 1
 
     def _oldest_region(self) -> Optional[tuple[str, float]]:

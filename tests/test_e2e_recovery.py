@@ -31,7 +31,7 @@ def assert_bitwise(params: dict, ref: dict) -> None:
 
 
 def completed_steps(res, gen: int) -> list:
-    return sorted({r["step"] for r in res.log if r["gen"] == gen})
+    return sorted({r["step"] for r in res.log if r["gen"] == gen and "step" in r})
 
 
 def assert_at_most_one_minibatch_redone(res, failed_gen: int = 0, resumed_gen: int = 1) -> None:

@@ -38,9 +38,8 @@ def need_build() -> None:
 
 def base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JITCKPT_", "SIMCUDA_", "LD_PRELOAD"))}
-    # LD_PRELOAD is also set on the launcher itself: its warm-standby workers inherit the launcher's
-    # environment at exec time, and --preload is applied only to --no-python workers.
-    env.update(LD_PRELOAD=str(LIBJIT), LD_LIBRARY_PATH=str(SIMCUDA), PYTHONPATH=str(REPO),
+    # libjit.so reaches the workers through `jitckpt run --preload`, not the launcher's own env.
+    env.update(LD_LIBRARY_PATH=str(SIMCUDA), PYTHONPATH=str(REPO),
                SIMCUDA_KERNEL_LIB=str(DP_LIBS / "libdp_train_kernels.so"))
     return env
 

@@ -211,14 +211,11 @@ def run_under_jitckpt(args: argparse.Namespace) -> int:
         model.set_state(Path(ckpt, "state.bin").read_bytes())
         print(f"rank {args.rank}: resumed at step {completed} from {ckpt}", flush=True)
     # The runtime saves from a helper thread only while the main thread is inside a blocking region;
-    # dp_step (all-reduce + device optimizer waiting for it) is that region. Private API for now.
-    runtime = jitckpt._get_runtime()
+    # dp_step (all-reduce + device optimizer waiting for it) is that region.
     for step in range(completed, args.steps):
-        jitckpt.mark_step(step)
-        _native.mark_minibatch(step)
-        token = runtime.region_enter("dp_step")
-        model.step(step)
-        runtime.region_exit(token, None)
+        jitckpt.mark_step(step)  # also tells libjit.so the minibatch
+        with jitckpt.blocking_region("dp_step"):
+            model.step(step)
         completed = step + 1
     Path(args.out.format(rank=args.rank)).write_bytes(model.get_state())
     print(f"rank {args.rank}: finished {args.steps} steps (native status: {_native.status()['last_error']})",
