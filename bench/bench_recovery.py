@@ -1,0 +1,218 @@
+"""Issue 2 benchmarks, all measured in one run on this machine (CPU, gloo, 2 ranks):
+
+1. Steady-state overhead of `jitckpt run` + `jitckpt.protect` vs plain torchrun, same script.
+   (a) end to end: median step time, runs interleaved; (b) the exact per-step cost of jitckpt's
+   hooks, timed in-process, as a fraction of the step time (noise-free bound).
+2. Time from a failure to training back at (i.e. having completed) the failed step, broken into
+   detection / JIT save / restart / restore / redo, vs torchrun + torch.save every 10 steps.
+3. JIT checkpoint write throughput as a fraction of the raw write bandwidth of the same directory.
+
+Model: the 8.4 M-parameter MLP (1024-2048-2048-1024), Adam, batch 32.
+Usage: python bench/bench_recovery.py [--quick] [--out bench/results/recovery.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "examples" / "train_ddp.py"
+MODEL = ["--in-dim", "1024", "--hidden", "2048", "--layers", "2", "--out-dim", "1024",
+         "--batch", "32", "--lr", "0.001"]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+       "OMP_NUM_THREADS": "1"}
+
+
+def read_log(path: Path) -> list:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def run(cmd: list, cwd: Path, timeout: float = 600) -> str:
+    p = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p.stdout + p.stderr
+
+
+def torchrun(nproc: int, args: list, cwd: Path, max_restarts: int = 0) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--max-restarts", str(max_restarts), "--monitor-interval", "0.1", str(TRAIN), *args]
+
+
+def jitrun(nproc: int, args: list, cwd: Path, extra: list = ()) -> list:
+    return [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(nproc),
+            "--checkpoint-dir", str(cwd / "ckpt"), "--run-dir", str(cwd / "run"),
+            "--status-interval", "0", *extra, str(TRAIN), *args]
+
+
+def step_times(log: list, skip: int) -> list:
+    return [r["dt"] for r in log if r.get("rank") == 0 and "dt" in r and r["step"] >= skip]
+
+
+# ---- 1. steady-state overhead ------------------------------------------------------------------
+def bench_overhead(work: Path, steps: int, reps: int) -> dict:
+    plain, jit = [], []
+    for i in range(reps):
+        for kind in ("plain", "jit"):
+            d = work / f"ovh-{kind}-{i}"
+            d.mkdir()
+            args = [*MODEL, "--steps", str(steps), "--log", str(d / "log.jsonl")]
+            if kind == "plain":
+                run(torchrun(2, [*args, "--no-jitckpt"], d), d)
+                plain += step_times(read_log(d / "log.jsonl"), 10)
+            else:
+                run(jitrun(2, args, d), d)
+                jit += step_times(read_log(d / "log.jsonl"), 10)
+    mp, mj = statistics.median(plain), statistics.median(jit)
+    return {"median_step_plain_s": mp, "median_step_jitckpt_s": mj,
+            "end_to_end_overhead": mj / mp - 1, "samples": [len(plain), len(jit)]}
+
+
+def bench_hook_cost(step_time: float, iters: int = 20000) -> dict:
+    """Per-step cost of everything jitckpt adds to a training step, timed in this process."""
+    import torch
+
+    import jitckpt
+    from jitckpt.worker_runtime import WorkerRuntime
+    from jitckpt.watchdog import HangTimeout
+
+    with tempfile.TemporaryDirectory() as d:
+        rt = WorkerRuntime(rank=0, world_size=2, gen=0, checkpoint_dir=d,
+                           hang_timeout=HangTimeout(fixed=60), channel=None)
+        rt.start()
+        jitckpt._install_runtime(rt)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.Adam(model.parameters())
+        state = jitckpt.protect(model, opt)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            state._on_forward(model, ())                 # forward pre-hook: step boundary
+            tok = rt.region_enter("backward")            # loss.backward() wrapper
+            rt.region_exit(tok, None)
+            rt.optimizer_pre_step()                      # global optimizer hooks
+            rt.optimizer_post_step()
+            state._on_step_done()
+        per_step = (time.perf_counter() - t0) / iters
+        state.close()
+        rt._watchdog.stop()
+        rt._hooks.remove()
+    return {"hook_cost_per_step_s": per_step, "hook_cost_fraction": per_step / step_time}
+
+
+# ---- 2. recovery time --------------------------------------------------------------------------
+def back_at_failed_step(log: list, fail_step: int) -> tuple[float, float, int]:
+    """(failure time, time the failed step was completed again, first step of the new launch)."""
+    t_fail = next(r["t"] for r in log if "dying" in r)
+    gen1 = [r for r in log if r.get("gen", 0) >= 1 and "step" in r]
+    t_back = min(r["t"] for r in gen1 if r["step"] == fail_step)
+    return t_fail, t_back, min(r["step"] for r in gen1)
+
+
+def bench_recovery(work: Path, steps: int, fail_step: int) -> dict:
+    res = {}
+    # jitckpt
+    d = work / "rec-jit"
+    d.mkdir()
+    run(jitrun(2, [*MODEL, "--steps", str(steps), "--log", str(d / "log.jsonl"),
+                   "--inject", f"0:1:{fail_step}:kill"], d, extra=["--hang-timeout", "30"]), d)
+    log = read_log(d / "log.jsonl")
+    t_fail, t_back, first = back_at_failed_step(log, fail_step)
+    ev = [json.loads(x) for x in (d / "run" / "events.jsonl").read_text().splitlines()]
+    t_detect = next(e["t"] for e in ev if e["event"] == "failure_detected")
+    t_saved = max(e["t"] for e in ev if e["event"] == "checkpoint_saved")
+    t_restart = next(e["t"] for e in ev if e["event"] == "restart")
+    restores = [e for e in ev if e["event"] == "restore"]
+    t_restored = max(e["t"] for e in restores)
+    restore_s = max(e["seconds"] for e in restores)
+    ckpt_bytes = max(e["bytes"] for e in ev if e["event"] == "checkpoint_saved")
+    res["jitckpt"] = {
+        "total_s": t_back - t_fail, "detect_s": t_detect - t_fail, "save_s": t_saved - t_detect,
+        "restart_s": (t_restored - restore_s) - t_restart, "restore_s": restore_s,
+        "redo_s": t_back - t_restored, "resumed_at": first, "minibatches_redone": fail_step - first + 1,
+        "checkpoint_bytes": ckpt_bytes,
+    }
+    # torchrun + torch.save every 10 steps
+    d = work / "rec-torchrun"
+    d.mkdir()
+    run(torchrun(2, [*MODEL, "--steps", str(steps), "--log", str(d / "log.jsonl"), "--no-jitckpt",
+                     "--baseline-save-every", "10", "--baseline-dir", str(d / "ckpt"),
+                     "--inject", f"0:1:{fail_step}:kill"], d, max_restarts=1), d)
+    log = read_log(d / "log.jsonl")
+    t_fail, t_back, first = back_at_failed_step(log, fail_step)
+    gen1 = sorted((r for r in log if r.get("gen", 0) >= 1 and "step" in r), key=lambda r: r["t"])
+    t_first_done = gen1[0]["t"]
+    res["torchrun_save10"] = {
+        "total_s": t_back - t_fail, "until_first_step_done_s": t_first_done - t_fail,
+        "redo_s": t_back - t_first_done, "resumed_at": first, "minibatches_redone": fail_step - first + 1,
+    }
+    res["speedup"] = res["torchrun_save10"]["total_s"] / res["jitckpt"]["total_s"]
+    return res
+
+
+# ---- 3. write throughput ----------------------------------------------------------------------
+def bench_write(work: Path) -> dict:
+    import torch
+
+    import jitckpt
+    from jitckpt.checkpoint_store import write_checkpoint
+    from jitckpt.protect import Protected
+
+    sys.argv = [str(TRAIN), *MODEL]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Tanh(), torch.nn.Linear(2048, 2048),
+                                torch.nn.Tanh(), torch.nn.Linear(2048, 1024))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    state = Protected(model, opt)
+    d = work / "write"
+    d.mkdir()
+    t0 = time.perf_counter()
+    path, meta = write_checkpoint(d, state.save, kind="jit", step=1, rank=0, world_size=1, gen=0)
+    jit_s = time.perf_counter() - t0
+    nbytes = meta.total_bytes
+    raw = d / "raw.bin"
+    buf = os.urandom(8 << 20)
+    t0 = time.perf_counter()
+    fd = os.open(raw, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    left = nbytes
+    while left > 0:
+        left -= os.write(fd, buf[: min(len(buf), left)])
+    os.fsync(fd)
+    os.close(fd)
+    raw_s = time.perf_counter() - t0
+    return {"bytes": nbytes, "jit_save_s": jit_s, "raw_write_s": raw_s,
+            "jit_MBps": nbytes / jit_s / 1e6, "raw_MBps": nbytes / raw_s / 1e6,
+            "fraction_of_raw": raw_s / jit_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "recovery.json"))
+    ap.add_argument("--workdir", default="")
+    a = ap.parse_args()
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="jitckpt-bench-"))
+    steps, reps = (30, 1) if a.quick else (60, 2)
+    results = {"machine": {"cpus": os.cpu_count()}, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    results["write"] = bench_write(work)
+    print("write:", json.dumps(results["write"], indent=1), flush=True)
+    results["overhead"] = bench_overhead(work, steps, reps)
+    results["overhead"].update(bench_hook_cost(results["overhead"]["median_step_plain_s"]))
+    print("overhead:", json.dumps(results["overhead"], indent=1), flush=True)
+    results["recovery"] = bench_recovery(work, steps=40, fail_step=25)
+    print("recovery:", json.dumps(results["recovery"], indent=1), flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
