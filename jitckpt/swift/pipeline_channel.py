@@ -1,0 +1,156 @@
+"""Point-to-point channel of one pipeline stage for one iteration: live or from the logs.
+
+Each peer is either *live* (gloo isend/irecv on the stage's process group, observed by the
+installed :class:`SendLogger` hooks) or *logged*: that peer is not running this iteration
+(it already completed it, or this stage is a replacement replaying alone), so inputs from it
+come from the log (:class:`LogIndex`) and outputs to it are not sent but checked bitwise
+against the digest it logged when it received the original (divergence detection).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .logging_records import MessageKey
+from .logging_replay import LogIndex
+from .logging_sender import SendLogger
+
+
+class PeerFailure(RuntimeError):
+    """A point-to-point operation failed: a pipeline peer died or the group was aborted."""
+
+
+class WorkWaiter:
+    """Waits for gloo works on a helper thread so the stage can stop waiting on a failure.
+
+    Gloo's ``Work.is_completed()`` only turns true inside ``wait()``, aborting the group does
+    not wake a pending receive and a short-timeout wait breaks the connection; so the blocking
+    ``wait()`` runs here while the stage thread polls the failure flag every ``poll`` seconds.
+    After a failure the helper stays blocked until the old group's timeout (it is a daemon).
+    """
+
+    def __init__(self, *, poll: float = 0.02) -> None:
+        self.poll = poll
+        self._queue: "queue.Queue[tuple[object, threading.Event, list]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="swift-p2p-wait")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            work, done, error = self._queue.get()
+            try:
+                work.wait()
+            except BaseException as exc:  # reported to the stage thread
+                error.append(exc)
+            done.set()
+
+    def wait(self, work: object, *, failed: Callable[[], bool], what: str) -> None:
+        """Block until ``work`` completes; raise :class:`PeerFailure` if it fails or if
+        ``failed()`` turns true first."""
+        done, error = threading.Event(), []
+        self._queue.put((work, done, error))
+        while not done.wait(self.poll):
+            if failed():
+                raise PeerFailure(f"{what}: failure flag set while waiting")
+        if error:
+            raise PeerFailure(f"{what} failed: {error[0]}") from error[0]
+
+
+class PipelineChannel:
+    """Sends/receives of one stage; ``logged_peers`` are served from/checked against ``index``.
+
+    ``group`` may be None when every peer is logged (a replacement replaying alone).
+    ``on_idle`` runs while the stage would block on a live receive (a pipeline bubble);
+    With a ``waiter``, waits for live peers are interrupted when ``failure()`` (the job-wide
+    failure flag) turns true.
+    """
+
+    def __init__(self, *, stage: int, group: Optional[dist.ProcessGroup],
+                 logger: Optional[SendLogger] = None, index: Optional[LogIndex] = None,
+                 logged_peers: Iterable[int] = (),
+                 on_idle: Optional[Callable[[], None]] = None,
+                 failure: Optional[Callable[[], bool]] = None,
+                 waiter: Optional["WorkWaiter"] = None) -> None:
+        self.stage = stage
+        self.group = group
+        self.logger = logger
+        self.index = index
+        self.logged_peers = frozenset(logged_peers)
+        if self.logged_peers and index is None:
+            raise ValueError("logged_peers given without a LogIndex to serve them from")
+        self.on_idle = on_idle
+        self.failure = failure if failure is not None else (lambda: False)
+        self.waiter = waiter
+        self._works: list[object] = []
+        self.replayed_inputs = 0
+        self.checked_outputs = 0
+
+    def _need_group(self, peer: int) -> dist.ProcessGroup:
+        if self.group is None:
+            raise PeerFailure(f"stage {self.stage}: no process group for live peer {peer}")
+        return self.group
+
+    def send(self, tensor: torch.Tensor, key: MessageKey) -> None:
+        """Send (live) or check against the receiver's log (logged peer)."""
+        if key.dst in self.logged_peers:
+            self.index.check_output(key, tensor)
+            self.checked_outputs += 1
+            if self.logger is not None and key.dst in self.logger.log_peers:
+                # Re-log the replayed output: this stage's own log was lost with its machine.
+                self.logger.record_send(tensor, key)
+            return
+        group = self._need_group(key.dst)
+        try:
+            if self.logger is not None:
+                with self.logger.tagged(iteration=key.iteration, micro_batch=key.micro_batch,
+                                        payload=key.payload):
+                    work = dist.isend(tensor, group=group, group_dst=key.dst)
+            else:
+                work = dist.isend(tensor, group=group, group_dst=key.dst)
+        except RuntimeError as exc:
+            raise PeerFailure(f"stage {self.stage}: send {key} failed: {exc}") from exc
+        self._works.append(work)
+
+    def recv(self, like: torch.Tensor, key: MessageKey) -> torch.Tensor:
+        """Receive into a new tensor shaped like ``like`` (live) or take it from the log."""
+        if key.src in self.logged_peers:
+            t = self.index.take_input(key).clone()
+            self.replayed_inputs += 1
+            if self.logger is not None and key.src in self.logger.log_peers:
+                self.logger.record_recv(t, key)
+            return t
+        group = self._need_group(key.src)
+        buf = torch.empty_like(like)
+        try:
+            if self.logger is not None:
+                with self.logger.tagged(iteration=key.iteration, micro_batch=key.micro_batch,
+                                        payload=key.payload):
+                    work = dist.irecv(buf, group=group, group_src=key.src)
+            else:
+                work = dist.irecv(buf, group=group, group_src=key.src)
+            self._wait(work, key)
+        except RuntimeError as exc:
+            raise PeerFailure(f"stage {self.stage}: recv {key} failed: {exc}") from exc
+        return buf
+
+    def _wait(self, work, what: object) -> None:
+        if self.on_idle is not None:
+            self.on_idle()  # the stage is about to block: a bubble, log in it
+        if self.waiter is None:
+            work.wait()
+        else:
+            self.waiter.wait(work, failed=self.failure, what=f"stage {self.stage}: {what}")
+
+    def finish(self) -> None:
+        """Wait for this iteration's outstanding sends."""
+        try:
+            for w in self._works:
+                self._wait(w, "send completion")
+        except RuntimeError as exc:
+            raise PeerFailure(f"stage {self.stage}: send completion failed: {exc}") from exc
+        finally:
+            self._works.clear()
