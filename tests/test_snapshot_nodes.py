@@ -160,18 +160,13 @@ def _run_node_loss(tmp_path: Path, *, nodes: int, rpn: int, scheme: str, steps: 
                    lost: int) -> tuple[dict, dict]:
     ref_out, out = tmp_path / "ref.pt", tmp_path / "final.pt"
     ref = SimCluster(tmp_path, nodes=nodes, ranks_per_node=rpn, scheme=scheme)
-    try:  # failure-free run, same snapshots
-        for n in range(nodes):
-            ref.start_keeper(n)
-        ref.start_job("--steps", str(steps), "--out", str(ref_out))
-        ref.wait_all_events("done")
-        ref.finish_job()
-    finally:
-        ref.close()
     c = SimCluster(tmp_path, nodes=nodes, ranks_per_node=rpn, scheme=scheme)
     try:
+        # The failure-free run (same snapshots) runs alongside the first launch of the failing one.
         for n in range(nodes):
+            ref.start_keeper(n)
             c.start_keeper(n)
+        ref.start_job("--steps", str(steps), "--out", str(ref_out))
         c.start_job("--steps", str(steps), "--pause-at", str(pause_at))
         paused = c.wait_all_events("paused")
         assert all(ev["snapshot"] == pause_at for ev in paused.values())
@@ -182,8 +177,11 @@ def _run_node_loss(tmp_path: Path, *, nodes: int, rpn: int, scheme: str, steps: 
         restored = c.wait_all_events("restored")
         c.wait_all_events("done")
         c.finish_job()
+        ref.wait_all_events("done")
+        ref.finish_job()
     finally:
         c.close()
+        ref.close()
     ref_params = torch.load(ref_out, weights_only=True)
     params = torch.load(out, weights_only=True)
     assert list(ref_params) == list(params)
