@@ -68,6 +68,7 @@ class PipelineRun:
     fail_stage: Optional[int] = None
     fail_iteration: int = 0
     fail_op: int = 0
+    fail_after: tuple[int, ...] = ()  # die only once these stages completed fail_iteration
     timeout: float = 60.0
     group_timeout: float = 20.0
     tamper_replay: bool = False  # test hook: replacement perturbs a weight -> must diverge
@@ -175,6 +176,7 @@ class _Stage:
         cfg = self.cfg
         if (self.gen == 0 and cfg.fail_stage == self.s and it == cfg.fail_iteration
                 and op == cfg.fail_op):
+            self.store.wait([f"reached/{p}" for p in cfg.fail_after])
             self.store.set(FAILED, repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
 
