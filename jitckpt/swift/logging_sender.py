@@ -9,7 +9,8 @@ from logged peers are recorded as digests only, so a replayed peer can be checke
 divergence. :meth:`SendLogger.flush` drains everything synchronously (on failure detection);
 :meth:`SendLogger.drop_through` garbage-collects chunks made obsolete by a global checkpoint.
 
-Contract (as for ``isend``): a sent tensor must not be modified in place until the next bubble.
+Contract (as for ``isend``): a sent tensor, and an ``irecv`` buffer once its receive completed,
+must not be modified in place until the next bubble.
 """
 from __future__ import annotations
 
@@ -137,10 +138,12 @@ class SendLogger:
         name = "send" if blocking else "isend"
 
         def hooked(tensor, dst=None, group=None, tag=0, group_dst=None):
-            work = self._orig(name)(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
             peer = group_dst if group_dst is not None else dst
-            if not self._in_batch() and peer in self.log_peers:
-                self.record_send(tensor, self._key(peer, name, outgoing=True))
+            log = not self._in_batch() and peer in self.log_peers
+            key = self._key(peer, name, outgoing=True) if log else None  # fail before sending
+            work = self._orig(name)(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+            if key is not None:
+                self.record_send(tensor, key)
             return work
         return hooked
 
@@ -148,30 +151,41 @@ class SendLogger:
         name = "recv" if blocking else "irecv"
 
         def hooked(tensor, src=None, group=None, tag=0, group_src=None):
-            work = self._orig(name)(tensor, src=src, group=group, tag=tag, group_src=group_src)
             peer = group_src if group_src is not None else src
-            if not self._in_batch() and peer in self.log_peers:
-                self.record_recv(tensor, self._key(peer, name, outgoing=False),
-                                 work=None if blocking else work)
+            log = not self._in_batch() and peer in self.log_peers
+            key = self._key(peer, name, outgoing=False) if log else None
+            work = self._orig(name)(tensor, src=src, group=group, tag=tag, group_src=group_src)
+            if key is not None:
+                if blocking:  # done: copy now, the caller may reuse its buffer at once
+                    self.record_recv(tensor.detach().clone(), key)
+                else:
+                    self.record_recv(tensor, key, work=work)
             return work
         return hooked
 
     def _wrap_batch(self):
         def hooked(p2p_op_list):
+            keys = []
+            for op in p2p_op_list:
+                outgoing = op.op in (dist.isend, c10d.isend, self._orig("isend"))
+                keys.append((self._key(op.peer, "batch_isend_irecv", outgoing=outgoing), outgoing)
+                            if op.peer in self.log_peers else None)
             self._ctx.in_batch = True
             try:
                 works = self._orig("batch_isend_irecv")(p2p_op_list)
             finally:
                 self._ctx.in_batch = False
-            for op, work in zip(p2p_op_list, works or [None] * len(p2p_op_list)):
-                if op.peer not in self.log_peers:
+            for op, k, work in zip(p2p_op_list, keys, works or [None] * len(p2p_op_list)):
+                if k is None:
                     continue
-                outgoing = op.op in (dist.isend, c10d.isend, self._orig("isend"))
-                key = self._key(op.peer, "batch_isend_irecv", outgoing=outgoing)
+                key, outgoing = k
                 if outgoing:
                     self.record_send(op.tensor, key)
                 else:
-                    self.record_recv(op.tensor, key, work=work)
+                    # gloo returns one work per op; backends that coalesce return fewer, so
+                    # the digest is then taken at the bubble after the caller's waits.
+                    self.record_recv(op.tensor, key, work=work if len(works) == len(keys)
+                                     else None)
             return works
         return hooked
 
