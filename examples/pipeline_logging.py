@@ -70,7 +70,7 @@ class PipelineRun:
     fail_op: int = 0
     fail_after: tuple[int, ...] = ()  # die only once these stages completed fail_iteration
     timeout: float = 60.0
-    group_timeout: float = 20.0
+    group_timeout: float = 45.0
     tamper_replay: bool = False  # test hook: replacement perturbs a weight -> must diverge
 
     def __post_init__(self) -> None:
@@ -140,6 +140,7 @@ class _Stage:
         self.stats: dict = {"stage": s, "role": role, "generation": generation,
                             "loaded_checkpoint": None, "replayed": [], "catch_up": None,
                             "completed_log": [], "losses": {}, "iteration_times": {},
+                            "completed_at": {},
                             "checked_outputs": 0, "replayed_inputs": 0}
 
     # -- helpers
@@ -155,7 +156,9 @@ class _Stage:
     def _complete(self, it: int, loss, t0: float) -> None:
         self.completed = it
         self.stats["completed_log"].append(it)
-        self.stats["iteration_times"][it] = time.monotonic() - t0
+        now = time.monotonic()
+        self.stats["iteration_times"][it] = now - t0
+        self.stats["completed_at"][it] = now
         if loss is not None:
             self.stats["losses"][it] = loss
         if it == self.cfg.fail_iteration:
@@ -374,6 +377,7 @@ def run_pipeline(cfg: PipelineRun) -> RunResult:
                         procs.clear()
                         for q in range(cfg.num_stages):
                             spawn(q, "restart")
+                        break  # the snapshot being iterated holds the killed processes
                     continue
                 err = run / "errors" / f"stage{s}.txt"
                 detail = err.read_text() if err.exists() else "(no traceback; see stderr)"
@@ -416,7 +420,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     res = run_pipeline(cfg)
     print(json.dumps({"ok": res.ok, "wall_time": res.wall_time,
                       "recovery_time": res.recovery_time,
-                      "stats": {s: {k: v for k, v in st.items() if k != "iteration_times"}
+                      "stats": {s: {k: v for k, v in st.items()
+                                    if k not in ("iteration_times", "completed_at")}
                                 for s, st in res.stats.items()}}, indent=1))
     return 0 if res.ok else 1
 

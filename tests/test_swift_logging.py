@@ -149,6 +149,23 @@ def test_chunks_and_garbage_collection(tmp_path):
     lg.close()
 
 
+def test_chunk_roundtrip_keeps_dtype_shape_and_bits(tmp_path):
+    from jitckpt.swift.logging_records import LogRecord, read_chunk, write_chunk
+    ts = [torch.randn(2, 3, dtype=torch.bfloat16), torch.tensor(3.5, dtype=torch.float64),
+          None, torch.empty(0, 4), torch.arange(6, dtype=torch.int64).reshape(3, 2)]
+    recs = [LogRecord(key=_key(1, i), seq=i, generation=0, kind="send" if t is not None
+                      else "recv", digest="d") for i, t in enumerate(ts)]
+    write_chunk(tmp_path, "chunk-g0-000000-it1-1.log", recs, ts)
+    back = read_chunk(tmp_path / "chunk-g0-000000-it1-1.log")
+    assert [r for r, _ in back] == recs
+    for (_, got), want in zip(back, ts):
+        if want is None:
+            assert got is None
+        else:
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(got, want)
+
+
 def test_tensor_is_copied_at_the_bubble_not_at_send(tmp_path):
     lg = SendLogger(stage=0, log_dir=tmp_path, log_peers=[1])
     t = torch.zeros(2)

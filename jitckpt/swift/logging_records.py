@@ -1,7 +1,10 @@
 """On-disk format of SWIFT pipeline logs: records with (iteration, micro-batch, src, dst, seq).
 
-A stage's log directory holds chunk files ``chunk-g<gen>-<n>-it<lo>-<hi>.pt``, each a
-``torch.save`` of ``{"records": [dict, ...], "tensors": [Tensor | None, ...]}``. A record of
+A stage's log directory holds chunk files ``chunk-g<gen>-<n>-it<lo>-<hi>.log``: an 8-byte
+little-endian header length, a JSON header (records, and dtype/shape/offset of each tensor),
+then the raw tensor bytes. Raw bytes rather than ``torch.save`` because the writer thread must
+hold the GIL as little as possible (file writes and hashing release it; pickling does not). A
+record of
 kind ``"send"`` carries the outgoing tensor (logged at the sender, upstream backup); kind
 ``"recv"`` carries only the blake2b digest of a received tensor, kept by the receiver so a
 replayed sender's outputs can be checked for divergence. Files are written to a temporary name
@@ -10,15 +13,18 @@ and renamed, so a reader never sees a torn chunk.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
+import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 
-CHUNK_RE = re.compile(r"^chunk-g(\d+)-(\d+)-it(\d+)-(\d+)\.pt$")
+CHUNK_RE = re.compile(r"^chunk-g(\d+)-(\d+)-it(\d+)-(\d+)\.log$")
 ACTIVATION, GRADIENT = "activation", "gradient"
 
 
@@ -58,26 +64,47 @@ class LogRecord:
                          kind=d["kind"], digest=d["digest"])
 
 
+def _bytes(t: torch.Tensor) -> memoryview:
+    if not t.numel():
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
 def tensor_digest(tensor: torch.Tensor) -> str:
-    """Bitwise digest of a tensor's dtype, shape and bytes (for divergence detection)."""
+    """Bitwise digest (SHA-256, 128 bits kept) of a tensor's dtype, shape and bytes."""
     t = tensor.detach().contiguous().cpu()
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(_bytes(t))
+    return h.hexdigest()[:32]
 
 
 def chunk_name(generation: int, number: int, lo: int, hi: int) -> str:
     """File name of a chunk holding iterations ``lo..hi``."""
-    return f"chunk-g{generation}-{number:06d}-it{lo}-{hi}.pt"
+    return f"chunk-g{generation}-{number:06d}-it{lo}-{hi}.log"
 
 
 def write_chunk(directory: Path, name: str, records: list[LogRecord],
                 tensors: list[Optional[torch.Tensor]]) -> Path:
-    """Atomically write one chunk file (tmp + rename)."""
+    """Atomically write one chunk file (tmp + rename); tensors must be contiguous CPU."""
+    metas, offset = [], 0
+    for t in tensors:
+        if t is None:
+            metas.append(None)
+            continue
+        n = t.numel() * t.element_size()
+        metas.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                      "offset": offset, "nbytes": n})
+        offset += n
+    header = json.dumps({"records": [r.to_dict() for r in records],
+                         "tensors": metas}).encode()
     path = directory / name
     tmp = directory / f".{name}.tmp"
-    torch.save({"records": [r.to_dict() for r in records], "tensors": tensors}, tmp)
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for t in tensors:
+            if t is not None:
+                f.write(_bytes(t))
     os.replace(tmp, path)
     return path
 
@@ -95,5 +122,17 @@ def iter_chunks(directory: Path) -> Iterator[tuple[Path, int, int, int, int]]:
 
 def read_chunk(path: Path) -> list[tuple[LogRecord, Optional[torch.Tensor]]]:
     """Load one chunk file as (record, tensor-or-None) pairs."""
-    data = torch.load(path, weights_only=True)
-    return [(LogRecord.from_dict(r), t) for r, t in zip(data["records"], data["tensors"])]
+    data = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8:8 + n])
+    payload = memoryview(data)[8 + n:]
+    out = []
+    for r, m in zip(header["records"], header["tensors"]):
+        t = None
+        if m is not None:
+            dtype = getattr(torch, m["dtype"])
+            raw = bytearray(payload[m["offset"]:m["offset"] + m["nbytes"]])
+            t = (torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(m["shape"])
+                 if m["nbytes"] else torch.empty(m["shape"], dtype=dtype))
+        out.append((LogRecord.from_dict(r), t))
+    return out

@@ -218,7 +218,7 @@ class SendLogger:
                 continue
             # On a GPU this is the async device-to-host copy on a side stream (SWIFT §6);
             # on CPU a clone decouples the log from the training tensor.
-            self._queue.put((p, p.tensor.detach().to("cpu", copy=True)))
+            self._queue.put((p, p.tensor.detach().to("cpu", copy=True).contiguous()))
         self._pending = keep
 
     def flush(self) -> None:
@@ -227,7 +227,7 @@ class SendLogger:
         Receives that never completed are dropped (their data never arrived)."""
         for p in self._pending:
             if p.work is None or p.work.is_completed():
-                self._queue.put((p, p.tensor.detach().to("cpu", copy=True)))
+                self._queue.put((p, p.tensor.detach().to("cpu", copy=True).contiguous()))
         self._pending = []
         done = threading.Event()
         self._queue.put(done)
@@ -285,8 +285,10 @@ class SendLogger:
                     item.set()
                     continue
                 p, host = item
+                # Only receive digests are ever checked; sends keep the tensor itself.
                 records.append(LogRecord(key=p.key, seq=p.seq, generation=p.generation,
-                                         kind=p.kind, digest=tensor_digest(host)))
+                                         kind=p.kind,
+                                         digest=tensor_digest(host) if p.kind == "recv" else ""))
                 if p.kind == "send":
                     tensors.append(host)
                     self.bytes_logged += host.numel() * host.element_size()
