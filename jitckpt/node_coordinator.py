@@ -31,20 +31,26 @@ class NodeCoordinator:
         self._pipe_w: Optional[int] = None
         self._remote: list[dict] = []
         self._lock = threading.Lock()
+        self._watcher: Optional[threading.Thread] = None
+        self._closing = threading.Event()
         if cfg.nnodes > 1:
             self._connect()
 
     # ---- store ------------------------------------------------------------------------------
-    def _connect(self) -> None:
+    def _client(self, *, server: bool = False):  # type: ignore[no-untyped-def]
         import torch.distributed as dist
 
-        host, port = self.cfg.rdzv_host, self.cfg.rdzv_port
-        timeout = datetime.timedelta(seconds=self.cfg.rdzv_timeout)
-        store = dist.TCPStore(host, port, world_size=None, is_master=self.cfg.node_rank == 0,
-                              timeout=timeout, wait_for_workers=False)
+        store = dist.TCPStore(self.cfg.rdzv_host, self.cfg.rdzv_port, world_size=None,
+                              is_master=server, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=self.cfg.rdzv_timeout))
         token = os.environ.get("JITCKPT_TOKEN", "")
         prefix = f"jitckpt/{self.cfg.run_id}/{hashlib.sha256(token.encode()).hexdigest()[:16]}"
-        self.store = dist.PrefixStore(prefix, store)
+        return dist.PrefixStore(prefix, store)
+
+    def _connect(self) -> None:
+        self.store = self._client(server=self.cfg.node_rank == 0)
+        # A store client serves one request at a time: the blocking wait for a failure gets its own.
+        self._watch_store = self._client()
         self._pipe_r, self._pipe_w = os.pipe()
 
     def _k(self, gen: int, key: str) -> str:
@@ -63,18 +69,24 @@ class NodeCoordinator:
             s.set(self._k(gen, "all_joined"), "1")
         s.wait([self._k(gen, "master"), self._k(gen, "all_joined")])
         host, _, port = s.get(self._k(gen, "master")).decode().rpartition(":")
-        threading.Thread(target=self._watch_failure, args=(gen,), daemon=True).start()
+        if self._watcher is not None:
+            self._watcher.join()
+        self._watcher = threading.Thread(target=self._watch_failure, args=(gen,), daemon=True)
+        self._watcher.start()
         return host, int(port)
 
     def _watch_failure(self, gen: int) -> None:
         key = self._k(gen, "failed")
-        while True:
+        while not self._closing.is_set():
             try:
-                self.store.wait([key], datetime.timedelta(hours=24))
+                # Short waits, so close() can stop this thread before the store goes away.
+                self._watch_store.wait([key], datetime.timedelta(seconds=1))
                 break
             except RuntimeError:
                 continue
-        info = json.loads(self.store.get(key))
+        if self._closing.is_set():
+            return
+        info = json.loads(self._watch_store.get(key))
         with self._lock:
             self._remote.append(info)
         os.write(self._pipe_w, b"x")
@@ -124,11 +136,20 @@ class NodeCoordinator:
         if self.store is None:
             return True
         self.store.set(self._k(gen, f"done/{self.cfg.node_rank}"), "ok" if ok else "failed")
+        keys = [self._k(gen, f"done/{n}") for n in range(self.cfg.nnodes)]
         if ok:
+            if self.cfg.node_rank == 0:  # node 0 serves the store: stay until everyone is done
+                try:
+                    self.store.wait(keys, datetime.timedelta(seconds=self.cfg.rdzv_timeout))
+                except RuntimeError:
+                    pass
             return True
-        return self.store.check([self._k(gen, f"done/{n}") for n in range(self.cfg.nnodes)])
+        return self.store.check(keys)
 
     def close(self) -> None:
+        self._closing.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
         for fd in (self._pipe_r, self._pipe_w):
             if fd is not None:
                 try:
