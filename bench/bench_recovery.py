@@ -162,7 +162,7 @@ def bench_write(work: Path) -> dict:
 
     import jitckpt
     from jitckpt.checkpoint_store import write_checkpoint
-    from jitckpt.protect import Protected
+    from jitckpt.protected_state import Protected
 
     sys.argv = [str(TRAIN), *MODEL]
     torch.manual_seed(0)

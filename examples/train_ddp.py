@@ -5,6 +5,7 @@ Failure injection: --inject GEN:RANK:STEP:MODE (repeatable) fires in launch GEN
 (TORCHELASTIC_RESTART_COUNT) on RANK at minibatch STEP, with MODE one of
   kill     SIGKILL self before the forward pass
   stop     SIGSTOP self (a hang: the process is alive but does nothing)
+  gil      hang inside a C call that holds the GIL (libc sleep through ctypes.PyDLL)
   raise    an exception in the training step
   optim    SIGKILL self inside optimizer.step(), after the gradient all-reduce
   restore  SIGKILL self right after restoring (STEP ignored): a failure during recovery
@@ -112,6 +113,9 @@ def main():
             os.kill(os.getpid(), signal.SIGKILL)
         if mine.get("stop") == step:
             os.kill(os.getpid(), signal.SIGSTOP)
+        if mine.get("gil") == step:
+            import ctypes
+            ctypes.PyDLL(None).sleep(3600)  # PyDLL keeps the GIL: no Python thread here runs
         if mine.get("raise") == step:
             raise RuntimeError(f"injected failure in rank {rank} at step {step}")
         loss = loss_fn(model(x), y)

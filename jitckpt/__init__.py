@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from .exit_codes import EXIT_JIT_SAVED, EXIT_NO_SAVE
 
 if TYPE_CHECKING:  # torch is imported only by workers, not by the launcher
-    from .protect import Protected
+    from .protected_state import Protected
     from .worker_runtime import WorkerRuntime
 
 __version__ = "0.1.0"
@@ -38,7 +38,7 @@ _runtime_lock = threading.Lock()
 
 def __getattr__(name: str) -> Any:
     if name == "Protected":
-        from .protect import Protected
+        from .protected_state import Protected
         return Protected
     raise AttributeError(f"module 'jitckpt' has no attribute {name!r}")
 
@@ -89,7 +89,7 @@ def init(save_fn: Callable[[str], None], *, step_fn: Optional[Callable[[], int]]
 def get_checkpoint_path() -> Optional[str]:
     """Directory of the newest complete checkpoint for this rank's shard, or None.
 
-    Checks every candidate against its metadata (sizes, CRC32) and skips incomplete or corrupt
+    Checks every candidate against its metadata (sizes, CRC32C) and skips incomplete or corrupt
     ones with a logged warning; a JIT checkpoint from any data-parallel replica qualifies.
     """
     return _get_runtime().select_checkpoint()
@@ -134,7 +134,7 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     Registers :meth:`Protected.save` with :func:`init`; call ``restore()`` on the result to resume.
     See :class:`Protected` for exactly which step a resumed job continues from.
     """
-    from .protect import Protected
+    from .protected_state import Protected
 
     state = Protected(model, optimizer, scheduler, extra=extra)
     init(state.save, step_fn=lambda: state.step, shard_id=shard_id, num_shards=num_shards)

@@ -20,15 +20,16 @@ import os
 import re
 import shutil
 import time
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+import google_crc32c
+
 log = logging.getLogger("jitckpt.checkpoint")
 
 META_FILE = "jitckpt-meta.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 KINDS = ("jit", "periodic", "snapshot")
 _DIR_RE = re.compile(r"^(?P<kind>[a-z]+)-g(?P<gen>\d+)-r(?P<rank>\d+)-s(?P<step>-?\d+)$")
 _CHUNK = 8 << 20
@@ -51,7 +52,7 @@ class CheckpointMeta:
     num_shards: int = 1
     created: float = 0.0
     save_seconds: float = 0.0
-    files: dict = field(default_factory=dict)  # relative path -> {"size": int, "crc32": int}
+    files: dict = field(default_factory=dict)  # relative path -> {"size": int, "crc32c": int}
     format_version: int = FORMAT_VERSION
 
     @property
@@ -59,14 +60,15 @@ class CheckpointMeta:
         return sum(f["size"] for f in self.files.values())
 
 
-def _crc32_file(path: Path) -> tuple[int, int]:
+def _crc32c_file(path: Path) -> tuple[int, int]:
+    # CRC32C: hardware-accelerated (SSE4.2 / ARMv8), several times faster than zlib's CRC32.
     crc, size = 0, 0
     with open(path, "rb") as f:
         while True:
             chunk = f.read(_CHUNK)
             if not chunk:
                 return crc, size
-            crc = zlib.crc32(chunk, crc)
+            crc = google_crc32c.extend(crc, chunk)
             size += len(chunk)
 
 
@@ -120,8 +122,8 @@ def write_checkpoint(
         for p in _data_files(tmp):
             if fsync:
                 _fsync_path(p)
-            crc, size = _crc32_file(p)
-            files[str(p.relative_to(tmp))] = {"size": size, "crc32": crc}
+            crc, size = _crc32c_file(p)
+            files[str(p.relative_to(tmp))] = {"size": size, "crc32c": crc}
         if not files:
             raise CheckpointError(
                 f"save function wrote no files into {tmp}; it must save the state into the directory "
@@ -168,7 +170,7 @@ def read_meta(directory: str | os.PathLike) -> CheckpointMeta:
 
 
 def verify_checkpoint(directory: str | os.PathLike) -> CheckpointMeta:
-    """Check every file against the metadata (size, CRC32); return the metadata or raise."""
+    """Check every file against the metadata (size, CRC32C); return the metadata or raise."""
     directory = Path(directory)
     meta = read_meta(directory)
     for rel, expect in meta.files.items():
@@ -179,9 +181,9 @@ def verify_checkpoint(directory: str | os.PathLike) -> CheckpointMeta:
         if size != expect["size"]:
             raise CheckpointError(
                 f"{directory}: file {rel} has {size} bytes, metadata says {expect['size']} (truncated?)")
-        crc, _ = _crc32_file(p)
-        if crc != expect["crc32"]:
-            raise CheckpointError(f"{directory}: file {rel} fails its CRC32 check (corrupt)")
+        crc, _ = _crc32c_file(p)
+        if crc != expect.get("crc32c"):
+            raise CheckpointError(f"{directory}: file {rel} fails its CRC32C check (corrupt)")
     return meta
 
 

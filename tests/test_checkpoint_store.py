@@ -72,7 +72,7 @@ def test_damaged_newest_is_skipped_with_reason(tmp_path, damage):
     assert meta.step == 5
     assert skipped and skipped[0][0] == newest
     reason = skipped[0][1]
-    assert {"truncate": "truncated", "flip": "CRC32", "delete_file": "missing",
+    assert {"truncate": "truncated", "flip": "CRC32C", "delete_file": "missing",
             "delete_meta": "incomplete", "bad_json": "unreadable"}[damage] in reason
 
 

@@ -51,7 +51,7 @@ def run_case(tmp_path, nproc, inject, extra_launcher=()):
                    launcher_args=[*HANG, *extra_launcher])
 
 
-@pytest.mark.parametrize("mode", ["kill", "stop", "raise", "optim"])
+@pytest.mark.parametrize("mode", ["kill", "stop", "gil", "raise", "optim"])
 def test_single_failure_recovers_bitwise(reference, tmp_path, mode):
     nproc, ref = reference
     victim = nproc - 1
@@ -59,7 +59,8 @@ def test_single_failure_recovers_bitwise(reference, tmp_path, mode):
     assert res.rc == 0, res.out[-4000:]
     failures = res.ev("failure_detected")
     assert len(failures) == 1
-    expected_kind = {"kill": {"signal", "error"}, "stop": {"hang"}, "raise": {"exception", "error"},
+    expected_kind = {"kill": {"signal", "error"}, "stop": {"hang"}, "gil": {"hang"},
+                     "raise": {"exception", "error"},
                      "optim": {"signal", "error"}}[mode]
     assert failures[0]["kind"] in expected_kind, failures[0]
     saved = [e for e in res.ev("checkpoint_saved") if e["kind"] == "jit"]
@@ -112,7 +113,7 @@ def test_corrupt_newest_checkpoint_is_skipped(reference, tmp_path):
     victim.write_bytes(bytes(data))
     second = run_job(tmp_path / "second", ckpt=ckpt, nproc=nproc, launcher_args=[*HANG, *periodic], script_args=COMMON)
     assert second.rc == 0, second.out[-4000:]
-    assert "fails its CRC32 check" in second.out
+    assert "fails its CRC32C check" in second.out
     restored = {e["path"] for e in second.ev("restore")}
     assert str(jit[0]) not in restored and len(restored) == 1
     done_before = completed_steps(first, 0)
