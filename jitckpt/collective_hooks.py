@@ -46,10 +46,11 @@ def is_collective_failure(exc: BaseException) -> bool:
     return False
 
 
-def _wrap(fn: Callable, kind: str, sink: RegionSink) -> Callable:
+def _tracked(fn: Callable, kind: str, sink: RegionSink, applies: Callable[..., bool]) -> Callable:
+    """``fn`` wrapped so each call that ``applies`` runs inside a region of the given kind."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("async_op"):
+        if not applies(*args, **kwargs):
             return fn(*args, **kwargs)
         tok = sink.region_enter(kind)
         try:
@@ -64,22 +65,12 @@ def _wrap(fn: Callable, kind: str, sink: RegionSink) -> Callable:
     return wrapper
 
 
-def _wrap_backward(fn: Callable, sink: RegionSink) -> Callable:
-    @functools.wraps(fn)
-    def backward(*args: Any, **kwargs: Any) -> Any:
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return fn(*args, **kwargs)
-        tok = sink.region_enter("backward")
-        try:
-            out = fn(*args, **kwargs)
-        except BaseException as e:
-            sink.region_exit(tok, e)
-            raise
-        sink.region_exit(tok, None)
-        return out
+def _synchronous(*args: Any, **kwargs: Any) -> bool:
+    return not kwargs.get("async_op")
 
-    backward.__jitckpt_wrapped__ = fn  # type: ignore[attr-defined]
-    return backward
+
+def _distributed(*args: Any, **kwargs: Any) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class CollectiveHooks:
@@ -96,11 +87,11 @@ class CollectiveHooks:
             if fn is None or hasattr(fn, "__jitckpt_wrapped__"):
                 continue
             self._saved.append((dist, name, fn))
-            setattr(dist, name, _wrap(fn, name, self._sink))
+            setattr(dist, name, _tracked(fn, name, self._sink, _synchronous))
         bw = torch.autograd.backward
         if not hasattr(bw, "__jitckpt_wrapped__"):
             self._saved.append((torch.autograd, "backward", bw))
-            torch.autograd.backward = _wrap_backward(bw, self._sink)
+            torch.autograd.backward = _tracked(bw, "backward", self._sink, _distributed)
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
         sink = self._sink

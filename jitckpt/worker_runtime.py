@@ -332,10 +332,7 @@ class WorkerRuntime:
         step = self.current_step()
         t0 = time.monotonic()
         try:
-            path, meta = write_checkpoint(
-                self.checkpoint_dir, self.save_fn, kind="jit", step=step, rank=self.rank,
-                world_size=self.world_size, gen=self.gen, shard_id=self.shard_id,
-                num_shards=self.num_shards)
+            path, meta = self._write("jit", step)
         except BaseException as e:  # noqa: BLE001 - any save error must end in a clean report
             self._give_up(f"JIT save failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         seconds = time.monotonic() - t0
@@ -362,15 +359,18 @@ class WorkerRuntime:
                 pass
         os._exit(code)
 
+    def _write(self, kind: str, step: int):  # type: ignore[no-untyped-def]
+        assert self.save_fn is not None
+        return write_checkpoint(self.checkpoint_dir, self.save_fn, kind=kind, step=step,
+                                rank=self.rank, world_size=self.world_size, gen=self.gen,
+                                shard_id=self.shard_id, num_shards=self.num_shards)
+
     # ---- periodic tier ------------------------------------------------------------------
     def _periodic_save(self, step: int) -> None:
         """Synchronous periodic checkpoint (fallback tier), same format as JIT."""
         t0 = time.monotonic()
         try:
-            path, meta = write_checkpoint(
-                self.checkpoint_dir, self.save_fn, kind="periodic", step=step, rank=self.rank,
-                world_size=self.world_size, gen=self.gen, shard_id=self.shard_id,
-                num_shards=self.num_shards)
+            path, meta = self._write("periodic", step)
         except (CheckpointError, OSError) as e:
             log.error("rank %d: periodic checkpoint at step %d failed: %s", self.rank, step, e)
             return
