@@ -34,6 +34,7 @@ if __package__ in (None, ""):
 # Imported before the stage processes are forked, so they start at once (jitckpt.swift pulls in
 # heavy torch modules).
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401  (use_deterministic_algorithms imports it: ~4 s per process)
 import torch.distributed as dist  # noqa: E402
 
 from jitckpt.swift.logging_determinism import (apply_determinism, check_determinism,  # noqa: E402
@@ -140,10 +141,14 @@ class _Stage:
         self.stats: dict = {"stage": s, "role": role, "generation": generation,
                             "loaded_checkpoint": None, "replayed": [], "catch_up": None,
                             "completed_log": [], "losses": {}, "iteration_times": {},
-                            "completed_at": {},
+                            "completed_at": {}, "cpu_at": {},
                             "checked_outputs": 0, "replayed_inputs": 0}
 
     # -- helpers
+    def mark(self, event: str) -> None:
+        """Record a wall-clock timestamp (for recovery-time breakdowns)."""
+        self.stats.setdefault("timeline", []).append((event, time.time()))
+
     def _checkpoint(self, it: int) -> None:
 
         if it % self.cfg.checkpoint_every == 0:
@@ -159,6 +164,7 @@ class _Stage:
         now = time.monotonic()
         self.stats["iteration_times"][it] = now - t0
         self.stats["completed_at"][it] = now
+        self.stats["cpu_at"][it] = time.process_time()  # all threads, incl. the log writer
         if loss is not None:
             self.stats["losses"][it] = loss
         if it == self.cfg.fail_iteration:
@@ -236,6 +242,7 @@ class _Stage:
             try:
                 group = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{self.gen}", self.store),
                                               self.s, S, timedelta(seconds=cfg.group_timeout))
+                self.mark(f"group{self.gen}")
                 keys = [f"gen{self.gen}/completed/{p}" for p in range(S)]
                 self.store.wait(keys)
                 done = {p: int(self.store.get(k)) for p, k in enumerate(keys)}
@@ -264,6 +271,7 @@ class _Stage:
                 return
             except PeerFailure as exc:
                 self.stats.setdefault("failures_seen", []).append(str(exc)[:200])
+                self.mark("failure_seen")
                 flag.raise_flag()
                 if self.logger is not None:
                     self.logger.flush()
@@ -277,6 +285,7 @@ class _Stage:
                     self.logger.generation = self.gen
                 self.store.wait([f"gen{self.gen}/announced"])  # bounded by the store timeout
                 self.store.set(f"gen{self.gen}/completed/{self.s}", str(self.completed))
+                self.mark("announced")
 
     def finish(self) -> None:
 
@@ -292,10 +301,13 @@ class _Stage:
 def _stage_entry(cfg: PipelineRun, s: int, generation: int, role: str, port: int) -> None:
     try:
         st = _Stage(cfg, s, generation, role, port)
+        st.mark("started")
         if role in ("replacement", "restart"):
             st.restore()
+            st.mark("restored")
         if role == "replacement":
             st.replay_alone()
+            st.mark("replayed")
         st.train()
         st.finish()
     except BaseException:
@@ -421,7 +433,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(json.dumps({"ok": res.ok, "wall_time": res.wall_time,
                       "recovery_time": res.recovery_time,
                       "stats": {s: {k: v for k, v in st.items()
-                                    if k not in ("iteration_times", "completed_at")}
+                                    if k not in ("iteration_times", "completed_at", "cpu_at")}
                                 for s, st in res.stats.items()}}, indent=1))
     return 0 if res.ok else 1
 

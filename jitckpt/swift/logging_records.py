@@ -17,7 +17,7 @@ import json
 import os
 import re
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -51,30 +51,41 @@ class LogRecord:
     kind: str  # "send" (tensor stored) or "recv" (digest only)
     digest: str
 
-    def to_dict(self) -> dict:
-        """Plain-dict form stored in chunk files."""
-        d = asdict(self)
-        d["key"] = asdict(self.key)
-        return d
+    def to_row(self) -> list:
+        """Compact list form stored in chunk headers (cheap to build in the writer thread)."""
+        k = self.key
+        return [k.iteration, k.micro_batch, k.payload, k.src, k.dst, self.seq,
+                self.generation, self.kind, self.digest]
 
     @staticmethod
-    def from_dict(d: dict) -> "LogRecord":
-        """Inverse of :meth:`to_dict`."""
-        return LogRecord(key=MessageKey(**d["key"]), seq=d["seq"], generation=d["generation"],
-                         kind=d["kind"], digest=d["digest"])
+    def from_row(row: list) -> "LogRecord":
+        """Inverse of :meth:`to_row`."""
+        it, mb, payload, src, dst, seq, gen, kind, digest = row
+        return LogRecord(key=MessageKey(iteration=it, micro_batch=mb, payload=payload, src=src,
+                                        dst=dst), seq=seq, generation=gen, kind=kind,
+                         digest=digest)
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a contiguous CPU tensor without copying."""
     if not t.numel():
         return memoryview(b"")
+    if t.dtype in _NUMPY_OK:
+        return memoryview(t.numpy()).cast("B")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+_NUMPY_OK = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
+             torch.int16, torch.int8, torch.uint8, torch.bool}
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """Bitwise digest (SHA-256, 128 bits kept) of a tensor's dtype, shape and bytes."""
-    t = tensor.detach().contiguous().cpu()
+    t = tensor.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.contiguous().cpu()
     h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(_bytes(t))
+    h.update(_bytes(t))  # hashlib drops the GIL for buffers this large
     return h.hexdigest()[:32]
 
 
@@ -95,7 +106,7 @@ def write_chunk(directory: Path, name: str, records: list[LogRecord],
         metas.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                       "offset": offset, "nbytes": n})
         offset += n
-    header = json.dumps({"records": [r.to_dict() for r in records],
+    header = json.dumps({"records": [r.to_row() for r in records],
                          "tensors": metas}).encode()
     path = directory / name
     tmp = directory / f".{name}.tmp"
@@ -134,5 +145,5 @@ def read_chunk(path: Path) -> list[tuple[LogRecord, Optional[torch.Tensor]]]:
             raw = bytearray(payload[m["offset"]:m["offset"] + m["nbytes"]])
             t = (torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(m["shape"])
                  if m["nbytes"] else torch.empty(m["shape"], dtype=dtype))
-        out.append((LogRecord.from_dict(r), t))
+        out.append((LogRecord.from_row(r), t))
     return out
