@@ -115,13 +115,15 @@ class SnapshotTaker:
 
     def __init__(self, *, state_fn: Callable[[], Any], socket_path: Optional[str] = None,
                  scheme: str = "aec", every: int = 1, ranks_per_node: Optional[int] = None,
-                 group: Any = None, chunk_bytes: int = 4 << 20, idle_only: bool = False,
+                 group: Any = None, chunk_bytes: int = 1 << 20, idle_only: bool = False,
                  flush_dir: Optional[str] = None, flush_every: int = 0, gen: int = 0,
-                 wait_timeout: float = 120.0) -> None:
+                 wait_timeout: float = 120.0, thread_nice: int = 0) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1 (snapshot every N steps), got {every}")
         if chunk_bytes < 4096 or chunk_bytes % 8:
             raise ValueError(f"chunk_bytes must be a multiple of 8 and >= 4096, got {chunk_bytes}")
+        if not 0 <= thread_nice <= 19:
+            raise ValueError(f"thread_nice must be in 0..19 (a Linux nice value), got {thread_nice}")
         if flush_every < 0 or (flush_every and not flush_dir):
             raise ValueError("flush_every > 0 needs flush_dir (the checkpoint root for disk flushes)")
         self.topo = Topology.detect(ranks_per_node, group)
@@ -131,6 +133,7 @@ class SnapshotTaker:
         self.state_fn, self.scheme, self.every = state_fn, scheme, every
         self.chunk, self.idle_only, self.wait_timeout = chunk_bytes, idle_only, wait_timeout
         self.flush_dir, self.flush_every, self.gen = flush_dir, flush_every, gen
+        self.thread_nice = thread_nice
         self.keeper = KeeperClient(socket_path)
         self.stats = SnapshotStats()
         self._group = group
@@ -262,6 +265,10 @@ class SnapshotTaker:
         return "deadline" if self._deadline.is_set() else "idle"
 
     def _run(self) -> None:
+        if self.thread_nice:
+            # Lower only this thread: the copy yields the CPU to the trainer's compute (REFT's
+            # "idle first" on a CPU host); at the deadline the trainer sleeps, so it still runs.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.thread_nice)
         while True:
             job = self._queue.get()
             if job is None:

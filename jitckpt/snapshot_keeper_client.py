@@ -11,6 +11,7 @@ from typing import Any, Optional
 from .snapshot_keeper import MAX_MSG
 
 ENV_SOCKET = "JITCKPT_SNAPSHOT_SOCKET"
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class KeeperError(RuntimeError):
@@ -60,7 +61,8 @@ class KeeperClient:
             cache_key = (key, int(reply["buf_id"]))
             m = self._maps.get(cache_key)
             if m is None or len(m) != reply["size"]:
-                m = mmap.mmap(fd, int(reply["size"]))
+                # MAP_POPULATE: fault the pages in now, in one go, not one by one during the copy.
+                m = mmap.mmap(fd, int(reply["size"]), flags=mmap.MAP_SHARED | _POPULATE)
                 self._maps[cache_key] = m
             return m
         finally:
@@ -92,10 +94,8 @@ class KeeperClient:
         return self.request("ping")[0]
 
     def close(self) -> None:
-        for m in self._maps.values():
-            try:
-                m.close()
-            except BufferError:
-                pass  # a tensor still views it; the mapping dies with the process
+        # Mappings are not closed explicitly: a restored tensor may still view one (torch keeps a
+        # reference to the mmap object, not a buffer export), and munmap under it would crash.
+        # Each unmaps when its last user is gone.
         self._maps.clear()
         self._sock.close()

@@ -40,7 +40,11 @@ log = logging.getLogger("jitckpt.snapshot")
 
 @dataclass
 class RestoreResult:
-    """What :func:`restore` loaded: ``state`` is None when no tier had a usable checkpoint."""
+    """What :func:`restore` loaded: ``state`` is None when no tier had a usable checkpoint.
+
+    On a one-rank job the state's tensors may view the keeper's memory (no copy): load them into
+    the model and optimizer (``load_state_dict`` copies) before taking the next snapshot.
+    """
 
     source: str                 # "memory" | "disk" | "none"
     step: Optional[int]
@@ -136,7 +140,13 @@ def _all_true(flag: bool, group: Any) -> bool:
 
 def _finite(state: Any) -> bool:
     if isinstance(state, torch.Tensor):
-        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+        if not state.is_floating_point() or state.numel() == 0:
+            return True
+        # A NaN or Inf element makes the sum non-finite; the sum is one fast pass with no
+        # tensor-sized temporary. Only a non-finite sum (possibly overflow) needs the exact check.
+        if bool(torch.isfinite(state.sum())):
+            return True
+        return bool(torch.isfinite(state).all())
     if isinstance(state, dict):
         return all(_finite(v) for v in state.values())
     if isinstance(state, (list, tuple)):
