@@ -37,7 +37,7 @@ def parse():
     p.add_argument("--optim", default="adam", choices=["adam", "sgd"])
     p.add_argument("--inject", action="append", default=[], metavar="GEN:RANK:STEP:MODE")
     p.add_argument("--out", default="")
-    p.add_argument("--log", default="")
+    p.add_argument("--steps-log", default="")
     p.add_argument("--no-jitckpt", action="store_true", help="plain DDP, for overhead comparisons")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (slow steps)")
     p.add_argument("--baseline-save-every", type=int, default=0,
@@ -101,7 +101,7 @@ def main():
             if state.step == mine["optim"]:
                 os.kill(os.getpid(), signal.SIGKILL)
         opt.register_step_pre_hook(die_in_step)
-    logf = open(args.log, "a") if args.log else None
+    logf = open(args.steps_log, "a") if args.steps_log else None
     loss_fn = nn.MSELoss()
     for step in range(start, args.steps):
         t0 = time.perf_counter()

@@ -20,7 +20,7 @@ def _run(workdir: Path, extra: list) -> int:
     cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", "2",
            "--checkpoint-dir", str(workdir / "ckpt"), "--run-dir", str(workdir / "run"),
            "--status-interval", "2", str(SCRIPT), "--steps", "16",
-           "--out", str(workdir / "final.pt"), "--log", str(workdir / "train.jsonl"), *extra]
+           "--out", str(workdir / "final.pt"), "--steps-log", str(workdir / "train.jsonl"), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(cmd, cwd=workdir, env=env, timeout=600).returncode
 

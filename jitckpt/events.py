@@ -8,6 +8,7 @@ event                     fields
 ========================  ======================================================================
 ``job_start``             nproc, nnodes, world_size, script, checkpoint_dir, hang_timeout
 ``worker_start``          rank, pid, warm (bool: taken from the warm standby pool)
+``standby_ready``         count, seconds (the refilled warm standby pool finished importing)
 ``step``                  rank, step, step_time (s) -- sampled, not every step
 ``failure_detected``      kind (exit|signal|hang|error|exception), rank, pid, node, detail,
                           detect_time (s from the failure to its detection, when known)
@@ -36,6 +37,7 @@ from typing import Any, Iterator
 EVENT_TYPES = (
     "job_start",
     "worker_start",
+    "standby_ready",
     "step",
     "failure_detected",
     "checkpoint_saved",

@@ -49,6 +49,8 @@ class StandbyPool:
     def __init__(self, *, size: int, env: dict, python: str) -> None:
         self.size, self.env, self.python = size, env, python
         self._idle: list[tuple[subprocess.Popen, ControlChannel]] = []
+        self._ready: set = set()
+        self._t_fill = time.monotonic()
 
     def _spawn(self) -> tuple[subprocess.Popen, ControlChannel]:
         parent, child = channel_pair()
@@ -62,6 +64,24 @@ class StandbyPool:
     def fill(self) -> None:
         while len(self._idle) < self.size:
             self._idle.append(self._spawn())
+        self._ready: set = set()
+        self._t_fill = time.monotonic()
+
+    def ready_after(self) -> Optional[float]:
+        """Seconds from the last fill until every idle standby finished importing, once it has."""
+        import select
+
+        pending = [(p, ch) for p, ch in self._idle if p.pid not in self._ready]
+        if pending:
+            readable, _, _ = select.select([ch.fileno() for _, ch in pending], [], [], 0)
+            for p, ch in pending:
+                if ch.fileno() in readable:
+                    msg = ch.recv(timeout=1.0)
+                    if msg is not None and msg.get("type") == "ready":
+                        self._ready.add(p.pid)
+        if len(self._ready) < len(self._idle):
+            return None
+        return time.monotonic() - self._t_fill
 
     def take(self) -> tuple[subprocess.Popen, ControlChannel, bool]:
         while self._idle:
@@ -253,6 +273,7 @@ class Launcher:
             sel.register(remote_fd, selectors.EVENT_READ, None)
         failure: Optional[FailureRecord] = None
         refilled = False
+        pool_ready = False
         verdict_sent = False
         try:
             while True:
@@ -285,9 +306,15 @@ class Launcher:
                     if not w.eof and w.exit_code is None and w.proc.poll() is not None:
                         w.exit_code = w.proc.returncode
                 self.display.maybe_show(gen, self.workers, failure)
-                if not refilled and self.pool is not None and all(w.step is not None for w in self.workers):
-                    self.pool.fill()  # after the workers are up, not competing with their start
+                if (not refilled and self.pool is not None
+                        and all(w.step is not None and w.step >= 0 for w in self.workers)):
+                    self.pool.fill()  # once training runs, not competing with the workers' start
                     refilled = True
+                if refilled and not pool_ready and self.pool is not None:
+                    seconds = self.pool.ready_after()
+                    if seconds is not None:
+                        pool_ready = True
+                        self.emit("standby_ready", count=self.pool.size, seconds=seconds)
                 if failure is None:
                     if not verdict_sent and self._all_exit_ready(gen):
                         for w in self.workers:

@@ -27,6 +27,7 @@ def main() -> None:
     from . import _install_runtime
     from .worker_runtime import WorkerRuntime
 
+    channel.send("ready")
     msg = channel.recv()
     if msg is None or msg.get("type") != "assign":
         os._exit(0)  # launcher shut the pool down

@@ -54,7 +54,7 @@ def run_job(workdir: Path, *, nproc: int, script_args: list, launcher_args: Opti
     cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(nproc),
            "--checkpoint-dir", str(ckpt), "--run-dir", str(workdir / "run"),
            "--status-interval", "0", *(launcher_args or []), str(script),
-           "--out", str(workdir / "final.pt"), "--log", str(workdir / "train.jsonl"), *script_args]
+           "--out", str(workdir / "final.pt"), "--steps-log", str(workdir / "train.jsonl"), *script_args]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.Popen(cmd, cwd=workdir, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

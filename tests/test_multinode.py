@@ -28,7 +28,7 @@ def launch_nodes(tmp_path, script_args, tag):
                "--checkpoint-dir", str(tmp_path / f"{tag}-ckpt"), "--run-dir", str(d / "run"),
                "--status-interval", "0", "--hang-timeout", "auto:floor=3,startup=60", str(TRAIN),
                "--steps", "10", "--out", str(tmp_path / f"{tag}-final.pt"),
-               "--log", str(tmp_path / f"{tag}-train.jsonl"), *script_args]
+               "--steps-log", str(tmp_path / f"{tag}-train.jsonl"), *script_args]
         procs.append(subprocess.Popen(cmd, cwd=d, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
