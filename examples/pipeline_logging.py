@@ -73,6 +73,7 @@ class PipelineRun:
     timeout: float = 60.0
     group_timeout: float = 45.0
     tamper_replay: bool = False  # test hook: replacement perturbs a weight -> must diverge
+    log_root: Optional[str] = None  # shared log store (default run_dir/logs), e.g. on tmpfs
 
     def __post_init__(self) -> None:
         if self.num_stages < 2:
@@ -122,7 +123,8 @@ class _Stage:
         self.cfg, self.s, self.gen, self.role = cfg, s, generation, role
         self.run = Path(cfg.run_dir)
         self.ckpt_dir = self.run / "ckpt"
-        self.log_dir = self.run / "logs" / f"stage{s}"
+        self.log_root = Path(cfg.log_root) if cfg.log_root else self.run / "logs"
+        self.log_dir = self.log_root / f"stage{s}"
         if role == "replacement":
             shutil.rmtree(self.log_dir, ignore_errors=True)  # lost with the failed machine
         settings = apply_determinism(num_threads=1)
@@ -135,8 +137,9 @@ class _Stage:
         # About one iteration per chunk (2 sends + 2 receive digests per micro-batch), so a
         # global checkpoint makes whole chunks obsolete.
         self.logger = (SendLogger(stage=s, log_dir=self.log_dir, log_peers=peers,
-                                  chunk_records=4 * cfg.micro_batches,
-                                  generation=generation).install() if cfg.logging else None)
+                                  chunk_records=4 * cfg.micro_batches, generation=generation,
+                                  # PipelineStage never modifies sent/received tensors
+                                  copy_at_bubble=False).install() if cfg.logging else None)
         self.completed = 0
         self.stats: dict = {"stage": s, "role": role, "generation": generation,
                             "loaded_checkpoint": None, "replayed": [], "catch_up": None,
@@ -173,7 +176,7 @@ class _Stage:
 
     def _index(self, peers, after: int):
 
-        dirs = [self.run / "logs" / f"stage{p}" for p in peers]
+        dirs = [self.log_root / f"stage{p}" for p in peers]
         for d in dirs:
             check_determinism(read_manifest(d))
         return LogIndex(dirs, after_iteration=after)
@@ -247,18 +250,18 @@ class _Stage:
                 self.store.wait(keys)
                 done = {p: int(self.store.get(k)) for p, k in enumerate(keys)}
                 _, high = recovery_targets(done)
-                idle = self.logger.bubble if self.logger is not None else None
+                idle = self.logger.idle if self.logger is not None else None
                 if self.completed < high:
                     ahead = catch_up_peers(done, iteration=high)
                     index = self._index(ahead & set(self._neighbours()), after=high - 1)
                     ch = PipelineChannel(stage=self.s, group=group, logger=self.logger,
-                                         index=index, logged_peers=ahead, on_idle=idle,
+                                         index=index, logged_peers=ahead, idle=idle,
                                          failure=flag.is_set, waiter=waiter)
                     self._run(ch, high)
                     self.stats["catch_up"] = high
                 for it in range(self.completed + 1, cfg.iterations + 1):
                     ch = PipelineChannel(stage=self.s, group=group, logger=self.logger,
-                                         on_idle=idle, failure=flag.is_set, waiter=waiter)
+                                         idle=idle, failure=flag.is_set, waiter=waiter)
                     self._run(ch, it)
                     if self.logger is not None:
                         self.logger.bubble()  # end of iteration: idle until the next starts

@@ -4,17 +4,22 @@
 stage. A send to a logged peer only appends a reference to a pending list (nothing on the
 critical path); at the next *bubble* (:meth:`SendLogger.bubble`, called where the stage would
 otherwise sit idle, e.g. just before it blocks on a receive) pending tensors are copied to host
-memory and handed to a background thread that digests them and writes chunk files. Receives
+memory and handed to a background thread that digests them and writes chunk files. The writer
+only works while the training thread is idle (inside :meth:`SendLogger.idle`, i.e. blocked on
+a receive) or flushing, so it does not contend with training for the GIL or a core. Receives
 from logged peers are recorded as digests only, so a replayed peer can be checked for
 divergence. :meth:`SendLogger.flush` drains everything synchronously (on failure detection);
 :meth:`SendLogger.drop_through` garbage-collects chunks made obsolete by a global checkpoint.
 
 Contract (as for ``isend``): a sent tensor, and an ``irecv`` buffer once its receive completed,
-must not be modified in place until the next bubble.
+must not be modified in place until the next bubble; with ``copy_at_bubble=False`` (for
+callers that never modify them, like :class:`PipelineStage`) not until it is written, and the
+training thread then does no copy at all: the writer thread reads the tensor itself.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -46,13 +51,16 @@ class SendLogger:
 
     ``stage`` is this process's rank in the pipeline process group, ``log_peers`` the ranks
     whose boundary with this stage is logged (other groups under selective logging),
-    ``chunk_records`` the records per chunk file. Use as a context manager (installs and
-    removes the hooks) and tag every send with :meth:`tagged`.
+    ``chunk_records`` the records per chunk file, ``copy_at_bubble`` whether pending tensors
+    are copied by the training thread at the bubble (see the module contract),
+    ``writer_nice`` the niceness of the writer thread (None: unchanged). Use as a
+    context manager (installs and removes the hooks) and tag every send with :meth:`tagged`.
     """
 
     def __init__(self, *, stage: int, log_dir: Path | str, log_peers: Iterable[int],
                  chunk_records: int = 256, generation: int = 0,
-                 flush_timeout: float = 30.0) -> None:
+                 flush_timeout: float = 30.0, copy_at_bubble: bool = True,
+                 writer_nice: Optional[int] = 19) -> None:
         if stage < 0:
             raise ValueError(f"stage must be >= 0, got {stage}")
         if chunk_records < 1:
@@ -66,6 +74,8 @@ class SendLogger:
         self.chunk_records = chunk_records
         self.generation = generation
         self.flush_timeout = flush_timeout
+        self.copy_at_bubble = copy_at_bubble
+        self.writer_nice = writer_nice
         self._ctx = threading.local()
         self._send_seq: dict[int, int] = {}
         self._recv_seq: dict[int, int] = {}
@@ -75,6 +85,7 @@ class SendLogger:
         self._chunk_no = max((n + 1 for _, g, n, _, _ in iter_chunks(self.log_dir)
                               if g == generation), default=0)
         self._writer_error: Optional[BaseException] = None
+        self._idle = threading.Event()  # set while the training thread waits: writer may run
         self._writer = threading.Thread(target=self._write_loop, name=f"swift-log-{stage}",
                                         daemon=True)
         self._writer.start()
@@ -208,30 +219,55 @@ class SendLogger:
         self._recv_seq[key.src] = seq + 1
         self._pending.append(_Pending(key, seq, self.generation, "recv", tensor, work))
 
+    @contextlib.contextmanager
+    def idle(self) -> Iterator[None]:
+        """Mark a pipeline bubble: the training thread is about to block (e.g. on a receive);
+        pending tensors are handed over and the writer runs until the block ends."""
+        self.bubble()
+        self._idle.set()
+        try:
+            yield
+        finally:
+            self._idle.clear()
+
     def bubble(self) -> None:
         """Copy pending tensors to host memory and hand them to the writer thread."""
         self._raise_writer_error()
         keep: list[_Pending] = []
+        batch = []
         for p in self._pending:
             if p.work is not None and not p.work.is_completed():
                 keep.append(p)  # receive still in flight: digest it at a later bubble
                 continue
-            # On a GPU this is the async device-to-host copy on a side stream (SWIFT §6);
-            # on CPU a clone decouples the log from the training tensor.
-            self._queue.put((p, p.tensor.detach().to("cpu", copy=True).contiguous()))
+            batch.append((p, self._host(p.tensor)))
         self._pending = keep
+        if batch:
+            self._queue.put(batch)  # one hand-over (one writer wake-up) per bubble
+
+    def _host(self, tensor: torch.Tensor) -> torch.Tensor:
+        # On a GPU this is the async device-to-host copy on a side stream (SWIFT §6); on CPU a
+        # clone decouples the log from the training tensor, unless the caller promised not to
+        # modify it (copy_at_bubble=False).
+        t = tensor.detach()
+        if self.copy_at_bubble or t.device.type != "cpu":
+            return t.to("cpu", copy=True).contiguous()
+        return t
 
     def flush(self) -> None:
         """Write every completed pending message to disk now (e.g. when a failure is seen).
 
         Receives that never completed are dropped (their data never arrived)."""
-        for p in self._pending:
-            if p.work is None or p.work.is_completed():
-                self._queue.put((p, p.tensor.detach().to("cpu", copy=True).contiguous()))
+        self._queue.put([(p, self._host(p.tensor)) for p in self._pending
+                         if p.work is None or p.work.is_completed()])
         self._pending = []
         done = threading.Event()
         self._queue.put(done)
-        if not done.wait(self.flush_timeout):
+        self._idle.set()  # the caller waits for the writer: let it run
+        try:
+            finished = done.wait(self.flush_timeout)
+        finally:
+            self._idle.clear()
+        if not finished:
             raise TimeoutError(f"stage {self.stage}: log writer did not drain within "
                                f"{self.flush_timeout}s")
         self._raise_writer_error()
@@ -252,6 +288,7 @@ class SendLogger:
             self.flush()
         finally:
             self._queue.put(None)
+            self._idle.set()
             self._writer.join(self.flush_timeout)
             self.uninstall()
 
@@ -274,6 +311,11 @@ class SendLogger:
             records.clear()
             tensors.clear()
 
+        if self.writer_nice is not None:
+            try:  # Linux: niceness is per thread; the writer yields the core to training
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.writer_nice)
+            except (AttributeError, OSError):
+                pass
         while True:
             item = self._queue.get()
             try:
@@ -284,18 +326,19 @@ class SendLogger:
                     write()
                     item.set()
                     continue
-                p, host = item
-                # Only receive digests are ever checked; sends keep the tensor itself.
-                records.append(LogRecord(key=p.key, seq=p.seq, generation=p.generation,
-                                         kind=p.kind,
-                                         digest=tensor_digest(host) if p.kind == "recv" else ""))
-                if p.kind == "send":
-                    tensors.append(host)
-                    self.bytes_logged += host.numel() * host.element_size()
-                else:
-                    tensors.append(None)
-                if len(records) >= self.chunk_records:
-                    write()
+                for p, host in item:
+                    self._idle.wait()  # only in bubbles (or while flushing)
+                    # Only receive digests are ever checked; sends keep the tensor itself.
+                    records.append(LogRecord(
+                        key=p.key, seq=p.seq, generation=p.generation, kind=p.kind,
+                        digest=tensor_digest(host) if p.kind == "recv" else ""))
+                    if p.kind == "send":
+                        tensors.append(host.contiguous())
+                        self.bytes_logged += host.numel() * host.element_size()
+                    else:
+                        tensors.append(None)
+                    if len(records) >= self.chunk_records:
+                        write()
             except BaseException as exc:  # surfaced to the training thread at the next bubble
                 self._writer_error = exc
                 if isinstance(item, threading.Event):

@@ -8,9 +8,10 @@ against the digest it logged when it received the original (divergence detection
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from typing import Callable, Iterable, Optional
+from typing import Callable, ContextManager, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,8 @@ class PipelineChannel:
     """Sends/receives of one stage; ``logged_peers`` are served from/checked against ``index``.
 
     ``group`` may be None when every peer is logged (a replacement replaying alone).
-    ``on_idle`` runs while the stage would block on a live receive (a pipeline bubble);
+    ``idle()`` is entered while the stage blocks on a live peer (a pipeline bubble), e.g.
+    :meth:`SendLogger.idle`;
     With a ``waiter``, waits for live peers are interrupted when ``failure()`` (the job-wide
     failure flag) turns true.
     """
@@ -72,7 +74,7 @@ class PipelineChannel:
     def __init__(self, *, stage: int, group: Optional[dist.ProcessGroup],
                  logger: Optional[SendLogger] = None, index: Optional[LogIndex] = None,
                  logged_peers: Iterable[int] = (),
-                 on_idle: Optional[Callable[[], None]] = None,
+                 idle: Optional[Callable[[], ContextManager[None]]] = None,
                  failure: Optional[Callable[[], bool]] = None,
                  waiter: Optional["WorkWaiter"] = None) -> None:
         self.stage = stage
@@ -82,7 +84,7 @@ class PipelineChannel:
         self.logged_peers = frozenset(logged_peers)
         if self.logged_peers and index is None:
             raise ValueError("logged_peers given without a LogIndex to serve them from")
-        self.on_idle = on_idle
+        self.idle = idle
         self.failure = failure if failure is not None else (lambda: False)
         self.waiter = waiter
         self._works: list[object] = []
@@ -138,12 +140,12 @@ class PipelineChannel:
         return buf
 
     def _wait(self, work, what: object) -> None:
-        if self.on_idle is not None:
-            self.on_idle()  # the stage is about to block: a bubble, log in it
-        if self.waiter is None:
-            work.wait()
-        else:
-            self.waiter.wait(work, failed=self.failure, what=f"stage {self.stage}: {what}")
+        # The stage is about to block: a bubble, in which the logger may work.
+        with self.idle() if self.idle is not None else contextlib.nullcontext():
+            if self.waiter is None:
+                work.wait()
+            else:
+                self.waiter.wait(work, failed=self.failure, what=f"stage {self.stage}: {what}")
 
     def finish(self) -> None:
         """Wait for this iteration's outstanding sends."""
