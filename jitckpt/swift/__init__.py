@@ -1,11 +1,30 @@
-"""SWIFT (Zhong et al.) failure-recovery mechanisms: update-undo of the optimizer step.
+"""SWIFT (Zhong et al.) failure-recovery mechanisms.
 
 ``UpdateUndo`` inverts the last (possibly interrupted) optimizer step so data-parallel
 survivors return to one consistent state without snapshots; ``Lamb`` is a LAMB optimizer that
 keeps the per-tensor trust ratios its inverse needs.
+
+Logging-based recovery for pipeline parallelism: ``SendLogger`` logs a stage's point-to-point
+messages (sender side, chunked, in bubbles), ``LogIndex`` serves them back in order for replay
+and detects divergence, ``PipelineStage``/``PipelineChannel`` run an iteration live or from the
+logs, ``parallel_replay_iteration`` re-computes a lost stage's micro-batches on several
+workers, and ``plan_groups`` is the selective-logging grouping of SWIFT §5.3.
 """
 from .errors import NotInvertibleError, UndoError
 from .lamb import Lamb
+from .logging_determinism import DeterminismMismatchError, apply_determinism, check_determinism
+from .logging_records import MessageKey
+from .logging_replay import LogIndex, MissingLogError, ReplayDivergenceError
+from .logging_sender import SendLogger
+from .pipeline_channel import PeerFailure, PipelineChannel
+from .pipeline_parallel_recovery import parallel_replay_iteration
+from .pipeline_recovery import partition_micro_batches
+from .pipeline_stage import PipelineStage
+from .selective_logging import GroupPlan, plan_groups
 from .undo import UpdateUndo
 
-__all__ = ["UpdateUndo", "Lamb", "NotInvertibleError", "UndoError"]
+__all__ = ["UpdateUndo", "Lamb", "NotInvertibleError", "UndoError",
+           "SendLogger", "LogIndex", "MessageKey", "ReplayDivergenceError", "MissingLogError",
+           "DeterminismMismatchError", "apply_determinism", "check_determinism",
+           "PipelineStage", "PipelineChannel", "PeerFailure", "parallel_replay_iteration",
+           "partition_micro_batches", "plan_groups", "GroupPlan"]

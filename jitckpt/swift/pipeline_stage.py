@@ -5,6 +5,7 @@ differs, so a replayed iteration executes exactly the ops of the original one, i
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable, Optional
 
 import torch
@@ -94,6 +95,8 @@ class PipelineStage:
         return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output."""
+        """Restore :meth:`state_dict` output (``state`` is not aliased afterwards)."""
         self.module.load_state_dict(state["module"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        # Optimizer.load_state_dict keeps the given state tensors (e.g. momentum buffers) and
+        # updates them in place later: copy, so the same checkpoint can be loaded twice.
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
