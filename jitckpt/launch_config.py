@@ -85,7 +85,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-addr", default="127.0.0.1",
                    help="metrics bind address (loopback default; any other needs $JITCKPT_METRICS_TOKEN, "
                         "sent by scrapers as a bearer token)")
-    g.add_argument("--preload", default="", help="LD_PRELOAD for workers (e.g. libjit.so)")
+    g.add_argument("--preload", default="",
+                   help="LD_PRELOAD for the workers; 'libjit' = jitckpt's CUDA/NCCL interposer (GPU hang "
+                        "detection), or a path")
     g.add_argument("--plugin", default="", help="proxy plugins (undo,logging)")
     p.add_argument("script", help="training script (or module with -m, or program with --no-python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -135,6 +137,15 @@ class LaunchConfig:
             self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
         if not self.run_dir:
             self.run_dir = os.path.join(self.checkpoint_dir, "runs", self.run_id)
+        if self.preload == "libjit":
+            from .native_libs import libjit_path
+
+            try:
+                self.preload = str(libjit_path())
+            except FileNotFoundError as e:
+                raise ValueError(str(e)) from None
+        elif self.preload and not os.path.isfile(self.preload):
+            raise ValueError(f"--preload {self.preload!r}: no such file")
         unknown = set(self.plugins) - {"undo", "logging"}
         if unknown:
             raise ValueError(f"--plugin: unknown plugin(s) {sorted(unknown)}; known: undo, logging")

@@ -70,3 +70,14 @@ def test_adaptive_timeout_follows_recent_maximum():
         h.add("backward", d)
     assert h.timeout_for("backward") == 1.0          # the floor, once the slow one left the window
     assert h.timeout_for("all_reduce") == 60          # kinds are tracked separately
+
+
+def test_preload_libjit_shortcut(tmp_path, monkeypatch):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    lib = tmp_path / "libjit.so"
+    lib.write_bytes(b"")
+    monkeypatch.setenv("JITCKPT_NATIVE_DIR", str(tmp_path))
+    assert parse("--preload", "libjit", str(script)).preload == str(lib)
+    with pytest.raises(ValueError, match="no such file"):
+        parse("--preload", str(tmp_path / "missing.so"), str(script))
