@@ -121,3 +121,12 @@ def test_properties(rb, interval, budget):
     smaller = plan_groups(**kw, storage_budget=budget / 2)
     for g in plan.groups:
         assert any(set(g) <= set(h) for h in smaller.groups)
+
+
+def test_logged_peers_follow_the_group_boundaries():
+    from jitckpt.swift.selective_logging import logged_peers
+    plan = plan_groups(compute_times=[4, 1, 1, 4], boundary_bytes=[10, 10, 10], bandwidth=10,
+                       checkpoint_interval=2, storage_budget=40)  # [[0], [1, 2], [3]]
+    assert [logged_peers(plan, m) for m in range(4)] == [{1}, {0}, {3}, {2}]
+    with pytest.raises(ValueError, match="not in the plan"):
+        logged_peers(plan, 4)

@@ -20,11 +20,11 @@ from .pipeline_channel import PeerFailure, PipelineChannel
 from .pipeline_parallel_recovery import parallel_replay_iteration
 from .pipeline_recovery import partition_micro_batches
 from .pipeline_stage import PipelineStage
-from .selective_logging import GroupPlan, plan_groups
+from .selective_logging import GroupPlan, logged_peers, plan_groups
 from .undo import UpdateUndo
 
 __all__ = ["UpdateUndo", "Lamb", "NotInvertibleError", "UndoError",
            "SendLogger", "LogIndex", "MessageKey", "ReplayDivergenceError", "MissingLogError",
            "DeterminismMismatchError", "apply_determinism", "check_determinism",
            "PipelineStage", "PipelineChannel", "PeerFailure", "parallel_replay_iteration",
-           "partition_micro_batches", "plan_groups", "GroupPlan"]
+           "partition_micro_batches", "plan_groups", "GroupPlan", "logged_peers"]

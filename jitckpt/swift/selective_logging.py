@@ -105,3 +105,14 @@ def plan_groups(
                    for g, r in zip(groups, recovery))
     return GroupPlan(groups=tuple(tuple(g) for g in groups), logged_boundaries=logged,
                      storage_bytes=storage(), expected_recovery_time=expected)
+
+
+def logged_peers(plan: GroupPlan, machine: int) -> frozenset[int]:
+    """Neighbours of ``machine`` in another group: the peers whose messages it logs (sends)
+    and digests (receives) under ``plan``; pass them as ``SendLogger(log_peers=...)``."""
+    n = sum(len(g) for g in plan.groups)
+    if not 0 <= machine < n:
+        raise ValueError(f"machine {machine} is not in the plan (0..{n - 1})")
+    group_of = {m: i for i, g in enumerate(plan.groups) for m in g}
+    return frozenset(p for p in (machine - 1, machine + 1)
+                     if 0 <= p < n and group_of[p] != group_of[machine])
