@@ -74,10 +74,25 @@ class PipelineRun:
     group_timeout: float = 45.0
     tamper_replay: bool = False  # test hook: replacement perturbs a weight -> must diverge
     log_root: Optional[str] = None  # shared log store (default run_dir/logs), e.g. on tmpfs
+    # Selective logging (SWIFT §5.3): machines (stages) grouped; only inter-group messages are
+    # logged and a failure rolls back the failed stage's whole group. Default: one per stage.
+    groups: Optional[tuple[tuple[int, ...], ...]] = None
 
     def __post_init__(self) -> None:
         if self.num_stages < 2:
             raise ValueError("num_stages must be >= 2")
+        if self.groups is not None:
+            flat = [m for g in self.groups for m in g]
+            if flat != list(range(self.num_stages)):
+                raise ValueError(f"groups {self.groups} must be contiguous runs covering stages "
+                                 f"0..{self.num_stages - 1} in order, e.g. ((0,), (1, 2), (3,))")
+
+    def group_of(self, stage: int) -> tuple[int, ...]:
+        """The selective-logging group holding ``stage``."""
+        for g in self.groups or tuple((m,) for m in range(self.num_stages)):
+            if stage in g:
+                return tuple(g)
+        raise ValueError(f"stage {stage} is in no group")
         if self.recovery not in ("logging", "restart"):
             raise ValueError(f"recovery must be 'logging' or 'restart', got {self.recovery!r}")
         if self.recovery == "logging" and self.fail_stage is not None and not self.logging:
@@ -133,7 +148,8 @@ class _Stage:
         self.store = dist.TCPStore("127.0.0.1", port, is_master=False,
                                    timeout=timedelta(seconds=cfg.timeout))
         self.stage = _build_stage(cfg, s)
-        peers = [p for p in (s - 1, s + 1) if 0 <= p < cfg.num_stages]
+        peers = [p for p in (s - 1, s + 1)
+                 if 0 <= p < cfg.num_stages and p not in cfg.group_of(s)]
         # About one iteration per chunk (2 sends + 2 receive digests per micro-batch), so a
         # global checkpoint makes whole chunks obsolete.
         self.logger = (SendLogger(stage=s, log_dir=self.log_dir, log_peers=peers,
@@ -215,17 +231,26 @@ class _Stage:
             with torch.no_grad():
                 next(self.stage.module.parameters()).view(-1)[0] += 1e-3
 
-    def replay_alone(self) -> None:
-        """Replacement: replay iterations c+1..low from the neighbours' logs, no group."""
-
-        survivors = [p for p in range(self.cfg.num_stages) if p != self.s]
-        self.store.wait([f"gen{self.gen}/completed/{p}" for p in survivors])
-        done = {p: int(self.store.get(f"gen{self.gen}/completed/{p}")) for p in survivors}
+    def replay_group(self) -> None:
+        """Replacement (and, under selective logging, the failed stage's group-mates, rolled
+        back to the checkpoint): replay iterations c+1..low, live within the group, inputs
+        from other groups from their logs. Survivors outside the group do not roll back."""
+        cfg, members = self.cfg, self.cfg.group_of(self.s)
+        outside = [p for p in range(cfg.num_stages) if p not in members]
+        self.store.wait([f"gen{self.gen}/completed/{p}" for p in outside])
+        done = {p: int(self.store.get(f"gen{self.gen}/completed/{p}")) for p in outside}
         low, _ = recovery_targets(done)
-        index = self._index(self._neighbours(), after=self.completed)
+        sub = None
+        if len(members) > 1:
+            sub = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{self.gen}/replay", self.store),
+                                        members.index(self.s), len(members),
+                                        timedelta(seconds=cfg.group_timeout))
+        logged = [p for p in self._neighbours() if p not in members]
+        index = self._index(logged, after=self.completed)
         for it in range(self.completed + 1, low + 1):
-            ch = PipelineChannel(stage=self.s, group=None, logger=self.logger, index=index,
-                                 logged_peers=self._neighbours())
+            ch = PipelineChannel(stage=self.s, group=sub, logger=self.logger, index=index,
+                                 logged_peers=logged,
+                                 ranks={m: i for i, m in enumerate(members)})
             self._run(ch, it)
             self.stats["replayed"].append(it)
 
@@ -287,8 +312,14 @@ class _Stage:
                 if self.logger is not None:
                     self.logger.generation = self.gen
                 self.store.wait([f"gen{self.gen}/announced"])  # bounded by the store timeout
-                self.store.set(f"gen{self.gen}/completed/{self.s}", str(self.completed))
+                failed = int(self.store.get(f"gen{self.gen}/announced"))
                 self.mark("announced")
+                if failed in cfg.group_of(self.s):
+                    # Intra-group messages were not logged: the group recovers together.
+                    self.stats["rolled_back"] = True
+                    self.restore()
+                    self.replay_group()
+                self.store.set(f"gen{self.gen}/completed/{self.s}", str(self.completed))
 
     def finish(self) -> None:
 
@@ -309,7 +340,7 @@ def _stage_entry(cfg: PipelineRun, s: int, generation: int, role: str, port: int
             st.restore()
             st.mark("restored")
         if role == "replacement":
-            st.replay_alone()
+            st.replay_group()
             st.mark("replayed")
         st.train()
         st.finish()
@@ -384,7 +415,7 @@ def run_pipeline(cfg: PipelineRun) -> RunResult:
                     gen += 1
                     if cfg.recovery == "logging":
                         spawn(s, "replacement")
-                        store.set(f"gen{gen}/announced", "1")
+                        store.set(f"gen{gen}/announced", str(s))
                     else:  # baseline: restart every stage from the global checkpoint
                         for q in list(procs.values()):
                             os.kill(q.pid, signal.SIGKILL)

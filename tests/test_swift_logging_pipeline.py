@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from jitckpt.swift.logging_records import MessageKey
+
 ROOT = Path(__file__).resolve().parent.parent
 ITERS, CKPT, FAIL_IT = 8, 4, 6
 
@@ -105,6 +107,34 @@ def test_single_stage_recovery_is_bitwise_identical(tmp_path, reference, fail_st
     else:
         assert all(st["catch_up"] is None for st in res.stats.values())
     assert res.recovery_time is not None and res.recovery_time > 0
+
+
+def test_selective_logging_group_recovers_together(tmp_path, reference):
+    # Groups [[0], [1, 2], [3]] (as plan_groups gives for R=[4,1,1,4], see
+    # test_selective_logging.py): the 1-2 boundary is not logged. Stage 2 dies mid-iteration:
+    # its group-mate stage 1 rolls back to the checkpoint and replays with the replacement
+    # (live between them, stage 0's and 3's messages from their logs); 0 and 3 do not roll back.
+    want, _ = reference
+    res = _run(tmp_path, "group", fail_stage=2, fail_iteration=FAIL_IT, fail_op=3,
+               groups=((0,), (1, 2), (3,)))
+    assert res.ok
+    _assert_bitwise(_final(tmp_path / "group"), want)
+    st = res.stats
+    assert st[2]["role"] == "replacement" and st[2]["loaded_checkpoint"] == CKPT
+    assert st[1].get("rolled_back") and st[1]["loaded_checkpoint"] == CKPT
+    assert st[1]["replayed"] == st[2]["replayed"] == list(range(CKPT + 1, FAIL_IT))
+    for s in (0, 3):
+        assert st[s]["loaded_checkpoint"] is None and not st[s].get("rolled_back")
+        assert st[s]["completed_log"] == list(range(1, ITERS + 1))
+    # nothing crosses the unlogged boundary in the logs
+    from jitckpt.swift.logging_replay import LogIndex
+    index = LogIndex([tmp_path / "group" / "logs" / f"stage{s}" for s in range(4)])
+    assert not any(index.has_input(MessageKey(iteration=it, micro_batch=mb, payload=p,
+                                              src=a, dst=b))
+                   for it in range(CKPT + 1, ITERS + 1) for mb in range(4)
+                   for p, a, b in (("activation", 1, 2), ("gradient", 2, 1)))
+    assert index.has_input(MessageKey(iteration=ITERS, micro_batch=0, payload="activation",
+                                      src=2, dst=3))
 
 
 def test_divergent_replay_is_detected(tmp_path):

@@ -142,6 +142,17 @@ class SendLogger:
                 "payload=)` so the message can be logged and replayed in order")
         return tag
 
+    @contextlib.contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Sends/recvs issued inside are not logged (e.g. on a sub-group whose ranks are not
+        stage ids)."""
+        prev = getattr(self._ctx, "in_batch", False)
+        self._ctx.in_batch = True
+        try:
+            yield
+        finally:
+            self._ctx.in_batch = prev
+
     def _in_batch(self) -> bool:
         return getattr(self._ctx, "in_batch", False)
 
@@ -176,16 +187,15 @@ class SendLogger:
 
     def _wrap_batch(self):
         def hooked(p2p_op_list):
+            if self._in_batch():
+                return self._orig("batch_isend_irecv")(p2p_op_list)
             keys = []
             for op in p2p_op_list:
                 outgoing = op.op in (dist.isend, c10d.isend, self._orig("isend"))
                 keys.append((self._key(op.peer, "batch_isend_irecv", outgoing=outgoing), outgoing)
                             if op.peer in self.log_peers else None)
-            self._ctx.in_batch = True
-            try:
+            with self.untracked():  # its isend/irecv calls are logged here, not there
                 works = self._orig("batch_isend_irecv")(p2p_op_list)
-            finally:
-                self._ctx.in_batch = False
             for op, k, work in zip(p2p_op_list, keys, works or [None] * len(p2p_op_list)):
                 if k is None:
                     continue

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from typing import Callable, ContextManager, Iterable, Optional
+from typing import Callable, ContextManager, Mapping, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,7 +68,8 @@ class PipelineChannel:
     ``idle()`` is entered while the stage blocks on a live peer (a pipeline bubble), e.g.
     :meth:`SendLogger.idle`;
     With a ``waiter``, waits for live peers are interrupted when ``failure()`` (the job-wide
-    failure flag) turns true.
+    failure flag) turns true. ``ranks`` maps stage ids to ranks of ``group`` when it is a
+    sub-group (a selective-logging group replaying together); its traffic is never logged.
     """
 
     def __init__(self, *, stage: int, group: Optional[dist.ProcessGroup],
@@ -76,7 +77,8 @@ class PipelineChannel:
                  logged_peers: Iterable[int] = (),
                  idle: Optional[Callable[[], ContextManager[None]]] = None,
                  failure: Optional[Callable[[], bool]] = None,
-                 waiter: Optional["WorkWaiter"] = None) -> None:
+                 waiter: Optional["WorkWaiter"] = None,
+                 ranks: Optional[Mapping[int, int]] = None) -> None:
         self.stage = stage
         self.group = group
         self.logger = logger
@@ -87,9 +89,21 @@ class PipelineChannel:
         self.idle = idle
         self.failure = failure if failure is not None else (lambda: False)
         self.waiter = waiter
+        self.ranks = dict(ranks) if ranks is not None else None
         self._works: list[object] = []
         self.replayed_inputs = 0
         self.checked_outputs = 0
+
+    def _rank(self, stage: int) -> int:
+        return self.ranks[stage] if self.ranks is not None else stage
+
+    def _tag(self, key: MessageKey) -> ContextManager[None]:
+        if self.logger is None:
+            return contextlib.nullcontext()
+        if self.ranks is not None:
+            return self.logger.untracked()  # intra-group replay traffic: never logged
+        return self.logger.tagged(iteration=key.iteration, micro_batch=key.micro_batch,
+                                  payload=key.payload)
 
     def _need_group(self, peer: int) -> dist.ProcessGroup:
         if self.group is None:
@@ -107,12 +121,8 @@ class PipelineChannel:
             return
         group = self._need_group(key.dst)
         try:
-            if self.logger is not None:
-                with self.logger.tagged(iteration=key.iteration, micro_batch=key.micro_batch,
-                                        payload=key.payload):
-                    work = dist.isend(tensor, group=group, group_dst=key.dst)
-            else:
-                work = dist.isend(tensor, group=group, group_dst=key.dst)
+            with self._tag(key):
+                work = dist.isend(tensor, group=group, group_dst=self._rank(key.dst))
         except RuntimeError as exc:
             raise PeerFailure(f"stage {self.stage}: send {key} failed: {exc}") from exc
         self._works.append(work)
@@ -128,12 +138,8 @@ class PipelineChannel:
         group = self._need_group(key.src)
         buf = torch.empty_like(like)
         try:
-            if self.logger is not None:
-                with self.logger.tagged(iteration=key.iteration, micro_batch=key.micro_batch,
-                                        payload=key.payload):
-                    work = dist.irecv(buf, group=group, group_src=key.src)
-            else:
-                work = dist.irecv(buf, group=group, group_src=key.src)
+            with self._tag(key):
+                work = dist.irecv(buf, group=group, group_src=self._rank(key.src))
             self._wait(work, key)
         except RuntimeError as exc:
             raise PeerFailure(f"stage {self.stage}: recv {key} failed: {exc}") from exc
