@@ -35,6 +35,9 @@ def parse():
     p.add_argument("--pause-at", type=int, default=-1,
                    help="after committing step N's snapshot, print 'paused' and block on stdin (the "
                         "test kills a node there)")
+    p.add_argument("--pause-mid", type=int, default=-1,
+                   help="in step N, before waiting for its snapshot (the copy may still be running), "
+                        "print 'paused' and block on stdin")
     return p.parse_args()
 
 
@@ -84,6 +87,9 @@ def main():
         for p in model.parameters():
             p.grad.copy_(flat[off:off + p.numel()].view_as(p))
             off += p.numel()
+        if step == args.pause_mid:
+            emit(event="paused", rank=rank, step=step, snapshot=None)
+            sys.stdin.read()
         committed = snap.wait()
         if step == args.pause_at:
             emit(event="paused", rank=rank, step=step, snapshot=committed)
