@@ -144,6 +144,7 @@ class FailureRecord:
     save_s: Optional[float] = None
     saved_ranks: list = field(default_factory=list)
     failed_ranks: list = field(default_factory=list)
+    detect_s: float = 0.0                # failure -> detection, when known (a hang: its timeout)
 
 
 class Launcher:
@@ -358,6 +359,8 @@ class Launcher:
                                            culprit=msg.get("kind") == "exception")
             if msg.get("step") is not None:
                 failure.step_failed = max(failure.step_failed or 0, msg["step"])
+            if msg.get("detect_s") is not None:
+                failure.detect_s = max(failure.detect_s, float(msg["detect_s"]))
         elif t == "saved":
             self.emit("checkpoint_saved", rank=w.rank, step=msg["step"], bytes=msg["bytes"],
                       seconds=msg["seconds"], path=msg["path"], kind=msg.get("kind", "jit"))
@@ -449,7 +452,9 @@ class Launcher:
         self.pending_summary = failure
         for w in self.workers:
             if w.exit_code not in (0, EXIT_JIT_SAVED, None) and w.rank not in failure.failed_ranks:
-                if w.rank not in failure.saved_ranks and w.exit_code != -signal.SIGKILL:
+                if w.rank not in failure.saved_ranks and not (
+                        w.exit_code == -signal.SIGKILL and failure.kind != "hang"):
+                    # Died on its own, or (after a hang) was still silent when killed: a culprit.
                     failure.failed_ranks.append(w.rank)
         self.display.show_failure(failure)
 
@@ -461,7 +466,7 @@ class Launcher:
         restored = [w.restored for w in self.workers if w.restored]
         step_resumed = min((r["step"] for r in restored), default=0)
         restore_s = max((r["seconds"] or 0.0 for r in restored), default=0.0)
-        detect_s = 0.0
+        detect_s = f.detect_s
         save_s = (f.t_covered - f.t_detect) if f.t_covered else None
         restart_s = now - (f.t_killed or now)
         redone = None

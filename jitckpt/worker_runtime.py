@@ -273,10 +273,11 @@ class WorkerRuntime:
 
     # ---- failure handling ---------------------------------------------------------------
     def _on_hang(self, kind: str, age: float, limit: float) -> None:
-        self.report_failure("hang", f"{kind} blocked for {age:.1f}s (timeout {limit:.1f}s)")
+        self.report_failure("hang", f"{kind} blocked for {age:.1f}s (timeout {limit:.1f}s)",
+                            detect_s=age)
 
     def report_failure(self, kind: str, detail: str, *, on_main: bool = False,
-                       from_launcher: bool = False) -> None:
+                       from_launcher: bool = False, detect_s: Optional[float] = None) -> None:
         """Record a failure (first one wins), tell the launcher, and save when it is safe."""
         with self._lock:
             first = self._failure is None
@@ -288,7 +289,7 @@ class WorkerRuntime:
             log.warning("rank %d: failure detected (%s): %s", self.rank, kind, detail)
             if self.channel is not None and not from_launcher:
                 self.channel.send("failure", rank=self.rank, kind=kind, detail=detail,
-                                  step=self._failure["step"])
+                                  step=self._failure["step"], detect_s=detect_s)
         if on_main:
             self._save_and_exit(on_main=True)
         threading.Thread(target=self._save_when_blocked, name="jitckpt-saver", daemon=True).start()
