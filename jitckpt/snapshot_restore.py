@@ -23,7 +23,7 @@ import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,17 +70,22 @@ def _is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def local_catalogue(keeper: KeeperClient, topo: Topology) -> list[dict]:
-    """This rank's share of its keeper's complete objects, checksum-verified."""
+def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tuple] = None) -> list[dict]:
+    """This rank's share of its keeper's complete objects, checksum-verified.
+
+    ``share=(i, n)`` verifies every n-th object starting at i (default: split among the node's
+    ranks, which all call this on the same keeper).
+    """
+    index, count = share or (topo.local_rank, topo.ranks_per_node)
     entries = keeper.listing()
     out = []
     for i, e in enumerate(entries):
-        if i % topo.ranks_per_node != topo.local_rank:
+        if i % count != index:
             continue
         try:
             m, info = keeper.open(e["key"], e["step"])
-        except KeyError:
-            continue
+        except KeeperError:
+            continue  # dropped since the listing (a newer snapshot reused the buffer)
         if checksum_of(memoryview(m)[:e["size"]], info["algo"]) != info["checksum"]:
             log.warning("in-memory snapshot object %s step %s fails its checksum; not used",
                         e["key"], e["step"])
@@ -230,6 +235,42 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
     finally:
         if keeper is not None:
             keeper.close()  # restored tensors view a private buffer, not the keeper's memory
+
+
+def find_latest_in_memory(keepers: Mapping[int, str], *, num_nodes: int, ranks_per_node: int,
+                          skipped: Optional[list] = None) -> Optional[tuple[int, Any]]:
+    """Non-collective discovery for a process that can reach the keepers' sockets (a controller,
+    a launcher, a test): (step, state) of the newest rebuildable snapshot, or None.
+
+    ``keepers`` maps node index -> keeper socket; unreachable keepers count as lost nodes. Same
+    selection rule as :func:`restore`, so its step can be compared with ``find_latest`` on disk.
+    """
+    topo = Topology(0, num_nodes * ranks_per_node, ranks_per_node)
+    clients: dict[int, KeeperClient] = {}
+    catalogues = []
+    try:
+        for node, path in sorted(keepers.items()):
+            if not 0 <= node < num_nodes:
+                raise ValueError(f"keeper for node {node}: nodes are 0..{num_nodes - 1}")
+            try:
+                clients[node] = KeeperClient(path)
+            except KeeperError as e:
+                _skip(skipped, f"node {node}", str(e))
+                continue
+            node_topo = Topology(node * ranks_per_node, topo.world, ranks_per_node)
+            catalogues.append(local_catalogue(clients[node], node_topo, share=(0, 1)))
+        choice = latest_memory_step(catalogues, topo, skipped)
+        if choice is None:
+            return None
+        objects = {}
+        for key, (holder, size) in choice.holders.items():
+            m, _ = clients[holder // ranks_per_node].open(key, choice.step)
+            objects[key] = torch.frombuffer(m, dtype=torch.uint8, count=size)
+        meta = pickle.loads(objects.pop(META_KEY).numpy().tobytes())
+        return choice.step, rebuild(meta["skeleton"], choice.plan.assemble(objects).numpy())
+    finally:
+        for c in clients.values():
+            c.close()
 
 
 def reject_snapshot(step: int, *, socket_path: Optional[str] = None) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jitckpt.checkpoint_store import write_checkpoint
-from jitckpt.snapshot_client import STATE_FILE, SnapshotTaker
+from jitckpt.checkpoint_store import find_latest, write_checkpoint
+from jitckpt.snapshot_checksum import DEFAULT_ALGORITHM, checksum_of
+from jitckpt.snapshot_client import META_KEY, STATE_FILE, SnapshotTaker
 from jitckpt.snapshot_keeper_client import KeeperClient, KeeperError
 from jitckpt.snapshot_layout import FlatState, rebuild
 from jitckpt.snapshot_protection import ProtectionPlan
-from jitckpt.snapshot_restore import reject_snapshot, restore
+from jitckpt.snapshot_restore import find_latest_in_memory, reject_snapshot, restore
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -277,8 +279,6 @@ def test_corrupt_object_is_not_used(keeper) -> None:
 
 
 def test_disk_flush_goes_through_the_shared_checkpoint_format(keeper, tmp_path) -> None:
-    from jitckpt.checkpoint_store import find_latest
-
     sock, _ = keeper
     state = {"step": 2, "w": torch.arange(10.0)}
     snap = SnapshotTaker(state_fn=lambda: state, socket_path=sock, scheme="none", flush_every=1,
@@ -297,3 +297,45 @@ def test_taker_validates_configuration(keeper) -> None:
         SnapshotTaker(state_fn=dict, socket_path=sock, scheme="aec")
     with pytest.raises(ValueError, match="flush_dir"):
         SnapshotTaker(state_fn=dict, socket_path=sock, scheme="none", flush_every=2)
+
+
+def test_find_latest_in_memory_decodes_a_lost_keeper_without_a_process_group(tmp_path) -> None:
+    """Three keepers hold an AEC-protected snapshot; one is killed; the state comes back bitwise."""
+    procs, socks = [], {}
+    try:
+        for n in range(3):
+            socks[n] = str(tmp_path / f"k{n}.sock")
+            p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot_keeper", "--socket", socks[n],
+                                  "--max-lifetime", "120"], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+            procs.append(p)
+            assert p.stdout.readline().startswith("ready")
+        state = _model_state()
+        flat = FlatState(state)
+        plan = ProtectionPlan(scheme="aec", num_nodes=3, ranks_per_node=1, total_bytes=flat.total)
+        objs = _encode(plan, flat)
+        meta = pickle.dumps({"step": 6, "plan": plan.describe(), "skeleton": flat.skeleton})
+        for n in range(3):
+            c = KeeperClient(socks[n])
+            items = []
+            for spec in plan.rank_objects(n, 0):
+                data = objs[spec.key].numpy().tobytes()
+                c.begin(spec.key, 6, spec.size)[:] = data
+                items.append({"key": spec.key, "step": 6, "checksum": checksum_of(data), "algo": DEFAULT_ALGORITHM})
+            c.begin(META_KEY, 6, len(meta))[:] = meta
+            items.append({"key": META_KEY, "step": 6, "checksum": checksum_of(meta), "algo": DEFAULT_ALGORITHM})
+            c.commit(items)
+            c.close()
+        procs[1].kill()
+        procs[1].wait(timeout=10)
+        skipped: list = []
+        step, back = find_latest_in_memory(socks, num_nodes=3, ranks_per_node=1, skipped=skipped)
+        assert step == 6 and any(what == "node 1" for what, _ in skipped)
+        _assert_same(state, back)
+        procs[2].kill()
+        procs[2].wait(timeout=10)
+        assert find_latest_in_memory(socks, num_nodes=3, ranks_per_node=1) is None  # two nodes lost
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
