@@ -8,7 +8,6 @@ an uninterrupted one. Prints one JSON line per event on stdout.
 import argparse
 import datetime
 import json
-import os
 import sys
 
 import torch

@@ -213,9 +213,11 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
                     _skip(skipped, f"memory step {choice.step}", "restored state has NaN/Inf")
             except (KeeperError, ValueError, KeyError) as e:
                 _skip(skipped, f"memory step {choice.step}", f"load failed: {e}")
+            if keeper is not None and topo.local_rank == 0:
+                # Stale partial versions of later steps go now, before the agreement collective:
+                # after it, the node's other ranks may already be writing the next snapshot.
+                keeper.discard_newer(choice.step)
             if _all_true(ok, group):
-                if keeper is not None and topo.local_rank == 0:
-                    keeper.discard_newer(choice.step)  # stale partial versions of later steps
                 return RestoreResult("memory", choice.step, state, time.monotonic() - t0,
                                      decoded=choice.decoded, remote=remote, skipped=skipped)
             if keeper is not None and topo.local_rank == 0:
@@ -225,9 +227,9 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
             path, meta = disk
             state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
             ok = not check_finite or _finite(state)
+            if keeper is not None and topo.local_rank == 0:
+                keeper.discard_newer(meta.step)
             if _all_true(ok, group):
-                if keeper is not None and topo.local_rank == 0:
-                    keeper.discard_newer(meta.step)
                 return RestoreResult("disk", meta.step, state, time.monotonic() - t0, skipped=skipped,
                                      path=str(path))
             _skip(skipped, f"disk {path}", "restored state has NaN/Inf")
