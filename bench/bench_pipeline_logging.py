@@ -135,12 +135,6 @@ def main(argv=None) -> int:
                                                  "load_avg_at_start": os.getloadavg(),
                                                  "python": platform.python_version()}}
     try:
-        results["in_process"] = cost = in_process_cost(model)
-        print(f"in-process: compute {cost['stage_compute_ms']:.1f} ms/it, logging on the "
-              f"training thread {cost['logging_training_thread_ms']:.2f} ms/it "
-              f"({cost['critical_path_fraction'] * 100:.2f} %), all threads "
-              f"{cost['logging_all_threads_ms']:.2f} ms/it "
-              f"({cost['cpu_fraction_incl_writer'] * 100:.2f} %)", flush=True)
         # ---- 1. throughput, interleaved -------------------------------------------------
         tp = {"logging": [], "no_logging": []}
         iv = {"logging": [], "no_logging": []}
@@ -191,6 +185,14 @@ def main(argv=None) -> int:
             "checkpoint_iteration": ckpt, "failed_iteration": fail_it, "failed_stage": 2,
             "repeats": rec_reps, "seconds": rec, "median_seconds": rmed,
             "logging_over_restart": ratio, "target_ratio": 0.5, "meets_target": ratio < 0.5}
+        # Last: it computes in this process, and stage processes must not be forked from a
+        # process whose OpenMP pool is running.
+        results["in_process"] = cost = in_process_cost(model)
+        print(f"in-process: compute {cost['stage_compute_ms']:.1f} ms/it, logging on the "
+              f"training thread {cost['logging_training_thread_ms']:.2f} ms/it "
+              f"({cost['critical_path_fraction'] * 100:.2f} %), all threads "
+              f"{cost['logging_all_threads_ms']:.2f} ms/it "
+              f"({cost['cpu_fraction_incl_writer'] * 100:.2f} %)", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         for x in shm_dirs:
