@@ -198,6 +198,35 @@ def test_replay_order_and_missing_messages(tmp_path):
         index.check_output(_key(1, 0), _t(0))
 
 
+def test_writer_waits_for_bubbles_but_bounds_the_backlog(tmp_path):
+    lg = SendLogger(stage=0, log_dir=tmp_path, log_peers=[1], chunk_records=1, max_backlog=3)
+    try:
+        lg.record_send(_t(0), _key(1, 0))
+        lg.bubble()  # handed over, but no bubble is open: nothing may be written yet
+        assert lg._queue.qsize() <= 1 and not list(iter_chunks(tmp_path))
+        with lg.idle():  # a bubble: the writer drains
+            deadline_ok = _wait_for(lambda: len(list(iter_chunks(tmp_path))) == 1)
+        assert deadline_ok
+        for i in range(1, 5):  # four hand-overs outside any bubble: over the backlog bound
+            lg.record_send(_t(i), _key(1, i))
+            lg.bubble()
+        assert _wait_for(lambda: len(list(iter_chunks(tmp_path))) >= 2)
+    finally:
+        lg.close()
+    assert len(list(iter_chunks(tmp_path))) == 5
+
+
+def _wait_for(cond, timeout: float = 10.0) -> bool:
+    """Poll ``cond`` until true or ``timeout`` (bounded wait on a background thread)."""
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
 def test_newer_generation_wins(tmp_path):
     _log(tmp_path, 1, generation=0, offset=0).close()
     _log(tmp_path, 1, generation=1, offset=7).close()

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-import numpy as np
 import torch
 
 CHUNK_RE = re.compile(r"^chunk-g(\d+)-(\d+)-it(\d+)-(\d+)\.log$")

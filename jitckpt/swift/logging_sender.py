@@ -53,14 +53,15 @@ class SendLogger:
     whose boundary with this stage is logged (other groups under selective logging),
     ``chunk_records`` the records per chunk file, ``copy_at_bubble`` whether pending tensors
     are copied by the training thread at the bubble (see the module contract),
-    ``writer_nice`` the niceness of the writer thread (None: unchanged). Use as a
+    ``writer_nice`` the niceness of the writer thread (None: unchanged), ``max_backlog`` the
+    number of bubble hand-overs after which the writer runs even outside bubbles. Use as a
     context manager (installs and removes the hooks) and tag every send with :meth:`tagged`.
     """
 
     def __init__(self, *, stage: int, log_dir: Path | str, log_peers: Iterable[int],
                  chunk_records: int = 256, generation: int = 0,
                  flush_timeout: float = 30.0, copy_at_bubble: bool = True,
-                 writer_nice: Optional[int] = 19) -> None:
+                 writer_nice: Optional[int] = 19, max_backlog: int = 64) -> None:
         if stage < 0:
             raise ValueError(f"stage must be >= 0, got {stage}")
         if chunk_records < 1:
@@ -76,6 +77,9 @@ class SendLogger:
         self.flush_timeout = flush_timeout
         self.copy_at_bubble = copy_at_bubble
         self.writer_nice = writer_nice
+        if max_backlog < 1:
+            raise ValueError(f"max_backlog must be >= 1, got {max_backlog}")
+        self.max_backlog = max_backlog
         self._ctx = threading.local()
         self._send_seq: dict[int, int] = {}
         self._recv_seq: dict[int, int] = {}
@@ -337,7 +341,11 @@ class SendLogger:
                     item.set()
                     continue
                 for p, host in item:
-                    self._idle.wait()  # only in bubbles (or while flushing)
+                    # Only in bubbles (or while flushing), unless the backlog grows too long
+                    # (a stage that never waits must not accumulate logs without bound).
+                    while (not self._idle.wait(0.05)
+                           and self._queue.qsize() < self.max_backlog):
+                        pass
                     # Only receive digests are ever checked; sends keep the tensor itself.
                     records.append(LogRecord(
                         key=p.key, seq=p.seq, generation=p.generation, kind=p.kind,

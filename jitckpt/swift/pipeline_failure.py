@@ -9,7 +9,6 @@ timeout breaks the connection. Polling is rate-limited and only happens while a 
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
