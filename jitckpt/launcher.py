@@ -449,6 +449,16 @@ class Launcher:
 
     # ---- recovery summary -----------------------------------------------------------------
     def _finish_failure(self, gen: int, failure: FailureRecord) -> None:
+        prev = self.pending_summary
+        if prev is not None:
+            # A failure during the recovery from an earlier one: report them as one recovery,
+            # from the first detection, counting the steps lost since the first failure.
+            failure.t_detect = prev.t_detect
+            failure.detect_s = max(failure.detect_s, prev.detect_s)
+            failure.kind = f"{failure.kind} during recovery from {prev.kind}"
+            steps = [s for s in (failure.step_failed, prev.step_failed) if s is not None]
+            failure.step_failed = max(steps) if steps else None
+            failure.failed_ranks = sorted(set(prev.failed_ranks) | set(failure.failed_ranks))
         self.pending_summary = failure
         for w in self.workers:
             if w.exit_code not in (0, EXIT_JIT_SAVED, None) and w.rank not in failure.failed_ranks:
