@@ -25,7 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_snapshot.py"
-DEADLINE = 90.0  # seconds per job phase (8 torch processes start at once on 2 cores)
+DEADLINE = 150.0  # seconds per job phase: bounds a hang; normally 15-40 s
 
 
 _USED_PORTS: set[int] = set()
@@ -199,7 +199,7 @@ def _run_node_loss(tmp_path: Path, *, nodes: int, rpn: int, scheme: str, steps: 
     return restored, paused
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(400)
 def test_aec_node_loss_decodes_from_parity_bitwise(tmp_path: Path) -> None:
     restored, _ = _run_node_loss(tmp_path, nodes=3, rpn=1, scheme="aec", steps=10, pause_at=5, lost=1)
     for rank, ev in restored.items():
@@ -207,16 +207,18 @@ def test_aec_node_loss_decodes_from_parity_bitwise(tmp_path: Path) -> None:
         assert ev["decoded"] == ["x1.0"], ev  # the lost node's shard came from XOR parity
 
 
-@pytest.mark.timeout(200)
-def test_arc_node_loss_mid_snapshot_with_two_ranks_per_node_uses_peer_copy_bitwise(tmp_path: Path) -> None:
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("rpn", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_arc_node_loss_mid_snapshot_uses_peer_copy_bitwise(tmp_path: Path, rpn: int) -> None:
     # The node dies while step 4's snapshot may still be copying: step 4 if every surviving object
     # of it was committed, else step 3 (kept until everyone committed 4) - never a torn mix.
-    restored, _ = _run_node_loss(tmp_path, nodes=2, rpn=2, scheme="arc", steps=8, pause_at=4, lost=1,
+    restored, _ = _run_node_loss(tmp_path, nodes=2, rpn=rpn, scheme="arc", steps=8, pause_at=4, lost=1,
                                  mid_snapshot=True)
     steps = {ev["step"] for ev in restored.values()}
     assert len(steps) == 1 and steps <= {3, 4}, restored
     for rank, ev in restored.items():
         assert (ev["source"], ev["decoded"]) == ("memory", []), ev
     # The replacement node's ranks fetched everything, including their own shard, from node 0.
-    for rank in (2, 3):
-        assert {"x1.0", "x1.1", "x0.0", "x0.1"} <= set(restored[rank]["remote"]), restored[rank]
+    parts = {f"x{k}.{l}" for k in range(2) for l in range(rpn)}
+    for rank in range(rpn, 2 * rpn):
+        assert parts <= set(restored[rank]["remote"]), restored[rank]
