@@ -21,6 +21,7 @@ $(VENV)/.stamp: pyproject.toml Makefile
 	touch $@
 
 native: venv
+	mkdir -p build
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython_EXECUTABLE=$(abspath $(VPY)) \
 	    -Dpybind11_DIR=$$($(VPY) -m pybind11 --cmakedir) > $(BUILD).configure.log 2>&1 \
 	    || { cat $(BUILD).configure.log; exit 1; }
