@@ -12,7 +12,7 @@ stays readable, and it is the one reused by the next ``begin`` (REFT: one comple
 The keeper never hashes data (the writer does, off the training critical path); readers verify.
 
 Requests: ``begin(key, step, size)`` -> fd; ``commit(items)``; ``list``; ``open(key, step)`` -> fd;
-``reject(step)`` (a restore from it failed: never offer it again); ``discard_newer(step)``;
+``reject(step)`` (a restore from it failed: free it, never offer it again); ``discard_newer(step)``;
 ``ping``; ``shutdown``.
 """
 from __future__ import annotations
@@ -49,7 +49,6 @@ class SnapshotKeeper:
         self.node = node
         self._lock = threading.Lock()
         self._objects: dict[str, list[_Buffer]] = {}
-        self._rejected: set[int] = set()
         self._next_id = 1
 
     # Table operations --------------------------------------------------------------------------
@@ -99,18 +98,26 @@ class SnapshotKeeper:
         with self._lock:
             return [{"key": k, "step": b.step, "size": b.size, "checksum": b.checksum, "algo": b.algo}
                     for k, bufs in sorted(self._objects.items()) for b in bufs
-                    if b.complete and b.step not in self._rejected]
+                    if b.complete]
 
     def find(self, key: str, step: int) -> _Buffer:
         with self._lock:
             for b in self._objects.get(key, []):
-                if b.complete and b.step == step and step not in self._rejected:
+                if b.complete and b.step == step:
                     return b
         raise KeyError(f"no complete object {key} for step {step} on node {self.node}")
 
-    def reject(self, step: int) -> None:
+    def reject(self, step: int) -> int:
+        """Free every version of ``step`` (a restore from it failed): it is never offered again,
+        and a later run that reaches the same step number can snapshot it afresh."""
+        n = 0
         with self._lock:
-            self._rejected.add(step)
+            for bufs in self._objects.values():
+                for b in bufs:
+                    if b.step == step:
+                        b.step, b.complete = -1, False
+                        n += 1
+        return n
 
     def discard_newer(self, step: int) -> int:
         n = 0
@@ -138,8 +145,7 @@ class SnapshotKeeper:
             return {"ok": True, "buf_id": b.buf_id, "size": b.size, "checksum": b.checksum,
                     "algo": b.algo}, b.fd
         if op == "reject":
-            self.reject(int(req["step"]))
-            return {"ok": True}, None
+            return {"ok": True, "rejected": self.reject(int(req["step"]))}, None
         if op == "discard_newer":
             return {"ok": True, "discarded": self.discard_newer(int(req["step"]))}, None
         if op == "ping":

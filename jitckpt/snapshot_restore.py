@@ -276,7 +276,11 @@ def find_latest_in_memory(keepers: Mapping[int, str], *, num_nodes: int, ranks_p
 
 
 def reject_snapshot(step: int, *, socket_path: Optional[str] = None) -> None:
-    """Never offer in-memory step ``step`` again (e.g. training diverged right after restoring it)."""
+    """Never offer in-memory step ``step`` again (e.g. training diverged right after restoring it).
+
+    Call it on every node (any rank; it is idempotent): with parity, the copies left on the other
+    nodes could otherwise rebuild the step again.
+    """
     k = KeeperClient(socket_path)
     try:
         k.reject(step)

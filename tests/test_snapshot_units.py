@@ -189,6 +189,9 @@ def test_keeper_keeps_one_complete_and_one_in_progress_and_outlives_its_writer(k
         c.commit([{"key": "x0.0", "step": 9, "checksum": 0, "algo": "crc32"}])
     c.reject(2)
     assert c.listing() == []
+    c.begin("x0.0", 2, 16)  # a later run reaching step 2 again may snapshot it afresh
+    c.commit([{"key": "x0.0", "step": 2, "checksum": 9, "algo": "crc32"}])
+    assert [(e["step"], e["checksum"]) for e in c.listing()] == [(2, 9)]
     c.close()
     proc.kill()
     proc.wait(timeout=10)
