@@ -61,8 +61,9 @@ class StandbyPool:
         child.close()
         return proc, parent
 
-    def fill(self) -> None:
-        while len(self._idle) < self.size:
+    def fill(self, extra: int = 0) -> None:
+        """Start standbys until ``size`` (plus ``extra``, taken at once by the first generation)."""
+        while len(self._idle) < self.size + extra:
             self._idle.append(self._spawn())
         self._ready: set = set()
         self._t_fill = time.monotonic()
@@ -185,7 +186,9 @@ class Launcher:
                 env["LD_PRELOAD"] = cfg.preload
             self.pool = StandbyPool(size=cfg.nproc_per_node * cfg.warm_standby, env=env,
                                     python=sys.executable)
-            self.pool.fill()
+            # The first generation's workers and the standbys for the first restart import torch
+            # together, before training starts: a failure early in the job still restarts warm.
+            self.pool.fill(extra=cfg.nproc_per_node)
         try:
             gen = 0
             while True:
@@ -307,11 +310,11 @@ class Launcher:
                     if not w.eof and w.exit_code is None and w.proc.poll() is not None:
                         w.exit_code = w.proc.returncode
                 self.display.maybe_show(gen, self.workers, failure)
-                if (not refilled and self.pool is not None
+                if (not refilled and self.pool is not None and gen > 0
                         and all(w.step is not None and w.step >= 0 for w in self.workers)):
                     self.pool.fill()  # once training runs, not competing with the workers' start
                     refilled = True
-                if refilled and not pool_ready and self.pool is not None:
+                if (refilled or gen == 0) and not pool_ready and self.pool is not None:
                     seconds = self.pool.ready_after()
                     if seconds is not None:
                         pool_ready = True
@@ -371,6 +374,8 @@ class Launcher:
                     failure.saved_ranks.append(w.rank)
                     failure.checkpoint_bytes = max(failure.checkpoint_bytes, msg["bytes"])
                     failure.save_s = max(failure.save_s or 0.0, msg["seconds"])
+            if failure is not None:  # the state saved is at least as far as the failed step
+                failure.step_failed = max(failure.step_failed or 0, msg["step"])
         elif t == "save_failed":
             self.emit("checkpoint_failed", rank=w.rank, reason=msg.get("reason", ""))
         elif t == "restored":
