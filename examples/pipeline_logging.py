@@ -14,6 +14,7 @@ Run directly for a demo: ``python examples/pipeline_logging.py --fail-stage 2 --
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -47,6 +48,7 @@ from jitckpt.swift.pipeline_recovery import (catch_up_peers, checkpoint_path,  #
                                              latest_global_checkpoint, recovery_targets,
                                              save_stage_checkpoint)
 from jitckpt.swift.pipeline_stage import PipelineStage  # noqa: E402
+from jitckpt.swift.pipeline_store import StoreServer  # noqa: E402
 
 FAILED = "failure_time"
 
@@ -333,6 +335,8 @@ class _Stage:
 
 
 def _stage_entry(cfg: PipelineRun, s: int, generation: int, role: str, port: int) -> None:
+    # A stage still alive near the deadline prints its Python stacks (diagnosing hangs).
+    faulthandler.dump_traceback_later(max(1.0, cfg.group_timeout * 0.9), exit=False)
     try:
         st = _Stage(cfg, s, generation, role, port)
         st.mark("started")
@@ -376,12 +380,14 @@ class RunResult:
 
 def run_pipeline(cfg: PipelineRun) -> RunResult:
     """Run the pipeline in forked stage processes; every process is killed by PID on exit."""
+    with StoreServer() as server:  # master in its own process: forking stages stays safe
+        return _supervise(cfg, server)
 
 
+def _supervise(cfg: PipelineRun, server: StoreServer) -> RunResult:
     run = Path(cfg.run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=cfg.timeout))
+    store = server.client(timeout=cfg.timeout)
     ctx = multiprocessing.get_context("fork")
     procs: dict[int, multiprocessing.Process] = {}
     exit_codes: list = []
@@ -434,7 +440,11 @@ def run_pipeline(cfg: PipelineRun) -> RunResult:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
             p.join(5)
-    wall = time.monotonic() - t0
+    return _collect(cfg, store, ok, time.monotonic() - t0, exit_codes)
+
+
+def _collect(cfg: PipelineRun, store, ok: bool, wall: float, exit_codes: list) -> RunResult:
+    run = Path(cfg.run_dir)
     res = RunResult(ok=ok, wall_time=wall, exit_codes=exit_codes)
     for s in range(cfg.num_stages):
         f = run / "final" / f"stage{s}.json"

@@ -22,6 +22,7 @@ from jitckpt.swift.logging_sender import SendLogger
 from jitckpt.swift.pipeline_recovery import (catch_up_peers, partition_micro_batches,
                                              recovery_targets)
 from jitckpt.swift.pipeline_schedule import pipeline_schedule
+from jitckpt.swift.pipeline_store import StoreServer
 
 PROC_TIMEOUT = 60.0
 
@@ -92,10 +93,9 @@ def _hook_worker(rank: int, port: int, root: str) -> None:
 
 
 def test_hooks_log_sends_and_receive_digests(tmp_path):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))
+    server = StoreServer()  # no c10d server thread in this process while forking
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_hook_worker, args=(r, store.port, str(tmp_path)), daemon=True)
+    procs = [ctx.Process(target=_hook_worker, args=(r, server.port, str(tmp_path)), daemon=True)
              for r in range(2)]
     try:
         for p in procs:
@@ -108,6 +108,7 @@ def test_hooks_log_sends_and_receive_digests(tmp_path):
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(5)
+        server.stop()
     # Chunked: stage 0 logged 3 sends + 2 receive digests with 3 records per chunk.
     assert len(list(iter_chunks(tmp_path / "stage0"))) >= 2
     index = LogIndex([tmp_path / "stage0", tmp_path / "stage1"])

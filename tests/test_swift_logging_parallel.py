@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from jitckpt.swift.pipeline_store import StoreServer
+
 ROOT = Path(__file__).resolve().parent.parent
 STAGE, CKPT, ITERS = 2, 4, 6
 PROC_TIMEOUT = 60.0
@@ -91,10 +93,9 @@ def test_parallel_recovery_is_bitwise_identical_to_sequential(tmp_path):
                                          checkpoint_every=CKPT, timeout=60.0))
     assert res.ok
     want = torch.load(run_dir / "final" / f"stage{STAGE}.pt", weights_only=True)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))
+    server = StoreServer()  # no c10d server thread in this process while forking
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(r, store.port, str(run_dir)), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, server.port, str(run_dir)), daemon=True)
              for r in range(2)]
     try:
         for p in procs:
@@ -107,6 +108,7 @@ def test_parallel_recovery_is_bitwise_identical_to_sequential(tmp_path):
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(5)
+        server.stop()
     out = run_dir / "parallel"
     assert json.loads((out / "assigned0.json").read_text()) == {"5": [0, 2], "6": [0, 2]}
     assert json.loads((out / "assigned1.json").read_text()) == {"5": [1, 3], "6": [1, 3]}
