@@ -66,7 +66,8 @@ def sgd_bounds(x0, x1, g, b0, b1, hp):
     else:
         D = lr * (gp.abs() + mu * f64(b1).abs()) if nest else lr * f64(b1).abs()
         c = 1 - lr * wd if nest else 1.0
-    bx = (2 * EPS * (f64(x1).abs() + D)) / c + EPS * f64(x0).abs() + SLACK
+    # |c|: with LAMB, lr * trust_ratio * wd can exceed 1 (the step flips the sign of x).
+    bx = (2 * EPS * (f64(x1).abs() + D)) / abs(c) + EPS * f64(x0).abs() + SLACK
     if mu == 0 or b0 is None:
         return bx, None
     dgp = wd * bx + 2 * EPS * (gp.abs() + mu * f64(b1).abs())
@@ -129,7 +130,8 @@ def adam_bounds(x0, x1, g, m0, m1, v1, hp, t, decoupled, lamb_trust=None):
         r = (f64(m1) / bc1) / ((f64(v1) / bc2).sqrt() + eps_h)
         D = lr * lamb_trust * (r.abs() + wd * f64(x0).abs())
         c = 1 - lr * lamb_trust * wd
-    bx = (2 * EPS * (f64(x1).abs() + D)) / c + EPS * f64(x0).abs() + SLACK
+    # |c|: with LAMB, lr * trust_ratio * wd can exceed 1 (the step flips the sign of x).
+    bx = (2 * EPS * (f64(x1).abs() + D)) / abs(c) + EPS * f64(x0).abs() + SLACK
     dgp = (wd * bx + EPS * gp.abs()) if l2 else torch.zeros_like(gp)
     bm = (3 * EPS * (f64(m1).abs() + (1 - b1) * gp.abs()) + (1 - b1) * dgp + SLACK) / b1
     bv = (3 * EPS * (f64(v1).abs() + (1 - b2) * gp * gp)

@@ -23,7 +23,7 @@ true pre-step value, x1 the post-step value, D the step's update lr*d; beta the 
 kept buffer was multiplied by: SGD momentum, Adam b1 or b2; c = 1 - lr*wd for a decoupled /
 L2 division):
 
-* parameters:     |x0' - x0| <= 2*eps*(|x1| + |D|)/c + eps*|x0|
+* parameters:     |x0' - x0| <= 2*eps*(|x1| + |D|)/|c| + eps*|x0|  (LAMB: c = 1 - lr*trust*wd may be < 0)
 * moment buffers: |m0' - m0| <= (3*eps*(|m1| + (1-beta)*|g'|) + (1-beta)*|g'' - g'|)/beta
                   (g'' - g': error of the recomputed L2 gradient, wd*|x0' - x0| or 0)
 * second moments: |v0' - v0| <= (3*eps*(|v1| + (1-b2)*g'^2) + (1-b2)*|g''^2 - g'^2|)/b2
