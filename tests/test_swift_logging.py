@@ -3,9 +3,7 @@ collection, replay order and divergence checks, determinism checks, schedules, r
 decisions and the parallel-recovery partition."""
 from __future__ import annotations
 
-import multiprocessing
 import os
-import signal
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,7 +20,8 @@ from jitckpt.swift.logging_sender import SendLogger
 from jitckpt.swift.pipeline_recovery import (catch_up_peers, partition_micro_batches,
                                              recovery_targets)
 from jitckpt.swift.pipeline_schedule import pipeline_schedule
-from jitckpt.swift.pipeline_store import StoreServer
+
+from forked_ranks import run_two_ranks
 
 PROC_TIMEOUT = 60.0
 
@@ -93,22 +92,7 @@ def _hook_worker(rank: int, port: int, root: str) -> None:
 
 
 def test_hooks_log_sends_and_receive_digests(tmp_path):
-    server = StoreServer()  # no c10d server thread in this process while forking
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_hook_worker, args=(r, server.port, str(tmp_path)), daemon=True)
-             for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(PROC_TIMEOUT)
-        assert [p.exitcode for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(5)
-        server.stop()
+    assert run_two_ranks(_hook_worker, str(tmp_path), timeout=PROC_TIMEOUT) == [0, 0]
     # Chunked: stage 0 logged 3 sends + 2 receive digests with 3 records per chunk.
     assert len(list(iter_chunks(tmp_path / "stage0"))) >= 2
     index = LogIndex([tmp_path / "stage0", tmp_path / "stage1"])

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import multiprocessing
 import os
-import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from jitckpt.swift.pipeline_store import StoreServer
+
+from forked_ranks import run_two_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE, CKPT, ITERS = 2, 4, 6
@@ -93,22 +92,7 @@ def test_parallel_recovery_is_bitwise_identical_to_sequential(tmp_path):
                                          checkpoint_every=CKPT, timeout=60.0))
     assert res.ok
     want = torch.load(run_dir / "final" / f"stage{STAGE}.pt", weights_only=True)
-    server = StoreServer()  # no c10d server thread in this process while forking
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(r, server.port, str(run_dir)), daemon=True)
-             for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(PROC_TIMEOUT)
-        assert [p.exitcode for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(5)
-        server.stop()
+    assert run_two_ranks(_worker, str(run_dir), timeout=PROC_TIMEOUT) == [0, 0]
     out = run_dir / "parallel"
     assert json.loads((out / "assigned0.json").read_text()) == {"5": [0, 2], "6": [0, 2]}
     assert json.loads((out / "assigned1.json").read_text()) == {"5": [1, 3], "6": [1, 3]}
