@@ -17,14 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from dp_build import DP_LIBS, DRIVER, LIBJIT, REPO, SIMCUDA, need_build
+
 pytestmark = pytest.mark.native
 
-REPO = Path(__file__).resolve().parents[2]
-BUILD = Path(os.environ.get("JITCKPT_BUILD_DIR", REPO / "build" / "native"))
-LIBJIT = BUILD / "lib" / "libjit.so"
-SIMCUDA = BUILD / "lib" / "simcuda"
-DP_LIBS = BUILD / "tests" / "dp_cuda"
-DRIVER = REPO / "tests" / "native" / "dp_cuda" / "dp_train.py"
 WORLD = 3
 STEPS = 12
 FAIL_RANK = 1
@@ -33,12 +29,6 @@ FAIL_STEP = FAIL_AT - 1
 HANG_TIMEOUT_S = 1.0
 RUN_TIMEOUT_S = 90
 
-
-def need_build() -> None:
-    for p in (LIBJIT, SIMCUDA / "libcudart.so.13", SIMCUDA / "libnccl.so.2", DP_LIBS / "libdp_train.so",
-              DP_LIBS / "libdp_train_kernels.so"):
-        if not p.exists():
-            pytest.skip(f"{p} is missing: build with `make native` (or set JITCKPT_BUILD_DIR)")
 
 
 class RankGroup:

@@ -17,23 +17,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dp_build import DP_LIBS, DRIVER, LIBJIT, REPO, SIMCUDA, need_build
+
 pytestmark = pytest.mark.native
 
-REPO = Path(__file__).resolve().parents[2]
-BUILD = Path(os.environ.get("JITCKPT_BUILD_DIR", REPO / "build" / "native"))
-LIBJIT = BUILD / "lib" / "libjit.so"
-SIMCUDA = BUILD / "lib" / "simcuda"
-DP_LIBS = BUILD / "tests" / "dp_cuda"
-DRIVER = REPO / "tests" / "native" / "dp_cuda" / "dp_train.py"
 WORLD, STEPS, FAIL_RANK, FAIL_AT = 3, 12, 1, 6  # SIMCUDA_FAIL_AT is 1-based: step 5
 TIMEOUT_S = 150
 
-
-def need_build() -> None:
-    for p in (LIBJIT, SIMCUDA / "libcudart.so.13", SIMCUDA / "libnccl.so.2", DP_LIBS / "libdp_train.so",
-              DP_LIBS / "libdp_train_kernels.so"):
-        if not p.exists():
-            pytest.skip(f"{p} is missing: build with `make native` (or set JITCKPT_BUILD_DIR)")
 
 
 def base_env() -> dict[str, str]:
