@@ -331,6 +331,8 @@ class WorkerRuntime:
         if self.save_fn is None:
             self._give_up("no save function registered (call jitckpt.init(save_fn))")
         step = self.current_step()
+        if self._native is not None:  # this thread's device copies go to libjit.so's save stream
+            self._native.set_save_thread(True)
         t0 = time.monotonic()
         try:
             path, meta = self._write("jit", step)

@@ -194,6 +194,10 @@ void set_failure_callback(py::object cb, double gil_grace_s, bool resume) {
   NativeState::instance().set_callback(cb, gil_grace_s, resume);
 }
 
+void set_save_thread(bool on) {
+  if (const jitckpt_api* api = NativeState::instance().api()) api->set_save_thread(on ? 1 : 0);
+}
+
 void trigger_failure(const std::string& kind, const std::string& detail) {
   const jitckpt_api& api = require_api();
   py::gil_scoped_release release;  // the watchdog thread needs the GIL to run the callback
@@ -225,6 +229,10 @@ PYBIND11_MODULE(_native, m) {
         "If cb returns: by default stuck threads stay parked and the redirection stays on (the failure is "
         "terminal; another thread may finish the save); with resume=True they take the GIL back and return "
         "into their blocked call, and the redirection ends.");
+  m.def("set_save_thread", &set_save_thread, py::arg("on"),
+        "Mark (True) or unmark the calling thread as one that runs the JIT save: while save mode is on, only "
+        "save threads' device work goes to the fresh save stream; other threads keep their streams and "
+        "block behind a hung one. The watchdog thread is marked while the failure callback runs.");
   m.def("trigger_failure", &trigger_failure, py::arg("kind"), py::arg("detail") = "",
         "Report a failure as if the watchdog had detected it (runs the callback on the watchdog thread).");
   m.def("library_path", []() { return NativeState::instance().library_path(); },

@@ -45,9 +45,12 @@ int in_blocking_call() { return jitckpt::BlockingCallScope::active() ? 1 : 0; }
 
 void end_save_mode() { Registry::instance().end_save_mode(); }
 
+void set_save_thread(int on) { jitckpt::SaveThreadScope::set(on != 0); }
+
 constexpr jitckpt_api kApi = {JITCKPT_ABI_VERSION, configure,        mark_minibatch,
                               set_phase,           status_json,      set_failure_handler,
-                              trigger_failure,     in_blocking_call, end_save_mode};
+                              trigger_failure,     in_blocking_call, end_save_mode,
+                              set_save_thread};
 
 }  // namespace
 

@@ -1,5 +1,6 @@
 // Interposed CUDA runtime entry points. Steady state: learn the stream graph (lock-free) and pass
-// through. While the JIT save runs: move device work to the save stream (see save_redirect.h).
+// through. While the JIT save runs: move the save threads' device work to the save stream (see
+// save_redirect.h).
 // Symbols are defined unversioned; glibc binds versioned references (cudaX@libcudart.so.13, as
 // torch imports them) to an unversioned definition of an LD_PRELOADed object.
 #include <cuda_runtime_api.h>
@@ -67,7 +68,7 @@ inline __attribute__((always_inline)) cudaError_t checked(Registry& r, const cha
 template <typename Fn>
 cudaError_t event_record(NextSymbol<Fn>& next, cudaEvent_t event, cudaStream_t stream) {
   Registry& r = Registry::instance();
-  if (__builtin_expect(r.redirect().active(), 0)) {
+  if (__builtin_expect(r.redirect().applies_here(), 0)) {
     stream = r.redirect().stream();
   } else {
     r.graph().note_event_record(event, stream);
@@ -80,7 +81,7 @@ template <typename Fn>
 cudaError_t event_record_with_flags(NextSymbol<Fn>& next, cudaEvent_t event, cudaStream_t stream,
                                     unsigned int flags) {
   Registry& r = Registry::instance();
-  if (__builtin_expect(r.redirect().active(), 0)) {
+  if (__builtin_expect(r.redirect().applies_here(), 0)) {
     stream = r.redirect().stream();
   } else {
     r.graph().note_event_record(event, stream);
@@ -92,7 +93,7 @@ cudaError_t event_record_with_flags(NextSymbol<Fn>& next, cudaEvent_t event, cud
 template <typename Fn>
 cudaError_t stream_wait_event(NextSymbol<Fn>& next, cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
   Registry& r = Registry::instance();
-  if (__builtin_expect(r.redirect().active(), 0)) {
+  if (__builtin_expect(r.redirect().applies_here(), 0)) {
     // All save work is in order on the save stream; a wait could only add the hung dependency.
     jitckpt::log_verbose("save: dropped cudaStreamWaitEvent(%p, %p)", static_cast<void*>(stream),
                          static_cast<void*>(event));
@@ -106,7 +107,7 @@ cudaError_t stream_wait_event(NextSymbol<Fn>& next, cudaStream_t stream, cudaEve
 template <typename Fn>
 cudaError_t stream_synchronize(NextSymbol<Fn>& next, cudaStream_t stream) {
   Registry& r = Registry::instance();
-  if (__builtin_expect(r.redirect().active(), 0)) return synchronize_save_stream(r);
+  if (__builtin_expect(r.redirect().applies_here(), 0)) return synchronize_save_stream(r);
   auto fn = next.get();
   BlockingCallScope blocking;
   return fn ? checked(r, "cudaStreamSynchronize", fn(stream)) : kMissing;
@@ -115,7 +116,7 @@ cudaError_t stream_synchronize(NextSymbol<Fn>& next, cudaStream_t stream) {
 template <typename Fn>
 cudaError_t memcpy_sync(NextSymbol<Fn>& next, void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
   Registry& r = Registry::instance();
-  if (__builtin_expect(r.redirect().active(), 0)) {
+  if (__builtin_expect(r.redirect().applies_here(), 0)) {
     auto async = real_cuda.memcpyAsync.get();
     if (async == nullptr) return kMissing;
     cudaError_t st = async(dst, src, count, kind, r.redirect().stream());
@@ -130,7 +131,7 @@ cudaError_t memcpy_sync(NextSymbol<Fn>& next, void* dst, const void* src, size_t
 template <typename Fn, typename... Args>
 cudaError_t enqueue(NextSymbol<Fn>& next, cudaStream_t stream, Args... args_before_stream) {
   Registry& r = Registry::instance();
-  if (__builtin_expect(r.redirect().active(), 0)) stream = r.redirect().stream();
+  if (__builtin_expect(r.redirect().applies_here(), 0)) stream = r.redirect().stream();
   auto fn = next.get();
   return fn ? fn(args_before_stream..., stream) : kMissing;
 }
@@ -171,7 +172,7 @@ cudaError_t cudaStreamSynchronize_ptsz(cudaStream_t stream) {
 
 cudaError_t cudaDeviceSynchronize(void) {
   Registry& r = Registry::instance();
-  if (__builtin_expect(r.redirect().active(), 0)) return synchronize_save_stream(r);
+  if (__builtin_expect(r.redirect().applies_here(), 0)) return synchronize_save_stream(r);
   auto fn = real_cuda.deviceSynchronize.get();
   BlockingCallScope blocking;
   return fn ? checked(r, "cudaDeviceSynchronize", fn()) : kMissing;
@@ -179,7 +180,7 @@ cudaError_t cudaDeviceSynchronize(void) {
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   Registry& r = Registry::instance();
-  if (__builtin_expect(r.redirect().active(), 0)) {
+  if (__builtin_expect(r.redirect().applies_here(), 0)) {
     // Events the save recorded are on the save stream; others may belong to the hung work, so
     // report their state instead of blocking forever.
     cudaError_t st = synchronize_save_stream(r);

@@ -106,6 +106,7 @@ void Watchdog::dispatch(const Failure& failure) {
   auto [handler, ctx] = registry_.failure_handler();
   bool keep_saving = false;
   if (handler != nullptr) {
+    SaveThreadScope save_thread;  // the handler may save right here
     keep_saving = handler(failure.kind.c_str(), failure.detail.c_str(), ctx) != 0;
   } else {
     log_always("no failure callback registered (jitckpt._native.set_failure_callback); nothing saved");

@@ -40,6 +40,7 @@ SCRIPT = textwrap.dedent("""
     main_ident = threading.main_thread().ident
 
     def save(kind, detail):
+        _native.set_save_thread(True)  # already so on the watchdog thread; needed on a deferred saver
         out = (ctypes.c_float * n)()
         rc = lib.copy_to_host(out, dev, n)  # plain cudaMemcpy on the legacy default stream
         status = _native.status()

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define JITCKPT_ABI_VERSION 1u
+#define JITCKPT_ABI_VERSION 2u
 
 // Called on the watchdog thread, once per detected failure, while device copies are redirected to a
 // fresh stream. `kind` is one of "hang", "nccl_error", "nccl_async_error", "cuda_error", "manual".
@@ -33,6 +33,10 @@ typedef struct jitckpt_api {
   int (*in_blocking_call)(void);
   // Ends save mode (redirection) now; for a handler that lets blocked threads resume before returning.
   void (*end_save_mode)(void);
+  // Marks (on != 0) or unmarks the calling thread as a save thread: while save mode is on, only save
+  // threads' device work is redirected to the save stream (the watchdog thread is marked while the
+  // handler runs). Other threads keep the application's streams and block behind a hung one.
+  void (*set_save_thread)(int on);
 } jitckpt_api;
 
 const jitckpt_api* jitckpt_api_v1(void);
