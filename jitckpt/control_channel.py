@@ -75,6 +75,10 @@ class ControlChannel:
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
 
+    def buffered(self) -> bool:
+        """True if a complete message was already read from the socket (select() will not report it)."""
+        return b"\n" in self._buf
+
     def close(self) -> None:
         try:
             self._sock.close()

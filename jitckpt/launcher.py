@@ -305,6 +305,8 @@ class Launcher:
                             failure = self._on_failure(gen, kind, w.rank, detail)
                         continue
                     failure = self._on_message(gen, w, msg, failure)
+                    while w.channel.buffered():  # one socket read can carry several messages
+                        failure = self._on_message(gen, w, w.channel.recv(), failure)
                 # Periodic checks.
                 for w in self.workers:
                     if not w.eof and w.exit_code is None and w.proc.poll() is not None:
