@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import json
 import os
-import pickle
 import queue
 import threading
 import time
@@ -84,6 +84,23 @@ class Topology:
             raise ValueError(f"ranks_per_node={rpn} must divide the world size {world} (nodes are "
                              f"groups of consecutive ranks); set {ENV_RANKS_PER_NODE}")
         return Topology(rank, world, rpn)
+
+
+def meta_blob(step: int, plan: ProtectionPlan, flat: FlatState) -> bytes:
+    """The node's metadata object: step, protection plan and state layout, as JSON."""
+    return json.dumps({"step": step, "plan": plan.describe(), "layout": flat.layout},
+                      allow_nan=False, separators=(",", ":")).encode()
+
+
+def parse_meta(data: Any) -> dict:
+    """The metadata object written by :func:`meta_blob` (bytes-like), checked for its fields."""
+    try:
+        meta = json.loads(bytes(data))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"snapshot metadata is not valid JSON: {e}") from None
+    if not isinstance(meta, dict) or not {"step", "plan", "layout"} <= set(meta):
+        raise ValueError("snapshot metadata lacks step/plan/layout (written by another version?)")
+    return meta
 
 
 @dataclass
@@ -175,8 +192,7 @@ class SnapshotTaker:
                   for spec in plan.rank_objects(self.topo.node, self.topo.local_rank)]
         meta = None
         if self.topo.local_rank == 0:
-            blob = pickle.dumps({"step": step, "plan": plan.describe(), "skeleton": flat.skeleton},
-                                protocol=pickle.HIGHEST_PROTOCOL)
+            blob = meta_blob(step, plan, flat)
             meta = (self.keeper.begin(META_KEY, step, len(blob)), blob)
         full = None
         if (self.flush_every and self.topo.rank == 0 and (self.stats.taken + 1) % self.flush_every == 0

@@ -1,49 +1,31 @@
 """Flatten a training state (nested dicts/lists of tensors and plain values) into one byte space.
 
 A snapshot copies byte ranges of this space, so sharding and parity never need to know where one
-tensor ends: tensor ``i`` occupies ``[offsets[i], offsets[i] + nbytes[i])``, each start aligned to
-64 bytes, gaps are zero. The *skeleton* is the state with every tensor replaced by a reference;
-pickled, it travels with the snapshot and :func:`rebuild` turns skeleton + bytes back into the
-same state, bit for bit.
+tensor ends: tensor ``i`` occupies ``[offset_i, offset_i + nbytes_i)``, each start aligned to 64
+bytes, gaps are zero. The *layout* is a JSON document: a table of the tensors (dtype, shape,
+offset, bytes) and the state's tree with each tensor replaced by its table index. It travels
+with the snapshot and :func:`rebuild` turns layout + bytes back into the same state, bit for bit.
+
+JSON, not pickle: a snapshot is read back from memory another process wrote, and unpickling it
+could run arbitrary code. So the state may hold only tensors, ``None``, ``bool``, ``int``,
+``float``, ``str`` and ``dict`` / ``OrderedDict`` / ``list`` / ``tuple`` of them (what model,
+optimizer, scheduler and scaler state_dicts hold); anything else is refused with the path to it.
 """
 from __future__ import annotations
 
 import bisect
-import pickle
-from dataclasses import dataclass
-from typing import Any
+import json
+import math
+from collections import OrderedDict
+from typing import Any, Union
 
 import torch
 
 ALIGN = 64
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """Where one tensor of the state lives in the flat byte space."""
-
-    index: int
-    dtype: str
-    shape: tuple
-    offset: int
-    nbytes: int
-
-
-def _map_containers(obj: Any, fn: Any) -> Any:
-    """Apply fn to the members of dicts/lists/tuples; keep dict subclasses and their attributes
-    (a module state_dict's ``_metadata`` carries version numbers load_state_dict reads)."""
-    if isinstance(obj, dict):
-        out = type(obj)() if type(obj) is not dict else {}
-        for k, v in obj.items():
-            out[k] = fn(v)
-        if type(obj) is not dict:
-            out.__dict__.update(getattr(obj, "__dict__", {}))
-        return out
-    if isinstance(obj, list):
-        return [fn(v) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(fn(v) for v in obj)
-    return obj
+FORMAT = "jitckpt.flat/1"
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+# Tags of the JSON tree; a JSON scalar is a leaf value as is.
+_TENSOR, _DICT, _LIST, _TUPLE, _FLOAT = "T", "D", "L", "U", "F"
 
 
 def _align(n: int) -> int:
@@ -51,39 +33,69 @@ def _align(n: int) -> int:
 
 
 class FlatState:
-    """A state's tensors laid end to end; reads any byte range of the layout into a buffer."""
+    """A state's tensors laid end to end; reads any byte range of the layout into a buffer.
+
+    ``layout`` is the JSON-able description (``skeleton`` the same, encoded), ``total`` the size
+    of the byte space.
+    """
 
     def __init__(self, state: Any) -> None:
         self.tensors: list[torch.Tensor] = []   # uint8 views of the state's tensors (no copy)
         self.offsets: list[int] = []
+        self._table: list[list] = []
         self._pos = 0
-        skeleton = self._strip(state)
+        tree = self._encode(state, "state")
         self.total = self._pos
-        self.skeleton = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+        self.layout = {"format": FORMAT, "total": self.total, "tensors": self._table, "tree": tree}
+        self.skeleton = json.dumps(self.layout, allow_nan=False, separators=(",", ":")).encode()
 
-    def _strip(self, obj: Any) -> Any:
+    def _encode(self, obj: Any, path: str) -> Any:
+        t = type(obj)
         if isinstance(obj, torch.Tensor):
-            return self._add(obj)
-        return _map_containers(obj, self._strip)
+            return {_TENSOR: self._add(obj, path)}
+        if obj is None or t in (bool, int, str):
+            return obj
+        if t is float:
+            return obj if math.isfinite(obj) else {_FLOAT: repr(obj)}  # strict JSON has no nan/inf
+        if t in (dict, OrderedDict):
+            node: dict = {_DICT: [[self._key(k, path), self._encode(v, f"{path}[{k!r}]")]
+                                  for k, v in obj.items()]}
+            if t is OrderedDict:
+                node["O"] = 1
+            attrs = vars(obj) if t is OrderedDict else {}
+            if attrs:  # a module state_dict's _metadata carries versions load_state_dict reads
+                node["A"] = {name: self._encode(v, f"{path}.{name}") for name, v in attrs.items()}
+            return node
+        if t in (list, tuple):
+            return {_LIST if t is list else _TUPLE: [self._encode(v, f"{path}[{i}]")
+                                                     for i, v in enumerate(obj)]}
+        raise TypeError(
+            f"snapshot: {path} is a {t.__module__}.{t.__qualname__}; a snapshot state may hold only "
+            "tensors, None, bool, int, float, str and dict/OrderedDict/list/tuple of them (it is "
+            "stored as JSON, never pickled) - convert it in state_fn (e.g. to a list or a tensor)")
 
-    def _add(self, t: torch.Tensor) -> TensorRef:
+    def _key(self, k: Any, path: str) -> Any:
+        if isinstance(k, torch.Tensor):
+            raise TypeError(f"snapshot: {path} has a tensor as a dict key; use str or int keys")
+        return self._encode(k, f"{path} key")
+
+    def _add(self, t: torch.Tensor, path: str) -> int:
         if t.device.type != "cpu":
             raise ValueError(
-                f"snapshot: tensor on {t.device} - this implementation snapshots CPU tensors only "
-                "(move the state to CPU in state_fn, or snapshot on a CPU build)")
-        if t.is_sparse or t.is_quantized:
-            raise ValueError("snapshot: sparse and quantized tensors are not supported; densify them "
-                             "in state_fn")
+                f"snapshot: {path} is a tensor on {t.device} - this implementation snapshots CPU "
+                "tensors only (move the state to CPU in state_fn, or snapshot on a CPU build)")
+        if t.is_sparse or t.is_quantized or t.layout != torch.strided:
+            raise ValueError(f"snapshot: {path} is a sparse or quantized tensor; densify it in state_fn")
         flat = t.detach().reshape(-1)
         if not flat.is_contiguous():
             flat = flat.contiguous()
         u8 = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-        ref = TensorRef(len(self.tensors), str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                        self._pos, u8.numel())
+        index = len(self.tensors)
+        self._table.append([str(t.dtype).removeprefix("torch."), list(t.shape), self._pos, u8.numel()])
         self.tensors.append(u8)
         self.offsets.append(self._pos)
         self._pos = _align(self._pos + u8.numel())
-        return ref
+        return index
 
     def read_into(self, start: int, out: torch.Tensor) -> None:
         """Copy bytes ``[start, start + len(out))`` of the layout into uint8 tensor ``out``.
@@ -109,17 +121,68 @@ class FlatState:
             pos += take
 
 
-def rebuild(skeleton: bytes, flat: Any) -> Any:
-    """The state from its pickled skeleton and a buffer holding the flat bytes (tensors share it)."""
+def parse_layout(skeleton: Union[bytes, str, dict]) -> dict:
+    """The layout document from its JSON (bytes or str) or an already parsed dict, checked."""
+    try:
+        doc = json.loads(skeleton) if isinstance(skeleton, (bytes, bytearray, str)) else skeleton
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"snapshot layout is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"snapshot layout: not a {FORMAT} document (written by another version?)")
+    return doc
+
+
+def rebuild(skeleton: Union[bytes, str, dict], flat: Any) -> Any:
+    """The state from its layout (see :class:`FlatState`) and a buffer holding the flat bytes.
+
+    The tensors view ``flat`` (no copy). Every table entry is checked against the buffer and its
+    dtype, so a damaged layout gives a ValueError, never an out-of-range view.
+    """
+    doc = parse_layout(skeleton)
     buf = memoryview(flat).cast("B")
+    tensors = [_tensor(entry, buf) for entry in doc["tensors"]]
 
-    def fill(obj: Any) -> Any:
-        if isinstance(obj, TensorRef):
-            dtype = getattr(torch, obj.dtype)
-            if obj.nbytes == 0:
-                return torch.empty(obj.shape, dtype=dtype)
-            u8 = torch.frombuffer(buf, dtype=torch.uint8, count=obj.nbytes, offset=obj.offset)
-            return u8.view(dtype).reshape(obj.shape)
-        return _map_containers(obj, fill)
+    def decode(node: Any) -> Any:
+        if not isinstance(node, (dict, list)):
+            return node
+        if not isinstance(node, dict) or len(node) < 1:
+            raise ValueError(f"snapshot layout: malformed node {str(node)[:80]}")
+        if _TENSOR in node:
+            return tensors[node[_TENSOR]]
+        if _DICT in node:
+            out = OrderedDict() if node.get("O") else {}
+            for k, v in node[_DICT]:
+                out[decode(k)] = decode(v)
+            for name, v in node.get("A", {}).items():
+                setattr(out, name, decode(v))
+            return out
+        if _LIST in node:
+            return [decode(v) for v in node[_LIST]]
+        if _TUPLE in node:
+            return tuple(decode(v) for v in node[_TUPLE])
+        if _FLOAT in node:
+            return float(node[_FLOAT])
+        raise ValueError(f"snapshot layout: unknown node {str(node)[:80]}")
 
-    return fill(pickle.loads(skeleton))
+    try:
+        return decode(doc["tree"])
+    except (KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"snapshot layout is damaged: {e!r}") from None
+
+
+def _tensor(entry: Any, buf: memoryview) -> torch.Tensor:
+    try:
+        name, shape, offset, nbytes = entry
+        dtype = _DTYPES[name]
+        shape = [int(s) for s in shape]
+    except (ValueError, TypeError, KeyError):
+        raise ValueError(f"snapshot layout: bad tensor entry {str(entry)[:80]}") from None
+    if math.prod(shape) * dtype.itemsize != nbytes or min(shape, default=0) < 0:
+        raise ValueError(f"snapshot layout: tensor {shape} {name} cannot take {nbytes} bytes")
+    if not 0 <= offset <= len(buf) - nbytes or offset % ALIGN:
+        raise ValueError(f"snapshot layout: tensor at {offset}+{nbytes} is outside the {len(buf)}-byte "
+                         "snapshot or misaligned")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    u8 = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+    return u8.view(dtype).reshape(shape)

@@ -19,7 +19,6 @@ Collective: every rank of the job calls :func:`restore` after ``init_process_gro
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch.distributed as dist
 
 from .checkpoint_store import find_latest
 from .snapshot_checksum import checksum_of
-from .snapshot_client import META_KEY, STATE_FILE, Topology
+from .snapshot_client import META_KEY, STATE_FILE, Topology, parse_meta
 from .snapshot_keeper_client import KeeperClient, KeeperError
 from .snapshot_layout import rebuild
 from .snapshot_protection import ProtectionPlan
@@ -92,7 +91,11 @@ def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tup
             continue
         entry = {**e, "rank": topo.rank, "node": topo.node}
         if e["key"] == META_KEY:
-            entry["plan"] = pickle.loads(m[:e["size"]])["plan"]
+            try:
+                entry["plan"] = parse_meta(m[:e["size"]])["plan"]
+            except ValueError as err:
+                log.warning("in-memory snapshot step %s: %s; not used", e["step"], err)
+                continue
         out.append(entry)
     return out
 
@@ -175,9 +178,9 @@ def _load_memory(choice: MemoryChoice, keeper: KeeperClient, topo: Topology, gro
             dist.broadcast(t, src=dist.get_global_rank(group, holder) if group is not None else holder,
                            group=group)
         objects[key] = t
-    meta = pickle.loads(objects.pop(META_KEY).numpy().tobytes())
+    meta = parse_meta(objects.pop(META_KEY).numpy())
     flat = choice.plan.assemble(objects)
-    return rebuild(meta["skeleton"], flat.numpy())
+    return rebuild(meta["layout"], flat.numpy())
 
 
 def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] = None,
@@ -268,8 +271,8 @@ def find_latest_in_memory(keepers: Mapping[int, str], *, num_nodes: int, ranks_p
         for key, (holder, size) in choice.holders.items():
             m, _ = clients[holder // ranks_per_node].open(key, choice.step)
             objects[key] = torch.frombuffer(m, dtype=torch.uint8, count=size)
-        meta = pickle.loads(objects.pop(META_KEY).numpy().tobytes())
-        return choice.step, rebuild(meta["skeleton"], choice.plan.assemble(objects).numpy())
+        meta = parse_meta(objects.pop(META_KEY).numpy())
+        return choice.step, rebuild(meta["layout"], choice.plan.assemble(objects).numpy())
     finally:
         for c in clients.values():
             c.close()

@@ -1,9 +1,9 @@
 """Unit tests of the in-memory snapshot tier: layout, XOR parity, keeper, NaN fallback."""
 from __future__ import annotations
 
+import json
 import math
 import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from jitckpt.checkpoint_store import find_latest, write_checkpoint
 from jitckpt.snapshot_checksum import DEFAULT_ALGORITHM, checksum_of
-from jitckpt.snapshot_client import META_KEY, STATE_FILE, SnapshotTaker
+from jitckpt.snapshot_client import META_KEY, STATE_FILE, SnapshotTaker, meta_blob
 from jitckpt.snapshot_keeper_client import KeeperClient, KeeperError
 from jitckpt.snapshot_layout import FlatState, rebuild
 from jitckpt.snapshot_protection import ProtectionPlan
@@ -63,6 +63,38 @@ def test_layout_round_trip_is_bitwise_and_keeps_state_dict_metadata() -> None:
     back = rebuild(flat.skeleton, _flat_bytes(flat, flat.total).numpy())
     _assert_same(state, back)
     assert back["model"]._metadata == state["model"]._metadata  # load_state_dict reads versions
+
+
+def test_layout_is_json_and_keeps_plain_leaf_types() -> None:
+    state = {"step": 7, 3: {"betas": (0.9, 0.999), "lr": math.inf, "name": None, "on": True},
+             "w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)}
+    flat = FlatState(state)
+    doc = json.loads(flat.skeleton)  # plain JSON: nothing is unpickled on restore
+    assert doc["tensors"] == [["bfloat16", [2, 3], 0, 12]]
+    back = rebuild(flat.skeleton, _flat_bytes(flat, flat.total).numpy())
+    _assert_same(state, back)
+    assert type(back[3]["lr"]) is float and type(back[3]["on"]) is bool
+
+
+def test_layout_refuses_leaves_json_cannot_hold_and_names_their_path() -> None:
+    with pytest.raises(TypeError, match=r"state\['opt'\]\[0\] is a builtins.set.*state_fn"):
+        FlatState({"opt": [{1, 2}]})
+    with pytest.raises(TypeError, match="numpy"):
+        FlatState({"rng": torch.zeros(2).numpy()})
+
+
+def test_rebuild_refuses_a_damaged_layout_instead_of_viewing_out_of_range() -> None:
+    flat = FlatState({"w": torch.arange(16.0)})
+    data = _flat_bytes(flat, flat.total).numpy()
+    doc = json.loads(flat.skeleton)
+    doc["tensors"][0][2] = 64  # would read past the end of the buffer
+    with pytest.raises(ValueError, match="outside"):
+        rebuild(doc, data)
+    doc["tensors"][0][:3] = ["float32", [17], 0]  # 17 floats do not fit 64 bytes
+    with pytest.raises(ValueError, match="cannot take"):
+        rebuild(doc, data)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        rebuild(b"\x80\x04pickle", data)
 
 
 def test_layout_reads_ranges_across_tensor_seams_and_pads_with_zeros() -> None:
@@ -317,7 +349,7 @@ def test_find_latest_in_memory_decodes_a_lost_keeper_without_a_process_group(tmp
         flat = FlatState(state)
         plan = ProtectionPlan(scheme="aec", num_nodes=3, ranks_per_node=1, total_bytes=flat.total)
         objs = _encode(plan, flat)
-        meta = pickle.dumps({"step": 6, "plan": plan.describe(), "skeleton": flat.skeleton})
+        meta = meta_blob(6, plan, flat)
         for n in range(3):
             c = KeeperClient(socks[n])
             items = []
