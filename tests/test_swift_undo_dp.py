@@ -193,10 +193,11 @@ class _Procs:
     so a worker starts in milliseconds); killed by PID on exit."""
 
     def __init__(self, tmp: Path, kind: str) -> None:
-        import torch.distributed as dist
+        from jitckpt.swift.pipeline_store import StoreServer
 
         self.tmp, self.kind = tmp, kind
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        # The store's server thread lives in its own process: forking next to it can hang a child.
+        self.store = StoreServer()
         self.port = self.store.port
         self.procs: dict[str, multiprocessing.process.BaseProcess] = {}
 
@@ -230,6 +231,7 @@ class _Procs:
             if proc.exitcode is None and proc.pid is not None:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.join(timeout=10)
+        self.store.stop()
 
 
 def _run(tmp: Path, mode: str, kind: str) -> dict[str, dict]:
