@@ -41,8 +41,10 @@ log = logging.getLogger("jitckpt.snapshot")
 class RestoreResult:
     """What :func:`restore` loaded: ``state`` is None when no tier had a usable checkpoint.
 
-    On a one-rank job the state's tensors may view the keeper's memory (no copy): load them into
-    the model and optimizer (``load_state_dict`` copies) before taking the next snapshot.
+    On a one-node, one-rank job the state's tensors view the keeper's memory copy-on-write (no
+    copy at restore; a page is copied when first written, e.g. by the first ``optimizer.step()``,
+    since ``Optimizer.load_state_dict`` keeps the tensors it is given). The keeper never writes
+    that memory again, so the state stays private to this process.
     """
 
     source: str                 # "memory" | "disk" | "none"
@@ -165,10 +167,12 @@ def _finite(state: Any) -> bool:
 def _load_memory(choice: MemoryChoice, keeper: KeeperClient, topo: Topology, group: Any,
                  remote: list) -> Any:
     objects: dict[str, torch.Tensor] = {}
+    # One part holding the whole state is returned as views, not copied (see RestoreResult).
+    zero_copy = choice.plan.m * choice.plan.r == 1
     for key in sorted(choice.holders):
         holder, size = choice.holders[key]
         if holder == topo.rank:
-            m, _ = keeper.open(key, choice.step)
+            m, _ = keeper.open(key, choice.step, private=zero_copy and key != META_KEY)
             t = torch.frombuffer(m, dtype=torch.uint8, count=size)
         else:
             t = torch.empty(size, dtype=torch.uint8)
@@ -239,7 +243,7 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
         return RestoreResult("none", None, None, time.monotonic() - t0, skipped=skipped)
     finally:
         if keeper is not None:
-            keeper.close()  # restored tensors view a private buffer, not the keeper's memory
+            keeper.close()  # restored tensors hold their own (copy-on-write or private) memory
 
 
 def find_latest_in_memory(keepers: Mapping[int, str], *, num_nodes: int, ranks_per_node: int,

@@ -264,6 +264,28 @@ def test_memory_restore_is_bitwise_and_newest_tier_wins(keeper, tmp_path) -> Non
     assert (res.source, res.step) == ("disk", 6)  # a newer JIT checkpoint beats the snapshot
 
 
+def test_zero_copy_restore_stays_private_while_new_snapshots_reuse_the_keeper(keeper) -> None:
+    """The restored tensors view the snapshot copy-on-write: writing them leaves the keeper's copy
+    intact, and later snapshots (which recycle keeper buffers) never change them."""
+    sock, _ = keeper
+    state = {"w": torch.arange(4096.0), "m": torch.ones(3000)}
+    _take(sock, state, 1).close()
+    res = restore(socket_path=sock, ranks_per_node=1)
+    assert (res.source, res.step) == ("memory", 1)
+    got = res.state
+    got["m"].add_(1.0)  # the optimizer's first step writes its state in place
+    again = restore(socket_path=sock, ranks_per_node=1)  # checksums still verify: keeper untouched
+    assert again.step == 1 and torch.equal(again.state["m"], torch.ones(3000))
+    newer = {"w": torch.full((4096,), -1.0), "m": torch.zeros(3000)}
+    snap = SnapshotTaker(state_fn=lambda: newer, socket_path=sock, scheme="none")
+    for step in (2, 3, 4):  # three snapshots cycle every buffer the keeper would reuse
+        assert snap.begin(step) and snap.wait() == step
+    snap.close()
+    assert torch.equal(got["w"], torch.arange(4096.0)) and torch.equal(got["m"], torch.full((3000,), 2.0))
+    assert torch.equal(again.state["w"], torch.arange(4096.0))
+    assert restore(socket_path=sock, ranks_per_node=1).step == 4
+
+
 def test_nan_snapshot_falls_back_to_disk_and_is_never_retried(keeper, tmp_path) -> None:
     sock, _ = keeper
     bad = _model_state()
