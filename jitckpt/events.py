@@ -15,11 +15,14 @@ event                     fields
 ``checkpoint_saved``      rank, step, bytes, seconds, path, kind (jit|periodic)
 ``checkpoint_failed``     rank, reason
 ``restart``               reason, restart_count
-``restore``               rank, step, path, seconds
+``restore``               rank, step, path, seconds, source (disk|memory), decoded (snapshot
+                          parts rebuilt from parity)
 ``resumed``               step, steps_redone
 ``recovery_summary``      failure_kind, failed_ranks, detect_s, save_s, restart_s, restore_s,
                           total_s, checkpoint_bytes, step_failed, step_resumed, steps_redone
 ``job_end``               status (ok|failed), exit_code, restarts
+``snapshot_keeper_start`` node, pid, socket, replaced (bool: the previous keeper died),
+                          previous_exit (its exit code)
 ========================  ======================================================================
 
 Writers append whole lines with one ``write`` on a file opened with O_APPEND, so lines from
@@ -47,6 +50,7 @@ EVENT_TYPES = (
     "resumed",
     "recovery_summary",
     "job_end",
+    "snapshot_keeper_start",
 )
 
 EVENTS_FILE = "events.jsonl"
