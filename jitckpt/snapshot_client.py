@@ -110,7 +110,8 @@ class SnapshotStats:
     taken: int = 0
     skipped: int = 0
     bytes_copied: int = 0
-    copy_seconds: float = 0.0
+    copy_seconds: float = 0.0        # wall time of the background copies
+    copy_cpu_seconds: float = 0.0    # CPU time the copy thread used (overlap is not free)
     blocked_seconds: float = 0.0      # trainer waiting in wait() for the copy to finish
     chunks: dict = field(default_factory=lambda: {"idle": 0, "compute": 0, "deadline": 0})
     flushed: list = field(default_factory=list)
@@ -289,7 +290,7 @@ class SnapshotTaker:
             job = self._queue.get()
             if job is None:
                 return
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), time.thread_time()
             try:
                 items = [self._write(job, spec, m) for spec, m in job.writes]
                 if job.meta is not None:
@@ -307,6 +308,7 @@ class SnapshotTaker:
             except BaseException as e:  # reported to the trainer by wait()
                 job.error = e
             self.stats.copy_seconds += time.monotonic() - t0
+            self.stats.copy_cpu_seconds += time.thread_time() - c0
             job.done.set()
 
     def _write(self, job: _Job, spec: ObjectSpec, m: Any) -> dict:

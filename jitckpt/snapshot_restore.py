@@ -71,11 +71,14 @@ def _is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tuple] = None) -> list[dict]:
+def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tuple] = None,
+                    keep: Optional[dict] = None) -> list[dict]:
     """This rank's share of its keeper's complete objects, checksum-verified.
 
     ``share=(i, n)`` verifies every n-th object starting at i (default: split among the node's
-    ranks, which all call this on the same keeper).
+    ranks, which all call this on the same keeper). With ``keep`` (a dict), data objects are
+    mapped copy-on-write (see ``KeeperClient.open(private=True)``) and the verified mappings are
+    kept there by (key, step), so a restore reads each byte from the keeper once.
     """
     index, count = share or (topo.local_rank, topo.ranks_per_node)
     entries = keeper.listing()
@@ -84,13 +87,16 @@ def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tup
         if i % count != index:
             continue
         try:
-            m, info = keeper.open(e["key"], e["step"])
+            private = keep is not None and e["key"] != META_KEY
+            m, info = keeper.open(e["key"], e["step"], private=private)
         except KeeperError:
             continue  # dropped since the listing (a newer snapshot reused the buffer)
         if checksum_of(memoryview(m)[:e["size"]], info["algo"]) != info["checksum"]:
             log.warning("in-memory snapshot object %s step %s fails its checksum; not used",
                         e["key"], e["step"])
             continue
+        if private:
+            keep[(e["key"], e["step"])] = m
         entry = {**e, "rank": topo.rank, "node": topo.node}
         if e["key"] == META_KEY:
             try:
@@ -165,13 +171,15 @@ def _finite(state: Any) -> bool:
 
 
 def _load_memory(choice: MemoryChoice, keeper: KeeperClient, topo: Topology, group: Any,
-                 remote: list) -> Any:
+                 remote: list, kept: Optional[dict] = None) -> Any:
     objects: dict[str, torch.Tensor] = {}
     # One part holding the whole state is returned as views, not copied (see RestoreResult).
     zero_copy = choice.plan.m * choice.plan.r == 1
     for key in sorted(choice.holders):
         holder, size = choice.holders[key]
-        if holder == topo.rank:
+        if kept and (key, choice.step) in kept:
+            t = torch.frombuffer(kept[(key, choice.step)], dtype=torch.uint8, count=size)
+        elif holder == topo.rank:
             m, _ = keeper.open(key, choice.step, private=zero_copy and key != META_KEY)
             t = torch.frombuffer(m, dtype=torch.uint8, count=size)
         else:
@@ -195,9 +203,11 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
     topo = Topology.detect(ranks_per_node, group)
     skipped: list = []
     keeper: Optional[KeeperClient] = None
+    kept: Optional[dict] = {} if topo.world == 1 else None
     try:
         keeper = KeeperClient(socket_path)
-        mine = local_catalogue(keeper, topo)
+        # One rank: the whole state is one object, restored in place (copy-on-write views).
+        mine = local_catalogue(keeper, topo, keep=kept)
     except (KeeperError, ValueError) as e:
         _skip(skipped, "memory tier", str(e))
         mine = []
@@ -214,7 +224,7 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
             remote: list = []
             state, ok = None, False
             try:
-                state = _load_memory(choice, keeper, topo, group, remote)
+                state = _load_memory(choice, keeper, topo, group, remote, kept)
                 ok = not check_finite or _finite(state)
                 if not ok:
                     _skip(skipped, f"memory step {choice.step}", "restored state has NaN/Inf")
