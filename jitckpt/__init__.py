@@ -83,6 +83,8 @@ def init(save_fn: Callable[[str], None], *, step_fn: Optional[Callable[[], int]]
     rt = _get_runtime()
     if checkpoint_dir is not None:
         rt.checkpoint_dir = os.path.abspath(checkpoint_dir)
+        if rt.snapshots is not None:
+            rt.snapshots.checkpoint_dir = rt.checkpoint_dir
     rt.set_save_fn(save_fn, step_fn=step_fn, shard_id=shard_id, num_shards=num_shards)
 
 
@@ -132,11 +134,20 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     """Make model, optimizer, scheduler, RNG states and step counter recoverable.
 
     Registers :meth:`Protected.save` with :func:`init`; call ``restore()`` on the result to resume.
-    See :class:`Protected` for exactly which step a resumed job continues from.
+    See :class:`Protected` for exactly which step a resumed job continues from. Under
+    ``jitckpt run --snapshot-every N`` it also takes in-memory snapshots of the same state, and
+    ``restore()`` (then collective) resumes from the newest of them and the disk checkpoints.
     """
     from .protected_state import Protected
 
+    rt = _get_runtime()
+    if rt.snapshots is not None and num_shards != 1:
+        raise ValueError(f"protect(num_shards={num_shards}): in-memory snapshots (--snapshot-every) "
+                         "assume pure data parallelism (every rank holds the whole state); turn them "
+                         "off for model-parallel jobs")
     state = Protected(model, optimizer, scheduler, extra=extra)
     init(state.save, step_fn=lambda: state.step, shard_id=shard_id, num_shards=num_shards)
-    _get_runtime().consistency_check = state.consistent_now
+    rt.consistency_check = state.consistent_now
+    if rt.snapshots is not None:
+        state.attach_snapshots(rt.snapshots)
     return state

@@ -10,6 +10,9 @@ from typing import Optional
 
 from .watchdog import HangTimeout
 
+# Same names as snapshot_protection.SCHEMES (not imported: the launcher does not import torch).
+SNAPSHOT_PROTECTIONS = ("aec", "arc", "none")
+
 
 def _nnodes(text: str) -> int:
     lo, _, hi = text.partition(":")
@@ -89,6 +92,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="LD_PRELOAD for the workers; 'libjit' = jitckpt's CUDA/NCCL interposer (GPU hang "
                         "detection), or a path")
     g.add_argument("--plugin", default="", help="proxy plugins (undo,logging)")
+    g.add_argument("--snapshot-every", type=int, default=0,
+                   help="in-memory snapshot (REFT tier) of jitckpt.protect()'s state every N steps, kept by "
+                        "a per-node keeper process that outlives the trainers (0 = off)")
+    g.add_argument("--snapshot-protection", default=None, choices=list(SNAPSHOT_PROTECTIONS),
+                   help="redundancy across nodes for snapshots: aec (XOR parity), arc (copy on the "
+                        "predecessor node), none (default: aec with >= 2 nodes, none on one node)")
+    g.add_argument("--snapshot-flush-every", type=int, default=0,
+                   help="also write every K-th snapshot to --checkpoint-dir (0 = never)")
     p.add_argument("script", help="training script (or module with -m, or program with --no-python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -116,6 +127,9 @@ class LaunchConfig:
     metrics_addr: str = "127.0.0.1"
     preload: str = ""
     plugins: tuple = ()
+    snapshot_every: int = 0
+    snapshot_protection: Optional[str] = None
+    snapshot_flush_every: int = 0
     rdzv_timeout: float = 300.0
     omp_num_threads: int = 1
 
@@ -149,6 +163,24 @@ class LaunchConfig:
         unknown = set(self.plugins) - {"undo", "logging"}
         if unknown:
             raise ValueError(f"--plugin: unknown plugin(s) {sorted(unknown)}; known: undo, logging")
+        self._check_snapshot_flags()
+
+    def _check_snapshot_flags(self) -> None:
+        if self.snapshot_every < 0 or self.snapshot_flush_every < 0:
+            raise ValueError("--snapshot-every and --snapshot-flush-every must be >= 0 (0 = off)")
+        if self.snapshot_protection is None:
+            self.snapshot_protection = "aec" if self.nnodes >= 2 else "none"
+        if self.snapshot_protection not in SNAPSHOT_PROTECTIONS:
+            raise ValueError(f"--snapshot-protection {self.snapshot_protection!r}: choose one of "
+                             f"{', '.join(SNAPSHOT_PROTECTIONS)}")
+        if not self.snapshot_every:
+            if self.snapshot_flush_every:
+                raise ValueError("--snapshot-flush-every needs --snapshot-every N > 0 (snapshots are off)")
+            return
+        if self.snapshot_protection != "none" and self.nnodes < 2:
+            raise ValueError(f"--snapshot-protection {self.snapshot_protection} keeps a lost node's "
+                             "snapshot on another node and needs --nnodes >= 2; on one node use "
+                             "--snapshot-protection none")
 
     @property
     def world_size(self) -> int:
@@ -178,4 +210,6 @@ class LaunchConfig:
                    save_timeout=a.save_timeout, warm_standby=a.warm_standby,
                    status_interval=a.status_interval, metrics_port=a.metrics_port,
                    metrics_addr=a.metrics_addr, preload=a.preload,
-                   plugins=tuple(filter(None, a.plugin.split(","))))
+                   plugins=tuple(filter(None, a.plugin.split(","))),
+                   snapshot_every=a.snapshot_every, snapshot_protection=a.snapshot_protection,
+                   snapshot_flush_every=a.snapshot_flush_every)

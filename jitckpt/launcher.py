@@ -29,6 +29,7 @@ from typing import Optional
 from .checkpoint_store import prune
 from .control_channel import ENV_FD, ControlChannel, channel_pair
 from .events import EventLog
+from .keeper_supervisor import KeeperSupervisor
 from .exit_codes import EXIT_JIT_SAVED
 from .launch_config import LaunchConfig
 from .node_coordinator import NodeCoordinator
@@ -167,6 +168,10 @@ class Launcher:
         self.workers: list[Worker] = []
         self.pending_summary: Optional[FailureRecord] = None
         self.restart_count = 0
+        self.keeper: Optional[KeeperSupervisor] = None
+        if cfg.snapshot_every:
+            self.keeper = KeeperSupervisor(run_dir=str(self.run_dir), node=cfg.node_rank,
+                                           python=sys.executable, env=self._base_env())
 
     # ---- events ---------------------------------------------------------------------------
     def emit(self, event: str, **fields) -> None:
@@ -193,6 +198,9 @@ class Launcher:
             gen = 0
             while True:
                 self.events.gen = gen
+                if not self._ensure_keeper():
+                    self.emit("job_end", status="failed", exit_code=1, restarts=self.restart_count)
+                    return 1
                 ok = self._run_generation(gen)
                 if ok:
                     self.emit("job_end", status="ok", exit_code=0, restarts=self.restart_count)
@@ -209,9 +217,28 @@ class Launcher:
                 _kill_group(w.proc)
             if self.pool is not None:
                 self.pool.close()
+            if self.keeper is not None:
+                self.keeper.stop()
             self.coord.close()
             if self.metrics is not None:
                 self.metrics.close()
+
+    def _ensure_keeper(self) -> bool:
+        """This node's snapshot keeper runs (kept across generations; replaced, empty, if it died)."""
+        if self.keeper is None:
+            return True
+        running = self.keeper.proc is not None and self.keeper.proc.poll() is None
+        if running:
+            return True
+        try:
+            previous = self.keeper.ensure_running()
+        except (RuntimeError, OSError) as e:
+            log.error("%s", e)
+            return False
+        self.emit("snapshot_keeper_start", node=self.cfg.node_rank, pid=self.keeper.pid,
+                  socket=self.keeper.socket_path, replaced=self.keeper.starts > 1,
+                  previous_exit=previous)
+        return True
 
     def _base_env(self) -> dict:
         env = dict(os.environ)
@@ -239,6 +266,12 @@ class Launcher:
         }
         if cfg.preload:
             env["LD_PRELOAD"] = cfg.preload
+        if self.keeper is not None:
+            env.update({"JITCKPT_SNAPSHOT_SOCKET": self.keeper.socket_path,
+                        "JITCKPT_SNAPSHOT_EVERY": str(cfg.snapshot_every),
+                        "JITCKPT_SNAPSHOT_PROTECTION": str(cfg.snapshot_protection),
+                        "JITCKPT_SNAPSHOT_FLUSH_EVERY": str(cfg.snapshot_flush_every),
+                        "JITCKPT_SNAPSHOT_RANKS_PER_NODE": str(cfg.nproc_per_node)})
         return env
 
     def _start_workers(self, gen: int, master: tuple[str, int]) -> None:
@@ -384,7 +417,8 @@ class Launcher:
         elif t == "restored":
             w.restored = msg
             self.emit("restore", rank=w.rank, step=msg["step"], path=msg["path"],
-                      seconds=msg["seconds"])
+                      seconds=msg["seconds"], source=msg.get("source", "disk"),
+                      decoded=msg.get("decoded", []))
         elif t == "resumed":
             w.resumed = True
             self._maybe_emit_summary(gen)

@@ -1,6 +1,7 @@
 """``jitckpt.protect``: a correct save/restore for plain torch training objects in two lines."""
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
@@ -71,11 +72,18 @@ class Protected:
         self._sched_epoch: Any = None  # scheduler.last_epoch when this minibatch's forward began
         self._ddp_layout: Optional[dict] = None
         self._train_forwards = 0
+        self._snapshots: Any = None          # SnapshotTier (jitckpt run --snapshot-every)
+        self._resumed_step: Optional[int] = None
         self._handles = [
             model.register_forward_pre_hook(self._on_forward),
             model.register_forward_hook(self._after_forward),
+            optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._on_step_done),
         ]
+
+    def attach_snapshots(self, tier: Any) -> None:
+        """Take in-memory snapshots of :meth:`state_dict` with ``tier`` (see :mod:`snapshot_tier`)."""
+        self._snapshots = tier
 
     # Hooks -------------------------------------------------------------------------------------
     def _on_forward(self, module: Any, args: Any) -> None:
@@ -92,6 +100,32 @@ class Protected:
         if self._has_buffers:
             self._buffer_snapshot = {k: b.detach().clone() for k, b in self.model.named_buffers()}
         self._mid_minibatch = True
+        if self._snapshots is not None and rt is not None:
+            # The state at the start of this minibatch; copied while forward/backward run.
+            rt.run_snapshot_op(self._snapshot_begin, blocking=True)
+
+    def _snapshot_begin(self) -> None:
+        self._snapshots.start(self._snapshot_state, resumed_step=self._resumed_step)
+        self._snapshots.begin(self.step)
+
+    def _snapshot_state(self) -> dict:
+        sd = self.state_dict()
+        if self._ddp_layout is not None and self._train_forwards >= 2:  # the rebuilt layout
+            from .snapshot_tier import LAYOUT_KEY
+
+            sd[LAYOUT_KEY] = json.dumps(self._ddp_layout)
+        return sd
+
+    def _before_step(self, *args: Any, **kwargs: Any) -> None:
+        # The snapshot reads parameters and optimizer state: done before they change.
+        if self._snapshots is not None and self._snapshots.taker is not None:
+            from . import _runtime_or_none
+
+            rt = _runtime_or_none()
+            if rt is not None:
+                rt.run_snapshot_op(self._snapshots.wait, blocking=False)
+            else:
+                self._snapshots.wait()
 
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
         # DDP rebuilds its buckets at the start of the second training forward; record the layout
@@ -146,7 +180,10 @@ class Protected:
             raise FileNotFoundError(
                 f"{file} not found: this checkpoint was not written by jitckpt.protect(); load it with "
                 "your own function")
-        sd = torch.load(file, map_location="cpu", weights_only=True)
+        return self.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+
+    def load_state_dict(self, sd: dict) -> int:
+        """Load a state from :meth:`state_dict` (a checkpoint's or a snapshot's); return its step."""
         self.model.load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
         if self.scheduler is not None and sd["scheduler"] is not None:
@@ -159,12 +196,19 @@ class Protected:
         _set_rng_state(sd["rng"])
         self.step = int(sd["step"])
         self._mid_minibatch = False
+        self._resumed_step = self.step
         return self.step
 
     def restore(self) -> int:
-        """Load the newest complete checkpoint if there is one; return the step to continue from."""
+        """Load the newest complete checkpoint if there is one; return the step to continue from.
+
+        With in-memory snapshots on (``jitckpt run --snapshot-every``) this is collective (every
+        rank calls it) and also considers the snapshots held by the nodes' keepers.
+        """
         from . import _get_runtime, _runtime_or_none
 
+        if self._snapshots is not None:
+            return self._restore_tiered(_get_runtime())
         path = _get_runtime().latest_checkpoint()
         if path is None:
             return self.step
@@ -175,6 +219,20 @@ class Protected:
             rt.report_restored(path, step, time.monotonic() - t0)
         return step
 
+    def _restore_tiered(self, rt: Any) -> int:
+        point = self._snapshots.resolve()
+        if point is None:
+            return self.step
+        t0 = time.monotonic()
+        step = self.load_state_dict(point.state)
+        path = point.path or f"memory:step{point.step}"
+        rt.report_restored(path, step, point.seconds + time.monotonic() - t0, source=point.source,
+                           decoded=point.decoded)
+        return step
+
     def close(self) -> None:
+        """Remove the hooks; finish and stop in-memory snapshotting."""
         for h in self._handles:
             h.remove()
+        if self._snapshots is not None:
+            self._snapshots.close()

@@ -85,6 +85,7 @@ class WorkerRuntime:
         self._resumed_reported = False
         self._latest: dict = {}
         self._native = None  # jitckpt._native when libjit.so is preloaded
+        self.snapshots = None  # SnapshotTier when jitckpt run --snapshot-every is on
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -102,8 +103,14 @@ class WorkerRuntime:
     def start(self) -> None:
         self._hooks.install()
         from . import ddp_layout
+        from .snapshot_tier import SnapshotTier
 
-        ddp_layout.install_pinning(lambda: ddp_layout.load(self.latest_checkpoint()))
+        self.snapshots = SnapshotTier.from_env(checkpoint_dir=self.checkpoint_dir, gen=self.gen)
+        if self.snapshots is not None:
+            # The resume point may be an in-memory snapshot: DDP's layout comes from it.
+            ddp_layout.install_pinning(self.snapshots.ddp_layout)
+        else:
+            ddp_layout.install_pinning(lambda: ddp_layout.load(self.latest_checkpoint()))
         self._watchdog.start()
         if self.channel is not None:
             self.channel.send("hello", rank=self.rank, pid=os.getpid(), gen=self.gen)
@@ -184,10 +191,31 @@ class WorkerRuntime:
             self.report_restored(path, self._restored_step, None)
         return path
 
-    def report_restored(self, path: str, step: int, seconds: Optional[float]) -> None:
+    def report_restored(self, path: str, step: int, seconds: Optional[float], *,
+                        source: str = "disk", decoded: Optional[list] = None) -> None:
         self._restored_step = step
         if self.channel is not None:
-            self.channel.send("restored", rank=self.rank, step=step, path=path, seconds=seconds)
+            self.channel.send("restored", rank=self.rank, step=step, path=path, seconds=seconds,
+                              source=source, decoded=list(decoded or []))
+
+    def run_snapshot_op(self, fn: Callable[[], object], *, blocking: bool) -> object:
+        """Run a snapshot call; its failure (keeper gone, a peer gone) is a failure of the job.
+
+        Called at points where the protected state is consistent (start of a minibatch, before
+        optimizer.step()): on an error this rank reports it, JIT-saves and exits. ``blocking``
+        calls may wait on other ranks, so they run as a region (hang detection, save while held).
+        """
+        tok = self.region_enter("collective") if blocking else None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - reported as this job's failure
+            if tok is not None:
+                self.region_exit(tok, e)
+            self.report_failure("snapshot", f"snapshot failed: {type(e).__name__}: {e}")
+            self._save_and_exit(on_main=True)
+        if tok is not None:
+            self.region_exit(tok, None)
+        return result
 
     def current_step(self) -> int:
         if self.step_fn is not None:

@@ -1,0 +1,112 @@
+"""In-memory snapshots through `jitckpt run`: a whole node lost with no replica left to JIT-save from.
+
+Three launchers on this machine act as three nodes (one rank each), `--snapshot-every 1`. In
+launch 0 every rank dies at step KILL_AT at once (SIGKILL before the forward pass: no healthy
+replica is left to take a JIT checkpoint) and node 2 also loses its snapshot keeper (SIGKILL by
+PID), as a replaced node would. The launchers restart; node 2's launcher starts an empty keeper;
+the job resumes from the newest snapshot (step KILL_AT - 1), rebuilding node 2's part from the
+other nodes' parity (AEC) or replica (ARC), and finishes bitwise identical to a failure-free run
+that took the same snapshots.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+
+from jobs import ROOT, TRAIN, _read_jsonl, kill_tree
+
+NODES, STEPS, KILL_AT = 3, 8, 5
+TIMEOUT = 60.0  # per job; normally ~15 s
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_nodes(tmp_path, tag: str, protection: str, script_args: list) -> tuple[list, list]:
+    """Run one job on NODES launchers; return (return codes, per-node event lists)."""
+    port = free_port()
+    procs = []
+    try:
+        for node in range(NODES):
+            d = tmp_path / f"{tag}-node{node}"
+            d.mkdir(parents=True)
+            cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", str(NODES), "--node-rank", str(node),
+                   "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag,
+                   "--checkpoint-dir", str(tmp_path / f"{tag}-ckpt"), "--run-dir", str(d / "run"),
+                   "--status-interval", "0", "--warm-standby", "0", "--max-restarts", "1",
+                   "--hang-timeout", "auto:floor=5,startup=60", "--snapshot-every", "1",
+                   "--snapshot-protection", protection, str(TRAIN), "--steps", str(STEPS),
+                   "--out", str(tmp_path / f"{tag}-final.pt"),
+                   "--steps-log", str(tmp_path / f"{tag}-train.jsonl"), *script_args]
+            procs.append(subprocess.Popen(cmd, cwd=d, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        try:
+            outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                kill_tree(p.pid)
+            outs = [p.communicate()[0] for p in procs]
+            raise AssertionError(f"job {tag} timed out after {TIMEOUT}s:\n"
+                                 + "\n".join(o[-3000:] for o in outs)) from None
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    events = [_read_jsonl(tmp_path / f"{tag}-node{n}" / "run" / "events.jsonl") for n in range(NODES)]
+    # Every keeper any launcher started is gone once its launcher is.
+    for ev in events:
+        for e in ev:
+            if e["event"] == "snapshot_keeper_start" and psutil.pid_exists(e["pid"]):
+                p = psutil.Process(e["pid"])
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    p.kill()
+                    raise AssertionError(f"snapshot keeper pid {e['pid']} outlived its launcher")
+    rcs = [p.returncode for p in procs]
+    assert rcs == [0] * NODES, "\n".join(o[-3000:] for o in outs)
+    return rcs, events
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("snapref")
+    _, events = run_nodes(tmp, "ref", "aec", [])
+    assert not any(e["event"] == "failure_detected" for ev in events for e in ev)
+    return torch.load(tmp / "ref-final.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("protection", ["aec", "arc"])
+def test_node_loss_resumes_from_in_memory_snapshot(reference, tmp_path, protection):
+    inject = [a for r in range(NODES) for a in ("--inject", f"0:{r}:{KILL_AT}:{'node' if r == 2 else 'kill'}")]
+    _, events = run_nodes(tmp_path, "fail", protection, inject)
+    ev0, ev2 = events[0], events[2]
+    # No surviving replica: nobody took a JIT checkpoint.
+    assert not [e for ev in events for e in ev if e["event"] == "checkpoint_saved" and e["kind"] == "jit"]
+    # Node 2's keeper was killed with the node: its launcher started a fresh one for launch 1.
+    keepers = [e for e in ev2 if e["event"] == "snapshot_keeper_start"]
+    assert [k["replaced"] for k in keepers] == [False, True], keepers
+    assert keepers[1]["previous_exit"] == -9 and keepers[0]["pid"] != keepers[1]["pid"]
+    assert [len([e for e in ev if e["event"] == "snapshot_keeper_start"]) for ev in events[:2]] == [1, 1]
+    # Every rank resumed from the in-memory snapshot of the last committed step; node 2's data
+    # part came from parity (aec) or from node 1's copy (arc).
+    restores = [e for ev in events for e in ev if e["event"] == "restore"]
+    assert len(restores) == NODES, restores
+    assert {(e["source"], e["step"]) for e in restores} == {("memory", KILL_AT - 1)}
+    expect_decoded = ["x2.0"] if protection == "aec" else []
+    assert all(e["decoded"] == expect_decoded for e in restores), restores
+    assert [e["restart_count"] for e in ev0 if e["event"] == "restart"] == [1]
+    log = _read_jsonl(tmp_path / "fail-train.jsonl")
+    resumed = sorted({r["step"] for r in log if r.get("gen") == 1 and "step" in r})
+    assert resumed == list(range(KILL_AT - 1, STEPS)), resumed
+    final = torch.load(tmp_path / "fail-final.pt", weights_only=True)
+    assert final.keys() == reference.keys()
+    for k in reference:
+        assert torch.equal(final[k], reference[k]), f"parameter {k} differs from the failure-free run"
