@@ -83,7 +83,7 @@ def reference(tmp_path_factory):
     return torch.load(tmp / "ref-final.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("protection", ["aec", "arc"])
+@pytest.mark.parametrize("protection", ["aec", pytest.param("arc", marks=pytest.mark.slow)])
 def test_node_loss_resumes_from_in_memory_snapshot(reference, tmp_path, protection):
     inject = [a for r in range(NODES) for a in ("--inject", f"0:{r}:{KILL_AT}:{'node' if r == 2 else 'kill'}")]
     _, events = run_nodes(tmp_path, "fail", protection, inject)
@@ -110,3 +110,57 @@ def test_node_loss_resumes_from_in_memory_snapshot(reference, tmp_path, protecti
     assert final.keys() == reference.keys()
     for k in reference:
         assert torch.equal(final[k], reference[k]), f"parameter {k} differs from the failure-free run"
+
+
+# Flags and the keeper's lifecycle (fast) ---------------------------------------------------------
+
+def _cfg(tmp_path, *argv):
+    from jitckpt.cli import build_parser
+    from jitckpt.launch_config import LaunchConfig
+
+    script = tmp_path / "t.py"
+    script.write_text("")
+    return LaunchConfig.from_args(build_parser().parse_args(["run", *argv, str(script)]))
+
+
+def test_snapshot_flags_defaults_and_errors(tmp_path):
+    two = ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"]
+    assert _cfg(tmp_path, "--snapshot-every", "2").snapshot_protection == "none"   # one node
+    cfg = _cfg(tmp_path, *two, "--snapshot-every", "2", "--snapshot-flush-every", "5")
+    assert (cfg.snapshot_every, cfg.snapshot_protection, cfg.snapshot_flush_every) == (2, "aec", 5)
+    with pytest.raises(ValueError, match="needs --nnodes >= 2.*--snapshot-protection none"):
+        _cfg(tmp_path, "--snapshot-every", "1", "--snapshot-protection", "aec")
+    with pytest.raises(ValueError, match="--snapshot-flush-every needs --snapshot-every"):
+        _cfg(tmp_path, "--snapshot-flush-every", "3")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        _cfg(tmp_path, "--snapshot-every", "-1")
+    with pytest.raises(SystemExit):  # argparse: invalid choice
+        _cfg(tmp_path, *two, "--snapshot-every", "1", "--snapshot-protection", "raid5")
+
+
+def test_keeper_supervisor_replaces_a_dead_keeper_and_stops_it(tmp_path):
+    from jitckpt.keeper_supervisor import KeeperSupervisor
+    from jitckpt.snapshot_keeper_client import KeeperClient
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)   # too long for a Unix socket path: falls back
+    deep.mkdir(parents=True)
+    sup = KeeperSupervisor(run_dir=str(deep), node=3, python=sys.executable,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, start_timeout=30)
+    try:
+        assert len(sup.socket_path.encode()) <= 100
+        assert sup.ensure_running() is None
+        first = sup.pid
+        k = KeeperClient(sup.socket_path)
+        assert k.ping() == {"ok": True, "pid": first, "node": 3}
+        k.close()
+        assert sup.ensure_running() is None and sup.pid == first   # alive: kept
+        os.kill(first, 9)
+        sup.proc.wait(timeout=10)
+        assert sup.ensure_running() == -9 and sup.pid != first     # dead: a fresh one
+        k = KeeperClient(sup.socket_path)
+        assert k.listing() == []
+        k.close()
+        second = sup.proc
+    finally:
+        sup.stop()
+    assert second.returncode is not None and not os.path.exists(sup.socket_path)
