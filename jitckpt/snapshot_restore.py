@@ -2,9 +2,10 @@
 
 Collective: every rank of the job calls :func:`restore` after ``init_process_group``.
 
-1. Each node's ranks verify their keeper's complete objects (checksums, split among the node's
-   ranks) and all-gather a catalogue of what survived.
-2. :func:`latest_memory_step` picks the newest step from which the whole state can be rebuilt:
+1. Steps are tried newest first (the keeper holds two versions; the older one is hashed only if
+   the newer one is unusable): each node's ranks verify their keeper's objects of that step
+   (checksums, split among the node's ranks) and all-gather a catalogue of what survived.
+2. :func:`latest_memory_step` decides whether the whole state can be rebuilt from that step:
    every data part present on some node, or (AEC) decodable from parity, or (ARC) present on the
    successor. The newest verified on-disk checkpoint (:func:`checkpoint_store.find_latest`, all
    kinds: jit, periodic, flushed snapshots) is compared with it and the newer one wins; at equal
@@ -72,16 +73,19 @@ def _is_initialized() -> bool:
 
 
 def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tuple] = None,
-                    keep: Optional[dict] = None) -> list[dict]:
+                    keep: Optional[dict] = None, steps: Optional[set] = None,
+                    listing: Optional[list] = None) -> list[dict]:
     """This rank's share of its keeper's complete objects, checksum-verified.
 
     ``share=(i, n)`` verifies every n-th object starting at i (default: split among the node's
     ranks, which all call this on the same keeper). With ``keep`` (a dict), data objects are
     mapped copy-on-write (see ``KeeperClient.open(private=True)``) and the verified mappings are
-    kept there by (key, step), so a restore reads each byte from the keeper once.
+    kept there by (key, step), so a restore reads each byte from the keeper once. ``steps``
+    limits the catalogue to those steps; ``listing`` is the keeper's listing if already fetched.
     """
     index, count = share or (topo.local_rank, topo.ranks_per_node)
-    entries = keeper.listing()
+    entries = [e for e in (keeper.listing() if listing is None else listing)
+               if steps is None or e["step"] in steps]
     out = []
     for i, e in enumerate(entries):
         if i % count != index:
@@ -195,6 +199,38 @@ def _load_memory(choice: MemoryChoice, keeper: KeeperClient, topo: Topology, gro
     return rebuild(meta["layout"], flat.numpy())
 
 
+def _gather(obj: Any, topo: Topology, group: Any) -> list:
+    if topo.world == 1:
+        return [obj]
+    out: list = [None] * topo.world
+    dist.all_gather_object(out, obj, group=group)  # peers of this job: trusted
+    return out
+
+
+def _newest_memory_step(keeper: Optional[KeeperClient], topo: Topology, group: Any,
+                        skipped: list, kept: Optional[dict]) -> Optional[MemoryChoice]:
+    """Collective: verify and agree on steps newest first, so older copies (the keeper holds
+    two versions) are hashed only when every newer step is unusable."""
+    try:
+        listing = keeper.listing() if keeper is not None else []
+    except KeeperError as e:
+        _skip(skipped, "memory tier", str(e))
+        listing = []
+    listed = {int(e["step"]) for e in listing}
+    steps = sorted(set().union(*_gather(sorted(listed), topo, group)), reverse=True)
+    for step in steps:  # the same sequence on every rank: one gather per step tried
+        mine: list = []
+        if keeper is not None and step in listed:
+            try:
+                mine = local_catalogue(keeper, topo, keep=kept, steps={step}, listing=listing)
+            except (KeeperError, ValueError) as e:
+                _skip(skipped, f"memory step {step}", str(e))
+        choice = latest_memory_step(_gather(mine, topo, group), topo, skipped)
+        if choice is not None:
+            return choice
+    return None
+
+
 def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] = None,
             checkpoint_dir: Optional[str] = None, group: Any = None,
             check_finite: bool = True) -> RestoreResult:
@@ -206,17 +242,10 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
     kept: Optional[dict] = {} if topo.world == 1 else None
     try:
         keeper = KeeperClient(socket_path)
-        # One rank: the whole state is one object, restored in place (copy-on-write views).
-        mine = local_catalogue(keeper, topo, keep=kept)
     except (KeeperError, ValueError) as e:
         _skip(skipped, "memory tier", str(e))
-        mine = []
-    if topo.world > 1:
-        gathered: list = [None] * topo.world
-        dist.all_gather_object(gathered, mine, group=group)
-    else:
-        gathered = [mine]
-    choice = latest_memory_step(gathered, topo, skipped)
+    # One rank: the whole state is one object, restored in place (copy-on-write views).
+    choice = _newest_memory_step(keeper, topo, group, skipped, kept)
     disk = find_latest(checkpoint_dir) if checkpoint_dir else None
     disk_step = disk[1].step if disk else None
     try:

@@ -335,6 +335,22 @@ def test_corrupt_object_is_not_used(keeper) -> None:
     assert res.source == "none"
 
 
+def test_corrupt_newest_step_falls_back_to_the_older_copy_in_memory(keeper) -> None:
+    sock, _ = keeper
+    states = {1: {"w": torch.arange(100.0)}, 2: {"w": torch.arange(100.0) * 2}}
+    snap = SnapshotTaker(state_fn=lambda: states[step], socket_path=sock, scheme="none")
+    for step in (1, 2):
+        assert snap.begin(step) and snap.wait() == step
+    snap.close()
+    c = KeeperClient(sock)
+    m, _ = c.open("x0.0", 2)
+    m[8] ^= 0x01
+    c.close()
+    res = restore(socket_path=sock, ranks_per_node=1)
+    assert (res.source, res.step) == ("memory", 1)  # older steps are verified only when needed
+    _assert_same(states[1], res.state)
+
+
 def test_disk_flush_goes_through_the_shared_checkpoint_format(keeper, tmp_path) -> None:
     sock, _ = keeper
     state = {"step": 2, "w": torch.arange(10.0)}
