@@ -61,7 +61,10 @@ class SimCluster:
 
     def start_keeper(self, node: int) -> None:
         p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot_keeper", "--socket", self.sock(node),
-                              "--node", str(node), "--max-lifetime", "150"], stdout=subprocess.PIPE,
+                              "--node", str(node),
+                              # a safety net only (close() kills keepers by PID): outlive the test's
+                              # own 400 s timeout, or a slow, loaded machine loses a keeper mid-test
+                              "--max-lifetime", "450"], stdout=subprocess.PIPE,
                              text=True, env=self.env, cwd=ROOT)
         self.all.append(p)
         line = p.stdout.readline()  # "ready" once it listens; EOF if it died
