@@ -121,8 +121,9 @@ class SnapshotStats:
 class _Job:
     step: int
     flat: FlatState
-    writes: list          # [(ObjectSpec, mmap)]
-    meta: Optional[tuple]  # (mmap, bytes) for the node's meta object
+    plan: ProtectionPlan
+    specs: list           # [ObjectSpec] this rank writes
+    with_meta: bool       # local rank 0 also writes the node's meta object
     full_copy: Optional[torch.Tensor]
     done: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
@@ -189,17 +190,14 @@ class SnapshotTaker:
         flat = FlatState(self.state_fn())
         plan = ProtectionPlan(scheme=self.scheme, num_nodes=self.topo.num_nodes,
                               ranks_per_node=self.topo.ranks_per_node, total_bytes=flat.total)
-        writes = [(spec, self.keeper.begin(spec.key, step, spec.size))
-                  for spec in plan.rank_objects(self.topo.node, self.topo.local_rank)]
-        meta = None
-        if self.topo.local_rank == 0:
-            blob = meta_blob(step, plan, flat)
-            meta = (self.keeper.begin(META_KEY, step, len(blob)), blob)
+        # Keeper requests and the metadata are the background thread's work: begin() only pins
+        # the state's tensors (the trainer's critical path).
+        specs = plan.rank_objects(self.topo.node, self.topo.local_rank)
         full = None
         if (self.flush_every and self.topo.rank == 0 and (self.stats.taken + 1) % self.flush_every == 0
                 and not (self._flush_thread and self._flush_thread.is_alive())):
             full = torch.empty(flat.total, dtype=torch.uint8)
-        self._job = _Job(step, flat, writes, meta, full)
+        self._job = _Job(step, flat, plan, specs, self.topo.local_rank == 0, full)
         self._deadline.clear()
         self._queue.put(self._job)
         return True
@@ -292,9 +290,11 @@ class SnapshotTaker:
                 return
             t0, c0 = time.monotonic(), time.thread_time()
             try:
-                items = [self._write(job, spec, m) for spec, m in job.writes]
-                if job.meta is not None:
-                    m, blob = job.meta
+                writes = [(spec, self.keeper.begin(spec.key, job.step, spec.size)) for spec in job.specs]
+                items = [self._write(job, spec, m) for spec, m in writes]
+                if job.with_meta:
+                    blob = meta_blob(job.step, job.plan, job.flat)
+                    m = self.keeper.begin(META_KEY, job.step, len(blob))
                     m[:len(blob)] = blob
                     h = Checksum()
                     h.update(blob)
