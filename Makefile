@@ -27,15 +27,8 @@ native: venv
 	    || { cat $(BUILD).configure.log; exit 1; }
 	cmake --build $(BUILD) -j$(JOBS)
 
-# Tests that fork worker processes from the pytest process itself run in a pytest process of their
-# own: threads left behind by other tests (HTTP handler threads of the metrics tests) can deadlock a
-# forked child.
-FORKING_TESTS := tests/test_swift_undo_dp.py tests/test_swift_logging.py \
-                 tests/test_swift_logging_parallel.py tests/test_swift_logging_pipeline.py
-
 test: native
-	$(VPY) -m pytest -q -ra $(FORKING_TESTS)
-	$(VPY) -m pytest -q -ra $(addprefix --ignore=,$(FORKING_TESTS))
+	$(VPY) -m pytest -q -ra
 
 test-slow: native
 	$(VPY) -m pytest -q -ra -m slow

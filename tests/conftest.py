@@ -23,3 +23,14 @@ try:
         _hyp_settings.load_profile("ci")
 except ImportError:  # pragma: no cover
     pass
+
+# Several tests fork worker processes from this process (torch already imported, so they start at
+# once). GNU OpenMP is not fork-safe: once this process has run a parallel region, a forked child's
+# first parallel region can hang. One intra-op thread here means no OpenMP pool is ever started in
+# the pytest process (children and subprocesses choose their own thread counts).
+try:
+    import torch as _torch
+
+    _torch.set_num_threads(1)
+except ImportError:  # pragma: no cover
+    pass
