@@ -1,0 +1,120 @@
+"""Deterministic ZeRO-1 training with in-memory snapshots protected by AOR (used by the tests).
+
+Each process is one rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment) and talks
+to its node's keeper at $JITCKPT_SNAPSHOT_SOCKET. The optimizer is a ZeroRedundancyOptimizer
+(Adam), so each rank holds one partition of the optimizer state; parameters go to the keepers
+through SnapshotTaker (arc/aec), partitions through AOR. Gradients are averaged with one
+all-reduce of the flattened gradients in a fixed order. Prints one JSON line per event on stdout.
+"""
+import argparse
+import datetime
+import hashlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from jitckpt.snapshot_aor import OptimizerReplica, successor_peer
+from jitckpt.snapshot_aor_store import AorSnapshotter, restore_with_aor
+from jitckpt.snapshot_client import SnapshotTaker
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--scheme", default="aec", choices=["arc", "aec"])
+    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--restore", action="store_true")
+    p.add_argument("--out", default="")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--pause-at", type=int, default=-1,
+                   help="after committing step N's snapshot, print 'paused' and block on stdin")
+    return p.parse_args()
+
+
+def emit(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def state_digest(opt) -> str:
+    """sha256 of this rank's partition state tensors (compared across runs by the test)."""
+    h = hashlib.sha256()
+    sd = opt.state_dict()["state"]
+    for i in sorted(sd):
+        for k in sorted(sd[i]):
+            h.update(f"{i}.{k}".encode())
+            h.update(sd[i][k].reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main():
+    args = parse()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, args.hidden), nn.Tanh(), nn.Linear(args.hidden, args.hidden),
+                          nn.Tanh(), nn.Linear(args.hidden, 8))
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    peer = successor_peer(rank, world, args.ranks_per_node)
+    start, peer_state = 0, None
+    if args.restore:
+        res = restore_with_aor(zero=zero, peer=peer, ranks_per_node=args.ranks_per_node)
+        if res.state is not None:
+            model.load_state_dict(res.state["model"])
+            start, peer_state = int(res.state["step"]), res.peer_state
+        emit(event="restored", rank=rank, source=res.source, step=res.step, own_from=res.own_from,
+             remote=res.remote, decoded=res.decoded, seconds=res.seconds,
+             skipped=[list(s) for s in res.skipped])
+    replica = OptimizerReplica(zero=zero, peer=peer, start_step=start)
+    if peer_state is not None:
+        replica.load_state_dict(peer_state)  # after the parameters: it re-copies the peer's
+    step = start
+    snap = SnapshotTaker(state_fn=lambda: {"step": step, "model": model.state_dict()},
+                         scheme=args.scheme, ranks_per_node=args.ranks_per_node)
+    aor = AorSnapshotter(replica=replica)
+    if args.restore and start:
+        snap.skip(start)  # the keepers hold it already
+    for step in range(start, args.steps):
+        if snap.begin(step):
+            aor.begin(step)
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(args.batch, 32, generator=g)
+        y = torch.randn(args.batch, 8, generator=g)
+        zero.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        with snap.idle():
+            dist.all_reduce(flat)
+        flat /= world
+        off = 0
+        for p in model.parameters():
+            p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        aor.wait()           # before snap.wait(): its all-ranks-committed check then covers AOR
+        committed = snap.wait()
+        if step == args.pause_at:
+            emit(event="paused", rank=rank, step=step, snapshot=committed)
+            sys.stdin.read()
+        replica.capture()
+        zero.step()
+        emit(event="step", rank=rank, step=step, snapshot=committed, loss=loss.item())
+    replica_ok = replica.matches_live_parameters()
+    aor.close()
+    snap.close()
+    replica.close()
+    if args.out and rank == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
+    emit(event="done", rank=rank, partition_sha256=state_digest(zero.optim), replica_params_ok=replica_ok,
+         aor_bytes=aor.bytes_written, taken=snap.stats.taken)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

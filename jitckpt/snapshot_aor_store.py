@@ -1,0 +1,281 @@
+"""ZeRO-1 optimizer partitions in the snapshot keepers (AOR storage) and their restore.
+
+For snapshot step ``s`` each rank ``r`` writes two keeper objects on its node: ``aor.z{r}``, its
+own partition state (``zero.optim.state_dict()``), and ``aor.z{p}``, its :class:`OptimizerReplica`
+of peer ``p``'s partition. Both are the state at the *start* of step ``s`` (after ``s`` updates),
+serialized with ``torch.save`` (read back with ``weights_only=True``) and checksummed by the
+writer. Every partition therefore lives on two nodes. The parameters are replicated and go
+through :class:`SnapshotTaker` as usual (``state_fn`` returning ``{"step", "model"}``).
+
+Order in the training loop (one rank)::
+
+    due = snap.begin(step)          # SnapshotTaker: parameters
+    if due:
+        aor.begin(step)             # queued on the replica's worker, after the pending update
+    ... forward, backward, all-reduce ...
+    aor.wait()                      # before snap.wait(): SnapshotTaker's "every rank committed
+    snap.wait()                     #   step s" check then covers the AOR objects of s too
+    replica.capture()
+    zero.step()
+
+After a failure every rank calls :func:`restore_with_aor`, which picks the newest step whose
+parameters *and* every partition survive, loads this rank's partition into ``zero`` (from its own
+node, or from the node of the rank that kept a replica) and returns the peer's state for a new
+replica.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from .snapshot_aor import OptimizerReplica
+from .snapshot_checksum import DEFAULT_ALGORITHM, Checksum, checksum_of
+from .snapshot_client import Topology
+from .snapshot_keeper_client import KeeperClient, KeeperError
+from .snapshot_restore import restore
+
+log = logging.getLogger("jitckpt.snapshot")
+
+PREFIX = "aor.z"
+FORMAT = 1
+
+
+def partition_key(rank: int) -> str:
+    """Keeper object key of ZeRO group rank ``rank``'s optimizer partition."""
+    return f"{PREFIX}{rank}"
+
+
+def _encode(*, owner: int, world: int, step: int, zero: ZeroRedundancyOptimizer, state: dict) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, "owner": owner, "world": world, "step": step,
+                "optimizer": type(zero.optim).__name__, "state_dict": state}, buf)
+    return buf.getvalue()
+
+
+def _decode(data: bytes, *, owner: int, world: int, step: int, zero: ZeroRedundancyOptimizer) -> dict:
+    obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    want = {"format": FORMAT, "owner": owner, "world": world, "step": step,
+            "optimizer": type(zero.optim).__name__}
+    got = {k: obj.get(k) for k in want}
+    if got != want:
+        raise ValueError(f"AOR object {partition_key(owner)} is for {got}, this job needs {want} "
+                         "(different job, world size or optimizer)")
+    return obj["state_dict"]
+
+
+class AorSnapshotter:
+    """Writes this rank's ZeRO partition and its peer replica into the node keeper, per snapshot.
+
+    The write runs on the replica's worker thread (after its pending update). :meth:`wait` must
+    come before ``SnapshotTaker.wait()`` and the replica's :meth:`~OptimizerReplica.capture`
+    (which also waits for it, so ``zero.step()`` never changes the state being written).
+    """
+
+    def __init__(self, *, replica: OptimizerReplica, socket_path: Optional[str] = None,
+                 wait_timeout: float = 120.0) -> None:
+        if not isinstance(replica, OptimizerReplica):
+            raise TypeError(f"replica must be an OptimizerReplica, got {type(replica).__name__}")
+        if wait_timeout <= 0:
+            raise ValueError(f"wait_timeout must be > 0, got {wait_timeout}")
+        self.replica, self.zero, self.wait_timeout = replica, replica.zero, wait_timeout
+        self.keeper = KeeperClient(socket_path)
+        self._job: Optional[tuple[int, concurrent.futures.Future]] = None
+        self.bytes_written = 0
+
+    def begin(self, step: int) -> None:
+        """Queue the write of the state at the start of ``step`` (call when the parameter
+        snapshot of ``step`` was started, i.e. ``SnapshotTaker.begin(step)`` returned True)."""
+        if self._job is not None:
+            raise RuntimeError("AorSnapshotter.begin: the previous write was not waited for")
+        if step != self.replica.step:
+            raise ValueError(f"AOR snapshot of step {step}, but the replica has applied "
+                             f"{self.replica.step} updates: call replica.capture() once per "
+                             "optimizer step, before zero.step()")
+        self._job = (step, self.replica.after_updates(lambda peer_state: self._write(step, peer_state)))
+
+    def wait(self) -> Optional[int]:
+        """Block until the running write is committed; the step, or None if none was running."""
+        if self._job is None:
+            return None
+        (step, fut), self._job = self._job, None
+        try:
+            fut.result(timeout=self.wait_timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"AOR snapshot of step {step} not written after {self.wait_timeout} s") from None
+        return step
+
+    def close(self) -> None:
+        """Finish a running write and drop the keeper connection."""
+        try:
+            self.wait()
+        finally:
+            self.keeper.close()
+
+    def _write(self, step: int, peer_state: dict) -> None:
+        world, me = self.zero.world_size, self.zero.rank
+        blobs = [(partition_key(me), _encode(owner=me, world=world, step=step, zero=self.zero,
+                                             state=self.zero.optim.state_dict())),
+                 (partition_key(self.replica.peer),
+                  _encode(owner=self.replica.peer, world=world, step=step, zero=self.zero, state=peer_state))]
+        items = []
+        for key, blob in blobs:
+            m = self.keeper.begin(key, step, len(blob))
+            m[:len(blob)] = blob
+            h = Checksum(DEFAULT_ALGORITHM)
+            h.update(blob)
+            items.append({"key": key, "step": step, "checksum": h.value(), "algo": h.algorithm})
+            self.bytes_written += len(blob)
+        self.keeper.commit(items)
+
+
+# Restore ---------------------------------------------------------------------------------------
+
+@dataclass
+class AorRestore:
+    """What :func:`restore_with_aor` did. ``state`` is the parameter snapshot (``{"step", "model"}``)
+    or None when no step survived whole; ``peer_state`` goes to ``OptimizerReplica.load_state_dict``."""
+
+    source: str                       # "memory" | "none"
+    step: Optional[int]
+    state: Any
+    peer_state: Optional[dict]
+    own_from: Optional[int] = None    # rank whose keeper held this rank's partition
+    remote: list = field(default_factory=list)    # keys fetched from another node
+    decoded: list = field(default_factory=list)   # parameter parts rebuilt from parity
+    skipped: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _local_partitions(keeper: KeeperClient, topo: Topology) -> list[dict]:
+    """This rank's share of the node keeper's AOR objects, checksum-verified."""
+    out = []
+    entries = [e for e in keeper.listing() if e["key"].startswith(PREFIX)]
+    for i, e in enumerate(entries):
+        if i % topo.ranks_per_node != topo.local_rank:
+            continue
+        try:
+            m, info = keeper.open(e["key"], e["step"])
+        except KeeperError:
+            continue
+        if checksum_of(memoryview(m)[:e["size"]], info["algo"]) != info["checksum"]:
+            log.warning("AOR object %s step %s fails its checksum; not used", e["key"], e["step"])
+            continue
+        out.append({**e, "rank": topo.rank})
+    return out
+
+
+def _holders(catalogues: list) -> dict:
+    """(key, step) -> {rank: entry}."""
+    out: dict = {}
+    for cat in catalogues:
+        for e in cat:
+            out.setdefault((e["key"], int(e["step"])), {})[e["rank"]] = e
+    return out
+
+
+def load_zero_partition(zero: ZeroRedundancyOptimizer, state: dict) -> None:
+    """Load a partition state (a ``zero.optim.state_dict()``) into this rank's ZeRO optimizer,
+    after checking that it fits the partition tensor by tensor."""
+    groups = zero.optim.param_groups
+    if len(state["param_groups"]) != len(groups) or any(
+            len(sg["params"]) != len(g["params"]) for sg, g in zip(state["param_groups"], groups)):
+        raise ValueError("AOR partition state does not match this rank's ZeRO partition (different "
+                         "model, world size or parameter groups)")
+    params = [p for g in groups for p in g["params"]]
+    for index, per_param in state["state"].items():
+        for name, value in per_param.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
+                raise ValueError(f"AOR partition state {name} of parameter {index} has shape "
+                                 f"{tuple(value.shape)}, the parameter {tuple(params[index].shape)}")
+    zero.optim.load_state_dict(state)
+    # ZeRO copies its global groups' hyperparameters into the local optimizer before each step.
+    for g, lg in zip(zero.param_groups, zero.optim.param_groups):
+        g.update({k: v for k, v in lg.items() if k != "params"})
+
+
+def restore_with_aor(*, zero: ZeroRedundancyOptimizer, peer: int, socket_path: Optional[str] = None,
+                     ranks_per_node: Optional[int] = None) -> AorRestore:
+    """Collective (every rank): restore parameters and every ZeRO-1 partition from the keepers.
+
+    Picks the newest step whose parameter snapshot can be rebuilt and whose every partition object
+    survives on some node; discards newer, incomplete steps; loads this rank's partition into
+    ``zero``; returns the parameter state and the peer's partition state (``peer`` as given to
+    :class:`OptimizerReplica`).
+    """
+    t0 = time.monotonic()
+    if not dist.is_initialized() or zero.world_size != dist.get_world_size():
+        raise ValueError("restore_with_aor needs torch.distributed initialized and the ZeRO group to be "
+                         "the whole world (hybrid parallel groups are not supported yet)")
+    topo = Topology.detect(ranks_per_node)
+    world, me = topo.world, topo.rank
+    keeper = KeeperClient(socket_path)
+    try:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, {"peer": peer, "objects": _local_partitions(keeper, topo)})
+        holders = _holders(g["objects"] for g in gathered)
+        complete = sorted({s for (_, s) in holders
+                           if all((partition_key(r), s) in holders for r in range(world))}, reverse=True)
+        if not complete:
+            return AorRestore("none", None, None, None, skipped=[("memory tier", "no step with every "
+                                                                  "ZeRO partition")],
+                              seconds=time.monotonic() - t0)
+        if topo.local_rank == 0:
+            keeper.discard_newer(complete[0])  # newer steps lack a partition: not restorable
+        dist.barrier()
+        res = restore(socket_path=socket_path, ranks_per_node=ranks_per_node)
+        skipped = list(res.skipped)
+        if res.source != "memory" or res.step not in complete:
+            skipped.append((f"memory step {res.step}", "parameters and partitions survive at no common step"))
+            return AorRestore("none", None, None, None, skipped=skipped, seconds=time.monotonic() - t0)
+        step = res.step
+        # Each rank needs its own partition and its peer's; take it locally if possible, else from
+        # the lowest rank holding it. Every rank computes the same plan from the gathered catalogue.
+        plan = []
+        for r in range(world):
+            for key in (partition_key(r), partition_key(gathered[r]["peer"])):
+                have = holders[(key, step)]
+                src = r if r in have else min(have)
+                plan.append((r, key, src, have[src]))
+        received: dict[str, bytes] = {}
+        works, sending, recv_bufs = [], [], {}
+        for tag, (dst, key, src, entry) in enumerate(plan):
+            if me not in (dst, src):
+                continue
+            if src == dst:
+                m, _ = keeper.open(key, step)
+                received[key] = bytes(m[:entry["size"]])
+            elif me == src:
+                m, _ = keeper.open(key, step)
+                t = torch.frombuffer(m, dtype=torch.uint8, count=entry["size"])
+                sending.append(t)
+                works.append(dist.isend(t, dst=dst, tag=tag))
+            else:
+                t = torch.empty(entry["size"], dtype=torch.uint8)
+                recv_bufs[key] = (t, entry)
+                works.append(dist.irecv(t, src=src, tag=tag))
+        for w in works:
+            w.wait()
+        remote = []
+        for key, (t, entry) in recv_bufs.items():
+            data = t.numpy().tobytes()
+            if checksum_of(data, entry["algo"]) != entry["checksum"]:
+                raise ValueError(f"AOR object {key} step {step} from rank {entry['rank']} changed in transit")
+            received[key] = data
+            if entry["rank"] // topo.ranks_per_node != topo.node:
+                remote.append(key)
+        own = _decode(received[partition_key(me)], owner=me, world=world, step=step, zero=zero)
+        peer_state = _decode(received[partition_key(peer)], owner=peer, world=world, step=step, zero=zero)
+        load_zero_partition(zero, own)
+        own_from = next(src for dst, key, src, _ in plan if dst == me and key == partition_key(me))
+        return AorRestore("memory", step, res.state, peer_state, own_from=own_from, remote=sorted(remote),
+                          decoded=res.decoded, skipped=skipped, seconds=time.monotonic() - t0)
+    finally:
+        keeper.close()

@@ -1,0 +1,314 @@
+"""AOR (Asynchronous Optimizer Recomputing) for ZeRO-1: replica exactness, refusals, node loss.
+
+Rank-side code runs in real processes (this file re-executed as ``python test_snapshot_aor.py``,
+gloo on loopback); every process is killed by PID when its test ends.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "train_zero1_aor.py"
+RANK_TIMEOUT = 90.0
+
+
+# Rank side ------------------------------------------------------------------------------------
+
+def _init() -> tuple[int, int]:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24),
+                               torch.nn.Tanh(), torch.nn.Linear(24, 4), torch.nn.Linear(4, 4))
+
+
+REPLICA_CONFIGS = {
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+    "adamw_amsgrad": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True}),
+    "sgd_nesterov": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}),
+    # NAdam's foreach and for-loop paths round differently (checked below): the pin must hold.
+    "nadam": (torch.optim.NAdam, {"lr": 0.01}),
+    "nadam_foreach": (torch.optim.NAdam, {"lr": 0.01, "foreach": True}),
+    "rmsprop_centered": (torch.optim.RMSprop, {"lr": 0.01, "centered": True, "momentum": 0.5}),
+}
+
+
+def _train_and_compare(name: str, rank: int, world: int) -> dict:
+    """ZeRO-1 steps with two parameter groups, an lr change and a parameter without gradient at
+    some steps; then the replica against the peer's real partition state, tensor by tensor."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from jitckpt.snapshot_aor import OptimizerReplica, successor_peer
+
+    cls, kw = REPLICA_CONFIGS[name]
+    model = _model()
+    params = list(model.parameters())
+    zero = ZeroRedundancyOptimizer([{"params": params[:4]}, {"params": params[4:], "lr": kw["lr"] / 3}],
+                                   optimizer_class=cls, **kw)
+    peer = successor_peer(rank, world, 1)
+    replica = OptimizerReplica(zero=zero, peer=peer)
+    last = model[5]
+    for step in range(7):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
+        zero.zero_grad(set_to_none=True)
+        out = model[:5](x) if step in (2, 3) else model(x)  # the last layer gets no gradient
+        torch.nn.functional.mse_loss(out, y).backward()
+        for p in params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        if step == 4:
+            for group in zero.param_groups:
+                group["lr"] *= 0.5  # what an LR scheduler does
+        replica.capture()
+        zero.step()
+    assert last.weight.grad is not None
+    real: list = [None] * world
+    dist.all_gather_object(real, zero.optim.state_dict())
+    mine, theirs = replica.state_dict(), real[peer]
+    mismatches = []
+    if mine["param_groups"] != theirs["param_groups"]:
+        # The replica pins foreach where the peer has None; everything else must agree.
+        for a, b in zip(mine["param_groups"], theirs["param_groups"]):
+            diff = {k for k in set(a) | set(b) if a.get(k) != b.get(k)} - {"foreach"}
+            if diff:
+                mismatches.append(f"param_groups differ in {sorted(diff)}")
+    if sorted(mine["state"]) != sorted(theirs["state"]):
+        mismatches.append(f"state indices {sorted(mine['state'])} vs {sorted(theirs['state'])}")
+    tensors = 0
+    for i in theirs["state"]:
+        for k, v in theirs["state"][i].items():
+            w = mine["state"].get(i, {}).get(k)
+            tensors += 1
+            if not (isinstance(w, torch.Tensor) and w.dtype == v.dtype and torch.equal(w, v)):
+                mismatches.append(f"state[{i}][{k}]")
+    ok_params = replica.matches_live_parameters()
+    replica.close()
+    return {"mismatches": mismatches, "tensors": tensors, "params_ok": ok_params,
+            "peer_params": sum(len(g["params"]) for g in theirs["param_groups"])}
+
+
+def scenario_replica(rank: int, world: int) -> dict:
+    return {name: _train_and_compare(name, rank, world) for name in REPLICA_CONFIGS}
+
+
+def _refusal(fn) -> str:
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
+def scenario_refusals(rank: int, world: int) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from jitckpt.snapshot_aor import OptimizerReplica
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    def zero(cls=torch.optim.Adam, params=None, **kw):
+        return ZeroRedundancyOptimizer(params or _model().parameters(), optimizer_class=cls, lr=0.01, **kw)
+
+    other = 1 - rank
+    out = {
+        "plain_optimizer": _refusal(lambda: OptimizerReplica(
+            zero=torch.optim.Adam(_model().parameters()), peer=other)),
+        "lbfgs": _refusal(lambda: OptimizerReplica(zero=zero(torch.optim.LBFGS), peer=other)),
+        "subclass": _refusal(lambda: OptimizerReplica(zero=zero(MyAdam), peer=other)),
+        "overlap_with_ddp": _refusal(lambda: OptimizerReplica(zero=zero(overlap_with_ddp=True), peer=other)),
+        "self_peer": _refusal(lambda: OptimizerReplica(zero=zero(), peer=rank)),
+        "peer_out_of_range": _refusal(lambda: OptimizerReplica(zero=zero(), peer=world)),
+        "negative_start": _refusal(lambda: OptimizerReplica(zero=zero(), peer=other, start_step=-1)),
+        # One parameter tensor for two ranks: rank 1 owns nothing.
+        "empty_peer": _refusal(lambda: OptimizerReplica(
+            zero=zero(params=[torch.nn.Parameter(torch.ones(3))]), peer=1)) if rank == 0 else "n/a",
+    }
+    z = zero()
+    replica = OptimizerReplica(zero=z, peer=other)
+    z.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    out["groups_changed"] = _refusal(replica.capture)
+    replica.close()
+    return out
+
+
+def _worker() -> None:
+    rank, world = _init()
+    result = {"replica": scenario_replica(rank, world), "refusals": scenario_refusals(rank, world)}
+    print(json.dumps({"rank": rank, "result": result}), flush=True)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
+
+# Test side ------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def rank_results() -> list[dict]:
+    """Both rank-side scenarios, run once on 2 rank processes (killed by PID on timeout): each
+    process start pays seconds of torch import and first-optimizer setup on this machine."""
+    world = 2
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(world),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, __file__], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=RANK_TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(10)
+    results = []
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} failed ({p.returncode}):\n{err[-3000:]}"
+        results.append(json.loads(out.strip().splitlines()[-1])["result"])
+    return results
+
+
+@pytest.mark.timeout(150)
+def test_replica_is_bitwise_equal_to_peer_partition(rank_results: list) -> None:
+    for rank, per_config in enumerate(r["replica"] for r in rank_results):
+        for name, r in per_config.items():
+            assert r["mismatches"] == [], (rank, name, r)
+            assert r["tensors"] >= r["peer_params"] > 0, (rank, name, r)  # state really compared
+            assert r["params_ok"], (rank, name)  # shadow parameters followed the peer's update too
+
+
+def test_foreach_and_for_loop_round_differently_for_nadam() -> None:
+    # Why the replica pins the implementation path: the two paths are not bit-compatible.
+    ref = [torch.randn(64, 33, generator=torch.Generator().manual_seed(1))]
+    results = []
+    for foreach in (False, True):
+        p = ref[0].clone().requires_grad_()
+        opt = torch.optim.NAdam([p], lr=0.01, foreach=foreach)
+        g = torch.Generator().manual_seed(2)
+        for _ in range(10):
+            p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        results.append(p.detach())
+    assert not torch.equal(*results)
+
+
+@pytest.mark.timeout(150)
+def test_unsupported_configurations_are_refused(rank_results: list) -> None:
+    want = {
+        "plain_optimizer": "TypeError: AOR protects a torch.distributed.optim.ZeroRedundancyOptimizer",
+        "lbfgs": "ValueError: AOR cannot recompute optimizer torch.optim.lbfgs.LBFGS",
+        "subclass": "ValueError: AOR cannot recompute optimizer",
+        "overlap_with_ddp": "ValueError: AOR does not support ZeroRedundancyOptimizer(overlap_with_ddp=True)",
+        "self_peer": "ValueError: peer must be another rank",
+        "peer_out_of_range": "ValueError: peer must be another rank",
+        "negative_start": "ValueError: need start_step >= 0",
+        "groups_changed": "ValueError: the optimizer's parameter groups changed",
+    }
+    results = [r["refusals"] for r in rank_results]
+    for rank, res in enumerate(results):
+        for case, prefix in want.items():
+            assert res[case].startswith(prefix), (rank, case, res[case])
+    assert results[0]["empty_peer"].startswith("ValueError: peer 1 owns no parameters"), results[0]
+
+
+# Node loss ------------------------------------------------------------------------------------
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_snapshot_nodes import SimCluster, _free_port as _cluster_port  # noqa: E402
+
+
+class ZeroCluster(SimCluster):
+    """SimCluster running the ZeRO-1 + AOR example instead of the replicated-optimizer one."""
+
+    def start_keeper(self, node: int) -> None:
+        # The keeper's own lifetime bound (a leak guard; close() kills it by PID) must outlast
+        # both jobs on a loaded 2-core machine.
+        p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot_keeper", "--socket", self.sock(node),
+                              "--node", str(node), "--max-lifetime", "600"], stdout=subprocess.PIPE,
+                             text=True, env=self.env, cwd=ROOT)
+        self.all.append(p)
+        line = p.stdout.readline()
+        assert line.startswith("ready"), f"keeper {node} did not start: {line!r}"
+        self.keepers[node] = p
+
+    def start_job(self, *extra: str) -> None:
+        port, world = _cluster_port(), self.m * self.r
+        self.ranks, self._buf = {}, {}
+        for rank in range(world):
+            env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "JITCKPT_SNAPSHOT_SOCKET": self.sock(rank // self.r)}
+            p = subprocess.Popen([sys.executable, str(SCRIPT), "--scheme", self.scheme, "--ranks-per-node",
+                                  str(self.r), "--timeout", "40", *extra], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                 cwd=self.workdir)
+            self.all.append(p)
+            self.ranks[rank] = p
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nodes,scheme", [(2, "arc"), pytest.param(3, "aec", marks=pytest.mark.slow)])
+def test_node_loss_restores_zero_partition_from_peer_replica_bitwise(tmp_path: Path, nodes: int,
+                                                                     scheme: str) -> None:
+    steps, pause_at, lost = 7, 4, 1
+    ref_out, out = tmp_path / "ref.pt", tmp_path / "final.pt"
+    ref = ZeroCluster(tmp_path, nodes=nodes, ranks_per_node=1, scheme=scheme)
+    c = ZeroCluster(tmp_path, nodes=nodes, ranks_per_node=1, scheme=scheme)
+    try:
+        for n in range(nodes):
+            ref.start_keeper(n)
+            c.start_keeper(n)
+        ref.start_job("--steps", str(steps), "--out", str(ref_out))
+        c.start_job("--steps", str(steps), "--pause-at", str(pause_at))
+        paused = c.wait_all_events("paused")
+        assert all(ev["snapshot"] == pause_at for ev in paused.values()), paused
+        c.kill_node(lost)       # its rank and its keeper: its optimizer partition is gone
+        c.kill_ranks()          # and every other trainer: nothing live to copy from
+        c.start_keeper(lost)    # replacement node, empty memory
+        c.start_job("--steps", str(steps), "--restore", "--out", str(out))
+        restored = c.wait_all_events("restored")
+        done = c.wait_all_events("done")
+        c.finish_job()
+        ref_done = ref.wait_all_events("done")
+        ref.finish_job()
+    finally:
+        c.close()
+        ref.close()
+    for rank, ev in restored.items():
+        assert (ev["source"], ev["step"]) == ("memory", pause_at), ev
+    # Rank r's replica lives on r-1's node: the lost rank's partition came from there; the other
+    # ranks read their own from their own keeper.
+    assert restored[lost]["own_from"] == lost - 1 and "aor.z1" in restored[lost]["remote"], restored[lost]
+    for rank in set(range(nodes)) - {lost}:
+        assert restored[rank]["own_from"] == rank and restored[rank]["remote"] == [], restored[rank]
+    ref_params, params = torch.load(ref_out, weights_only=True), torch.load(out, weights_only=True)
+    assert list(ref_params) == list(params)
+    for k in ref_params:
+        assert torch.equal(ref_params[k], params[k]), f"{k} differs from the failure-free run"
+    for rank in range(nodes):
+        assert done[rank]["partition_sha256"] == ref_done[rank]["partition_sha256"], rank
+        assert done[rank]["replica_params_ok"] and ref_done[rank]["replica_params_ok"], rank
+
+
+if __name__ == "__main__":
+    _worker()
