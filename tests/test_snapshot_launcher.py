@@ -31,20 +31,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_nodes(tmp_path, tag: str, protection: str, script_args: list) -> tuple[list, list]:
-    """Run one job on NODES launchers; return (return codes, per-node event lists)."""
+def run_nodes(tmp_path, tag: str, protection: str, script_args: list, *, nodes: int = NODES,
+              nproc: int = 1, snapshot_args: tuple = ()) -> tuple[list, list]:
+    """Run one job on ``nodes`` launchers; return (return codes, per-node event lists)."""
     port = free_port()
     procs = []
     try:
-        for node in range(NODES):
+        for node in range(nodes):
             d = tmp_path / f"{tag}-node{node}"
             d.mkdir(parents=True)
-            cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", str(NODES), "--node-rank", str(node),
-                   "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag,
+            cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", str(nodes), "--node-rank", str(node),
+                   "--nproc-per-node", str(nproc), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag,
                    "--checkpoint-dir", str(tmp_path / f"{tag}-ckpt"), "--run-dir", str(d / "run"),
                    "--status-interval", "0", "--warm-standby", "0", "--max-restarts", "1",
                    "--hang-timeout", "auto:floor=5,startup=60", "--snapshot-every", "1",
-                   "--snapshot-protection", protection, str(TRAIN), "--steps", str(STEPS),
+                   "--snapshot-protection", protection, *snapshot_args, str(TRAIN), "--steps", str(STEPS),
                    "--out", str(tmp_path / f"{tag}-final.pt"),
                    "--steps-log", str(tmp_path / f"{tag}-train.jsonl"), *script_args]
             procs.append(subprocess.Popen(cmd, cwd=d, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -61,7 +62,7 @@ def run_nodes(tmp_path, tag: str, protection: str, script_args: list) -> tuple[l
     finally:
         for p in procs:
             kill_tree(p.pid)
-    events = [_read_jsonl(tmp_path / f"{tag}-node{n}" / "run" / "events.jsonl") for n in range(NODES)]
+    events = [_read_jsonl(tmp_path / f"{tag}-node{n}" / "run" / "events.jsonl") for n in range(nodes)]
     # Every keeper any launcher started is gone once its launcher is.
     for ev in events:
         for e in ev:
@@ -71,7 +72,7 @@ def run_nodes(tmp_path, tag: str, protection: str, script_args: list) -> tuple[l
                     p.kill()
                     raise AssertionError(f"snapshot keeper pid {e['pid']} outlived its launcher")
     rcs = [p.returncode for p in procs]
-    assert rcs == [0] * NODES, "\n".join(o[-3000:] for o in outs)
+    assert rcs == [0] * nodes, "\n".join(o[-3000:] for o in outs)
     return rcs, events
 
 
@@ -110,6 +111,27 @@ def test_node_loss_resumes_from_in_memory_snapshot(reference, tmp_path, protecti
     assert final.keys() == reference.keys()
     for k in reference:
         assert torch.equal(final[k], reference[k]), f"parameter {k} differs from the failure-free run"
+
+
+@pytest.mark.slow
+def test_one_node_loses_its_keeper_resumes_from_flushed_snapshot(tmp_path):
+    """One node, two ranks, no protection: both ranks and the keeper die at once; the memory tier
+    is empty after the restart, so the newest snapshot flushed to disk is the resume point."""
+    one = dict(nodes=1, nproc=2, snapshot_args=("--snapshot-flush-every", "2"))
+    args = ["--step-sleep", "0.2"]  # the flush of a snapshot finishes long before the kill
+    run_nodes(tmp_path, "ref", "none", args, **one)
+    inject = ["--inject", f"0:0:{KILL_AT}:node", "--inject", f"0:1:{KILL_AT}:kill"]
+    _, (ev,) = run_nodes(tmp_path, "fail", "none", args + inject, **one)
+    gen0 = sorted((tmp_path / "fail-ckpt").glob("snapshot-g0000-*"), key=lambda p: int(p.name.rsplit("-s", 1)[1]))
+    assert gen0, list((tmp_path / "fail-ckpt").iterdir())
+    restores = [e for e in ev if e["event"] == "restore"]
+    assert [e["source"] for e in restores] == ["disk", "disk"], restores
+    assert {(e["path"], e["step"]) for e in restores} == {(str(gen0[-1]), int(gen0[-1].name.rsplit("-s", 1)[1]))}
+    assert not [e for e in ev if e["event"] == "checkpoint_saved" and e["kind"] == "jit"]
+    assert [k["replaced"] for k in ev if k["event"] == "snapshot_keeper_start"] == [False, True]
+    a = torch.load(tmp_path / "fail-final.pt", weights_only=True)
+    b = torch.load(tmp_path / "ref-final.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in b)
 
 
 # Flags and the keeper's lifecycle (fast) ---------------------------------------------------------
