@@ -41,24 +41,26 @@ class KeeperSupervisor:
         self.socket_path = path
         self.proc: Optional[subprocess.Popen] = None
         self.starts = 0
+        self.previous_exit: Optional[int] = None
 
     @property
     def pid(self) -> Optional[int]:
         return self.proc.pid if self.proc is not None else None
 
-    def ensure_running(self) -> Optional[int]:
-        """Start the keeper if none runs; return the exit code of a dead predecessor, if any.
+    def ensure_running(self) -> bool:
+        """Start the keeper if none runs (a dead one's exit code goes to ``previous_exit``).
 
-        Raises RuntimeError if a new keeper does not report ready within ``start_timeout``.
+        Returns True if a keeper was started. Raises RuntimeError if it does not report ready
+        within ``start_timeout``.
         """
         if self.proc is not None and self.proc.poll() is None:
-            return None
-        previous = self.proc.returncode if self.proc is not None else None
+            return False
         if self.proc is not None:
+            self.previous_exit = self.proc.returncode
             log.warning("snapshot keeper of node %d (pid %d) is gone (exit %s); starting an empty one",
-                        self.node, self.proc.pid, previous)
+                        self.node, self.proc.pid, self.previous_exit)
         self._start()
-        return previous
+        return True
 
     def _start(self) -> None:
         # Same process group as the launcher (no new session): a Ctrl-C at the terminal reaches

@@ -227,17 +227,15 @@ class Launcher:
         """This node's snapshot keeper runs (kept across generations; replaced, empty, if it died)."""
         if self.keeper is None:
             return True
-        running = self.keeper.proc is not None and self.keeper.proc.poll() is None
-        if running:
-            return True
         try:
-            previous = self.keeper.ensure_running()
+            started = self.keeper.ensure_running()
         except (RuntimeError, OSError) as e:
             log.error("%s", e)
             return False
-        self.emit("snapshot_keeper_start", node=self.cfg.node_rank, pid=self.keeper.pid,
-                  socket=self.keeper.socket_path, replaced=self.keeper.starts > 1,
-                  previous_exit=previous)
+        if started:
+            self.emit("snapshot_keeper_start", node=self.cfg.node_rank, pid=self.keeper.pid,
+                      socket=self.keeper.socket_path, replaced=self.keeper.starts > 1,
+                      previous_exit=self.keeper.previous_exit)
         return True
 
     def _base_env(self) -> dict:

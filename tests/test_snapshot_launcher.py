@@ -114,6 +114,19 @@ def test_node_loss_resumes_from_in_memory_snapshot(reference, tmp_path, protecti
 
 
 @pytest.mark.slow
+def test_single_rank_loss_with_snapshots_on(reference, tmp_path):
+    """A rank dies, the others live: they JIT-save as without snapshots; the in-memory snapshot of
+    the same step is the resume point (equal steps: memory), and the result is bitwise the same."""
+    _, events = run_nodes(tmp_path, "fail", "aec", ["--inject", f"0:2:{KILL_AT}:kill"])
+    jit = [e for ev in events for e in ev if e["event"] == "checkpoint_saved" and e["kind"] == "jit"]
+    assert {e["rank"] for e in jit} == {0, 1} and {e["step"] for e in jit} == {KILL_AT}, jit
+    restores = [e for ev in events for e in ev if e["event"] == "restore"]
+    assert {(e["source"], e["step"]) for e in restores} == {("memory", KILL_AT)}, restores
+    final = torch.load(tmp_path / "fail-final.pt", weights_only=True)
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
+@pytest.mark.slow
 def test_one_node_loses_its_keeper_resumes_from_flushed_snapshot(tmp_path):
     """One node, two ranks, no protection: both ranks and the keeper die at once; the memory tier
     is empty after the restart, so the newest snapshot flushed to disk is the resume point."""
@@ -170,15 +183,16 @@ def test_keeper_supervisor_replaces_a_dead_keeper_and_stops_it(tmp_path):
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_timeout=30)
     try:
         assert len(sup.socket_path.encode()) <= 100
-        assert sup.ensure_running() is None
+        assert sup.ensure_running() is True
         first = sup.pid
         k = KeeperClient(sup.socket_path)
         assert k.ping() == {"ok": True, "pid": first, "node": 3}
         k.close()
-        assert sup.ensure_running() is None and sup.pid == first   # alive: kept
+        assert sup.ensure_running() is False and sup.pid == first   # alive: kept
         os.kill(first, 9)
         sup.proc.wait(timeout=10)
-        assert sup.ensure_running() == -9 and sup.pid != first     # dead: a fresh one
+        assert sup.ensure_running() is True and sup.pid != first    # dead: a fresh one
+        assert sup.previous_exit == -9
         k = KeeperClient(sup.socket_path)
         assert k.listing() == []
         k.close()
