@@ -6,6 +6,7 @@ each checksum, so a reader always verifies with the algorithm the writer used.
 """
 from __future__ import annotations
 
+import mmap
 import zlib
 from typing import Any
 
@@ -47,3 +48,30 @@ def checksum_of(data: Any, algorithm: str = DEFAULT_ALGORITHM, chunk: int = 8 <<
     for off in range(0, len(mv), chunk):
         h.update(mv[off:off + chunk])
     return h.value()
+
+
+def copy_verified(src: Any, algorithm: str = DEFAULT_ALGORITHM, chunk: int = 1 << 20) -> tuple[Any, int]:
+    """A private copy of buffer ``src`` (a uint8 tensor) and the checksum of the bytes copied.
+
+    One pass: each chunk is hashed from the copy while it is still in cache. The copy lives in
+    its own anonymous mapping advised for transparent huge pages, so allocating it costs a few
+    2 MiB page faults instead of one fault per 4 KiB page.
+    """
+    import torch  # local: the checksum functions above do not need torch
+
+    n = src.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8), Checksum(algorithm).value()
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    dst = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
+    h = Checksum(algorithm)
+    mv = memoryview(m)
+    try:
+        for off in range(0, n, chunk):
+            dst[off:off + chunk].copy_(src[off:off + chunk])
+            h.update(mv[off:off + chunk])
+    finally:
+        mv.release()
+    return dst, h.value()

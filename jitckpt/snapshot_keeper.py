@@ -11,8 +11,7 @@ Per object key at most two buffers: while a rank writes version ``t+1`` the prev
 stays readable, and it is the one reused by the next ``begin`` (REFT: one completed, one ongoing).
 The keeper never hashes data (the writer does, off the training critical path); readers verify.
 
-Requests: ``begin(key, step, size)`` -> fd; ``commit(items)``; ``list``; ``open(key, step, lend)``
--> fd (``lend``: the reader keeps a copy-on-write mapping, so the buffer is never written again);
+Requests: ``begin(key, step, size)`` -> fd; ``commit(items)``; ``list``; ``open(key, step)`` -> fd;
 ``reject(step)`` (a restore from it failed: free it, never offer it again); ``discard_newer(step)``;
 ``ping``; ``shutdown``.
 """
@@ -41,7 +40,6 @@ class _Buffer:
     complete: bool = False
     checksum: int = 0
     algo: str = ""
-    lent: bool = False   # mapped copy-on-write by a restored state: never written again
 
 
 class SnapshotKeeper:
@@ -71,13 +69,6 @@ class SnapshotKeeper:
                 bufs.append(b)
             else:  # reuse the older complete version; the newer one stays readable
                 b = min(bufs, key=lambda x: x.step)
-            if b.lent:
-                # A restored state views this memory copy-on-write: its untouched pages would see
-                # new writes. Hand the memory over to the reader (freed when it unmaps) instead.
-                bufs.remove(b)
-                os.close(b.fd)
-                b = self._new(size)
-                bufs.append(b)
             if b.size != size:
                 os.ftruncate(b.fd, size)
                 b.size, b.buf_id = size, self._take_id()
@@ -109,11 +100,10 @@ class SnapshotKeeper:
                     for k, bufs in sorted(self._objects.items()) for b in bufs
                     if b.complete]
 
-    def find(self, key: str, step: int, *, lend: bool = False) -> _Buffer:
+    def find(self, key: str, step: int) -> _Buffer:
         with self._lock:
             for b in self._objects.get(key, []):
                 if b.complete and b.step == step:
-                    b.lent = b.lent or lend
                     return b
         raise KeyError(f"no complete object {key} for step {step} on node {self.node}")
 
@@ -151,7 +141,7 @@ class SnapshotKeeper:
         if op == "list":
             return {"ok": True, "objects": self.listing(), "node": self.node}, None
         if op == "open":
-            b = self.find(str(req["key"]), int(req["step"]), lend=bool(req.get("lend")))
+            b = self.find(str(req["key"]), int(req["step"]))
             return {"ok": True, "buf_id": b.buf_id, "size": b.size, "checksum": b.checksum,
                     "algo": b.algo}, b.fd
         if op == "reject":

@@ -79,24 +79,10 @@ class KeeperClient:
     def listing(self) -> list[dict]:
         return self.request("list")[0]["objects"]
 
-    def open(self, key: str, step: int, *, private: bool = False) -> tuple[mmap.mmap, dict]:
-        """A mapping of the complete object (key, step) and its metadata (checksum, algo).
-
-        ``private``: a copy-on-write mapping of its own (writes stay in this process) whose bytes
-        never change: the keeper stops reusing that buffer. For a restored state that keeps
-        viewing the snapshot memory instead of copying it.
-        """
-        if not private:
-            reply, fd = self.request("open", key=key, step=step)
-            return self._map(key, reply, fd), reply
-        reply, fd = self.request("open", key=key, step=step, lend=True)
-        if fd is None:
-            raise KeeperError(f"snapshot keeper sent no buffer for {key}")
-        try:
-            # No MAP_POPULATE: on a private mapping it would copy every page up front.
-            return mmap.mmap(fd, int(reply["size"]), access=mmap.ACCESS_COPY), reply
-        finally:
-            os.close(fd)
+    def open(self, key: str, step: int) -> tuple[mmap.mmap, dict]:
+        """A mapping of the complete object (key, step) and its metadata (checksum, algo)."""
+        reply, fd = self.request("open", key=key, step=step)
+        return self._map(key, reply, fd), reply
 
     def reject(self, step: int) -> None:
         self.request("reject", step=step)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint_store import find_latest
-from .snapshot_checksum import checksum_of
+from .snapshot_checksum import checksum_of, copy_verified
 from .snapshot_client import META_KEY, STATE_FILE, Topology, parse_meta
 from .snapshot_keeper_client import KeeperClient, KeeperError
 from .snapshot_layout import rebuild
@@ -42,10 +42,8 @@ log = logging.getLogger("jitckpt.snapshot")
 class RestoreResult:
     """What :func:`restore` loaded: ``state`` is None when no tier had a usable checkpoint.
 
-    On a one-node, one-rank job the state's tensors view the keeper's memory copy-on-write (no
-    copy at restore; a page is copied when first written, e.g. by the first ``optimizer.step()``,
-    since ``Optimizer.load_state_dict`` keeps the tensors it is given). The keeper never writes
-    that memory again, so the state stays private to this process.
+    The state's tensors own their memory (never the keeper's): ``Optimizer.load_state_dict``
+    keeps the tensors it is given, and the keeper's buffers are rewritten by later snapshots.
     """
 
     source: str                 # "memory" | "disk" | "none"
@@ -79,8 +77,8 @@ def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tup
 
     ``share=(i, n)`` verifies every n-th object starting at i (default: split among the node's
     ranks, which all call this on the same keeper). With ``keep`` (a dict), data objects are
-    mapped copy-on-write (see ``KeeperClient.open(private=True)``) and the verified mappings are
-    kept there by (key, step), so a restore reads each byte from the keeper once. ``steps``
+    verified while being copied into private memory (:func:`copy_verified`) and the verified
+    copies are kept there by (key, step), so a restore reads each byte from the keeper once. ``steps``
     limits the catalogue to those steps; ``listing`` is the keeper's listing if already fetched.
     """
     index, count = share or (topo.local_rank, topo.ranks_per_node)
@@ -91,16 +89,20 @@ def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tup
         if i % count != index:
             continue
         try:
-            private = keep is not None and e["key"] != META_KEY
-            m, info = keeper.open(e["key"], e["step"], private=private)
+            m, info = keeper.open(e["key"], e["step"])
         except KeeperError:
             continue  # dropped since the listing (a newer snapshot reused the buffer)
-        if checksum_of(memoryview(m)[:e["size"]], info["algo"]) != info["checksum"]:
+        copy = keep is not None and e["key"] != META_KEY
+        if copy:
+            data, value = copy_verified(torch.frombuffer(m, dtype=torch.uint8, count=e["size"]), info["algo"])
+        else:
+            value = checksum_of(memoryview(m)[:e["size"]], info["algo"])
+        if value != info["checksum"]:
             log.warning("in-memory snapshot object %s step %s fails its checksum; not used",
                         e["key"], e["step"])
             continue
-        if private:
-            keep[(e["key"], e["step"])] = m
+        if copy:
+            keep[(e["key"], e["step"])] = data
         entry = {**e, "rank": topo.rank, "node": topo.node}
         if e["key"] == META_KEY:
             try:
@@ -177,14 +179,12 @@ def _finite(state: Any) -> bool:
 def _load_memory(choice: MemoryChoice, keeper: KeeperClient, topo: Topology, group: Any,
                  remote: list, kept: Optional[dict] = None) -> Any:
     objects: dict[str, torch.Tensor] = {}
-    # One part holding the whole state is returned as views, not copied (see RestoreResult).
-    zero_copy = choice.plan.m * choice.plan.r == 1
     for key in sorted(choice.holders):
         holder, size = choice.holders[key]
         if kept and (key, choice.step) in kept:
-            t = torch.frombuffer(kept[(key, choice.step)], dtype=torch.uint8, count=size)
+            t = kept[(key, choice.step)]  # verified private copy: the state views it
         elif holder == topo.rank:
-            m, _ = keeper.open(key, choice.step, private=zero_copy and key != META_KEY)
+            m, _ = keeper.open(key, choice.step)
             t = torch.frombuffer(m, dtype=torch.uint8, count=size)
         else:
             t = torch.empty(size, dtype=torch.uint8)
@@ -244,7 +244,7 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
         keeper = KeeperClient(socket_path)
     except (KeeperError, ValueError) as e:
         _skip(skipped, "memory tier", str(e))
-    # One rank: the whole state is one object, restored in place (copy-on-write views).
+    # One rank: the whole state is one object; it is verified while copied out (one pass).
     choice = _newest_memory_step(keeper, topo, group, skipped, kept)
     disk = find_latest(checkpoint_dir) if checkpoint_dir else None
     disk_step = disk[1].step if disk else None
@@ -282,7 +282,7 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
         return RestoreResult("none", None, None, time.monotonic() - t0, skipped=skipped)
     finally:
         if keeper is not None:
-            keeper.close()  # restored tensors hold their own (copy-on-write or private) memory
+            keeper.close()  # restored tensors hold private memory, not the keeper's
 
 
 def find_latest_in_memory(keepers: Mapping[int, str], *, num_nodes: int, ranks_per_node: int,
@@ -315,7 +315,10 @@ def find_latest_in_memory(keepers: Mapping[int, str], *, num_nodes: int, ranks_p
             m, _ = clients[holder // ranks_per_node].open(key, choice.step)
             objects[key] = torch.frombuffer(m, dtype=torch.uint8, count=size)
         meta = parse_meta(objects.pop(META_KEY).numpy())
-        return choice.step, rebuild(meta["layout"], choice.plan.assemble(objects).numpy())
+        flat = choice.plan.assemble(objects)
+        if flat is objects.get("x0.0"):
+            flat = flat.clone()  # one part is the state: never hand out views of keeper memory
+        return choice.step, rebuild(meta["layout"], flat.numpy())
     finally:
         for c in clients.values():
             c.close()

@@ -264,9 +264,9 @@ def test_memory_restore_is_bitwise_and_newest_tier_wins(keeper, tmp_path) -> Non
     assert (res.source, res.step) == ("disk", 6)  # a newer JIT checkpoint beats the snapshot
 
 
-def test_zero_copy_restore_stays_private_while_new_snapshots_reuse_the_keeper(keeper) -> None:
-    """The restored tensors view the snapshot copy-on-write: writing them leaves the keeper's copy
-    intact, and later snapshots (which recycle keeper buffers) never change them."""
+def test_restored_state_is_private_while_new_snapshots_reuse_the_keeper(keeper) -> None:
+    """Writing the restored tensors leaves the keeper's copy intact, and later snapshots (which
+    recycle keeper buffers) never change them."""
     sock, _ = keeper
     state = {"w": torch.arange(4096.0), "m": torch.ones(3000)}
     _take(sock, state, 1).close()
