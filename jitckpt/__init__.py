@@ -92,7 +92,9 @@ def get_checkpoint_path() -> Optional[str]:
     """Directory of the newest complete checkpoint for this rank's shard, or None.
 
     Checks every candidate against its metadata (sizes, CRC32C) and skips incomplete or corrupt
-    ones with a logged warning; a JIT checkpoint from any data-parallel replica qualifies.
+    ones with a logged warning; a JIT checkpoint from any data-parallel replica qualifies, and so
+    does a snapshot flushed to disk. In-memory snapshots (``jitckpt run --snapshot-every``) have
+    no path: they are taken and restored by :func:`protect` and ``restore()``.
     """
     return _get_runtime().select_checkpoint()
 

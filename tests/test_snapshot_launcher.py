@@ -115,13 +115,15 @@ def test_node_loss_resumes_from_in_memory_snapshot(reference, tmp_path, protecti
 
 @pytest.mark.slow
 def test_single_rank_loss_with_snapshots_on(reference, tmp_path):
-    """A rank dies, the others live: they JIT-save as without snapshots; the in-memory snapshot of
-    the same step is the resume point (equal steps: memory), and the result is bitwise the same."""
+    """A rank dies, the others live: they JIT-save as without snapshots and the job resumes at the
+    failed step, bitwise the same. (From memory if the survivors' snapshot of that step was
+    committed before they exited, which is a race; otherwise from the JIT checkpoints.)"""
     _, events = run_nodes(tmp_path, "fail", "aec", ["--inject", f"0:2:{KILL_AT}:kill"])
     jit = [e for ev in events for e in ev if e["event"] == "checkpoint_saved" and e["kind"] == "jit"]
     assert {e["rank"] for e in jit} == {0, 1} and {e["step"] for e in jit} == {KILL_AT}, jit
     restores = [e for ev in events for e in ev if e["event"] == "restore"]
-    assert {(e["source"], e["step"]) for e in restores} == {("memory", KILL_AT)}, restores
+    assert len(restores) == NODES and {e["step"] for e in restores} == {KILL_AT}, restores
+    assert len({e["source"] for e in restores}) == 1, restores
     final = torch.load(tmp_path / "fail-final.pt", weights_only=True)
     assert all(torch.equal(final[k], reference[k]) for k in reference)
 
