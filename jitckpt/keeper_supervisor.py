@@ -33,7 +33,8 @@ class KeeperSupervisor:
         self.node, self.python, self.env = node, python, env
         self.start_timeout, self.stop_timeout = start_timeout, stop_timeout
         self._tmpdir: Optional[str] = None
-        path = str(Path(run_dir).resolve() / "snapshot-keeper.sock")
+        # Named per node: launchers of several nodes may share a run dir (a shared file system).
+        path = str(Path(run_dir).resolve() / f"snapshot-keeper-node{node}.sock")
         if len(path.encode()) > MAX_SOCKET_PATH:
             # A deep run dir: the socket goes to a short private directory instead.
             self._tmpdir = tempfile.mkdtemp(prefix="jitckpt-keeper-")

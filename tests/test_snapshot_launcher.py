@@ -11,9 +11,12 @@ that took the same snapshots.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import psutil
 import pytest
@@ -202,3 +205,15 @@ def test_keeper_supervisor_replaces_a_dead_keeper_and_stops_it(tmp_path):
     finally:
         sup.stop()
     assert second.returncode is not None and not os.path.exists(sup.socket_path)
+
+
+def test_keeper_socket_lives_in_the_run_dir_named_per_node(tmp_path):
+    from jitckpt.keeper_supervisor import KeeperSupervisor
+
+    short = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))
+    try:
+        socks = {KeeperSupervisor(run_dir=str(short), node=n, python=sys.executable, env={}).socket_path
+                 for n in (0, 1)}
+        assert socks == {str(short / "snapshot-keeper-node0.sock"), str(short / "snapshot-keeper-node1.sock")}
+    finally:
+        shutil.rmtree(short)
