@@ -17,13 +17,14 @@ import bisect
 import json
 import math
 from collections import OrderedDict
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
 ALIGN = 64
 FORMAT = "jitckpt.flat/1"
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_NAMES = {d: str(d).removeprefix("torch.") for d in _DTYPES.values()}
 # Tags of the JSON tree; a JSON scalar is a leaf value as is.
 _TENSOR, _DICT, _LIST, _TUPLE, _FLOAT = "T", "D", "L", "U", "F"
 
@@ -40,61 +41,77 @@ class FlatState:
     """
 
     def __init__(self, state: Any) -> None:
-        self.tensors: list[torch.Tensor] = []   # uint8 views of the state's tensors (no copy)
+        self._src: list[torch.Tensor] = []      # the state's tensors (references, no copy)
+        self._u8: Optional[list[torch.Tensor]] = None
         self.offsets: list[int] = []
         self._table: list[list] = []
         self._pos = 0
-        tree = self._encode(state, "state")
+        tree = self._encode(state, None)
         self.total = self._pos
         self.layout = {"format": FORMAT, "total": self.total, "tensors": self._table, "tree": tree}
-        self.skeleton = json.dumps(self.layout, allow_nan=False, separators=(",", ":")).encode()
 
-    def _encode(self, obj: Any, path: str) -> Any:
+    @property
+    def skeleton(self) -> bytes:
+        """The layout as JSON (encoded on demand: begin() runs on the trainer's critical path)."""
+        return json.dumps(self.layout, allow_nan=False, separators=(",", ":")).encode()
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Flat uint8 views of the state's tensors (made on first use, by the copying thread)."""
+        if self._u8 is None:
+            self._u8 = [t.detach().reshape(-1).view(torch.uint8) if t.numel()
+                        else torch.empty(0, dtype=torch.uint8) for t in self._src]
+        return self._u8
+
+    # The path to a value is a chain of tuples, formatted only for an error message.
+    def _encode(self, obj: Any, path: Any) -> Any:
         t = type(obj)
+        if obj is None or t is bool or t is int or t is str:
+            return obj
         if isinstance(obj, torch.Tensor):
             return {_TENSOR: self._add(obj, path)}
-        if obj is None or t in (bool, int, str):
-            return obj
         if t is float:
             return obj if math.isfinite(obj) else {_FLOAT: repr(obj)}  # strict JSON has no nan/inf
-        if t in (dict, OrderedDict):
-            node: dict = {_DICT: [[self._key(k, path), self._encode(v, f"{path}[{k!r}]")]
+        if t is dict or t is OrderedDict:
+            node: dict = {_DICT: [[self._key(k, path), self._encode(v, (path, "[]", k))]
                                   for k, v in obj.items()]}
             if t is OrderedDict:
                 node["O"] = 1
-            attrs = vars(obj) if t is OrderedDict else {}
-            if attrs:  # a module state_dict's _metadata carries versions load_state_dict reads
-                node["A"] = {name: self._encode(v, f"{path}.{name}") for name, v in attrs.items()}
+                attrs = vars(obj)
+                if attrs:  # a module state_dict's _metadata carries versions load_state_dict reads
+                    node["A"] = {name: self._encode(v, (path, ".", name)) for name, v in attrs.items()}
             return node
-        if t in (list, tuple):
-            return {_LIST if t is list else _TUPLE: [self._encode(v, f"{path}[{i}]")
+        if t is list or t is tuple:
+            return {_LIST if t is list else _TUPLE: [self._encode(v, (path, "[]", i))
                                                      for i, v in enumerate(obj)]}
         raise TypeError(
-            f"snapshot: {path} is a {t.__module__}.{t.__qualname__}; a snapshot state may hold only "
-            "tensors, None, bool, int, float, str and dict/OrderedDict/list/tuple of them (it is "
-            "stored as JSON, never pickled) - convert it in state_fn (e.g. to a list or a tensor)")
+            f"snapshot: {_fmt(path)} is a {t.__module__}.{t.__qualname__}; a snapshot state may hold "
+            "only tensors, None, bool, int, float, str and dict/OrderedDict/list/tuple of them (it "
+            "is stored as JSON, never pickled) - convert it in state_fn (e.g. to a list or a tensor)")
 
-    def _key(self, k: Any, path: str) -> Any:
+    def _key(self, k: Any, path: Any) -> Any:
+        if type(k) is str or type(k) is int:
+            return k
         if isinstance(k, torch.Tensor):
-            raise TypeError(f"snapshot: {path} has a tensor as a dict key; use str or int keys")
-        return self._encode(k, f"{path} key")
+            raise TypeError(f"snapshot: {_fmt(path)} has a tensor as a dict key; use str or int keys")
+        return self._encode(k, (path, " key", k))
 
-    def _add(self, t: torch.Tensor, path: str) -> int:
+    def _add(self, t: torch.Tensor, path: Any) -> int:
         if t.device.type != "cpu":
             raise ValueError(
-                f"snapshot: {path} is a tensor on {t.device} - this implementation snapshots CPU "
-                "tensors only (move the state to CPU in state_fn, or snapshot on a CPU build)")
-        if t.is_sparse or t.is_quantized or t.layout != torch.strided:
-            raise ValueError(f"snapshot: {path} is a sparse or quantized tensor; densify it in state_fn")
-        flat = t.detach().reshape(-1)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        u8 = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-        index = len(self.tensors)
-        self._table.append([str(t.dtype).removeprefix("torch."), list(t.shape), self._pos, u8.numel()])
-        self.tensors.append(u8)
+                f"snapshot: {_fmt(path)} is a tensor on {t.device} - this implementation snapshots "
+                "CPU tensors only (move the state to CPU in state_fn, or snapshot on a CPU build)")
+        if t.layout != torch.strided or t.is_quantized:
+            raise ValueError(f"snapshot: {_fmt(path)} is a sparse or quantized tensor; densify it in "
+                             "state_fn")
+        if not t.is_contiguous():
+            t = t.contiguous()  # the values at begin(); contiguous tensors are read while copying
+        nbytes = t.numel() * t.element_size()
+        index = len(self._src)
+        self._table.append([_NAMES[t.dtype], list(t.shape), self._pos, nbytes])
+        self._src.append(t)
         self.offsets.append(self._pos)
-        self._pos = _align(self._pos + u8.numel())
+        self._pos = _align(self._pos + nbytes)
         return index
 
     def read_into(self, start: int, out: torch.Tensor) -> None:
@@ -102,23 +119,31 @@ class FlatState:
 
         Bytes past the end of the state or between tensors read as zero.
         """
-        n, pos = out.numel(), 0
+        n, pos, tensors = out.numel(), 0, self.tensors
         i = max(bisect.bisect_right(self.offsets, start) - 1, 0)
         while pos < n:
             at = start + pos
-            if i >= len(self.tensors) or at < self.offsets[i]:
-                nxt = self.offsets[i] if i < len(self.tensors) else at + (n - pos)
+            if i >= len(tensors) or at < self.offsets[i]:
+                nxt = self.offsets[i] if i < len(tensors) else at + (n - pos)
                 gap = min(nxt - at, n - pos)
                 out[pos:pos + gap].zero_()
                 pos += gap
                 continue
-            t, off = self.tensors[i], at - self.offsets[i]
+            t, off = tensors[i], at - self.offsets[i]
             if off >= t.numel():
                 i += 1
                 continue
             take = min(t.numel() - off, n - pos)
             out[pos:pos + take].copy_(t[off:off + take])
             pos += take
+
+
+def _fmt(path: Any) -> str:
+    parts = []
+    while path is not None:
+        path, kind, k = path
+        parts.append(f"[{k!r}]" if kind == "[]" else f"{kind}{k if kind == '.' else ''}")
+    return "state" + "".join(reversed(parts))
 
 
 def parse_layout(skeleton: Union[bytes, str, dict]) -> dict:
