@@ -34,6 +34,9 @@ def parse():
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--pause-at", type=int, default=-1,
                    help="after committing step N's snapshot, print 'paused' and block on stdin")
+    p.add_argument("--pause-mid", type=int, default=-1,
+                   help="in step N, before waiting for its snapshot (parameter and AOR writes may "
+                        "still be running), print 'paused' and block on stdin")
     return p.parse_args()
 
 
@@ -97,6 +100,9 @@ def main():
         for p in model.parameters():
             p.grad.copy_(flat[off:off + p.numel()].view_as(p))
             off += p.numel()
+        if step == args.pause_mid:
+            emit(event="paused", rank=rank, step=step, snapshot=None)
+            sys.stdin.read()
         aor.wait()           # before snap.wait(): its all-ranks-committed check then covers AOR
         committed = snap.wait()
         if step == args.pause_at:
@@ -111,8 +117,11 @@ def main():
     replica.close()
     if args.out and rank == 0:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
+    st = replica.stats
     emit(event="done", rank=rank, partition_sha256=state_digest(zero.optim), replica_params_ok=replica_ok,
-         aor_bytes=aor.bytes_written, taken=snap.stats.taken)
+         taken=snap.stats.taken, aor={"bytes": aor.bytes_written, "write_s": aor.write_seconds,
+                                      "updates": st.updates, "update_s": st.update_seconds,
+                                      "copy_s": st.copy_seconds, "blocked_s": st.blocked_seconds})
     dist.destroy_process_group()
 
 

@@ -19,6 +19,8 @@ The replica never touches the live parameters, so it cannot race ``optimizer.ste
 from __future__ import annotations
 
 import concurrent.futures
+import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
@@ -41,6 +43,16 @@ def successor_peer(rank: int, world: int, ranks_per_node: int) -> int:
         raise ValueError(f"AOR needs >= 2 nodes of ranks_per_node={ranks_per_node} consecutive ranks; "
                          f"world size {world} does not give that")
     return (rank + ranks_per_node) % world
+
+
+@dataclass
+class ReplicaStats:
+    """Where the replica's time goes (seconds); the first two are on the trainer's thread."""
+
+    updates: int = 0
+    copy_seconds: float = 0.0      # gradient copies in capture()
+    blocked_seconds: float = 0.0   # waiting for the worker (capture, state_dict, ...)
+    update_seconds: float = 0.0    # recomputed optimizer steps, on the worker
 
 
 def _hyperparameters(group: dict) -> dict:
@@ -107,6 +119,7 @@ class OptimizerReplica:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jitckpt-aor")
         self._pending: Optional[concurrent.futures.Future] = None  # the last update
         self._last: Optional[concurrent.futures.Future] = None     # the last job of any kind
+        self.stats = ReplicaStats()
 
     # Trainer-facing API ------------------------------------------------------------------------
     def capture(self) -> None:
@@ -115,6 +128,7 @@ class OptimizerReplica:
         if len(self.zero.param_groups) != len(self.live):
             raise ValueError("the optimizer's parameter groups changed since the AOR replica was built "
                              "(add_param_group); build a new OptimizerReplica")
+        t0 = time.perf_counter()
         has_grad = []
         for ps, stage in zip(self.live, self.staging):
             for p, buf in zip(ps, stage):
@@ -125,6 +139,7 @@ class OptimizerReplica:
                     buf.copy_(g)
                 has_grad.append(g is not None)
         hyper = [_hyperparameters(g) for g in self.zero.param_groups]
+        self.stats.copy_seconds += time.perf_counter() - t0
         self._pending = self._last = self._pool.submit(self._update, hyper, has_grad)
         self.step += 1
 
@@ -167,13 +182,16 @@ class OptimizerReplica:
         """Wait for every queued job; raise an update's error (other jobs' owners report theirs)."""
         pending, last, self._pending, self._last = self._pending, self._last, None, None
         if last is not None:
+            t0 = time.perf_counter()
             done, _ = concurrent.futures.wait([last], timeout=self.wait_timeout)
+            self.stats.blocked_seconds += time.perf_counter() - t0
             if not done:
                 raise TimeoutError(f"AOR replica worker still busy after {self.wait_timeout} s")
         if pending is not None:
             pending.result()
 
     def _update(self, hyper: list[dict], has_grad: list[bool]) -> None:
+        t0 = time.perf_counter()
         flags = iter(has_grad)
         for group, h, pin, shadows, stage in zip(self._opt.param_groups, hyper, self._pinned,
                                                  self.shadow, self.staging):
@@ -182,3 +200,5 @@ class OptimizerReplica:
             for sh, buf in zip(shadows, stage):
                 sh.grad = buf if next(flags) else None
         self._opt.step()
+        self.stats.updates += 1
+        self.stats.update_seconds += time.perf_counter() - t0

@@ -88,7 +88,7 @@ class AorSnapshotter:
         self.replica, self.zero, self.wait_timeout = replica, replica.zero, wait_timeout
         self.keeper = KeeperClient(socket_path)
         self._job: Optional[tuple[int, concurrent.futures.Future]] = None
-        self.bytes_written = 0
+        self.bytes_written, self.write_seconds = 0, 0.0  # on the worker thread
 
     def begin(self, step: int) -> None:
         """Queue the write of the state at the start of ``step`` (call when the parameter
@@ -120,6 +120,7 @@ class AorSnapshotter:
             self.keeper.close()
 
     def _write(self, step: int, peer_state: dict) -> None:
+        t0 = time.perf_counter()
         world, me = self.zero.world_size, self.zero.rank
         blobs = [(partition_key(me), _encode(owner=me, world=world, step=step, zero=self.zero,
                                              state=self.zero.optim.state_dict())),
@@ -134,6 +135,7 @@ class AorSnapshotter:
             items.append({"key": key, "step": step, "checksum": h.value(), "algo": h.algorithm})
             self.bytes_written += len(blob)
         self.keeper.commit(items)
+        self.write_seconds += time.perf_counter() - t0
 
 
 # Restore ---------------------------------------------------------------------------------------
@@ -201,6 +203,45 @@ def load_zero_partition(zero: ZeroRedundancyOptimizer, state: dict) -> None:
         g.update({k: v for k, v in lg.items() if k != "params"})
 
 
+def _fetch_partitions(keeper: KeeperClient, topo: Topology, step: int, holders: dict,
+                      peers: list) -> tuple[dict, int, list]:
+    """Collective: every rank gets its own partition object and its peer's (bytes by key), from
+    its own keeper if it holds them, else from the lowest rank that does (point to point, gloo).
+    Returns (objects, rank the own partition came from, keys fetched from another node)."""
+    me = topo.rank
+    plan = []  # (receiver, key, sender, catalogue entry); the same on every rank
+    for r in range(topo.world):
+        for key in (partition_key(r), partition_key(peers[r])):
+            have = holders[(key, step)]
+            src = r if r in have else min(have)
+            plan.append((r, key, src, have[src]))
+    received: dict[str, bytes] = {}
+    works, sending, receiving = [], [], {}
+    for tag, (dst, key, src, entry) in enumerate(plan):
+        if src == dst == me:
+            m, _ = keeper.open(key, step)
+            received[key] = bytes(m[:entry["size"]])
+        elif src == me:
+            m, _ = keeper.open(key, step)
+            sending.append(torch.frombuffer(m, dtype=torch.uint8, count=entry["size"]))
+            works.append(dist.isend(sending[-1], dst=dst, tag=tag))
+        elif dst == me:
+            receiving[key] = (torch.empty(entry["size"], dtype=torch.uint8), entry)
+            works.append(dist.irecv(receiving[key][0], src=src, tag=tag))
+    for w in works:
+        w.wait()
+    remote = []
+    for key, (t, entry) in receiving.items():
+        data = t.numpy().tobytes()
+        if checksum_of(data, entry["algo"]) != entry["checksum"]:
+            raise ValueError(f"AOR object {key} step {step} from rank {entry['rank']} changed in transit")
+        received[key] = data
+        if entry["rank"] // topo.ranks_per_node != topo.node:
+            remote.append(key)
+    own_from = next(src for dst, key, src, _ in plan if dst == me and key == partition_key(me))
+    return received, own_from, sorted(remote)
+
+
 def restore_with_aor(*, zero: ZeroRedundancyOptimizer, peer: int, socket_path: Optional[str] = None,
                      ranks_per_node: Optional[int] = None) -> AorRestore:
     """Collective (every rank): restore parameters and every ZeRO-1 partition from the keepers.
@@ -216,6 +257,8 @@ def restore_with_aor(*, zero: ZeroRedundancyOptimizer, peer: int, socket_path: O
                          "the whole world (hybrid parallel groups are not supported yet)")
     topo = Topology.detect(ranks_per_node)
     world, me = topo.world, topo.rank
+    if not 0 <= peer < world or peer == me:
+        raise ValueError(f"peer must be another rank (0..{world - 1}, not {me}), got {peer}")
     keeper = KeeperClient(socket_path)
     try:
         gathered: list = [None] * world
@@ -236,46 +279,12 @@ def restore_with_aor(*, zero: ZeroRedundancyOptimizer, peer: int, socket_path: O
             skipped.append((f"memory step {res.step}", "parameters and partitions survive at no common step"))
             return AorRestore("none", None, None, None, skipped=skipped, seconds=time.monotonic() - t0)
         step = res.step
-        # Each rank needs its own partition and its peer's; take it locally if possible, else from
-        # the lowest rank holding it. Every rank computes the same plan from the gathered catalogue.
-        plan = []
-        for r in range(world):
-            for key in (partition_key(r), partition_key(gathered[r]["peer"])):
-                have = holders[(key, step)]
-                src = r if r in have else min(have)
-                plan.append((r, key, src, have[src]))
-        received: dict[str, bytes] = {}
-        works, sending, recv_bufs = [], [], {}
-        for tag, (dst, key, src, entry) in enumerate(plan):
-            if me not in (dst, src):
-                continue
-            if src == dst:
-                m, _ = keeper.open(key, step)
-                received[key] = bytes(m[:entry["size"]])
-            elif me == src:
-                m, _ = keeper.open(key, step)
-                t = torch.frombuffer(m, dtype=torch.uint8, count=entry["size"])
-                sending.append(t)
-                works.append(dist.isend(t, dst=dst, tag=tag))
-            else:
-                t = torch.empty(entry["size"], dtype=torch.uint8)
-                recv_bufs[key] = (t, entry)
-                works.append(dist.irecv(t, src=src, tag=tag))
-        for w in works:
-            w.wait()
-        remote = []
-        for key, (t, entry) in recv_bufs.items():
-            data = t.numpy().tobytes()
-            if checksum_of(data, entry["algo"]) != entry["checksum"]:
-                raise ValueError(f"AOR object {key} step {step} from rank {entry['rank']} changed in transit")
-            received[key] = data
-            if entry["rank"] // topo.ranks_per_node != topo.node:
-                remote.append(key)
+        received, own_from, remote = _fetch_partitions(keeper, topo, step, holders,
+                                                       [g["peer"] for g in gathered])
         own = _decode(received[partition_key(me)], owner=me, world=world, step=step, zero=zero)
         peer_state = _decode(received[partition_key(peer)], owner=peer, world=world, step=step, zero=zero)
         load_zero_partition(zero, own)
-        own_from = next(src for dst, key, src, _ in plan if dst == me and key == partition_key(me))
-        return AorRestore("memory", step, res.state, peer_state, own_from=own_from, remote=sorted(remote),
+        return AorRestore("memory", step, res.state, peer_state, own_from=own_from, remote=remote,
                           decoded=res.decoded, skipped=skipped, seconds=time.monotonic() - t0)
     finally:
         keeper.close()
