@@ -10,8 +10,8 @@ Failure injection: --inject GEN:RANK:STEP:MODE (repeatable) fires in launch GEN
   optim    SIGKILL self inside optimizer.step(), after the gradient all-reduce
   restore  SIGKILL self right after restoring (STEP ignored): a failure during recovery
   save     SIGKILL self in the middle of writing its JIT checkpoint
-  node     a whole node lost: SIGKILL this node's snapshot keeper (jitckpt run --snapshot-every),
-           then self, before the forward pass
+  keeper   SIGKILL this node's snapshot keeper (jitckpt run --snapshot-every) before the forward
+  node     a whole node lost: SIGKILL this node's snapshot keeper, then self, before the forward
 """
 import argparse
 import json
@@ -108,13 +108,15 @@ def main():
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         x, y = batch_for(step, rank, args)
-        if mine.get("node") == step:
+        if step in (mine.get("node"), mine.get("keeper")):
             from jitckpt.snapshot_keeper_client import KeeperClient
 
             keeper = KeeperClient()
             keeper_pid = keeper.ping()["pid"]
+            keeper.close()
             os.kill(keeper_pid, signal.SIGKILL)
-            mine["kill"] = step
+            if mine.get("node") == step:
+                mine["kill"] = step
         if mine.get("kill") == step:
             if logf:
                 logf.write(json.dumps({"gen": gen, "rank": rank, "dying": step, "t": time.time()}) + "\n")

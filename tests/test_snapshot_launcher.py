@@ -131,15 +131,23 @@ def test_single_rank_loss_with_snapshots_on(reference, tmp_path):
     assert all(torch.equal(final[k], reference[k]) for k in reference)
 
 
+ONE_NODE = dict(nodes=1, nproc=2, snapshot_args=("--snapshot-flush-every", "2"))
+ONE_NODE_ARGS = ["--step-sleep", "0.2"]  # a snapshot's disk flush finishes long before a kill
+
+
+@pytest.fixture(scope="module")
+def one_node_reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("snapref1")
+    run_nodes(tmp, "ref", "none", ONE_NODE_ARGS, **ONE_NODE)
+    return torch.load(tmp / "ref-final.pt", weights_only=True)
+
+
 @pytest.mark.slow
-def test_one_node_loses_its_keeper_resumes_from_flushed_snapshot(tmp_path):
+def test_one_node_loses_its_keeper_resumes_from_flushed_snapshot(one_node_reference, tmp_path):
     """One node, two ranks, no protection: both ranks and the keeper die at once; the memory tier
     is empty after the restart, so the newest snapshot flushed to disk is the resume point."""
-    one = dict(nodes=1, nproc=2, snapshot_args=("--snapshot-flush-every", "2"))
-    args = ["--step-sleep", "0.2"]  # the flush of a snapshot finishes long before the kill
-    run_nodes(tmp_path, "ref", "none", args, **one)
     inject = ["--inject", f"0:0:{KILL_AT}:node", "--inject", f"0:1:{KILL_AT}:kill"]
-    _, (ev,) = run_nodes(tmp_path, "fail", "none", args + inject, **one)
+    _, (ev,) = run_nodes(tmp_path, "fail", "none", ONE_NODE_ARGS + inject, **ONE_NODE)
     gen0 = sorted((tmp_path / "fail-ckpt").glob("snapshot-g0000-*"), key=lambda p: int(p.name.rsplit("-s", 1)[1]))
     assert gen0, list((tmp_path / "fail-ckpt").iterdir())
     restores = [e for e in ev if e["event"] == "restore"]
@@ -148,8 +156,26 @@ def test_one_node_loses_its_keeper_resumes_from_flushed_snapshot(tmp_path):
     assert not [e for e in ev if e["event"] == "checkpoint_saved" and e["kind"] == "jit"]
     assert [k["replaced"] for k in ev if k["event"] == "snapshot_keeper_start"] == [False, True]
     a = torch.load(tmp_path / "fail-final.pt", weights_only=True)
-    b = torch.load(tmp_path / "ref-final.pt", weights_only=True)
-    assert all(torch.equal(a[k], b[k]) for k in b)
+    assert all(torch.equal(a[k], one_node_reference[k]) for k in one_node_reference)
+
+
+@pytest.mark.slow
+def test_keeper_death_is_a_failure_recovered_by_jit(one_node_reference, tmp_path):
+    """Only the keeper dies: the ranks' snapshot fails, which is a failure of the job: they
+    JIT-save, the launcher starts a fresh keeper, and the job resumes from the JIT checkpoint."""
+    inject = ["--inject", f"0:0:{KILL_AT}:keeper"]
+    _, (ev,) = run_nodes(tmp_path, "fail", "none", ONE_NODE_ARGS + inject, **ONE_NODE)
+    failures = [e for e in ev if e["event"] == "failure_detected"]
+    assert failures and failures[0]["kind"] == "snapshot", failures
+    # Rank 0 fails in step KILL_AT; rank 1 too, unless its copy was committed before the keeper
+    # died: then it finishes that step and saves at the next one.
+    jit = {e["rank"]: e["step"] for e in ev if e["event"] == "checkpoint_saved" and e["kind"] == "jit"}
+    assert jit[0] == KILL_AT and jit[1] in (KILL_AT, KILL_AT + 1), jit
+    assert [k["replaced"] for k in ev if k["event"] == "snapshot_keeper_start"] == [False, True]
+    restores = [e for e in ev if e["event"] == "restore"]
+    assert {(e["source"], e["step"]) for e in restores} == {("disk", max(jit.values()))}, restores
+    a = torch.load(tmp_path / "fail-final.pt", weights_only=True)
+    assert all(torch.equal(a[k], one_node_reference[k]) for k in one_node_reference)
 
 
 # Flags and the keeper's lifecycle (fast) ---------------------------------------------------------
