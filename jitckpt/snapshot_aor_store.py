@@ -206,15 +206,16 @@ def load_zero_partition(zero: ZeroRedundancyOptimizer, state: dict) -> None:
 def _fetch_partitions(keeper: KeeperClient, topo: Topology, step: int, holders: dict,
                       peers: list) -> tuple[dict, int, list]:
     """Collective: every rank gets its own partition object and its peer's (bytes by key), from
-    its own keeper if it holds them, else from the lowest rank that does (point to point, gloo).
+    its node's keeper if that holds them, else from the lowest rank that does (point to point).
     Returns (objects, rank the own partition came from, keys fetched from another node)."""
-    me = topo.rank
+    me, rpn = topo.rank, topo.ranks_per_node
     plan = []  # (receiver, key, sender, catalogue entry); the same on every rank
     for r in range(topo.world):
         for key in (partition_key(r), partition_key(peers[r])):
             have = holders[(key, step)]
-            src = r if r in have else min(have)
-            plan.append((r, key, src, have[src]))
+            local = [h for h in have if h // rpn == r // rpn]  # verified by a rank of r's node
+            src = min(local or have)
+            plan.append((r, key, r if local else src, have[src]))
     received: dict[str, bytes] = {}
     works, sending, receiving = [], [], {}
     for tag, (dst, key, src, entry) in enumerate(plan):
@@ -238,7 +239,7 @@ def _fetch_partitions(keeper: KeeperClient, topo: Topology, step: int, holders: 
         received[key] = data
         if entry["rank"] // topo.ranks_per_node != topo.node:
             remote.append(key)
-    own_from = next(src for dst, key, src, _ in plan if dst == me and key == partition_key(me))
+    own_from = next(e["rank"] for dst, key, _, e in plan if dst == me and key == partition_key(me))
     return received, own_from, sorted(remote)
 
 
