@@ -267,12 +267,12 @@ class ZeroCluster(SimCluster):
 
 
 def _zero_node_loss(tmp_path: Path, *, nodes: int, scheme: str, steps: int, pause: tuple,
-                    lost: int = 1) -> tuple[dict, dict, dict]:
+                    lost: int = 1, rpn: int = 1) -> tuple[dict, dict, dict]:
     """Kill node ``lost`` (rank and keeper) and every other rank where ``pause`` says, restart on a
     fresh node, finish; compare with a failure-free run alongside. (restored, done, ref_done) events."""
     ref_out, out = tmp_path / "ref.pt", tmp_path / "final.pt"
-    ref = ZeroCluster(tmp_path, nodes=nodes, ranks_per_node=1, scheme=scheme)
-    c = ZeroCluster(tmp_path, nodes=nodes, ranks_per_node=1, scheme=scheme)
+    ref = ZeroCluster(tmp_path, nodes=nodes, ranks_per_node=rpn, scheme=scheme)
+    c = ZeroCluster(tmp_path, nodes=nodes, ranks_per_node=rpn, scheme=scheme)
     try:
         for n in range(nodes):
             ref.start_keeper(n)
@@ -296,22 +296,26 @@ def _zero_node_loss(tmp_path: Path, *, nodes: int, scheme: str, steps: int, paus
     assert list(ref_params) == list(params)
     for k in ref_params:
         assert torch.equal(ref_params[k], params[k]), f"{k} differs from the failure-free run"
-    for rank in range(nodes):
+    for rank in range(nodes * rpn):
         assert done[rank]["partition_sha256"] == ref_done[rank]["partition_sha256"], rank
         assert done[rank]["replica_params_ok"] and ref_done[rank]["replica_params_ok"], rank
-    # Rank r's replica lives on rank r-1's node: the lost rank's partition came from there; the
-    # other ranks read their own partition from their own keeper.
-    assert restored[lost]["own_from"] == lost - 1 and "aor.z1" in restored[lost]["remote"], restored[lost]
-    for rank in set(range(nodes)) - {lost}:
-        assert restored[rank]["own_from"] == rank and restored[rank]["remote"] == [], restored[rank]
+    # Rank r's replica lives on the previous node: the lost ranks' partitions came from there; the
+    # other ranks read their own partition from their own node's keeper.
+    for rank, ev in restored.items():
+        if rank // rpn == lost:
+            assert ev["own_from"] // rpn == lost - 1 and f"aor.z{rank}" in ev["remote"], ev
+        else:
+            assert ev["own_from"] // rpn == rank // rpn and ev["remote"] == [], ev
     return restored, done, ref_done
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("nodes,scheme", [(2, "arc"), pytest.param(3, "aec", marks=pytest.mark.slow)])
-def test_node_loss_restores_zero_partition_from_peer_replica_bitwise(tmp_path: Path, nodes: int,
+@pytest.mark.parametrize("nodes,rpn,scheme", [(2, 1, "arc"), pytest.param(3, 1, "aec", marks=pytest.mark.slow),
+                                              pytest.param(2, 2, "aec", marks=pytest.mark.slow)])
+def test_node_loss_restores_zero_partition_from_peer_replica_bitwise(tmp_path: Path, nodes: int, rpn: int,
                                                                      scheme: str) -> None:
-    restored, _, _ = _zero_node_loss(tmp_path, nodes=nodes, scheme=scheme, steps=7, pause=("--pause-at", 4))
+    restored, _, _ = _zero_node_loss(tmp_path, nodes=nodes, rpn=rpn, scheme=scheme, steps=7,
+                                     pause=("--pause-at", 4))
     for ev in restored.values():
         assert (ev["source"], ev["step"]) == ("memory", 4), ev
 
