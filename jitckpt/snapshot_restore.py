@@ -19,6 +19,7 @@ Collective: every rank of the job calls :func:`restore` after ``init_process_gro
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -200,11 +201,18 @@ def _load_memory(choice: MemoryChoice, keeper: KeeperClient, topo: Topology, gro
 
 
 def _gather(obj: Any, topo: Topology, group: Any) -> list:
+    """Every rank's JSON-able ``obj`` (as JSON bytes: all_gather_object would unpickle them)."""
     if topo.world == 1:
         return [obj]
-    out: list = [None] * topo.world
-    dist.all_gather_object(out, obj, group=group)  # peers of this job: trusted
-    return out
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(topo.world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+    longest = max(int(n) for n in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    buf[:data.numel()] = data
+    outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(topo.world)]
+    dist.all_gather(outs, buf, group=group)
+    return [json.loads(o[:int(n)].numpy().tobytes()) for o, n in zip(outs, sizes)]
 
 
 def _newest_memory_step(keeper: Optional[KeeperClient], topo: Topology, group: Any,
