@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jitckpt.checkpoint_store import find_latest, write_checkpoint
-from jitckpt.snapshot_checksum import DEFAULT_ALGORITHM, checksum_of
+from jitckpt.snapshot_checksum import DEFAULT_ALGORITHM, checksum_of, copy_verified
 from jitckpt.snapshot_client import META_KEY, STATE_FILE, SnapshotTaker, meta_blob
 from jitckpt.snapshot_keeper_client import KeeperClient, KeeperError
 from jitckpt.snapshot_layout import FlatState, rebuild
@@ -111,6 +111,17 @@ def test_layout_rejects_non_cpu_tensors_with_a_clear_error() -> None:
     t = torch.empty(2, device="meta")
     with pytest.raises(ValueError, match="CPU tensors only"):
         FlatState({"x": t})
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 3 * 4096 + 5])
+def test_copy_verified_copies_and_hashes_every_byte_once(n: int) -> None:
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    for algo in ("crc32", DEFAULT_ALGORITHM):
+        dst, value = copy_verified(src, algo, chunk=4096)
+        assert torch.equal(dst, src) and value == checksum_of(src.numpy(), algo)
+        if n:
+            dst[0] ^= 1  # a private copy: the source is untouched
+            assert not torch.equal(dst, src)
 
 
 def _encode(plan: ProtectionPlan, flat: FlatState) -> dict:
