@@ -260,7 +260,6 @@ class Launcher:
             "JITCKPT_CHECKPOINT_DIR": cfg.checkpoint_dir, "JITCKPT_RUN_DIR": str(self.run_dir),
             "JITCKPT_HANG_TIMEOUT": cfg.hang_timeout, "JITCKPT_PERIODIC_EVERY": str(cfg.periodic_every),
             "JITCKPT_SAVE_TIMEOUT": str(cfg.save_timeout), "JITCKPT_GEN": str(gen),
-            "JITCKPT_PLUGINS": ",".join(cfg.plugins),
         }
         if cfg.preload:
             env["LD_PRELOAD"] = cfg.preload

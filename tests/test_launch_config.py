@@ -31,6 +31,7 @@ def test_torchrun_spellings_and_script_args(tmp_path):
     (["--nnodes", "2"], "--rdzv-endpoint"),
     (["--nnodes", "1", "--node-rank", "1"], "--node-rank"),
     (["--plugin", "bogus"], "unknown plugin"),
+    (["--plugin", "undo,logging"], "device proxy"),
 ])
 def test_bad_config_is_named(tmp_path, argv, message):
     script = tmp_path / "t.py"
