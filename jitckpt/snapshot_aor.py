@@ -21,7 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_snapshot_nodes import SimCluster, _free_port  # the simulated-node harness
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_zero1_aor.py"
 RANK_TIMEOUT = 90.0
+PHASE_TIMEOUT = 400.0  # per job phase: bounds a hang; 8 ranks starting on 2 loaded cores took > 150 s
 
 
 # Rank side ------------------------------------------------------------------------------------
@@ -157,13 +160,6 @@ def _worker() -> None:
 
 # Test side ------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def rank_results() -> list[dict]:
     """Both rank-side scenarios, run once on 2 rank processes (killed by PID on timeout): each
@@ -234,8 +230,6 @@ def test_unsupported_configurations_are_refused(rank_results: list) -> None:
 
 # Node loss ------------------------------------------------------------------------------------
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_snapshot_nodes import SimCluster, _free_port as _cluster_port  # noqa: E402
 
 
 class ZeroCluster(SimCluster):
@@ -253,7 +247,7 @@ class ZeroCluster(SimCluster):
         self.keepers[node] = p
 
     def start_job(self, *extra: str) -> None:
-        port, world = _cluster_port(), self.m * self.r
+        port, world = _free_port(), self.m * self.r
         self.ranks, self._buf = {}, {}
         for rank in range(world):
             env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
@@ -279,15 +273,15 @@ def _zero_node_loss(tmp_path: Path, *, nodes: int, scheme: str, steps: int, paus
             c.start_keeper(n)
         ref.start_job("--steps", str(steps), "--out", str(ref_out))
         c.start_job("--steps", str(steps), *map(str, pause))
-        c.wait_all_events("paused")
+        c.wait_all_events("paused", PHASE_TIMEOUT)
         c.kill_node(lost)       # its rank and its keeper: its optimizer partition is gone
         c.kill_ranks()          # and every other trainer: nothing live to copy from
         c.start_keeper(lost)    # replacement node, empty memory
         c.start_job("--steps", str(steps), "--restore", "--out", str(out))
-        restored = c.wait_all_events("restored")
-        done = c.wait_all_events("done")
+        restored = c.wait_all_events("restored", PHASE_TIMEOUT)
+        done = c.wait_all_events("done", PHASE_TIMEOUT)
         c.finish_job()
-        ref_done = ref.wait_all_events("done")
+        ref_done = ref.wait_all_events("done", PHASE_TIMEOUT)
         ref.finish_job()
     finally:
         c.close()
@@ -309,7 +303,7 @@ def _zero_node_loss(tmp_path: Path, *, nodes: int, scheme: str, steps: int, paus
     return restored, done, ref_done
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("nodes,rpn,scheme", [(2, 1, "arc"), pytest.param(3, 1, "aec", marks=pytest.mark.slow),
                                               pytest.param(2, 2, "aec", marks=pytest.mark.slow)])
 def test_node_loss_restores_zero_partition_from_peer_replica_bitwise(tmp_path: Path, nodes: int, rpn: int,
@@ -321,7 +315,7 @@ def test_node_loss_restores_zero_partition_from_peer_replica_bitwise(tmp_path: P
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_node_loss_mid_snapshot_restores_a_whole_step_bitwise(tmp_path: Path) -> None:
     # Killed while step 4's parameter and AOR writes may still run: step 4 if every partition and
     # the parameters of 4 survived, else 3 (kept until every rank committed 4), never a mix.
