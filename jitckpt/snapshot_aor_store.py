@@ -40,7 +40,7 @@ from .snapshot_aor import OptimizerReplica
 from .snapshot_checksum import DEFAULT_ALGORITHM, Checksum, checksum_of
 from .snapshot_client import Topology
 from .snapshot_keeper_client import KeeperClient, KeeperError
-from .snapshot_restore import restore
+from .snapshot_restore import gather_json, restore
 
 log = logging.getLogger("jitckpt.snapshot")
 
@@ -262,8 +262,8 @@ def restore_with_aor(*, zero: ZeroRedundancyOptimizer, peer: int, socket_path: O
         raise ValueError(f"peer must be another rank (0..{world - 1}, not {me}), got {peer}")
     keeper = KeeperClient(socket_path)
     try:
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, {"peer": peer, "objects": _local_partitions(keeper, topo)})
+        # JSON bytes, not all_gather_object (which unpickles what peers send).
+        gathered = gather_json({"peer": peer, "objects": _local_partitions(keeper, topo)}, topo, None)
         holders = _holders(g["objects"] for g in gathered)
         complete = sorted({s for (_, s) in holders
                            if all((partition_key(r), s) in holders for r in range(world))}, reverse=True)

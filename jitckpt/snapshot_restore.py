@@ -200,7 +200,7 @@ def _load_memory(choice: MemoryChoice, keeper: KeeperClient, topo: Topology, gro
     return rebuild(meta["layout"], flat.numpy())
 
 
-def _gather(obj: Any, topo: Topology, group: Any) -> list:
+def gather_json(obj: Any, topo: Topology, group: Any) -> list:
     """Every rank's JSON-able ``obj`` (as JSON bytes: all_gather_object would unpickle them)."""
     if topo.world == 1:
         return [obj]
@@ -225,7 +225,7 @@ def _newest_memory_step(keeper: Optional[KeeperClient], topo: Topology, group: A
         _skip(skipped, "memory tier", str(e))
         listing = []
     listed = {int(e["step"]) for e in listing}
-    steps = sorted(set().union(*_gather(sorted(listed), topo, group)), reverse=True)
+    steps = sorted(set().union(*gather_json(sorted(listed), topo, group)), reverse=True)
     for step in steps:  # the same sequence on every rank: one gather per step tried
         mine: list = []
         if keeper is not None and step in listed:
@@ -233,7 +233,7 @@ def _newest_memory_step(keeper: Optional[KeeperClient], topo: Topology, group: A
                 mine = local_catalogue(keeper, topo, keep=kept, steps={step}, listing=listing)
             except (KeeperError, ValueError) as e:
                 _skip(skipped, f"memory step {step}", str(e))
-        choice = latest_memory_step(_gather(mine, topo, group), topo, skipped)
+        choice = latest_memory_step(gather_json(mine, topo, group), topo, skipped)
         if choice is not None:
             return choice
     return None
