@@ -44,14 +44,38 @@ def emit(**kw):
     print(json.dumps(kw), flush=True)
 
 
+def make_model(hidden):
+    """The deterministic MLP of the snapshot examples (seeded by the caller)."""
+    return nn.Sequential(nn.Linear(32, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                         nn.Linear(hidden, 8))
+
+
+def backward_averaged(model, step, rank, world, batch, snap):
+    """Step ``step``'s deterministic batch, backward, gradients averaged by one flat all-reduce in a
+    fixed order (announced to ``snap`` as an idle window); returns the detached loss."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(batch, 32, generator=g)
+    y = torch.randn(batch, 8, generator=g)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    with snap.idle():
+        dist.all_reduce(flat)
+    flat /= world
+    off = 0
+    for p in model.parameters():
+        p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+        off += p.numel()
+    return loss.detach()
+
+
 def main():
     args = parse()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, args.hidden), nn.Tanh(), nn.Linear(args.hidden, args.hidden),
-                          nn.Tanh(), nn.Linear(args.hidden, 8))
+    model = make_model(args.hidden)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     start = 0
     if args.restore:
@@ -71,21 +95,8 @@ def main():
         snap.skip(start)
     for step in range(start, args.steps):
         snap.begin(step)
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(args.batch, 32, generator=g)
-        y = torch.randn(args.batch, 8, generator=g)
         opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        loss = loss.detach()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        with snap.idle():
-            dist.all_reduce(flat)
-        flat /= world
-        off = 0
-        for p in model.parameters():
-            p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-            off += p.numel()
+        loss = backward_averaged(model, step, rank, world, args.batch, snap)
         if step == args.pause_mid:
             emit(event="paused", rank=rank, step=step, snapshot=None)
             sys.stdin.read()

@@ -14,12 +14,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from jitckpt.snapshot_aor import OptimizerReplica, successor_peer
 from jitckpt.snapshot_aor_store import AorSnapshotter, restore_with_aor
 from jitckpt.snapshot_client import SnapshotTaker
+from train_snapshot import backward_averaged, make_model  # same directory: on sys.path
 
 
 def parse():
@@ -61,8 +61,7 @@ def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, args.hidden), nn.Tanh(), nn.Linear(args.hidden, args.hidden),
-                          nn.Tanh(), nn.Linear(args.hidden, 8))
+    model = make_model(args.hidden)
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
     peer = successor_peer(rank, world, args.ranks_per_node)
     start, peer_state = 0, None
@@ -86,20 +85,8 @@ def main():
     for step in range(start, args.steps):
         if snap.begin(step):
             aor.begin(step)
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(args.batch, 32, generator=g)
-        y = torch.randn(args.batch, 8, generator=g)
         zero.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        with snap.idle():
-            dist.all_reduce(flat)
-        flat /= world
-        off = 0
-        for p in model.parameters():
-            p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-            off += p.numel()
+        loss = backward_averaged(model, step, rank, world, args.batch, snap)
         if step == args.pause_mid:
             emit(event="paused", rank=rank, step=step, snapshot=None)
             sys.stdin.read()
