@@ -235,29 +235,8 @@ def test_unsupported_configurations_are_refused(rank_results: list) -> None:
 class ZeroCluster(SimCluster):
     """SimCluster running the ZeRO-1 + AOR example instead of the replicated-optimizer one."""
 
-    def start_keeper(self, node: int) -> None:
-        # The keeper's own lifetime bound (a leak guard; close() kills it by PID) must outlast
-        # both jobs on a loaded 2-core machine.
-        p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot_keeper", "--socket", self.sock(node),
-                              "--node", str(node), "--max-lifetime", "600"], stdout=subprocess.PIPE,
-                             text=True, env=self.env, cwd=ROOT)
-        self.all.append(p)
-        line = p.stdout.readline()
-        assert line.startswith("ready"), f"keeper {node} did not start: {line!r}"
-        self.keepers[node] = p
-
-    def start_job(self, *extra: str) -> None:
-        port, world = _free_port(), self.m * self.r
-        self.ranks, self._buf = {}, {}
-        for rank in range(world):
-            env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "JITCKPT_SNAPSHOT_SOCKET": self.sock(rank // self.r)}
-            p = subprocess.Popen([sys.executable, str(SCRIPT), "--scheme", self.scheme, "--ranks-per-node",
-                                  str(self.r), "--timeout", "40", *extra], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                 cwd=self.workdir)
-            self.all.append(p)
-            self.ranks[rank] = p
+    script = SCRIPT
+    keeper_lifetime_s = 600  # must outlast both jobs on a loaded 2-core machine
 
 
 def _zero_node_loss(tmp_path: Path, *, nodes: int, scheme: str, steps: int, pause: tuple,

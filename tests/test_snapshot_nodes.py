@@ -46,6 +46,11 @@ def _free_port() -> int:
 class SimCluster:
     """Keepers and rank processes of simulated nodes; every process is killed by PID in close()."""
 
+    script = SCRIPT  # the training script each rank runs
+    # A safety net only (close() kills keepers by PID): outlive the test's own 400 s timeout, or a
+    # slow, loaded machine loses a keeper mid-test.
+    keeper_lifetime_s = 450
+
     def __init__(self, workdir: Path, *, nodes: int, ranks_per_node: int, scheme: str) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="snap", dir="/tmp"))  # short Unix socket paths
         self.workdir, self.m, self.r, self.scheme = workdir, nodes, ranks_per_node, scheme
@@ -61,10 +66,8 @@ class SimCluster:
 
     def start_keeper(self, node: int) -> None:
         p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot_keeper", "--socket", self.sock(node),
-                              "--node", str(node),
-                              # a safety net only (close() kills keepers by PID): outlive the test's
-                              # own 400 s timeout, or a slow, loaded machine loses a keeper mid-test
-                              "--max-lifetime", "450"], stdout=subprocess.PIPE,
+                              "--node", str(node), "--max-lifetime", str(self.keeper_lifetime_s)],
+                             stdout=subprocess.PIPE,
                              text=True, env=self.env, cwd=ROOT)
         self.all.append(p)
         line = p.stdout.readline()  # "ready" once it listens; EOF if it died
@@ -77,7 +80,7 @@ class SimCluster:
         for rank in range(world):
             env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "JITCKPT_SNAPSHOT_SOCKET": self.sock(rank // self.r)}
-            p = subprocess.Popen([sys.executable, str(SCRIPT), "--scheme", self.scheme,
+            p = subprocess.Popen([sys.executable, str(self.script), "--scheme", self.scheme,
                                   "--ranks-per-node", str(self.r), "--timeout", "40", *extra],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, env=env, cwd=self.workdir)
