@@ -14,7 +14,8 @@ import torch.distributed as dist
 from jitckpt.swift.logging_determinism import (DeterminismMismatchError, apply_determinism,
                                                check_determinism, current_determinism,
                                                read_manifest, write_manifest)
-from jitckpt.swift.logging_records import ACTIVATION, GRADIENT, MessageKey, iter_chunks
+from jitckpt.swift.logging_records import (ACTIVATION, GRADIENT, MessageKey, digest_matches,
+                                           iter_chunks, tensor_digest)
 from jitckpt.swift.logging_replay import LogIndex, MissingLogError, ReplayDivergenceError
 from jitckpt.swift.logging_sender import SendLogger
 from jitckpt.swift.pipeline_recovery import (catch_up_peers, partition_micro_batches,
@@ -199,6 +200,44 @@ def test_writer_waits_for_bubbles_but_bounds_the_backlog(tmp_path):
     finally:
         lg.close()
     assert len(list(iter_chunks(tmp_path))) == 5
+
+
+def test_writer_gets_one_hand_over_per_chunk(tmp_path):
+    # Each hand-over wakes the writer thread; bubbles collect host copies until a chunk is full.
+    lg = SendLogger(stage=0, log_dir=tmp_path, log_peers=[1], chunk_records=3)
+    try:
+        for i in range(2):
+            lg.record_send(_t(i), _key(1, i))
+            lg.bubble()
+        assert lg._queue.qsize() == 0  # copied at the bubble, not yet handed over
+        lg.record_send(_t(2), _key(1, 2))
+        lg.bubble()
+        assert lg._queue.qsize() == 1
+        lg.record_send(_t(3), _key(1, 3))
+        lg.bubble()
+        lg.flush()  # the partial chunk is written too
+        assert [(lo, hi) for _p, _g, _n, lo, hi in iter_chunks(tmp_path)] == [(1, 1), (1, 1)]
+    finally:
+        lg.close()
+    index = LogIndex([tmp_path])
+    assert all(torch.equal(index.take_input(_key(1, i)), _t(i)) for i in range(4))
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "blake2b"])
+def test_digest_names_its_algorithm_and_catches_one_bit(algorithm):
+    t = _t(0)
+    d = tensor_digest(t, algorithm)
+    assert d.startswith(algorithm + ":") and len(d) == len(algorithm) + 33
+    assert digest_matches(t.clone(), d) == (True, d)
+    flipped = t.clone()
+    flipped.view(torch.int32)[1, 2] ^= 1  # one low mantissa bit
+    assert not digest_matches(flipped, d)[0]
+    assert not digest_matches(t.double(), d)[0]  # dtype is part of the digest
+    assert not digest_matches(t.reshape(4, 3), d)[0]  # and the shape
+    with pytest.raises(ValueError, match="names no known algorithm"):
+        digest_matches(t, "0123456789abcdef0123456789abcdef")  # a digest from an older version
+    with pytest.raises(ValueError, match="must be one of"):
+        tensor_digest(t, "md5")
 
 
 def _wait_for(cond, timeout: float = 10.0) -> bool:

@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .logging_records import MessageKey, iter_chunks, read_chunk, tensor_digest
+from .logging_records import MessageKey, digest_matches, iter_chunks, read_chunk
 
 
 class ReplayDivergenceError(RuntimeError):
@@ -87,8 +87,8 @@ class LogIndex:
             raise MissingLogError(
                 f"receiver {key.dst} logged no digest for {key}: cannot check the replayed "
                 "output (receiver's log not flushed, or not a logged boundary)")
-        digest = tensor_digest(tensor)
-        if digest != entry[1]:
+        same, digest = digest_matches(tensor, entry[1])
+        if not same:
             raise ReplayDivergenceError(
                 f"replayed stage {key.src} diverged at {key}: output digest {digest} != "
                 f"{entry[1]} received before the failure. Replay is not deterministic "

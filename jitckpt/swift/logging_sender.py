@@ -4,7 +4,9 @@
 stage. A send to a logged peer only appends a reference to a pending list (nothing on the
 critical path); at the next *bubble* (:meth:`SendLogger.bubble`, called where the stage would
 otherwise sit idle, e.g. just before it blocks on a receive) pending tensors are copied to host
-memory and handed to a background thread that digests them and writes chunk files. The writer
+memory; once a chunk's worth has been copied it is handed to a background thread that digests
+it and writes a chunk file (one writer wake-up per chunk, not per bubble: on a busy host each
+wake-up is a thread switch and a GIL hand-off, which cost more than the records). The writer
 only works while the training thread is idle (inside :meth:`SendLogger.idle`, i.e. blocked on
 a receive) or flushing, so it does not contend with training for the GIL or a core. Receives
 from logged peers are recorded as digests only, so a replayed peer can be checked for
@@ -54,14 +56,14 @@ class SendLogger:
     ``chunk_records`` the records per chunk file, ``copy_at_bubble`` whether pending tensors
     are copied by the training thread at the bubble (see the module contract),
     ``writer_nice`` the niceness of the writer thread (None: unchanged), ``max_backlog`` the
-    number of bubble hand-overs after which the writer runs even outside bubbles. Use as a
+    number of chunks waiting for the writer after which it runs even outside bubbles. Use as a
     context manager (installs and removes the hooks) and tag every send with :meth:`tagged`.
     """
 
     def __init__(self, *, stage: int, log_dir: Path | str, log_peers: Iterable[int],
                  chunk_records: int = 256, generation: int = 0,
                  flush_timeout: float = 30.0, copy_at_bubble: bool = True,
-                 writer_nice: Optional[int] = 19, max_backlog: int = 64) -> None:
+                 writer_nice: Optional[int] = 19, max_backlog: int = 4) -> None:
         if stage < 0:
             raise ValueError(f"stage must be >= 0, got {stage}")
         if chunk_records < 1:
@@ -84,6 +86,7 @@ class SendLogger:
         self._send_seq: dict[int, int] = {}
         self._recv_seq: dict[int, int] = {}
         self._pending: list[_Pending] = []
+        self._copied: list[tuple[_Pending, torch.Tensor]] = []  # at host, not yet handed over
         self._queue: "queue.Queue[object]" = queue.Queue()
         self._originals: dict[tuple[object, str], object] = {}
         self._chunk_no = max((n + 1 for _, g, n, _, _ in iter_chunks(self.log_dir)
@@ -245,18 +248,22 @@ class SendLogger:
             self._idle.clear()
 
     def bubble(self) -> None:
-        """Copy pending tensors to host memory and hand them to the writer thread."""
+        """Copy pending tensors to host memory; hand a chunk's worth to the writer thread."""
         self._raise_writer_error()
         keep: list[_Pending] = []
-        batch = []
         for p in self._pending:
             if p.work is not None and not p.work.is_completed():
                 keep.append(p)  # receive still in flight: digest it at a later bubble
                 continue
-            batch.append((p, self._host(p.tensor)))
+            self._copied.append((p, self._host(p.tensor)))
         self._pending = keep
-        if batch:
-            self._queue.put(batch)  # one hand-over (one writer wake-up) per bubble
+        if len(self._copied) >= self.chunk_records:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self._copied:
+            self._queue.put(self._copied)
+            self._copied = []
 
     def _host(self, tensor: torch.Tensor) -> torch.Tensor:
         # On a GPU this is the async device-to-host copy on a side stream (SWIFT §6); on CPU a
@@ -271,9 +278,10 @@ class SendLogger:
         """Write every completed pending message to disk now (e.g. when a failure is seen).
 
         Receives that never completed are dropped (their data never arrived)."""
-        self._queue.put([(p, self._host(p.tensor)) for p in self._pending
-                         if p.work is None or p.work.is_completed()])
+        self._copied += [(p, self._host(p.tensor)) for p in self._pending
+                         if p.work is None or p.work.is_completed()]
         self._pending = []
+        self._hand_over()
         done = threading.Event()
         self._queue.put(done)
         self._idle.set()  # the caller waits for the writer: let it run
@@ -340,12 +348,12 @@ class SendLogger:
                     write()
                     item.set()
                     continue
+                # Only in bubbles (or while flushing), unless the backlog grows too long (a
+                # stage that never waits must not accumulate logs without bound). Checked once
+                # per hand-over: each check may trade the GIL with the training thread.
+                while not self._idle.wait(0.05) and self._queue.qsize() < self.max_backlog:
+                    pass
                 for p, host in item:
-                    # Only in bubbles (or while flushing), unless the backlog grows too long
-                    # (a stage that never waits must not accumulate logs without bound).
-                    while (not self._idle.wait(0.05)
-                           and self._queue.qsize() < self.max_backlog):
-                        pass
                     # Only receive digests are ever checked; sends keep the tensor itself.
                     records.append(LogRecord(
                         key=p.key, seq=p.seq, generation=p.generation, kind=p.kind,
