@@ -72,6 +72,7 @@ class Protected:
         self._sched_epoch: Any = None  # scheduler.last_epoch when this minibatch's forward began
         self._ddp_layout: Optional[dict] = None
         self._train_forwards = 0
+        self._layout_settled = False     # _ddp_layout is the current minibatch's (snapshots on)
         self._snapshots: Any = None          # SnapshotTier (jitckpt run --snapshot-every)
         self._resumed_step: Optional[int] = None
         self._handles = [
@@ -101,8 +102,27 @@ class Protected:
             self._buffer_snapshot = {k: b.detach().clone() for k, b in self.model.named_buffers()}
         self._mid_minibatch = True
         if self._snapshots is not None and rt is not None:
+            self._settle_ddp_layout()
             # The state at the start of this minibatch; copied while forward/backward run.
             rt.run_snapshot_op(self._snapshot_begin, blocking=True)
+
+    def _settle_ddp_layout(self) -> None:
+        """Make ``_ddp_layout`` the bucket layout this minibatch runs on, before it is snapshotted.
+
+        DDP rebuilds its buckets once, at the start of its second training forward (after this
+        pre-hook): a snapshot begun here would otherwise carry the layout of the previous
+        minibatch, and a job resumed from the step-1 snapshot would sum in another order. So the
+        rebuild DDP is about to do is done now (the same call DDP's own forward and its Join hook
+        make; every rank reaches this hook at the same point, and DDP's own call is then a no-op).
+        """
+        reducer = getattr(self.model, "reducer", None)
+        if reducer is None or not torch.is_grad_enabled():
+            return
+        from . import ddp_layout
+
+        if reducer._rebuild_buckets() or self._ddp_layout is None:
+            self._ddp_layout = ddp_layout.capture(self.model) or self._ddp_layout
+            self._layout_settled = self._ddp_layout is not None
 
     def _snapshot_begin(self) -> None:
         self._snapshots.start(self._snapshot_state, resumed_step=self._resumed_step)
@@ -110,7 +130,7 @@ class Protected:
 
     def _snapshot_state(self) -> dict:
         sd = self.state_dict()
-        if self._ddp_layout is not None and self._train_forwards >= 2:  # the rebuilt layout
+        if self._ddp_layout is not None and self._layout_settled:  # the one this minibatch uses
             from .snapshot_tier import LAYOUT_KEY
 
             sd[LAYOUT_KEY] = json.dumps(self._ddp_layout)
