@@ -205,8 +205,10 @@ static void run_inject(int window_ms) {
   const int n = 256;
   float* d = to_device(std::vector<float>(n, 1.0f));
   cudaEvent_t ev[3];
+  // All events first: after an injected sticky fault (raised when the stream runs call 2, which
+  // may be before this thread gets here) every runtime call fails, cudaEventCreate included.
+  for (int i = 0; i < 3; ++i) CUDACHECK(cudaEventCreate(&ev[i]));
   for (int i = 0; i < 3; ++i) {
-    CUDACHECK(cudaEventCreate(&ev[i]));
     ncclResult_t r = ncclAllReduce(d, d, n, ncclFloat32, ncclSum, g_comm, g_stream);
     std::printf("call%d=%d\n", i + 1, static_cast<int>(r));
     std::fflush(stdout);
