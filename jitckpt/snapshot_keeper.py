@@ -183,7 +183,10 @@ def _serve_connection(keeper: SnapshotKeeper, conn: socket.socket, stop: threadi
 
 
 def serve(socket_path: str, *, node: int, max_lifetime: float, ready_out: Any = sys.stdout) -> None:
-    """Accept local ranks until shutdown, SIGTERM or ``max_lifetime`` seconds (0: no limit)."""
+    """Accept local ranks until shutdown, SIGTERM, ``max_lifetime`` seconds (0: no limit) or the
+    death of the process that started it (a launcher killed with SIGKILL): a keeper serves that
+    launcher's ranks only, and an orphan would hold the node's snapshot memory for good."""
+    parent = os.getppid()
     keeper = SnapshotKeeper(node=node)
     stop = threading.Event()
     if os.path.exists(socket_path):
@@ -199,6 +202,10 @@ def serve(socket_path: str, *, node: int, max_lifetime: float, ready_out: Any = 
         while not stop.is_set():
             if deadline is not None and time.monotonic() > deadline:
                 print("snapshot keeper: max lifetime reached, exiting", file=sys.stderr, flush=True)
+                break
+            if os.getppid() != parent:  # re-parented: the starting process is gone
+                print(f"snapshot keeper: parent process {parent} is gone, exiting", file=sys.stderr,
+                      flush=True)
                 break
             try:
                 conn, _ = srv.accept()

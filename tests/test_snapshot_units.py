@@ -4,10 +4,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from hypothesis import given, settings
@@ -209,6 +211,33 @@ def keeper(tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_keeper_exits_when_its_launcher_is_killed(tmp_path) -> None:
+    # The launcher stand-in starts the keeper, reports its pid and is SIGKILLed: no stop() runs.
+    sock = str(tmp_path / "k.sock")
+    launcher = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess, sys, time\n"
+         f"k = subprocess.Popen([sys.executable, '-m', 'jitckpt.snapshot_keeper', '--socket', {sock!r}],"
+         " stdout=subprocess.PIPE, text=True)\n"
+         "print(k.stdout.readline().split()[1], flush=True)\n"
+         "time.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    keeper_pid = None
+    try:
+        keeper_pid = int(launcher.stdout.readline())
+        keeper = psutil.Process(keeper_pid)
+        assert keeper.is_running()
+        launcher.kill()
+        launcher.wait(timeout=10)
+        gone, alive = psutil.wait_procs([keeper], timeout=10)
+        assert gone and not alive, "snapshot keeper outlived the process that started it"
+        assert not os.path.exists(sock)  # and it removed its socket
+    finally:
+        launcher.kill()
+        if keeper_pid is not None and psutil.pid_exists(keeper_pid):
+            os.kill(keeper_pid, signal.SIGKILL)
 
 
 def test_keeper_keeps_one_complete_and_one_in_progress_and_outlives_its_writer(keeper) -> None:
