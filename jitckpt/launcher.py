@@ -316,7 +316,7 @@ class Launcher:
                 for key, _ in sel.select(timeout):
                     w = key.data
                     if w is None:
-                        info = self.coord.read_remote_failure()
+                        info = self.coord.read_remote_failure(gen)
                         if info is not None and failure is None:
                             failure = self._on_failure(gen, info["kind"], info.get("rank"),
                                                        info.get("detail", ""), remote=True)

@@ -29,7 +29,7 @@ class NodeCoordinator:
         self.store = None
         self._pipe_r: Optional[int] = None
         self._pipe_w: Optional[int] = None
-        self._remote: list[dict] = []
+        self._remote: list[tuple[int, dict]] = []   # (generation, failure info)
         self._lock = threading.Lock()
         self._watcher: Optional[threading.Thread] = None
         self._closing = threading.Event()
@@ -71,6 +71,7 @@ class NodeCoordinator:
         host, _, port = s.get(self._k(gen, "master")).decode().rpartition(":")
         if self._watcher is not None:
             self._watcher.join()
+        self._drop_stale_failures()
         self._watcher = threading.Thread(target=self._watch_failure, args=(gen,), daemon=True)
         self._watcher.start()
         return host, int(port)
@@ -88,16 +89,31 @@ class NodeCoordinator:
             return
         info = json.loads(self._watch_store.get(key))
         with self._lock:
-            self._remote.append(info)
+            self._remote.append((gen, info))
         os.write(self._pipe_w, b"x")
+
+    def _drop_stale_failures(self) -> None:
+        """Forget failures of earlier generations that this launcher never read: when all ranks
+        die at once, each launcher handles its own rank's death, and the store's report of that
+        same failure must not count as a new failure of the next generation."""
+        with self._lock:
+            stale, self._remote = len(self._remote), []
+        for _ in range(stale):  # one pipe byte per report; the previous watcher has exited
+            os.read(self._pipe_r, 1)
 
     def failure_fd(self) -> Optional[int]:
         return self._pipe_r
 
-    def read_remote_failure(self) -> Optional[dict]:
+    def read_remote_failure(self, gen: int) -> Optional[dict]:
+        """The next failure announced by another node for generation ``gen`` (None: none, or
+        one of an earlier generation)."""
         os.read(self._pipe_r, 1)
         with self._lock:
-            return self._remote.pop(0) if self._remote else None
+            while self._remote:
+                g, info = self._remote.pop(0)
+                if g == gen:
+                    return info
+            return None
 
     # ---- failure and coverage ---------------------------------------------------------------
     def announce_failure(self, gen: int, info: dict) -> None:
