@@ -152,13 +152,14 @@ class _Stage:
         self.stage = _build_stage(cfg, s)
         peers = [p for p in (s - 1, s + 1)
                  if 0 <= p < cfg.num_stages and p not in cfg.group_of(s)]
-        # About one iteration per chunk (2 sends + 2 receive digests per micro-batch), so a
-        # global checkpoint makes whole chunks obsolete.
+        # About four iterations per chunk (2 sends + 2 receive digests per micro-batch): one
+        # chunk file per iteration cost more than the records in it.
         self.logger = (SendLogger(stage=s, log_dir=self.log_dir, log_peers=peers,
-                                  chunk_records=4 * cfg.micro_batches, generation=generation,
+                                  chunk_records=16 * cfg.micro_batches, generation=generation,
                                   # PipelineStage never modifies sent/received tensors
                                   copy_at_bubble=False).install() if cfg.logging else None)
         self.completed = 0
+        self.dropped_through = -1  # logs through this iteration are deleted
         self.stats: dict = {"stage": s, "role": role, "generation": generation,
                             "loaded_checkpoint": None, "replayed": [], "catch_up": None,
                             "completed_log": [], "losses": {}, "iteration_times": {},
@@ -174,10 +175,14 @@ class _Stage:
 
         if it % self.cfg.checkpoint_every == 0:
             save_stage_checkpoint(self.ckpt_dir, it, self.s, self.stage.state_dict())
-        if self.logger is not None:
+        # Logs older than the newest global checkpoint go. Only a checkpoint this stage has
+        # written and not yet seen complete can change that: no directory listing otherwise.
+        due = it - it % self.cfg.checkpoint_every
+        if self.logger is not None and due > self.dropped_through:
             done = latest_global_checkpoint(self.ckpt_dir, self.cfg.num_stages)
-            if done is not None:
-                self.logger.drop_through(done)  # logs older than the global checkpoint
+            if done is not None and done > self.dropped_through:
+                self.logger.drop_through(done)
+                self.dropped_through = done
 
     def _complete(self, it: int, loss, t0: float) -> None:
         self.completed = it
