@@ -38,6 +38,13 @@ def _set_rng_state(state: dict) -> None:
         np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
 
 
+def _is_zero(optimizer: Any) -> bool:
+    # By name: importing torch.distributed.optim for an isinstance check costs every job its
+    # import (and torch.jit deprecation warnings); subclasses are caught through the MRO.
+    return any(c.__name__ == "ZeroRedundancyOptimizer" and c.__module__.startswith("torch.distributed")
+               for c in type(optimizer).__mro__)
+
+
 class Protected:
     """Model, optimizer, optional scheduler and extra state, saved and restored consistently.
 
@@ -59,6 +66,14 @@ class Protected:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"protect(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if _is_zero(optimizer):
+            raise TypeError(
+                "protect(optimizer=ZeroRedundancyOptimizer): not supported yet. With ZeRO each rank "
+                "holds the only copy of its optimizer partition and ZeRO's state_dict() is a "
+                "collective, so the survivors of a failure cannot save a lost rank's partition. Use "
+                "a plain torch.optim optimizer with DDP, or jitckpt.init(save_fn) with a per-rank "
+                "save of zero.optim.state_dict() plus --periodic-every; in-memory protection of "
+                "ZeRO-1 partitions is library-level for now (jitckpt.snapshot_aor, docs/aor.md)")
         if scheduler is not None and not hasattr(scheduler, "state_dict"):
             raise TypeError("protect(scheduler=...): the scheduler needs state_dict()/load_state_dict()")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler

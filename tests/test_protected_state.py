@@ -1,0 +1,50 @@
+"""jitckpt.protect(): what it refuses at construction, with the fix in the message."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from jitckpt.protected_state import Protected
+from jobs import ROOT
+
+
+def test_wrong_types_are_refused():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+        Protected(object(), opt)
+    with pytest.raises(TypeError, match="expected a torch.optim.Optimizer"):
+        Protected(model, object())
+    with pytest.raises(TypeError, match="state_dict"):
+        Protected(model, opt, scheduler=object())
+
+
+ZERO = r'''
+import tempfile, torch, torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from jitckpt.protected_state import Protected
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+model = torch.nn.Linear(2, 2)
+zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.1)
+try:
+    Protected(model, zero)
+    print("accepted")
+except TypeError as e:
+    print("refused:", e)
+finally:
+    dist.destroy_process_group()
+'''
+
+
+def test_zero_redundancy_optimizer_is_refused_with_the_alternatives():
+    # A process group in a subprocess: gloo's threads must not live in the forking pytest process.
+    p = subprocess.run([sys.executable, "-c", ZERO], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = p.stdout.strip()
+    assert out.startswith("refused:"), out
+    assert "only copy of its optimizer partition" in out and "jitckpt.init(save_fn)" in out
