@@ -88,13 +88,6 @@ class PipelineRun:
             if flat != list(range(self.num_stages)):
                 raise ValueError(f"groups {self.groups} must be contiguous runs covering stages "
                                  f"0..{self.num_stages - 1} in order, e.g. ((0,), (1, 2), (3,))")
-
-    def group_of(self, stage: int) -> tuple[int, ...]:
-        """The selective-logging group holding ``stage``."""
-        for g in self.groups or tuple((m,) for m in range(self.num_stages)):
-            if stage in g:
-                return tuple(g)
-        raise ValueError(f"stage {stage} is in no group")
         if self.recovery not in ("logging", "restart"):
             raise ValueError(f"recovery must be 'logging' or 'restart', got {self.recovery!r}")
         if self.recovery == "logging" and self.fail_stage is not None and not self.logging:
@@ -104,6 +97,13 @@ class PipelineRun:
                 raise ValueError(f"fail_stage {self.fail_stage} outside 0..{self.num_stages-1}")
             if not 1 <= self.fail_iteration <= self.iterations:
                 raise ValueError(f"fail_iteration must be in 1..{self.iterations}")
+
+    def group_of(self, stage: int) -> tuple[int, ...]:
+        """The selective-logging group holding ``stage``."""
+        for g in self.groups or tuple((m,) for m in range(self.num_stages)):
+            if stage in g:
+                return tuple(g)
+        raise ValueError(f"stage {stage} is in no group")
 
 
 # ------------------------------------------------------------------ stage side -------------

@@ -141,3 +141,14 @@ def test_divergent_replay_is_detected(tmp_path):
     with pytest.raises(RuntimeError, match="ReplayDivergenceError"):
         _run(tmp_path, "tamper", fail_stage=2, fail_iteration=FAIL_IT, fail_op=3,
              tamper_replay=True)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(recovery="rollback"), "recovery must be"),
+    (dict(fail_stage=2, fail_iteration=3, logging=False), "needs logging=True"),
+    (dict(fail_stage=4, fail_iteration=3), "fail_stage 4 outside"),
+    (dict(fail_stage=1, fail_iteration=ITERS + 1), "fail_iteration must be in"),
+])
+def test_bad_run_configuration_is_refused(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        ex.PipelineRun(run_dir=str(tmp_path), iterations=ITERS, **kw)
