@@ -10,6 +10,10 @@ supervises them. One stage can SIGKILL itself at (iteration, op). Recovery modes
 * ``"restart"``: the baseline; every stage is killed and restarted from the checkpoint.
 
 Run directly for a demo: ``python examples/pipeline_logging.py --fail-stage 2 --fail-iter 7``.
+Or under the launcher, which then does the supervising (one stage per worker)::
+
+    jitckpt run --nproc-per-node 4 --recovery stage examples/pipeline_logging.py \
+        --run-dir /tmp/pl --fail-stage 2 --fail-iter 7
 """
 from __future__ import annotations
 
@@ -43,12 +47,13 @@ from jitckpt.swift.logging_determinism import (apply_determinism, check_determin
 from jitckpt.swift.logging_replay import LogIndex  # noqa: E402
 from jitckpt.swift.logging_sender import SendLogger  # noqa: E402
 from jitckpt.swift.pipeline_channel import PeerFailure, PipelineChannel, WorkWaiter  # noqa: E402
-from jitckpt.swift.pipeline_failure import FailureFlag, failure_key  # noqa: E402
+from jitckpt.swift.pipeline_failure import FailureFlag, announce_key, failure_key  # noqa: E402
 from jitckpt.swift.pipeline_recovery import (catch_up_peers, checkpoint_path,  # noqa: E402
                                              latest_global_checkpoint, recovery_targets,
                                              save_stage_checkpoint)
 from jitckpt.swift.pipeline_stage import PipelineStage  # noqa: E402
 from jitckpt.swift.pipeline_store import StoreServer  # noqa: E402
+from jitckpt.swift.stage_membership import StageMembership  # noqa: E402
 
 FAILED = "failure_time"
 
@@ -134,9 +139,7 @@ def _build_stage(cfg: PipelineRun, s: int):
 class _Stage:
     """State of one stage process across process-group generations."""
 
-    def __init__(self, cfg: PipelineRun, s: int, generation: int, role: str, port: int):
-
-
+    def __init__(self, cfg: PipelineRun, s: int, generation: int, role: str, store: dist.Store):
         self.cfg, self.s, self.gen, self.role = cfg, s, generation, role
         self.run = Path(cfg.run_dir)
         self.ckpt_dir = self.run / "ckpt"
@@ -146,9 +149,7 @@ class _Stage:
             shutil.rmtree(self.log_dir, ignore_errors=True)  # lost with the failed machine
         settings = apply_determinism(num_threads=1)
         write_manifest(self.log_dir, settings)
-        self.port = port
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                                   timeout=timedelta(seconds=cfg.timeout))
+        self.store = store
         self.stage = _build_stage(cfg, s)
         peers = [p for p in (s - 1, s + 1)
                  if 0 <= p < cfg.num_stages and p not in cfg.group_of(s)]
@@ -318,8 +319,8 @@ class _Stage:
                 self.gen += 1
                 if self.logger is not None:
                     self.logger.generation = self.gen
-                self.store.wait([f"gen{self.gen}/announced"])  # bounded by the store timeout
-                failed = int(self.store.get(f"gen{self.gen}/announced"))
+                self.store.wait([announce_key(self.gen)])  # bounded by the store timeout
+                failed = int(self.store.get(announce_key(self.gen)))
                 self.mark("announced")
                 if failed in cfg.group_of(self.s):
                     # Intra-group messages were not logged: the group recovers together.
@@ -339,20 +340,26 @@ class _Stage:
         (out / f"stage{self.s}.json").write_text(json.dumps(self.stats))
 
 
+def _run_stage(cfg: PipelineRun, s: int, generation: int, role: str, store: dist.Store) -> None:
+    st = _Stage(cfg, s, generation, role, store)
+    st.mark("started")
+    if role in ("replacement", "restart"):
+        st.restore()
+        st.mark("restored")
+    if role == "replacement":
+        st.replay_group()
+        st.mark("replayed")
+    st.train()
+    st.finish()
+
+
 def _stage_entry(cfg: PipelineRun, s: int, generation: int, role: str, port: int) -> None:
     # A stage still alive near the deadline prints its Python stacks (diagnosing hangs).
     faulthandler.dump_traceback_later(max(1.0, cfg.group_timeout * 0.9), exit=False)
     try:
-        st = _Stage(cfg, s, generation, role, port)
-        st.mark("started")
-        if role in ("replacement", "restart"):
-            st.restore()
-            st.mark("restored")
-        if role == "replacement":
-            st.replay_group()
-            st.mark("replayed")
-        st.train()
-        st.finish()
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=timedelta(seconds=cfg.timeout))
+        _run_stage(cfg, s, generation, role, store)
     except BaseException:
         text = traceback.format_exc()
         sys.stderr.write(text)
@@ -426,7 +433,7 @@ def _supervise(cfg: PipelineRun, server: StoreServer) -> RunResult:
                     gen += 1
                     if cfg.recovery == "logging":
                         spawn(s, "replacement")
-                        store.set(f"gen{gen}/announced", str(s))
+                        store.set(announce_key(gen), str(s))
                     else:  # baseline: restart every stage from the global checkpoint
                         for q in list(procs.values()):
                             os.kill(q.pid, signal.SIGKILL)
@@ -472,13 +479,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--fail-iter", type=int, default=7)
     ap.add_argument("--fail-op", type=int, default=3)
     ap.add_argument("--recovery", choices=("logging", "restart"), default="logging")
+    ap.add_argument("--timeout", type=float, default=60.0,
+                    help="bound on every wait (store, process group, the whole run)")
     args = ap.parse_args(argv)
+    member = StageMembership.from_env(timeout=args.timeout)
+    cfg_kw = dict(run_dir=args.run_dir, iterations=args.iterations,
+                  checkpoint_every=args.checkpoint_every, fail_stage=args.fail_stage,
+                  fail_iteration=args.fail_iter, fail_op=args.fail_op, recovery=args.recovery,
+                  timeout=args.timeout, group_timeout=args.timeout)
+    if member is not None:
+        # One stage per worker of `jitckpt run --recovery stage`: the launcher supervises and
+        # starts a replacement for a dead stage. The run directory holds the checkpoints a
+        # replacement needs, so it is never cleared here.
+        cfg = PipelineRun(num_stages=member.world_size, **cfg_kw)
+        _run_stage(cfg, member.rank, member.generation, member.role, member.store)
+        member.exit(0)
     shutil.rmtree(args.run_dir, ignore_errors=True)
-    cfg = PipelineRun(run_dir=args.run_dir, iterations=args.iterations,
-                      checkpoint_every=args.checkpoint_every, fail_stage=args.fail_stage,
-                      fail_iteration=args.fail_iter, fail_op=args.fail_op,
-                      recovery=args.recovery)
-    res = run_pipeline(cfg)
+    res = run_pipeline(PipelineRun(**cfg_kw))
     print(json.dumps({"ok": res.ok, "wall_time": res.wall_time,
                       "recovery_time": res.recovery_time,
                       "stats": {s: {k: v for k, v in st.items()

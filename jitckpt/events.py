@@ -7,7 +7,8 @@ Every record has ``t`` (Unix time, seconds, float), ``event`` (one of :data:`EVE
 event                     fields
 ========================  ======================================================================
 ``job_start``             nproc, nnodes, world_size, script, checkpoint_dir, hang_timeout
-``worker_start``          rank, pid, warm (bool: taken from the warm standby pool)
+``worker_start``          rank, pid, warm (bool: taken from the warm standby pool), role
+                          (initial|restart|replacement)
 ``standby_ready``         count, seconds (the refilled warm standby pool finished importing)
 ``step``                  rank, step, step_time (s) -- sampled, not every step
 ``failure_detected``      kind (exit|signal|hang|error|exception), rank, pid, node, detail,
@@ -23,6 +24,8 @@ event                     fields
 ``job_end``               status (ok|failed), exit_code, restarts
 ``snapshot_keeper_start`` node, pid, socket, replaced (bool: the previous keeper died),
                           previous_exit (its exit code)
+``stage_replaced``        rank, generation, restart_count (--recovery stage: the dead rank got a
+                          replacement; the other ranks kept running)
 ========================  ======================================================================
 
 Writers append whole lines with one ``write`` on a file opened with O_APPEND, so lines from
@@ -51,6 +54,7 @@ EVENT_TYPES = (
     "recovery_summary",
     "job_end",
     "snapshot_keeper_start",
+    "stage_replaced",
 )
 
 EVENTS_FILE = "events.jsonl"

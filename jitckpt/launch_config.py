@@ -12,6 +12,7 @@ from .watchdog import HangTimeout
 
 # Same names as snapshot_protection.SCHEMES (not imported: the launcher does not import torch).
 SNAPSHOT_PROTECTIONS = ("aec", "arc", "none")
+RECOVERY_MODES = ("jit", "stage")
 
 
 def _nnodes(text: str) -> int:
@@ -91,6 +92,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preload", default="",
                    help="LD_PRELOAD for the workers; 'libjit' = jitckpt's CUDA/NCCL interposer (GPU hang "
                         "detection), or a path")
+    g.add_argument("--recovery", default="jit", choices=list(RECOVERY_MODES),
+                   help="jit: on a failure save JIT checkpoints from the survivors and restart every "
+                        "rank (default); stage: keep the survivors running and start one replacement "
+                        "for the dead rank (pipeline stages with SWIFT logging; see "
+                        "jitckpt.swift.StageMembership)")
     g.add_argument("--plugin", default="",
                    help="device-proxy plugins (undo,logging); proxy mode is not built yet, so this is refused")
     g.add_argument("--snapshot-every", type=int, default=0,
@@ -128,6 +134,7 @@ class LaunchConfig:
     metrics_addr: str = "127.0.0.1"
     preload: str = ""
     plugins: tuple = ()
+    recovery: str = "jit"
     snapshot_every: int = 0
     snapshot_protection: Optional[str] = None
     snapshot_flush_every: int = 0
@@ -170,6 +177,20 @@ class LaunchConfig:
                              "(proxy mode), which is not built yet; drop --plugin and use them in-process "
                              "(jitckpt.swift.UpdateUndo, jitckpt.swift.SendLogger; see the README)")
         self._check_snapshot_flags()
+        self._check_recovery()
+
+    def _check_recovery(self) -> None:
+        if self.recovery not in RECOVERY_MODES:
+            raise ValueError(f"--recovery {self.recovery!r}: choose one of {', '.join(RECOVERY_MODES)}")
+        if self.recovery != "stage":
+            return
+        if self.nnodes > 1:
+            raise ValueError("--recovery stage runs on one node for now (the job store lives in this "
+                             "launcher); use --nnodes 1, or --recovery jit across nodes")
+        if self.snapshot_every:
+            raise ValueError("--recovery stage keeps the survivors' state in memory and replaces only the "
+                             "dead rank; in-memory snapshots (--snapshot-every) serve --recovery jit. "
+                             "Drop one of the two flags")
 
     def _check_snapshot_flags(self) -> None:
         if self.snapshot_every < 0 or self.snapshot_flush_every < 0:
@@ -216,6 +237,6 @@ class LaunchConfig:
                    save_timeout=a.save_timeout, warm_standby=a.warm_standby,
                    status_interval=a.status_interval, metrics_port=a.metrics_port,
                    metrics_addr=a.metrics_addr, preload=a.preload,
-                   plugins=tuple(filter(None, a.plugin.split(","))),
+                   plugins=tuple(filter(None, a.plugin.split(","))), recovery=a.recovery,
                    snapshot_every=a.snapshot_every, snapshot_protection=a.snapshot_protection,
                    snapshot_flush_every=a.snapshot_flush_every)

@@ -169,6 +169,10 @@ class Launcher:
         self.pending_summary: Optional[FailureRecord] = None
         self.restart_count = 0
         self.keeper: Optional[KeeperSupervisor] = None
+        self.gen = 0  # process-group generation; --recovery stage advances it per replacement
+        self.stage_store = None
+        if cfg.recovery == "stage":
+            self.stage_store = _job_store(timeout=cfg.rdzv_timeout)
         if cfg.snapshot_every:
             self.keeper = KeeperSupervisor(run_dir=str(self.run_dir), node=cfg.node_rank,
                                            python=sys.executable, env=self._base_env())
@@ -197,6 +201,7 @@ class Launcher:
         try:
             gen = 0
             while True:
+                self.gen = gen
                 self.events.gen = gen
                 if not self._ensure_keeper():
                     self.emit("job_end", status="failed", exit_code=1, restarts=self.restart_count)
@@ -210,7 +215,7 @@ class Launcher:
                     self.emit("job_end", status="failed", exit_code=1, restarts=self.restart_count)
                     return 1
                 self.restart_count += 1
-                gen += 1
+                gen = self.gen + 1
                 self.emit("restart", reason="failure", restart_count=self.restart_count)
         finally:
             for w in self.workers:
@@ -247,7 +252,7 @@ class Launcher:
         env.setdefault("OMP_NUM_THREADS", str(self.cfg.omp_num_threads))
         return env
 
-    def _rank_env(self, gen: int, local_rank: int, master: tuple[str, int]) -> dict:
+    def _rank_env(self, gen: int, local_rank: int, master: tuple[str, int], role: str) -> dict:
         cfg = self.cfg
         rank = cfg.node_rank * cfg.nproc_per_node + local_rank
         env = {
@@ -263,6 +268,9 @@ class Launcher:
         }
         if cfg.preload:
             env["LD_PRELOAD"] = cfg.preload
+        if self.stage_store is not None:
+            env.update({"JITCKPT_RECOVERY": "stage", "JITCKPT_ROLE": role,
+                        "JITCKPT_STAGE_STORE": f"127.0.0.1:{self.stage_store.port}"})
         if self.keeper is not None:
             env.update({"JITCKPT_SNAPSHOT_SOCKET": self.keeper.socket_path,
                         "JITCKPT_SNAPSHOT_EVERY": str(cfg.snapshot_every),
@@ -272,26 +280,64 @@ class Launcher:
         return env
 
     def _start_workers(self, gen: int, master: tuple[str, int]) -> None:
+        role = "initial" if gen == 0 else "restart"
+        self.workers = [self._start_worker(gen, lr, master, role)
+                        for lr in range(self.cfg.nproc_per_node)]
+
+    def _start_worker(self, gen: int, local_rank: int, master: tuple[str, int],
+                      role: str) -> Worker:
         cfg = self.cfg
-        self.workers = []
-        for local_rank in range(cfg.nproc_per_node):
-            env = self._rank_env(gen, local_rank, master)
-            rank = int(env["RANK"])
-            if cfg.no_python:
-                parent, child = channel_pair()
-                full_env = {**self._base_env(), **env, ENV_FD: str(child.fileno())}
-                proc = subprocess.Popen([cfg.script, *cfg.script_args], env=full_env,
-                                        pass_fds=(child.fileno(),), start_new_session=True)
-                child.close()
-                w = Worker(rank, local_rank, proc, parent, warm=False)
-            else:
-                assert self.pool is not None
-                proc, ch, warm = self.pool.take()
-                argv = [cfg.script, *cfg.script_args]
-                ch.send("assign", env=env, argv=argv, cwd=os.getcwd(), module=cfg.module)
-                w = Worker(rank, local_rank, proc, ch, warm=warm)
-            self.workers.append(w)
-            self.emit("worker_start", rank=rank, pid=proc.pid, warm=w.warm)
+        env = self._rank_env(gen, local_rank, master, role)
+        rank = int(env["RANK"])
+        if cfg.no_python:
+            parent, child = channel_pair()
+            full_env = {**self._base_env(), **env, ENV_FD: str(child.fileno())}
+            proc = subprocess.Popen([cfg.script, *cfg.script_args], env=full_env,
+                                    pass_fds=(child.fileno(),), start_new_session=True)
+            child.close()
+            w = Worker(rank, local_rank, proc, parent, warm=False)
+        else:
+            assert self.pool is not None
+            proc, ch, warm = self.pool.take()
+            argv = [cfg.script, *cfg.script_args]
+            ch.send("assign", env=env, argv=argv, cwd=os.getcwd(), module=cfg.module)
+            w = Worker(rank, local_rank, proc, ch, warm=warm)
+        self.emit("worker_start", rank=rank, pid=proc.pid, warm=w.warm, role=role)
+        return w
+
+    def _replace_worker(self, old: Worker, master: tuple[str, int],
+                        sel: selectors.BaseSelector) -> bool:
+        """--recovery stage: start a replacement for the dead ``old`` and keep the survivors.
+
+        Refused (the caller falls back to the whole-job recovery) when restarts are used up or
+        a rank already stands at the exit barrier (it no longer takes part in a recovery).
+        """
+        if (self.stage_store is None or self.restart_count >= self.cfg.max_restarts
+                or any(w.exit_ready for w in self.workers)):
+            return False
+        from .swift.pipeline_failure import announce_key, failure_key
+
+        kind = "signal" if (old.exit_code or 0) < 0 else "exit"
+        detail = (f"killed by {signal.Signals(-old.exit_code).name}" if kind == "signal"
+                  else f"exit code {old.exit_code}")
+        log.warning("rank %d died (%s); replacing it alone (--recovery stage)", old.rank, detail)
+        self.emit("failure_detected", kind=kind, rank=old.rank, node=self.cfg.node_rank,
+                  pid=old.proc.pid, detail=detail, reporter=None)
+        # Survivors waiting on a live peer poll this flag; then they wait for the announcement.
+        self.stage_store.set(failure_key(self.gen), "1")
+        self.gen += 1
+        self.restart_count += 1
+        self.events.gen = self.gen
+        new = self._start_worker(self.gen, old.local_rank, master, "replacement")
+        self.stage_store.set(announce_key(self.gen), str(old.rank))
+        self.emit("stage_replaced", rank=old.rank, generation=self.gen,
+                  restart_count=self.restart_count)
+        old.channel.close()
+        self.workers[self.workers.index(old)] = new
+        sel.register(new.channel.fileno(), selectors.EVENT_READ, new)
+        if self.pool is not None:
+            self.pool.fill()  # the next replacement starts warm too
+        return True
 
     # ---- one generation ---------------------------------------------------------------------
     def _run_generation(self, gen: int) -> bool:
@@ -329,6 +375,9 @@ class Launcher:
                         if (failure is not None and w.exit_code not in (0, EXIT_JIT_SAVED)
                                 and w.rank not in failure.failed_ranks):
                             failure.failed_ranks.append(w.rank)  # the culprit, seen after a peer's report
+                        if (w.exit_code not in (0, EXIT_JIT_SAVED) and failure is None
+                                and self._replace_worker(w, master, sel)):
+                            continue
                         if w.exit_code not in (0, EXIT_JIT_SAVED) and failure is None:
                             kind = "signal" if (w.exit_code or 0) < 0 else "exit"
                             detail = (f"killed by {signal.Signals(-w.exit_code).name}"
@@ -535,6 +584,18 @@ class Launcher:
             prune(self.cfg.checkpoint_dir, older_than_step=step_resumed)
         except OSError as e:
             log.warning("could not prune old checkpoints: %s", e)
+
+
+def _job_store(*, timeout: float):  # type: ignore[no-untyped-def]
+    """The TCPStore of a --recovery stage job, served by this launcher on loopback so that it
+    outlives every worker (rank 0 included). Workers are started with Popen, never forked, so
+    the store's server thread here is safe."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
 
 
 def run(cfg: LaunchConfig) -> int:

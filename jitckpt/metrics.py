@@ -195,6 +195,9 @@ class JobMetrics:
                 first, self._failure_open = not self._failure_open, True
             if first:
                 self.failures.labels(kind).inc()
+        elif ev == "stage_replaced":
+            with self._lock:  # the failure was handled by one replacement: the next is new
+                self._failure_open = False
         elif ev == "recovery_summary":
             with self._lock:
                 was_open, self._failure_open = self._failure_open, False

@@ -326,7 +326,10 @@ class WorkerRuntime:
         """Save from this thread once the main thread is stuck in a blocking region.
 
         If the region completes instead, the main thread reaches a safe point and saves itself.
+        Without a save function there is nothing to wait for: give up at once.
         """
+        if self.save_fn is None:
+            self._give_up("no save function registered (call jitckpt.init(save_fn))")
         deadline = time.monotonic() + self.save_timeout
         while time.monotonic() < deadline:
             with self._lock:

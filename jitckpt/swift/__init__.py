@@ -9,6 +9,8 @@ messages (sender side, chunked, in bubbles), ``LogIndex`` serves them back in or
 and detects divergence, ``PipelineStage``/``PipelineChannel`` run an iteration live or from the
 logs, ``parallel_replay_iteration`` re-computes a lost stage's micro-batches on several
 workers, and ``plan_groups`` is the selective-logging grouping of SWIFT §5.3.
+``StageMembership`` is a worker's rank, generation, role and job store under
+``jitckpt run --recovery stage`` (the launcher replaces a dead stage alone).
 """
 from .errors import NotInvertibleError, UndoError
 from .lamb import Lamb
@@ -21,10 +23,11 @@ from .pipeline_parallel_recovery import parallel_replay_iteration
 from .pipeline_recovery import partition_micro_batches
 from .pipeline_stage import PipelineStage
 from .selective_logging import GroupPlan, logged_peers, plan_groups
+from .stage_membership import StageMembership
 from .undo import UpdateUndo
 
 __all__ = ["UpdateUndo", "Lamb", "NotInvertibleError", "UndoError",
            "SendLogger", "LogIndex", "MessageKey", "ReplayDivergenceError", "MissingLogError",
            "DeterminismMismatchError", "apply_determinism", "check_determinism",
            "PipelineStage", "PipelineChannel", "PeerFailure", "parallel_replay_iteration",
-           "partition_micro_batches", "plan_groups", "GroupPlan", "logged_peers"]
+           "partition_micro_batches", "plan_groups", "GroupPlan", "logged_peers", "StageMembership"]

@@ -18,6 +18,11 @@ def failure_key(generation: int) -> str:
     return f"gen{generation}/failure"
 
 
+def announce_key(generation: int) -> str:
+    """Store key naming the stage whose replacement starts ``generation``."""
+    return f"gen{generation}/announced"
+
+
 class FailureFlag:
     """The failure flag of ``generation`` in ``store``; :meth:`is_set` is cheap to call often
     (it asks the store at most once per ``min_interval`` seconds)."""

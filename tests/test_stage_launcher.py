@@ -1,0 +1,125 @@
+"""`jitckpt run --recovery stage`: the launcher replaces one dead pipeline stage, alone.
+
+Four workers run the 4-stage 1F1B pipeline of examples/pipeline_logging.py (SWIFT logging).
+One stage SIGKILLs itself at iteration 6; the launcher keeps the other three running and starts
+one replacement for the dead rank, which loads the global checkpoint of iteration 4 and replays
+from its neighbours' logs. Survivors never roll back (each completes every iteration exactly
+once and loads no checkpoint), the job ends with exit 0, and every stage's final parameters
+are bitwise identical to a failure-free run. Rank 0 is among the cases: the job store lives
+in the launcher, not in rank 0. Every job has a deadline; its processes are killed by PID.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import _read_jsonl, kill_tree
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "pipeline_logging.py"
+ITERS, CKPT, FAIL_IT = 8, 4, 6
+
+
+def _launch(work: Path, *, launcher_args: list, script_args: list, timeout: float = 150.0):
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", "4", "--recovery", "stage",
+           "--checkpoint-dir", str(work / "ckpt"), "--run-dir", str(work / "events"),
+           "--status-interval", "0", *launcher_args, str(SCRIPT), "--run-dir", str(work / "run"),
+           "--iterations", str(ITERS), "--checkpoint-every", str(CKPT), "--timeout", "60",
+           *script_args]
+    proc = subprocess.Popen(cmd, cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        raise AssertionError(f"job timed out after {timeout}s:\n{out[-6000:]}")
+    finally:
+        kill_tree(proc.pid)
+    return proc.returncode, out, _read_jsonl(work / "events" / "events.jsonl")
+
+
+def _final(run: Path) -> dict:
+    return {s: torch.load(run / "final" / f"stage{s}.pt", weights_only=True) for s in range(4)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The failure-free run, under the example's own (forked) supervisor."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import pipeline_logging as ex
+    finally:
+        sys.path.pop(0)
+    run = tmp_path_factory.mktemp("ref") / "run"
+    res = ex.run_pipeline(ex.PipelineRun(run_dir=str(run), iterations=ITERS,
+                                         checkpoint_every=CKPT, timeout=60.0))
+    assert res.ok
+    return _final(run)
+
+
+@pytest.mark.parametrize("stage, op", [(2, 3), (0, 5)])
+def test_launcher_replaces_only_the_dead_stage_bitwise(tmp_path, reference, stage, op):
+    rc, out, events = _launch(tmp_path, launcher_args=["--max-restarts", "1"],
+                              script_args=["--fail-stage", str(stage), "--fail-iter", str(FAIL_IT),
+                                           "--fail-op", str(op)])
+    assert rc == 0, out[-6000:]
+    replaced = [e for e in events if e["event"] == "stage_replaced"]
+    assert [(e["rank"], e["generation"]) for e in replaced] == [(stage, 1)]
+    starts = [(e["rank"], e["role"]) for e in events if e["event"] == "worker_start"]
+    assert starts == [(r, "initial") for r in range(4)] + [(stage, "replacement")]
+    assert not [e for e in events if e["event"] == "restart"]  # no whole-job restart
+    run = tmp_path / "run"
+    stats = {s: json.loads((run / "final" / f"stage{s}.json").read_text()) for s in range(4)}
+    for s, st in stats.items():
+        if s == stage:
+            assert st["role"] == "replacement" and st["loaded_checkpoint"] == CKPT
+            assert st["replayed"] and st["replayed"][0] == CKPT + 1
+        else:  # survivors: no roll back, every iteration exactly once
+            assert st["role"] == "initial" and st["loaded_checkpoint"] is None
+            assert st["completed_log"] == list(range(1, ITERS + 1))
+    got = _final(run)
+    for s in range(4):
+        assert got[s].keys() == reference[s].keys()
+        for k in reference[s]:
+            assert torch.equal(got[s][k], reference[s][k]), f"stage {s} {k} differs"
+
+
+def test_no_restarts_left_ends_the_job_with_an_error(tmp_path):
+    rc, out, events = _launch(tmp_path, launcher_args=["--max-restarts", "0"],
+                              script_args=["--fail-stage", "1", "--fail-iter", "2"])
+    assert rc == 1
+    assert "--max-restarts=0 is used up" in out
+    assert not [e for e in events if e["event"] == "stage_replaced"]
+    assert [e["status"] for e in events if e["event"] == "job_end"] == ["failed"]
+
+
+def test_membership_from_environment(monkeypatch):
+    import torch.distributed as dist
+
+    from jitckpt.swift.pipeline_failure import announce_key
+    from jitckpt.swift.stage_membership import StageMembership
+
+    monkeypatch.delenv("JITCKPT_RECOVERY", raising=False)
+    assert StageMembership.from_env() is None  # not under --recovery stage
+    monkeypatch.setenv("JITCKPT_RECOVERY", "stage")
+    monkeypatch.setenv("JITCKPT_STAGE_STORE", "no-port")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        StageMembership.from_env()
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match="JITCKPT_ROLE='survivor'"):
+        StageMembership(rank=0, world_size=4, generation=0, role="survivor", store=store)
+    with pytest.raises(ValueError, match="RANK=4"):
+        StageMembership(rank=4, world_size=4, generation=0, role="initial", store=store)
+    m = StageMembership(rank=1, world_size=4, generation=0, role="initial", store=store)
+    store.set(announce_key(1), "2")
+    assert m.failed_rank(1) == 2
+    assert not m.failure_flag(1).is_set()
