@@ -144,7 +144,8 @@ class JobMetrics:
         self.checkpoint_seconds = Histogram("jitckpt_checkpoint_save_seconds", "Time to save one rank's checkpoint (s)",
                                             ["kind"], buckets=_RECOVERY_BUCKETS, registry=r)
         self.checkpoint_failures = Counter("jitckpt_checkpoint_failures", "Checkpoints that failed", registry=r)
-        self.restarts = Counter("jitckpt_restarts", "Job restarts", registry=r)
+        self.restarts = Counter("jitckpt_restarts", "Job restarts and single-rank replacements",
+                                registry=r)
         self.generation = Gauge("jitckpt_generation", "Restart generation (0 = first launch)", registry=r)
         self.workers_started = Counter("jitckpt_workers_started", "Worker processes started", ["warm"], registry=r)
         self.world_size = Gauge("jitckpt_world_size", "Ranks in the job", registry=r)
@@ -198,6 +199,7 @@ class JobMetrics:
         elif ev == "stage_replaced":
             with self._lock:  # the failure was handled by one replacement: the next is new
                 self._failure_open = False
+            self.restarts.inc()  # counts against --max-restarts like a whole-job restart
         elif ev == "recovery_summary":
             with self._lock:
                 was_open, self._failure_open = self._failure_open, False

@@ -171,3 +171,15 @@ def test_ipv6_loopback():
     with JobMetrics(port=0, addr="::1") as m:
         with urllib.request.urlopen(f"http://[::1]:{m.port}/metrics", timeout=5) as resp:
             assert b"jitckpt_step" in resp.read()
+
+
+def test_each_stage_replacement_is_a_failure_and_a_restart():
+    m = JobMetrics()
+    for gen, rank in ((0, 2), (1, 0)):  # --recovery stage: two deaths, each replaced alone
+        m.record_event({"t": 1.0, "event": "failure_detected", "gen": gen, "kind": "signal",
+                        "rank": rank})
+        m.record_event({"t": 1.1, "event": "stage_replaced", "gen": gen + 1, "rank": rank,
+                        "generation": gen + 1, "restart_count": gen + 1})
+    s = _samples(m.render().decode())
+    assert s[("jitckpt_failures_total", (("kind", "signal"),))] == 2
+    assert s[("jitckpt_restarts_total", ())] == 2
