@@ -77,6 +77,9 @@ class PipelineRun:
     fail_iteration: int = 0
     fail_op: int = 0
     fail_after: tuple[int, ...] = ()  # die only once these stages completed fail_iteration
+    # Under `jitckpt run --recovery stage` only: (stage, iteration, op) of the k-th further
+    # failure, injected in process-group generation k (after k earlier replacements).
+    later_failures: tuple[tuple[int, int, int], ...] = ()
     timeout: float = 60.0
     group_timeout: float = 45.0
     tamper_replay: bool = False  # test hook: replacement perturbs a weight -> must diverge
@@ -102,6 +105,12 @@ class PipelineRun:
                 raise ValueError(f"fail_stage {self.fail_stage} outside 0..{self.num_stages-1}")
             if not 1 <= self.fail_iteration <= self.iterations:
                 raise ValueError(f"fail_iteration must be in 1..{self.iterations}")
+        if self.later_failures and self.fail_stage is None:
+            raise ValueError("later_failures need a first failure (fail_stage)")
+        for stage, it, _ in self.later_failures:
+            if not (0 <= stage < self.num_stages and 1 <= it <= self.iterations):
+                raise ValueError(f"later failure of stage {stage} at iteration {it}: outside "
+                                 f"stages 0..{self.num_stages - 1} or iterations 1..{self.iterations}")
 
     def group_of(self, stage: int) -> tuple[int, ...]:
         """The selective-logging group holding ``stage``."""
@@ -210,9 +219,12 @@ class _Stage:
 
     def _maybe_die(self, it: int, op: int) -> None:
         cfg = self.cfg
-        if (self.gen == 0 and cfg.fail_stage == self.s and it == cfg.fail_iteration
-                and op == cfg.fail_op):
-            self.store.wait([f"reached/{p}" for p in cfg.fail_after])
+        if cfg.fail_stage is None:
+            return
+        plan = [(cfg.fail_stage, cfg.fail_iteration, cfg.fail_op), *cfg.later_failures]
+        if self.gen < len(plan) and plan[self.gen] == (self.s, it, op):
+            if self.gen == 0:
+                self.store.wait([f"reached/{p}" for p in cfg.fail_after])
             self.store.set(FAILED, repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -392,6 +404,9 @@ class RunResult:
 
 def run_pipeline(cfg: PipelineRun) -> RunResult:
     """Run the pipeline in forked stage processes; every process is killed by PID on exit."""
+    if cfg.later_failures:
+        raise ValueError("later_failures: this supervisor handles one failure; run the example "
+                         "under jitckpt run --recovery stage for more")
     with StoreServer() as server:  # master in its own process: forking stages stays safe
         return _supervise(cfg, server)
 
@@ -479,6 +494,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--fail-iter", type=int, default=7)
     ap.add_argument("--fail-op", type=int, default=3)
     ap.add_argument("--recovery", choices=("logging", "restart"), default="logging")
+    ap.add_argument("--then-fail", action="append", default=[], metavar="STAGE:ITER:OP",
+                    help="under jitckpt run --recovery stage: a further failure, injected after "
+                         "the previous one was replaced (repeatable)")
     ap.add_argument("--timeout", type=float, default=60.0,
                     help="bound on every wait (store, process group, the whole run)")
     args = ap.parse_args(argv)
@@ -486,7 +504,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg_kw = dict(run_dir=args.run_dir, iterations=args.iterations,
                   checkpoint_every=args.checkpoint_every, fail_stage=args.fail_stage,
                   fail_iteration=args.fail_iter, fail_op=args.fail_op, recovery=args.recovery,
-                  timeout=args.timeout, group_timeout=args.timeout)
+                  timeout=args.timeout, group_timeout=args.timeout,
+                  later_failures=tuple(tuple(int(x) for x in f.split(":")) for f in args.then_fail))
     if member is not None:
         # One stage per worker of `jitckpt run --recovery stage`: the launcher supervises and
         # starts a replacement for a dead stage. The run directory holds the checkpoints a

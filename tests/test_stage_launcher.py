@@ -5,8 +5,9 @@ One stage SIGKILLs itself at iteration 6; the launcher keeps the other three run
 one replacement for the dead rank, which loads the global checkpoint of iteration 4 and replays
 from its neighbours' logs. Survivors never roll back (each completes every iteration exactly
 once and loads no checkpoint), the job ends with exit 0, and every stage's final parameters
-are bitwise identical to a failure-free run. Rank 0 is among the cases: the job store lives
-in the launcher, not in rank 0. Every job has a deadline; its processes are killed by PID.
+are bitwise identical to a failure-free run. Rank 0 is among the cases (the job store lives in
+the launcher, not in rank 0), and so is a second death after the first replacement. Every job
+has a deadline; its processes are killed by PID.
 """
 from __future__ import annotations
 
@@ -66,21 +67,31 @@ def reference(tmp_path_factory):
     return _final(run)
 
 
-@pytest.mark.parametrize("stage, op", [(2, 3), (0, 5)])
-def test_launcher_replaces_only_the_dead_stage_bitwise(tmp_path, reference, stage, op):
-    rc, out, events = _launch(tmp_path, launcher_args=["--max-restarts", "1"],
-                              script_args=["--fail-stage", str(stage), "--fail-iter", str(FAIL_IT),
-                                           "--fail-op", str(op)])
+@pytest.mark.parametrize("failures", [
+    [(2, FAIL_IT, 3)],
+    [(0, FAIL_IT, 5)],  # rank 0: the store it would host under torchrun is the launcher's
+    # A second death after the first replacement: stage 1's replacement replays iterations
+    # 5-6 from the logs of stage 2's replacement (which re-logged what it replayed).
+    [(2, FAIL_IT, 3), (1, FAIL_IT + 1, 2)],
+], ids=["stage2", "stage0", "stage2-then-stage1"])
+def test_launcher_replaces_only_the_dead_stage_bitwise(tmp_path, reference, failures):
+    (stage, it, op), *later = failures
+    rc, out, events = _launch(tmp_path, launcher_args=["--max-restarts", str(len(failures))],
+                              script_args=["--fail-stage", str(stage), "--fail-iter", str(it),
+                                           "--fail-op", str(op),
+                                           *(a for s, i, o in later
+                                             for a in ("--then-fail", f"{s}:{i}:{o}"))])
     assert rc == 0, out[-6000:]
+    dead = [s for s, _, _ in failures]
     replaced = [e for e in events if e["event"] == "stage_replaced"]
-    assert [(e["rank"], e["generation"]) for e in replaced] == [(stage, 1)]
+    assert [(e["rank"], e["generation"]) for e in replaced] == [(s, g + 1) for g, s in enumerate(dead)]
     starts = [(e["rank"], e["role"]) for e in events if e["event"] == "worker_start"]
-    assert starts == [(r, "initial") for r in range(4)] + [(stage, "replacement")]
+    assert starts == [(r, "initial") for r in range(4)] + [(s, "replacement") for s in dead]
     assert not [e for e in events if e["event"] == "restart"]  # no whole-job restart
     run = tmp_path / "run"
     stats = {s: json.loads((run / "final" / f"stage{s}.json").read_text()) for s in range(4)}
     for s, st in stats.items():
-        if s == stage:
+        if s in dead:
             assert st["role"] == "replacement" and st["loaded_checkpoint"] == CKPT
             assert st["replayed"] and st["replayed"][0] == CKPT + 1
         else:  # survivors: no roll back, every iteration exactly once

@@ -148,7 +148,16 @@ def test_divergent_replay_is_detected(tmp_path):
     (dict(fail_stage=2, fail_iteration=3, logging=False), "needs logging=True"),
     (dict(fail_stage=4, fail_iteration=3), "fail_stage 4 outside"),
     (dict(fail_stage=1, fail_iteration=ITERS + 1), "fail_iteration must be in"),
+    (dict(later_failures=((1, 3, 0),)), "need a first failure"),
+    (dict(fail_stage=1, fail_iteration=2, later_failures=((5, 3, 0),)), "later failure of stage 5"),
 ])
 def test_bad_run_configuration_is_refused(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         ex.PipelineRun(run_dir=str(tmp_path), iterations=ITERS, **kw)
+
+
+def test_several_failures_need_the_launcher(tmp_path):
+    cfg = ex.PipelineRun(run_dir=str(tmp_path), iterations=ITERS, fail_stage=1, fail_iteration=2,
+                         later_failures=((2, 3, 0),))
+    with pytest.raises(ValueError, match="--recovery stage"):
+        ex.run_pipeline(cfg)
