@@ -352,7 +352,8 @@ class _Stage:
         (out / f"stage{self.s}.json").write_text(json.dumps(self.stats))
 
 
-def _run_stage(cfg: PipelineRun, s: int, generation: int, role: str, store: dist.Store) -> None:
+def _run_stage(cfg: PipelineRun, s: int, generation: int, role: str, store: dist.Store,
+               member: Optional[StageMembership] = None) -> None:
     st = _Stage(cfg, s, generation, role, store)
     st.mark("started")
     if role in ("replacement", "restart"):
@@ -361,6 +362,9 @@ def _run_stage(cfg: PipelineRun, s: int, generation: int, role: str, store: dist
     if role == "replacement":
         st.replay_group()
         st.mark("replayed")
+        if member is not None:
+            member.report_caught_up(checkpoint=st.stats["loaded_checkpoint"],
+                                    replayed=len(st.stats["replayed"]))
     st.train()
     st.finish()
 
@@ -511,7 +515,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         # starts a replacement for a dead stage. The run directory holds the checkpoints a
         # replacement needs, so it is never cleared here.
         cfg = PipelineRun(num_stages=member.world_size, **cfg_kw)
-        _run_stage(cfg, member.rank, member.generation, member.role, member.store)
+        _run_stage(cfg, member.rank, member.generation, member.role, member.store, member)
         member.exit(0)
     shutil.rmtree(args.run_dir, ignore_errors=True)
     res = run_pipeline(PipelineRun(**cfg_kw))

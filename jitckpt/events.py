@@ -20,7 +20,9 @@ event                     fields
                           parts rebuilt from parity)
 ``resumed``               step, steps_redone
 ``recovery_summary``      failure_kind, failed_ranks, detect_s, save_s, restart_s, restore_s,
-                          total_s, checkpoint_bytes, step_failed, step_resumed, steps_redone
+                          total_s, checkpoint_bytes, step_failed, step_resumed, steps_redone;
+                          scope "stage" for a --recovery stage replacement (restore_s: its
+                          checkpoint load and replay; steps_redone: by that rank alone)
 ``job_end``               status (ok|failed), exit_code, restarts
 ``snapshot_keeper_start`` node, pid, socket, replaced (bool: the previous keeper died),
                           previous_exit (its exit code)

@@ -171,6 +171,7 @@ class Launcher:
         self.keeper: Optional[KeeperSupervisor] = None
         self.gen = 0  # process-group generation; --recovery stage advances it per replacement
         self.stage_store = None
+        self._replacing: dict[int, tuple[str, float, float]] = {}  # rank -> (kind, t_detect, t_start)
         if cfg.recovery == "stage":
             self.stage_store = _job_store(timeout=cfg.rdzv_timeout)
         if cfg.snapshot_every:
@@ -321,6 +322,7 @@ class Launcher:
         detail = (f"killed by {signal.Signals(-old.exit_code).name}" if kind == "signal"
                   else f"exit code {old.exit_code}")
         log.warning("rank %d died (%s); replacing it alone (--recovery stage)", old.rank, detail)
+        t_detect = time.time()
         self.emit("failure_detected", kind=kind, rank=old.rank, node=self.cfg.node_rank,
                   pid=old.proc.pid, detail=detail, reporter=None)
         # Survivors waiting on a live peer poll this flag; then they wait for the announcement.
@@ -332,6 +334,7 @@ class Launcher:
         self.stage_store.set(announce_key(self.gen), str(old.rank))
         self.emit("stage_replaced", rank=old.rank, generation=self.gen,
                   restart_count=self.restart_count)
+        self._replacing[old.rank] = (kind, t_detect, time.time())
         old.channel.close()
         self.workers[self.workers.index(old)] = new
         sel.register(new.channel.fileno(), selectors.EVENT_READ, new)
@@ -468,6 +471,8 @@ class Launcher:
         elif t == "resumed":
             w.resumed = True
             self._maybe_emit_summary(gen)
+        elif t == "stage_caught_up":
+            self._stage_summary(w, msg)
         elif t == "exit_ready":
             w.exit_ready = True
             self.coord.report_exit_ready(gen, w.rank)
@@ -492,6 +497,21 @@ class Launcher:
         if not remote:
             self.coord.announce_failure(gen, {"kind": kind, "rank": rank, "detail": detail})
         return rec
+
+    def _stage_summary(self, w: Worker, msg: dict) -> None:
+        """A replacement replayed up to the survivors: log its recovery (one rank redid steps)."""
+        pending = self._replacing.pop(w.rank, None)
+        if pending is None:
+            return
+        kind, t_detect, t_start = pending
+        now = time.time()
+        summary = dict(failure_kind=kind, failed_ranks=[w.rank], detect_s=0.0, save_s=0.0,
+                       restart_s=t_start - t_detect, restore_s=now - t_start,
+                       total_s=now - t_detect, checkpoint_bytes=0, step_failed=None,
+                       step_resumed=msg.get("checkpoint"), steps_redone=msg.get("replayed"),
+                       scope="stage")
+        self.emit("recovery_summary", **summary)
+        self.display.show_summary(summary)
 
     def _pid_of(self, rank: Optional[int]) -> Optional[int]:
         for w in self.workers:

@@ -197,8 +197,6 @@ class JobMetrics:
             if first:
                 self.failures.labels(kind).inc()
         elif ev == "stage_replaced":
-            with self._lock:  # the failure was handled by one replacement: the next is new
-                self._failure_open = False
             self.restarts.inc()  # counts against --max-restarts like a whole-job restart
         elif ev == "recovery_summary":
             with self._lock:

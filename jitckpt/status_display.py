@@ -43,16 +43,27 @@ class StatusDisplay:
         t.add_column("value", justify="right")
         def sec(v: Optional[float]) -> str:
             return "-" if v is None else f"{v:.2f} s"
-        rows = [
-            ("failure", f"{s['failure_kind']} (ranks {s['failed_ranks'] or '?'})"),
-            ("JIT save (detection → every shard saved)", sec(s["save_s"])),
-            ("restart (workers up, rendezvous)", sec(s["restart_s"])),
-            ("restore (checkpoint load)", sec(s["restore_s"])),
-            ("total (detection → first step done)", sec(s["total_s"])),
-            ("checkpoint size", f"{s['checkpoint_bytes'] / 1e6:.1f} MB"),
-            ("step at failure → resumed at", f"{s['step_failed']} → {s['step_resumed']}"),
-            ("minibatches redone", str(s["steps_redone"])),
-        ]
+        if s.get("scope") == "stage":  # --recovery stage: one rank replaced, the rest ran on
+            rows = [
+                ("failure", f"{s['failure_kind']} (rank "
+                            f"{', '.join(map(str, s['failed_ranks'])) or '?'}, replaced alone)"),
+                ("replacement started", sec(s["restart_s"])),
+                ("checkpoint load + replay from logs", sec(s["restore_s"])),
+                ("total (detection → caught up)", sec(s["total_s"])),
+                ("replayed from checkpoint of step", str(s["step_resumed"])),
+                ("iterations replayed (by this rank only)", str(s["steps_redone"])),
+            ]
+        else:
+            rows = [
+                ("failure", f"{s['failure_kind']} (ranks {s['failed_ranks'] or '?'})"),
+                ("JIT save (detection → every shard saved)", sec(s["save_s"])),
+                ("restart (workers up, rendezvous)", sec(s["restart_s"])),
+                ("restore (checkpoint load)", sec(s["restore_s"])),
+                ("total (detection → first step done)", sec(s["total_s"])),
+                ("checkpoint size", f"{s['checkpoint_bytes'] / 1e6:.1f} MB"),
+                ("step at failure → resumed at", f"{s['step_failed']} → {s['step_resumed']}"),
+                ("minibatches redone", str(s["steps_redone"])),
+            ]
         for a, b in rows:
             t.add_row(a, b)
         self.console.print(t)

@@ -180,6 +180,11 @@ def test_each_stage_replacement_is_a_failure_and_a_restart():
                         "rank": rank})
         m.record_event({"t": 1.1, "event": "stage_replaced", "gen": gen + 1, "rank": rank,
                         "generation": gen + 1, "restart_count": gen + 1})
+        m.record_event({"t": 1.5, "event": "recovery_summary", "gen": gen + 1,
+                        "failure_kind": "signal", "failed_ranks": [rank], "detect_s": 0.0,
+                        "save_s": 0.0, "restart_s": 0.1, "restore_s": 0.3, "total_s": 0.4,
+                        "steps_redone": 1, "scope": "stage"})
     s = _samples(m.render().decode())
     assert s[("jitckpt_failures_total", (("kind", "signal"),))] == 2
     assert s[("jitckpt_restarts_total", ())] == 2
+    assert s[("jitckpt_recovery_seconds_count", ())] == 2

@@ -125,6 +125,25 @@ def test_summary_without_failure_event_is_its_own_incident():
     assert s.failures == 1 and s.recoveries[0].t_failure == pytest.approx(5.0)
 
 
+def test_stage_replacements_are_separate_recovered_failures():
+    """--recovery stage: each death is replaced alone and closed by its own summary."""
+    evs = [{"t": 1.0, "event": "job_start", "gen": 0, "world_size": 4}]
+    for i, (t, rank) in enumerate(((5.0, 2), (7.0, 1))):
+        evs += [
+            {"t": t, "event": "failure_detected", "gen": i, "kind": "signal", "rank": rank},
+            {"t": t, "event": "stage_replaced", "gen": i + 1, "rank": rank, "generation": i + 1,
+             "restart_count": i + 1},
+            {"t": t + 0.5, "event": "recovery_summary", "gen": i + 1, "failure_kind": "signal",
+             "failed_ranks": [rank], "detect_s": 0.0, "save_s": 0.0, "restart_s": 0.1,
+             "restore_s": 0.4, "total_s": 0.5, "checkpoint_bytes": 0, "step_failed": None,
+             "step_resumed": 4, "steps_redone": i + 1, "scope": "stage"},
+        ]
+    s = summarize(evs)
+    assert [(r.failed_ranks, r.recovered, r.steps_redone) for r in s.recoveries] == \
+        [([2], True, 1), ([1], True, 2)]
+    assert s.recovery_total_s == pytest.approx(1.0)
+
+
 def _parser():
     p = argparse.ArgumentParser(prog="jitckpt")
     register(p.add_subparsers(dest="cmd", required=True))

@@ -88,6 +88,11 @@ def test_launcher_replaces_only_the_dead_stage_bitwise(tmp_path, reference, fail
     starts = [(e["rank"], e["role"]) for e in events if e["event"] == "worker_start"]
     assert starts == [(r, "initial") for r in range(4)] + [(s, "replacement") for s in dead]
     assert not [e for e in events if e["event"] == "restart"]  # no whole-job restart
+    # Each replacement reported catching up: one recovery per death, timed by the launcher.
+    summaries = [e for e in events if e["event"] == "recovery_summary"]
+    assert [(e["scope"], e["failed_ranks"], e["step_resumed"]) for e in summaries] == \
+        [("stage", [s], CKPT) for s in dead]
+    assert all(e["steps_redone"] >= 1 and 0 < e["total_s"] < 60 for e in summaries)
     run = tmp_path / "run"
     stats = {s: json.loads((run / "final" / f"stage{s}.json").read_text()) for s in range(4)}
     for s, st in stats.items():

@@ -37,7 +37,9 @@ class StageMembership:
     ``StageMembership.from_env()`` returns ``None`` outside ``jitckpt run --recovery stage``.
     ``failure_flag(g)`` is the job-wide failure flag of generation ``g``;
     ``failed_rank(g)`` waits (bounded by the store timeout) until the launcher names the rank
-    whose replacement starts generation ``g`` and returns it. ``exit(code)`` ends the
+    whose replacement starts generation ``g`` and returns it. A replacement calls
+    ``report_caught_up(...)`` once it has replayed up to the survivors (the launcher then logs
+    the recovery, with its time, as a ``recovery_summary`` event). ``exit(code)`` ends the
     process once the stage is done (see its docstring for why not a normal exit).
     """
 
@@ -78,6 +80,16 @@ class StageMembership:
         """The rank replaced at the start of ``generation`` (waits for the launcher's word)."""
         self.store.wait([announce_key(generation)])
         return int(self.store.get(announce_key(generation)))
+
+    def report_caught_up(self, *, checkpoint: int, replayed: int) -> None:
+        """Tell the launcher this replacement loaded ``checkpoint`` and replayed ``replayed``
+        iterations from the logs, so it is back with the survivors (no-op without a launcher)."""
+        from .. import _runtime_or_none
+
+        rt = _runtime_or_none()
+        if rt is not None and rt.channel is not None:
+            rt.channel.send("stage_caught_up", rank=self.rank, generation=self.generation,
+                            checkpoint=int(checkpoint), replayed=int(replayed))
 
     @staticmethod
     def exit(code: int = 0) -> None:
