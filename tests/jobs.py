@@ -46,17 +46,11 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-def run_job(workdir: Path, *, nproc: int, script_args: list, launcher_args: Optional[list] = None,
-            timeout: float = 180.0, script: Path = TRAIN, env: Optional[dict] = None,
-            ckpt: Optional[Path] = None) -> JobResult:
-    workdir.mkdir(parents=True, exist_ok=True)
-    ckpt = ckpt or workdir / "ckpt"
-    cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(nproc),
-           "--checkpoint-dir", str(ckpt), "--run-dir", str(workdir / "run"),
-           "--status-interval", "0", *(launcher_args or []), str(script),
-           "--out", str(workdir / "final.pt"), "--steps-log", str(workdir / "train.jsonl"), *script_args]
+def run_bounded(cmd: list, *, cwd: Path, timeout: float, env: Optional[dict] = None) -> tuple[int, str]:
+    """Run ``cmd`` (jitckpt on PYTHONPATH) in its own session; on any exit or the deadline its
+    whole process tree is killed. Returns (exit code, combined output)."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=workdir, env=full_env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -66,6 +60,19 @@ def run_job(workdir: Path, *, nproc: int, script_args: list, launcher_args: Opti
         raise AssertionError(f"job timed out after {timeout}s:\n{out[-6000:]}")
     finally:
         kill_tree(proc.pid)
+    return proc.returncode, out
+
+
+def run_job(workdir: Path, *, nproc: int, script_args: list, launcher_args: Optional[list] = None,
+            timeout: float = 180.0, script: Path = TRAIN, env: Optional[dict] = None,
+            ckpt: Optional[Path] = None) -> JobResult:
+    workdir.mkdir(parents=True, exist_ok=True)
+    ckpt = ckpt or workdir / "ckpt"
+    cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(nproc),
+           "--checkpoint-dir", str(ckpt), "--run-dir", str(workdir / "run"),
+           "--status-interval", "0", *(launcher_args or []), str(script),
+           "--out", str(workdir / "final.pt"), "--steps-log", str(workdir / "train.jsonl"), *script_args]
+    rc, out = run_bounded(cmd, cwd=workdir, env=env, timeout=timeout)
     events = _read_jsonl(workdir / "run" / "events.jsonl")
     # No worker may outlive its launcher.
     for e in events:
@@ -77,7 +84,7 @@ def run_job(workdir: Path, *, nproc: int, script_args: list, launcher_args: Opti
                     raise AssertionError(f"worker pid {e['pid']} outlived the launcher")
             except psutil.NoSuchProcess:
                 pass
-    return JobResult(proc.returncode, out, workdir, ckpt, _read_jsonl(workdir / "train.jsonl"), events)
+    return JobResult(rc, out, workdir, ckpt, _read_jsonl(workdir / "train.jsonl"), events)
 
 
 def _read_jsonl(path: Path) -> list:

@@ -12,15 +12,13 @@ has a deadline; its processes are killed by PID.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from jobs import _read_jsonl, kill_tree
+from jobs import _read_jsonl, run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "pipeline_logging.py"
@@ -34,18 +32,8 @@ def _launch(work: Path, *, launcher_args: list, script_args: list, timeout: floa
            "--status-interval", "0", *launcher_args, str(SCRIPT), "--run-dir", str(work / "run"),
            "--iterations", str(ITERS), "--checkpoint-every", str(CKPT), "--timeout", "60",
            *script_args]
-    proc = subprocess.Popen(cmd, cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, _ = proc.communicate()
-        raise AssertionError(f"job timed out after {timeout}s:\n{out[-6000:]}")
-    finally:
-        kill_tree(proc.pid)
-    return proc.returncode, out, _read_jsonl(work / "events" / "events.jsonl")
+    rc, out = run_bounded(cmd, cwd=work, timeout=timeout)
+    return rc, out, _read_jsonl(work / "events" / "events.jsonl")
 
 
 def _final(run: Path) -> dict:
