@@ -36,7 +36,8 @@ def parse():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--optim", default="adam", choices=["adam", "sgd"])
+    p.add_argument("--optim", default="adam", choices=["adam", "sgd", "zero-adam"],
+                   help="zero-adam: ZeroRedundancyOptimizer(Adam), ZeRO-1 (needs --snapshot-every)")
     p.add_argument("--inject", action="append", default=[], metavar="GEN:RANK:STEP:MODE")
     p.add_argument("--out", default="")
     p.add_argument("--steps-log", default="")
@@ -71,8 +72,14 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     model = DDP(build(args))
-    opt = (torch.optim.Adam(model.parameters(), lr=args.lr) if args.optim == "adam"
-           else torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
+    if args.optim == "zero-adam":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=args.lr)
+    elif args.optim == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     mine = {}
     for spec in args.inject:

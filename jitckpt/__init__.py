@@ -139,17 +139,35 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     See :class:`Protected` for exactly which step a resumed job continues from. Under
     ``jitckpt run --snapshot-every N`` it also takes in-memory snapshots of the same state, and
     ``restore()`` (then collective) resumes from the newest of them and the disk checkpoints.
+    A ``ZeroRedundancyOptimizer`` is accepted under ``--snapshot-every`` on >= 2 nodes only: its
+    partitions are protected by AOR in the keepers, and the job resumes from the newest snapshot
+    (no JIT save: a lost rank's partition is nowhere else).
     """
-    from .protected_state import Protected
+    from .protected_state import Protected, is_zero
 
     rt = _get_runtime()
     if rt.snapshots is not None and num_shards != 1:
         raise ValueError(f"protect(num_shards={num_shards}): in-memory snapshots (--snapshot-every) "
                          "assume pure data parallelism (every rank holds the whole state); turn them "
                          "off for model-parallel jobs")
-    state = Protected(model, optimizer, scheduler, extra=extra)
-    init(state.save, step_fn=lambda: state.step, shard_id=shard_id, num_shards=num_shards)
+    if is_zero(optimizer) and rt.snapshots is not None:
+        _check_zero_job(rt)
+    state = Protected(model, optimizer, scheduler, extra=extra, snapshots=rt.snapshots)
+    if state.uses_aor:
+        # No JIT save: a lost rank's partition exists only in the keepers (AOR).
+        rt.step_fn = lambda: state.step
+        rt.no_save_reason = ("ZeroRedundancyOptimizer job: no JIT checkpoint (a lost rank's optimizer "
+                             "partition exists only in the in-memory snapshots); the job resumes from "
+                             "the newest snapshot")
+    else:
+        init(state.save, step_fn=lambda: state.step, shard_id=shard_id, num_shards=num_shards)
     rt.consistency_check = state.consistent_now
-    if rt.snapshots is not None:
-        state.attach_snapshots(rt.snapshots)
     return state
+
+
+def _check_zero_job(rt: "WorkerRuntime") -> None:
+    if rt.periodic_every or rt.snapshots.flush_every:
+        raise ValueError("protect(optimizer=ZeroRedundancyOptimizer): --periodic-every and "
+                         "--snapshot-flush-every write the parameters without the optimizer partitions, "
+                         "which a ZeRO job cannot resume from; drop them (its partitions are protected "
+                         "in memory by AOR; lower --snapshot-every to lose fewer steps)")

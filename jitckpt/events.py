@@ -17,7 +17,8 @@ event                     fields
 ``checkpoint_failed``     rank, reason
 ``restart``               reason, restart_count
 ``restore``               rank, step, path, seconds, source (disk|memory), decoded (snapshot
-                          parts rebuilt from parity)
+                          parts rebuilt from parity), fetched (ZeRO partitions this rank got
+                          from another node's replica, AOR)
 ``resumed``               step, steps_redone
 ``recovery_summary``      failure_kind, failed_ranks, detect_s, save_s, restart_s, restore_s,
                           total_s, checkpoint_bytes, step_failed, step_resumed, steps_redone;

@@ -467,7 +467,7 @@ class Launcher:
             w.restored = msg
             self.emit("restore", rank=w.rank, step=msg["step"], path=msg["path"],
                       seconds=msg["seconds"], source=msg.get("source", "disk"),
-                      decoded=msg.get("decoded", []))
+                      decoded=msg.get("decoded", []), fetched=msg.get("fetched", []))
         elif t == "resumed":
             w.resumed = True
             self._maybe_emit_summary(gen)

@@ -38,11 +38,20 @@ def _set_rng_state(state: dict) -> None:
         np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
 
 
-def _is_zero(optimizer: Any) -> bool:
+def is_zero(optimizer: Any) -> bool:
     # By name: importing torch.distributed.optim for an isinstance check costs every job its
     # import (and torch.jit deprecation warnings); subclasses are caught through the MRO.
     return any(c.__name__ == "ZeroRedundancyOptimizer" and c.__module__.startswith("torch.distributed")
                for c in type(optimizer).__mro__)
+
+
+ZERO_NEEDS_SNAPSHOTS = (
+    "protect(optimizer=ZeroRedundancyOptimizer) needs jitckpt run --snapshot-every N on >= 2 nodes. "
+    "With ZeRO each rank holds the only copy of its optimizer partition and ZeRO's state_dict() is a "
+    "collective, so the survivors of a failure cannot JIT-save a lost rank's partition; with "
+    "in-memory snapshots each node also keeps a replica of the next node's partitions (AOR, "
+    "docs/aor.md) and a lost node's come back from there. Alternatives: a plain torch.optim "
+    "optimizer with DDP, or jitckpt.init(save_fn) with your own per-rank save plus --periodic-every")
 
 
 class Protected:
@@ -57,23 +66,28 @@ class Protected:
     another rank's optimizer step) lets the healthy ranks finish step *i*; they save at the start of
     minibatch *i+1*. ``extra`` holds objects with ``state_dict``/``load_state_dict`` (GradScaler,
     a sampler) or plain tensors/numbers/strings, saved under their keys.
+
+    ``snapshots`` is the in-memory tier (:class:`~jitckpt.snapshot_tier.SnapshotTier`) when the job
+    runs with ``--snapshot-every``. A ``ZeroRedundancyOptimizer`` needs it: its partitions are
+    snapshotted through AOR (each rank also recomputes its successor node's partition) and restored
+    from the keepers; such a job takes no JIT or periodic checkpoints.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: Any = None, *, extra: Optional[dict] = None) -> None:
+                 scheduler: Any = None, *, extra: Optional[dict] = None,
+                 snapshots: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"protect(model=...): expected a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"protect(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if _is_zero(optimizer):
-            raise TypeError(
-                "protect(optimizer=ZeroRedundancyOptimizer): not supported yet. With ZeRO each rank "
-                "holds the only copy of its optimizer partition and ZeRO's state_dict() is a "
-                "collective, so the survivors of a failure cannot save a lost rank's partition. Use "
-                "a plain torch.optim optimizer with DDP, or jitckpt.init(save_fn) with a per-rank "
-                "save of zero.optim.state_dict() plus --periodic-every; in-memory protection of "
-                "ZeRO-1 partitions is library-level for now (jitckpt.snapshot_aor, docs/aor.md)")
+        self._zero = is_zero(optimizer)
+        if self._zero and (snapshots is None or snapshots.peer() is None):
+            raise TypeError(ZERO_NEEDS_SNAPSHOTS)
+        if self._zero and optimizer.world_size != torch.distributed.get_world_size():
+            raise TypeError(f"protect(optimizer=ZeroRedundancyOptimizer): its process group has "
+                            f"{optimizer.world_size} ranks, the job {torch.distributed.get_world_size()}; "
+                            "AOR protects a ZeRO group spanning the whole job only (no hybrid parallelism)")
         if scheduler is not None and not hasattr(scheduler, "state_dict"):
             raise TypeError("protect(scheduler=...): the scheduler needs state_dict()/load_state_dict()")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -88,7 +102,10 @@ class Protected:
         self._ddp_layout: Optional[dict] = None
         self._train_forwards = 0
         self._layout_settled = False     # _ddp_layout is the current minibatch's (snapshots on)
-        self._snapshots: Any = None          # SnapshotTier (jitckpt run --snapshot-every)
+        self._snapshots: Any = snapshots     # SnapshotTier (jitckpt run --snapshot-every)
+        self._replica: Any = None            # ZeRO: OptimizerReplica of the successor's partition
+        self._aor: Any = None                # ZeRO: AorSnapshotter writing both partitions
+        self._peer_state: Optional[dict] = None  # ZeRO: the successor's partition, restored
         self._resumed_step: Optional[int] = None
         self._handles = [
             model.register_forward_pre_hook(self._on_forward),
@@ -97,9 +114,10 @@ class Protected:
             optimizer.register_step_post_hook(self._on_step_done),
         ]
 
-    def attach_snapshots(self, tier: Any) -> None:
-        """Take in-memory snapshots of :meth:`state_dict` with ``tier`` (see :mod:`snapshot_tier`)."""
-        self._snapshots = tier
+    @property
+    def uses_aor(self) -> bool:
+        """True for a ZeroRedundancyOptimizer: partitions protected by AOR, no disk checkpoints."""
+        return self._zero
 
     # Hooks -------------------------------------------------------------------------------------
     def _on_forward(self, module: Any, args: Any) -> None:
@@ -141,7 +159,32 @@ class Protected:
 
     def _snapshot_begin(self) -> None:
         self._snapshots.start(self._snapshot_state, resumed_step=self._resumed_step)
-        self._snapshots.begin(self.step)
+        if self._zero and self._replica is None:
+            self._start_aor()
+        if self._snapshots.begin(self.step) and self._aor is not None:
+            self._aor.begin(self.step)  # the partitions of the same step, on the replica's worker
+
+    def _start_aor(self) -> None:
+        """ZeRO: the replica of the successor's partition (from the restored state if any)."""
+        from .snapshot_aor import OptimizerReplica
+        from .snapshot_aor_store import AorSnapshotter
+
+        self._replica = OptimizerReplica(zero=self.optimizer, peer=self._snapshots.peer(),
+                                         start_step=self.step)
+        if self._peer_state is not None:
+            self._replica.load_state_dict(self._peer_state)  # after the parameters were loaded
+            self._peer_state = None
+        self._aor = AorSnapshotter(replica=self._replica, socket_path=self._snapshots.socket_path)
+
+    def _settle_snapshots(self) -> None:
+        """Before optimizer.step(): the snapshot of this minibatch is written (partitions first:
+        the taker's every-rank-committed check then covers them) and, with ZeRO, the replica has
+        the gradients of this step."""
+        if self._aor is not None:
+            self._aor.wait()
+        self._snapshots.wait()
+        if self._replica is not None:
+            self._replica.capture()
 
     def _snapshot_state(self) -> dict:
         sd = self.state_dict()
@@ -158,9 +201,9 @@ class Protected:
 
             rt = _runtime_or_none()
             if rt is not None:
-                rt.run_snapshot_op(self._snapshots.wait, blocking=False)
+                rt.run_snapshot_op(self._settle_snapshots, blocking=False)
             else:
-                self._snapshots.wait()
+                self._settle_snapshots()
 
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
         # DDP rebuilds its buckets at the start of the second training forward; record the layout
@@ -194,7 +237,8 @@ class Protected:
         return {
             "step": self.step,
             "model": model_sd,
-            "optimizer": self.optimizer.state_dict(),
+            # ZeRO: the partitions go through AOR (its state_dict() would be a collective).
+            "optimizer": None if self._zero else self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "rng": rng,
             "extra": extra,
@@ -202,6 +246,9 @@ class Protected:
 
     def save(self, path: str) -> None:
         """Save into directory ``path`` (the save_fn given to ``jitckpt.init``)."""
+        if self._zero:
+            raise RuntimeError("a ZeroRedundancyOptimizer job has no disk checkpoints: its partitions "
+                               "are protected in the snapshot keepers (AOR)")
         torch.save(self.state_dict(), Path(path) / STATE_FILE)
         if self._ddp_layout is not None:
             from . import ddp_layout
@@ -220,7 +267,11 @@ class Protected:
     def load_state_dict(self, sd: dict) -> int:
         """Load a state from :meth:`state_dict` (a checkpoint's or a snapshot's); return its step."""
         self.model.load_state_dict(sd["model"])
-        self.optimizer.load_state_dict(sd["optimizer"])
+        if sd["optimizer"] is not None:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        elif not self._zero:
+            raise ValueError("this state has no optimizer state (it is from a ZeroRedundancyOptimizer "
+                             "job) but the optimizer is a plain one")
         if self.scheduler is not None and sd["scheduler"] is not None:
             self.scheduler.load_state_dict(sd["scheduler"])
         for k, v in sd["extra"].items():
@@ -259,15 +310,27 @@ class Protected:
         if point is None:
             return self.step
         t0 = time.monotonic()
+        if self._zero and point.aor is None and point.step != 0:  # step 0: nothing to lose
+            raise RuntimeError(f"resume: a ZeroRedundancyOptimizer job found a {point.source} state of "
+                               f"step {point.step} without its optimizer partitions; it cannot resume "
+                               "from it (ZeRO jobs resume from in-memory snapshots only)")
         step = self.load_state_dict(point.state)
+        fetched: list = []
+        if self._zero and point.aor is not None:
+            loaded = self._snapshots.load_zero_partitions(self.optimizer, point)
+            self._peer_state, fetched = loaded.peer_state, loaded.remote
         path = point.path or f"memory:step{point.step}"
         rt.report_restored(path, step, point.seconds + time.monotonic() - t0, source=point.source,
-                           decoded=point.decoded)
+                           decoded=point.decoded, fetched=fetched)
         return step
 
     def close(self) -> None:
         """Remove the hooks; finish and stop in-memory snapshotting."""
         for h in self._handles:
             h.remove()
+        if self._aor is not None:
+            self._aor.close()
+        if self._replica is not None:
+            self._replica.close()
         if self._snapshots is not None:
             self._snapshots.close()

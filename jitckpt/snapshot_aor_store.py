@@ -243,6 +243,76 @@ def _fetch_partitions(keeper: KeeperClient, topo: Topology, step: int, holders: 
     return received, own_from, sorted(remote)
 
 
+@dataclass(frozen=True)
+class AorCatalogue:
+    """Which AOR objects survive in the keepers (the same on every rank): ``holders`` maps
+    (key, step) to {rank: verified entry}, ``peers[r]`` is the peer rank ``r`` protects, and
+    ``complete`` the steps at which every partition survives somewhere, newest first."""
+
+    holders: dict
+    peers: list
+    complete: list
+
+    @property
+    def present(self) -> bool:
+        """Whether any keeper holds AOR objects at all (the job protects ZeRO partitions)."""
+        return bool(self.holders)
+
+
+def survey_partitions(*, peer: int, socket_path: Optional[str] = None,
+                      ranks_per_node: Optional[int] = None) -> AorCatalogue:
+    """Collective: gather every keeper's verified AOR objects; when some step has every
+    partition, discard newer (incomplete) steps from the keepers so the parameter restore that
+    follows cannot pick one of them."""
+    topo = Topology.detect(ranks_per_node)
+    keeper = KeeperClient(socket_path)
+    try:
+        # JSON bytes, not all_gather_object (which unpickles what peers send).
+        gathered = gather_json({"peer": peer, "objects": _local_partitions(keeper, topo)}, topo, None)
+        holders = _holders(g["objects"] for g in gathered)
+        complete = sorted({s for (_, s) in holders
+                           if all((partition_key(r), s) in holders for r in range(topo.world))},
+                          reverse=True)
+        if complete and topo.local_rank == 0:
+            keeper.discard_newer(complete[0])  # newer steps lack a partition: not restorable
+        dist.barrier()
+        return AorCatalogue(holders, [g["peer"] for g in gathered], complete)
+    finally:
+        keeper.close()
+
+
+@dataclass(frozen=True)
+class LoadedPartitions:
+    """This rank's partitions after :func:`load_partitions`: its own is in ``zero`` already."""
+
+    peer_state: dict
+    own_from: int
+    remote: list
+
+
+def load_partitions(*, zero: ZeroRedundancyOptimizer, peer: int, step: int, catalogue: AorCatalogue,
+                    socket_path: Optional[str] = None,
+                    ranks_per_node: Optional[int] = None) -> LoadedPartitions:
+    """Collective: load this rank's partition of ``step`` into ``zero`` (from its node's keeper,
+    or sent by a rank that holds it, checksum re-verified) and return the peer's partition state
+    for :meth:`OptimizerReplica.load_state_dict`."""
+    if step not in catalogue.complete:
+        raise ValueError(f"step {step} does not have every ZeRO partition in the keepers "
+                         f"(complete steps: {catalogue.complete})")
+    topo = Topology.detect(ranks_per_node)
+    world, me = topo.world, topo.rank
+    keeper = KeeperClient(socket_path)
+    try:
+        received, own_from, remote = _fetch_partitions(keeper, topo, step, catalogue.holders,
+                                                       catalogue.peers)
+    finally:
+        keeper.close()
+    own = _decode(received[partition_key(me)], owner=me, world=world, step=step, zero=zero)
+    peer_state = _decode(received[partition_key(peer)], owner=peer, world=world, step=step, zero=zero)
+    load_zero_partition(zero, own)
+    return LoadedPartitions(peer_state, own_from, remote)
+
+
 def restore_with_aor(*, zero: ZeroRedundancyOptimizer, peer: int, socket_path: Optional[str] = None,
                      ranks_per_node: Optional[int] = None) -> AorRestore:
     """Collective (every rank): restore parameters and every ZeRO-1 partition from the keepers.
@@ -260,32 +330,18 @@ def restore_with_aor(*, zero: ZeroRedundancyOptimizer, peer: int, socket_path: O
     world, me = topo.world, topo.rank
     if not 0 <= peer < world or peer == me:
         raise ValueError(f"peer must be another rank (0..{world - 1}, not {me}), got {peer}")
-    keeper = KeeperClient(socket_path)
-    try:
-        # JSON bytes, not all_gather_object (which unpickles what peers send).
-        gathered = gather_json({"peer": peer, "objects": _local_partitions(keeper, topo)}, topo, None)
-        holders = _holders(g["objects"] for g in gathered)
-        complete = sorted({s for (_, s) in holders
-                           if all((partition_key(r), s) in holders for r in range(world))}, reverse=True)
-        if not complete:
-            return AorRestore("none", None, None, None, skipped=[("memory tier", "no step with every "
-                                                                  "ZeRO partition")],
-                              seconds=time.monotonic() - t0)
-        if topo.local_rank == 0:
-            keeper.discard_newer(complete[0])  # newer steps lack a partition: not restorable
-        dist.barrier()
-        res = restore(socket_path=socket_path, ranks_per_node=ranks_per_node)
-        skipped = list(res.skipped)
-        if res.source != "memory" or res.step not in complete:
-            skipped.append((f"memory step {res.step}", "parameters and partitions survive at no common step"))
-            return AorRestore("none", None, None, None, skipped=skipped, seconds=time.monotonic() - t0)
-        step = res.step
-        received, own_from, remote = _fetch_partitions(keeper, topo, step, holders,
-                                                       [g["peer"] for g in gathered])
-        own = _decode(received[partition_key(me)], owner=me, world=world, step=step, zero=zero)
-        peer_state = _decode(received[partition_key(peer)], owner=peer, world=world, step=step, zero=zero)
-        load_zero_partition(zero, own)
-        return AorRestore("memory", step, res.state, peer_state, own_from=own_from, remote=remote,
-                          decoded=res.decoded, skipped=skipped, seconds=time.monotonic() - t0)
-    finally:
-        keeper.close()
+    cat = survey_partitions(peer=peer, socket_path=socket_path, ranks_per_node=ranks_per_node)
+    if not cat.complete:
+        return AorRestore("none", None, None, None, skipped=[("memory tier", "no step with every "
+                                                              "ZeRO partition")],
+                          seconds=time.monotonic() - t0)
+    res = restore(socket_path=socket_path, ranks_per_node=ranks_per_node)
+    skipped = list(res.skipped)
+    if res.source != "memory" or res.step not in cat.complete:
+        skipped.append((f"memory step {res.step}", "parameters and partitions survive at no common step"))
+        return AorRestore("none", None, None, None, skipped=skipped, seconds=time.monotonic() - t0)
+    loaded = load_partitions(zero=zero, peer=peer, step=res.step, catalogue=cat,
+                             socket_path=socket_path, ranks_per_node=ranks_per_node)
+    return AorRestore("memory", res.step, res.state, loaded.peer_state, own_from=loaded.own_from,
+                      remote=loaded.remote, decoded=res.decoded, skipped=skipped,
+                      seconds=time.monotonic() - t0)

@@ -45,6 +45,7 @@ class ResumePoint:
     path: Optional[str]      # the checkpoint directory (disk tier)
     seconds: float
     decoded: list            # data parts rebuilt from parity (memory tier)
+    aor: Any = None          # AorCatalogue when the keepers hold ZeRO partitions (AOR)
 
 
 class SnapshotTier:
@@ -93,21 +94,62 @@ class SnapshotTier:
         self._check_group()
         from .snapshot_restore import restore
 
+        aor = self._survey_partitions()
+        zero_job = aor is not None and aor.present
+        if zero_job and not aor.complete:
+            raise RuntimeError("resume: the snapshot keepers hold ZeRO optimizer partitions but no step "
+                               "has all of them (more than one node of a protection pair was lost), so "
+                               "this job cannot resume consistently; restart it from scratch with a new "
+                               "--rdzv-id (fresh keepers)")
+        # A ZeRO job's partitions exist only in the keepers: the disk tier cannot resume it.
         res = restore(socket_path=self.socket_path, ranks_per_node=self.ranks_per_node,
-                      checkpoint_dir=self.checkpoint_dir)
+                      checkpoint_dir=None if zero_job else self.checkpoint_dir)
         self._resolved = True
         for what, why in res.skipped:
             log.warning("resume: skipped %s: %s", what, why)
+        if zero_job and (res.state is None or res.step not in aor.complete):
+            raise RuntimeError(f"resume: ZeRO optimizer partitions survive for steps {aor.complete} but "
+                               f"the parameters for none of them (memory tier: {res.source} step "
+                               f"{res.step}); this job cannot resume consistently")
         if res.state is not None:
             state = res.state
             if res.source == "memory" and dist.is_initialized() and dist.get_world_size() == 1:
                 # One rank: the tensors view the keeper's buffers, which later snapshots reuse.
                 state = _clone(state)
             self._resume = ResumePoint(res.source, int(res.step), state, res.path, res.seconds,
-                                       list(res.decoded))
+                                       list(res.decoded), aor if zero_job else None)
             log.warning("resume from %s step %d (%.3fs)%s", res.source, res.step, res.seconds,
                         f"; decoded {res.decoded} from parity" if res.decoded else "")
         return self._resume
+
+    def peer(self) -> Optional[int]:
+        """The rank whose ZeRO partition this rank replicates (AOR), or None with one node."""
+        from .snapshot_aor import successor_peer
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        try:
+            return successor_peer(rank, world, self.ranks_per_node)
+        except ValueError:
+            return None
+
+    def _survey_partitions(self) -> Any:
+        """Collective: the keepers' AOR objects (None when AOR cannot apply: fewer than 2 nodes)."""
+        peer = self.peer()
+        if peer is None:
+            return None
+        from .snapshot_aor_store import survey_partitions
+
+        return survey_partitions(peer=peer, socket_path=self.socket_path,
+                                 ranks_per_node=self.ranks_per_node)
+
+    def load_zero_partitions(self, zero: Any, point: ResumePoint) -> Any:
+        """Collective: load this rank's ZeRO partition of ``point`` into ``zero``; return the
+        :class:`~snapshot_aor_store.LoadedPartitions` (the peer's state, for the replica)."""
+        from .snapshot_aor_store import load_partitions
+
+        return load_partitions(zero=zero, peer=self.peer(), step=point.step, catalogue=point.aor,
+                               socket_path=self.socket_path, ranks_per_node=self.ranks_per_node)
 
     def ddp_layout(self) -> Optional[dict]:
         """The DDP bucket layout of the resume point (for :func:`ddp_layout.install_pinning`)."""

@@ -61,6 +61,7 @@ class WorkerRuntime:
         # A region blocked this long after a failure is taken as stuck: save while it is held.
         self.blocked_grace = 2.0
         self.save_fn: Optional[Callable[[str], None]] = None
+        self.no_save_reason: Optional[str] = None  # why this job registers no save function
         self.step_fn: Optional[Callable[[], int]] = None
         self.consistency_check: Optional[Callable[[], bool]] = None
         self.shard_id, self.num_shards, self.replica_id = 0, 1, rank
@@ -192,11 +193,12 @@ class WorkerRuntime:
         return path
 
     def report_restored(self, path: str, step: int, seconds: Optional[float], *,
-                        source: str = "disk", decoded: Optional[list] = None) -> None:
+                        source: str = "disk", decoded: Optional[list] = None,
+                        fetched: Optional[list] = None) -> None:
         self._restored_step = step
         if self.channel is not None:
             self.channel.send("restored", rank=self.rank, step=step, path=path, seconds=seconds,
-                              source=source, decoded=list(decoded or []))
+                              source=source, decoded=list(decoded or []), fetched=list(fetched or []))
 
     def run_snapshot_op(self, fn: Callable[[], object], *, blocking: bool) -> object:
         """Run a snapshot call; its failure (keeper gone, a peer gone) is a failure of the job.
@@ -329,7 +331,7 @@ class WorkerRuntime:
         Without a save function there is nothing to wait for: give up at once.
         """
         if self.save_fn is None:
-            self._give_up("no save function registered (call jitckpt.init(save_fn))")
+            self._give_up(self.no_save_reason or "no save function registered (call jitckpt.init(save_fn))")
         deadline = time.monotonic() + self.save_timeout
         while time.monotonic() < deadline:
             with self._lock:
@@ -360,7 +362,7 @@ class WorkerRuntime:
 
     def _do_save_and_exit(self) -> None:
         if self.save_fn is None:
-            self._give_up("no save function registered (call jitckpt.init(save_fn))")
+            self._give_up(self.no_save_reason or "no save function registered (call jitckpt.init(save_fn))")
         step = self.current_step()
         if self._native is not None:  # this thread's device copies go to libjit.so's save stream
             self._native.set_save_thread(True)

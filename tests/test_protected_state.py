@@ -40,7 +40,7 @@ finally:
 '''
 
 
-def test_zero_redundancy_optimizer_is_refused_with_the_alternatives():
+def test_zero_redundancy_optimizer_without_snapshots_is_refused_with_the_alternatives():
     # A process group in a subprocess: gloo's threads must not live in the forking pytest process.
     p = subprocess.run([sys.executable, "-c", ZERO], capture_output=True, text=True, timeout=60,
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -48,3 +48,16 @@ def test_zero_redundancy_optimizer_is_refused_with_the_alternatives():
     out = p.stdout.strip()
     assert out.startswith("refused:"), out
     assert "only copy of its optimizer partition" in out and "jitckpt.init(save_fn)" in out
+    assert "--snapshot-every" in out
+
+
+def test_zero_job_refuses_disk_tiers_it_cannot_resume_from():
+    from types import SimpleNamespace
+
+    from jitckpt import _check_zero_job
+
+    for periodic, flush in ((5, 0), (0, 3)):
+        rt = SimpleNamespace(periodic_every=periodic, snapshots=SimpleNamespace(flush_every=flush))
+        with pytest.raises(ValueError, match="without the optimizer partitions"):
+            _check_zero_job(rt)
+    _check_zero_job(SimpleNamespace(periodic_every=0, snapshots=SimpleNamespace(flush_every=0)))
