@@ -184,9 +184,6 @@ class LaunchConfig:
             raise ValueError(f"--recovery {self.recovery!r}: choose one of {', '.join(RECOVERY_MODES)}")
         if self.recovery != "stage":
             return
-        if self.nnodes > 1:
-            raise ValueError("--recovery stage runs on one node for now (the job store lives in this "
-                             "launcher); use --nnodes 1, or --recovery jit across nodes")
         if self.snapshot_every:
             raise ValueError("--recovery stage keeps the survivors' state in memory and replaces only the "
                              "dead rank; in-memory snapshots (--snapshot-every) serve --recovery jit. "

@@ -33,6 +33,7 @@ from .keeper_supervisor import KeeperSupervisor
 from .exit_codes import EXIT_JIT_SAVED
 from .launch_config import LaunchConfig
 from .node_coordinator import NodeCoordinator
+from .stage_generations import StageGenerations
 from .status_display import StatusDisplay
 
 log = logging.getLogger("jitckpt.launcher")
@@ -170,10 +171,10 @@ class Launcher:
         self.restart_count = 0
         self.keeper: Optional[KeeperSupervisor] = None
         self.gen = 0  # process-group generation; --recovery stage advances it per replacement
-        self.stage_store = None
+        self.stage: Optional[StageGenerations] = None
         self._replacing: dict[int, tuple[str, float, float]] = {}  # rank -> (kind, t_detect, t_start)
         if cfg.recovery == "stage":
-            self.stage_store = _job_store(timeout=cfg.rdzv_timeout)
+            self.stage = StageGenerations(cfg, self.coord)
         if cfg.snapshot_every:
             self.keeper = KeeperSupervisor(run_dir=str(self.run_dir), node=cfg.node_rank,
                                            python=sys.executable, env=self._base_env())
@@ -200,24 +201,24 @@ class Launcher:
             # together, before training starts: a failure early in the job still restarts warm.
             self.pool.fill(extra=cfg.nproc_per_node)
         try:
-            gen = 0
+            gen = 0  # whole-job launches (the coordinator's generations)
             while True:
-                self.gen = gen
-                self.events.gen = gen
+                self.gen = self.stage.for_launch(gen) if self.stage is not None else gen
+                self.events.gen = self.gen
                 if not self._ensure_keeper():
-                    self.emit("job_end", status="failed", exit_code=1, restarts=self.restart_count)
+                    self.emit("job_end", status="failed", exit_code=1, restarts=self._restarts_used())
                     return 1
                 ok = self._run_generation(gen)
                 if ok:
-                    self.emit("job_end", status="ok", exit_code=0, restarts=self.restart_count)
+                    self.emit("job_end", status="ok", exit_code=0, restarts=self._restarts_used())
                     return 0
-                if self.restart_count >= cfg.max_restarts:
+                if self._restarts_used() >= cfg.max_restarts:
                     log.error("job failed and --max-restarts=%d is used up", cfg.max_restarts)
-                    self.emit("job_end", status="failed", exit_code=1, restarts=self.restart_count)
+                    self.emit("job_end", status="failed", exit_code=1, restarts=self._restarts_used())
                     return 1
                 self.restart_count += 1
-                gen = self.gen + 1
-                self.emit("restart", reason="failure", restart_count=self.restart_count)
+                gen += 1
+                self.emit("restart", reason="failure", restart_count=self._restarts_used())
         finally:
             for w in self.workers:
                 _kill_group(w.proc)
@@ -228,6 +229,10 @@ class Launcher:
             self.coord.close()
             if self.metrics is not None:
                 self.metrics.close()
+
+    def _restarts_used(self) -> int:
+        """Whole-job restarts plus --recovery stage replacements on any node."""
+        return self.restart_count + (self.stage.replacements() if self.stage is not None else 0)
 
     def _ensure_keeper(self) -> bool:
         """This node's snapshot keeper runs (kept across generations; replaced, empty, if it died)."""
@@ -269,9 +274,8 @@ class Launcher:
         }
         if cfg.preload:
             env["LD_PRELOAD"] = cfg.preload
-        if self.stage_store is not None:
-            env.update({"JITCKPT_RECOVERY": "stage", "JITCKPT_ROLE": role,
-                        "JITCKPT_STAGE_STORE": f"127.0.0.1:{self.stage_store.port}"})
+        if self.stage is not None:
+            env.update(self.stage.worker_env(role))
         if self.keeper is not None:
             env.update({"JITCKPT_SNAPSHOT_SOCKET": self.keeper.socket_path,
                         "JITCKPT_SNAPSHOT_EVERY": str(cfg.snapshot_every),
@@ -280,9 +284,9 @@ class Launcher:
                         "JITCKPT_SNAPSHOT_RANKS_PER_NODE": str(cfg.nproc_per_node)})
         return env
 
-    def _start_workers(self, gen: int, master: tuple[str, int]) -> None:
-        role = "initial" if gen == 0 else "restart"
-        self.workers = [self._start_worker(gen, lr, master, role)
+    def _start_workers(self, launch: int, master: tuple[str, int]) -> None:
+        role = "initial" if launch == 0 else "restart"
+        self.workers = [self._start_worker(self.gen, lr, master, role)
                         for lr in range(self.cfg.nproc_per_node)]
 
     def _start_worker(self, gen: int, local_rank: int, master: tuple[str, int],
@@ -313,11 +317,9 @@ class Launcher:
         Refused (the caller falls back to the whole-job recovery) when restarts are used up or
         a rank already stands at the exit barrier (it no longer takes part in a recovery).
         """
-        if (self.stage_store is None or self.restart_count >= self.cfg.max_restarts
+        if (self.stage is None or self._restarts_used() >= self.cfg.max_restarts
                 or any(w.exit_ready for w in self.workers)):
             return False
-        from .swift.pipeline_failure import announce_key, failure_key
-
         kind = "signal" if (old.exit_code or 0) < 0 else "exit"
         detail = (f"killed by {signal.Signals(-old.exit_code).name}" if kind == "signal"
                   else f"exit code {old.exit_code}")
@@ -325,15 +327,12 @@ class Launcher:
         t_detect = time.time()
         self.emit("failure_detected", kind=kind, rank=old.rank, node=self.cfg.node_rank,
                   pid=old.proc.pid, detail=detail, reporter=None)
-        # Survivors waiting on a live peer poll this flag; then they wait for the announcement.
-        self.stage_store.set(failure_key(self.gen), "1")
-        self.gen += 1
-        self.restart_count += 1
+        self.gen = self.stage.replace(old.rank)
         self.events.gen = self.gen
         new = self._start_worker(self.gen, old.local_rank, master, "replacement")
-        self.stage_store.set(announce_key(self.gen), str(old.rank))
+        self.stage.announce(self.gen, old.rank)
         self.emit("stage_replaced", rank=old.rank, generation=self.gen,
-                  restart_count=self.restart_count)
+                  restart_count=self._restarts_used())
         self._replacing[old.rank] = (kind, t_detect, time.time())
         old.channel.close()
         self.workers[self.workers.index(old)] = new
@@ -604,18 +603,6 @@ class Launcher:
             prune(self.cfg.checkpoint_dir, older_than_step=step_resumed)
         except OSError as e:
             log.warning("could not prune old checkpoints: %s", e)
-
-
-def _job_store(*, timeout: float):  # type: ignore[no-untyped-def]
-    """The TCPStore of a --recovery stage job, served by this launcher on loopback so that it
-    outlives every worker (rank 0 included). Workers are started with Popen, never forked, so
-    the store's server thread here is safe."""
-    import datetime
-
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout))
 
 
 def run(cfg: LaunchConfig) -> int:

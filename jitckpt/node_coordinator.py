@@ -43,9 +43,13 @@ class NodeCoordinator:
         store = dist.TCPStore(self.cfg.rdzv_host, self.cfg.rdzv_port, world_size=None,
                               is_master=server, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=self.cfg.rdzv_timeout))
+        return dist.PrefixStore(self.prefix, store)
+
+    @property
+    def prefix(self) -> str:
+        """This job's key prefix in the rendezvous store."""
         token = os.environ.get("JITCKPT_TOKEN", "")
-        prefix = f"jitckpt/{self.cfg.run_id}/{hashlib.sha256(token.encode()).hexdigest()[:16]}"
-        return dist.PrefixStore(prefix, store)
+        return f"jitckpt/{self.cfg.run_id}/{hashlib.sha256(token.encode()).hexdigest()[:16]}"
 
     def _connect(self) -> None:
         self.store = self._client(server=self.cfg.node_rank == 0)

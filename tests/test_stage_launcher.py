@@ -12,13 +12,16 @@ has a deadline; its processes are killed by PID.
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from jobs import _read_jsonl, run_bounded
+from jobs import _read_jsonl, kill_tree, run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "pipeline_logging.py"
@@ -34,6 +37,12 @@ def _launch(work: Path, *, launcher_args: list, script_args: list, timeout: floa
            *script_args]
     rc, out = run_bounded(cmd, cwd=work, timeout=timeout)
     return rc, out, _read_jsonl(work / "events" / "events.jsonl")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _final(run: Path) -> dict:
@@ -93,6 +102,48 @@ def test_launcher_replaces_only_the_dead_stage_bitwise(tmp_path, reference, fail
     got = _final(run)
     for s in range(4):
         assert got[s].keys() == reference[s].keys()
+        for k in reference[s]:
+            assert torch.equal(got[s][k], reference[s][k]), f"stage {s} {k} differs"
+
+
+def test_two_nodes_each_launcher_replaces_its_own_dead_stage(tmp_path, reference):
+    """Two launchers (2 stages each) share node 0's rendezvous store: stage 2 dies on node 1,
+    then stage 1 on node 0; each launcher replaces its own rank, generations come from the
+    shared store (1, then 2), and the result is bitwise that of a failure-free run."""
+    port = free_port()
+    procs = []
+    try:
+        for node in (0, 1):
+            work = tmp_path / f"node{node}"
+            work.mkdir()
+            cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", "2", "--node-rank", str(node),
+                   "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+                   "stage2n", "--recovery", "stage", "--max-restarts", "2", "--checkpoint-dir",
+                   str(work / "ckpt"), "--run-dir", str(work / "events"), "--status-interval", "0",
+                   str(SCRIPT), "--run-dir", str(tmp_path / "run"), "--iterations", str(ITERS),
+                   "--checkpoint-every", str(CKPT), "--timeout", "60", "--fail-stage", "2",
+                   "--fail-iter", str(FAIL_IT), "--fail-op", "3", "--then-fail", f"1:{FAIL_IT + 1}:2"]
+            procs.append(subprocess.Popen(cmd, cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        try:
+            outs = [p.communicate(timeout=150)[0] for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                kill_tree(p.pid)
+            raise AssertionError("two-node stage job timed out:\n"
+                                 + "\n".join(p.communicate()[0][-3000:] for p in procs)) from None
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    events = [_read_jsonl(tmp_path / f"node{n}" / "events" / "events.jsonl") for n in (0, 1)]
+    replaced = [[(e["rank"], e["generation"]) for e in ev if e["event"] == "stage_replaced"]
+                for ev in events]
+    assert replaced == [[(1, 2)], [(2, 1)]], replaced
+    assert not [e for ev in events for e in ev if e["event"] == "restart"]
+    got = _final(tmp_path / "run")
+    for s in range(4):
         for k in reference[s]:
             assert torch.equal(got[s][k], reference[s][k]), f"stage {s} {k} differs"
 

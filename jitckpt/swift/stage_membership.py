@@ -5,7 +5,8 @@ keep running and keep their state, and the launcher starts one replacement for t
 It tells the workers what they need through the environment and a job-wide TCPStore that the
 launcher hosts (so the store outlives any worker, rank 0 included):
 
-* ``JITCKPT_RECOVERY=stage``, ``JITCKPT_STAGE_STORE=host:port``;
+* ``JITCKPT_RECOVERY=stage``, ``JITCKPT_STAGE_STORE=host:port`` (and ``JITCKPT_STAGE_PREFIX``,
+  the job's key prefix when the store is the rendezvous store of several nodes);
 * ``JITCKPT_GEN``: the process-group generation this process starts in;
 * ``JITCKPT_ROLE``: ``initial`` (first start), ``replacement`` (a dead rank's successor: load the
   last global checkpoint and replay from the neighbours' logs) or ``restart`` (the launcher fell
@@ -68,6 +69,9 @@ class StageMembership:
                              "(set by jitckpt run --recovery stage)")
         store = dist.TCPStore(host, int(port), is_master=False,
                               timeout=timedelta(seconds=timeout))
+        prefix = os.environ.get("JITCKPT_STAGE_PREFIX", "")
+        if prefix:  # several nodes: the rendezvous store, under the job's prefix
+            store = dist.PrefixStore(prefix, store)
         return cls(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                    generation=int(os.environ.get("JITCKPT_GEN", "0")),
                    role=os.environ.get("JITCKPT_ROLE", "initial"), store=store)
