@@ -77,6 +77,9 @@ class PipelineRun:
     fail_iteration: int = 0
     fail_op: int = 0
     fail_after: tuple[int, ...] = ()  # die only once these stages completed fail_iteration
+    # Under `jitckpt run --recovery stage` only: stages that die together with fail_stage, at
+    # the same iteration and op (overlapping failures: the launcher restarts the whole job).
+    also_fail: tuple[int, ...] = ()
     # Under `jitckpt run --recovery stage` only: (stage, iteration, op) of the k-th further
     # failure, injected in process-group generation k (after k earlier replacements).
     later_failures: tuple[tuple[int, int, int], ...] = ()
@@ -105,8 +108,12 @@ class PipelineRun:
                 raise ValueError(f"fail_stage {self.fail_stage} outside 0..{self.num_stages-1}")
             if not 1 <= self.fail_iteration <= self.iterations:
                 raise ValueError(f"fail_iteration must be in 1..{self.iterations}")
-        if self.later_failures and self.fail_stage is None:
-            raise ValueError("later_failures need a first failure (fail_stage)")
+        if (self.later_failures or self.also_fail) and self.fail_stage is None:
+            raise ValueError("later_failures and also_fail need a first failure (fail_stage)")
+        for stage in self.also_fail:
+            if not 0 <= stage < self.num_stages or stage == self.fail_stage:
+                raise ValueError(f"also_fail stage {stage}: outside 0..{self.num_stages - 1} "
+                                 "or the same as fail_stage")
         for stage, it, _ in self.later_failures:
             if not (0 <= stage < self.num_stages and 1 <= it <= self.iterations):
                 raise ValueError(f"later failure of stage {stage} at iteration {it}: outside "
@@ -222,7 +229,8 @@ class _Stage:
         if cfg.fail_stage is None:
             return
         plan = [(cfg.fail_stage, cfg.fail_iteration, cfg.fail_op), *cfg.later_failures]
-        if self.gen < len(plan) and plan[self.gen] == (self.s, it, op):
+        first = self.gen == 0 and self.s in cfg.also_fail and (it, op) == plan[0][1:]
+        if first or self.gen < len(plan) and plan[self.gen] == (self.s, it, op):
             if self.gen == 0:
                 self.store.wait([f"reached/{p}" for p in cfg.fail_after])
             self.store.set(FAILED, repr(time.time()))
@@ -408,9 +416,9 @@ class RunResult:
 
 def run_pipeline(cfg: PipelineRun) -> RunResult:
     """Run the pipeline in forked stage processes; every process is killed by PID on exit."""
-    if cfg.later_failures:
-        raise ValueError("later_failures: this supervisor handles one failure; run the example "
-                         "under jitckpt run --recovery stage for more")
+    if cfg.later_failures or cfg.also_fail:
+        raise ValueError("later_failures/also_fail: this supervisor handles one failure; run the "
+                         "example under jitckpt run --recovery stage for more")
     with StoreServer() as server:  # master in its own process: forking stages stays safe
         return _supervise(cfg, server)
 
@@ -501,6 +509,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--then-fail", action="append", default=[], metavar="STAGE:ITER:OP",
                     help="under jitckpt run --recovery stage: a further failure, injected after "
                          "the previous one was replaced (repeatable)")
+    ap.add_argument("--also-fail", action="append", type=int, default=[], metavar="STAGE",
+                    help="under jitckpt run --recovery stage: a stage that dies together with "
+                         "--fail-stage, at the same point (repeatable)")
     ap.add_argument("--timeout", type=float, default=60.0,
                     help="bound on every wait (store, process group, the whole run)")
     args = ap.parse_args(argv)
@@ -509,7 +520,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   checkpoint_every=args.checkpoint_every, fail_stage=args.fail_stage,
                   fail_iteration=args.fail_iter, fail_op=args.fail_op, recovery=args.recovery,
                   timeout=args.timeout, group_timeout=args.timeout,
-                  later_failures=tuple(tuple(int(x) for x in f.split(":")) for f in args.then_fail))
+                  later_failures=tuple(tuple(int(x) for x in f.split(":")) for f in args.then_fail),
+                  also_fail=tuple(args.also_fail))
     if member is not None:
         # One stage per worker of `jitckpt run --recovery stage`: the launcher supervises and
         # starts a replacement for a dead stage. The run directory holds the checkpoints a

@@ -218,6 +218,7 @@ class Launcher:
                     return 1
                 self.restart_count += 1
                 gen += 1
+                self._replacing.clear()  # killed with the rest; launch ``gen`` counts afresh
                 self.emit("restart", reason="failure", restart_count=self._restarts_used())
         finally:
             for w in self.workers:
@@ -310,12 +311,14 @@ class Launcher:
         self.emit("worker_start", rank=rank, pid=proc.pid, warm=w.warm, role=role)
         return w
 
-    def _replace_worker(self, old: Worker, master: tuple[str, int],
+    def _replace_worker(self, launch: int, old: Worker, master: tuple[str, int],
                         sel: selectors.BaseSelector) -> bool:
         """--recovery stage: start a replacement for the dead ``old`` and keep the survivors.
 
-        Refused (the caller falls back to the whole-job recovery) when restarts are used up or
-        a rank already stands at the exit barrier (it no longer takes part in a recovery).
+        Refused (the caller falls back to the whole-job recovery) when restarts are used up, a
+        rank already stands at the exit barrier (it no longer takes part in a recovery), or
+        a replacement (another stage's, or ``old`` itself) is still catching up: the survivors
+        wait for it in a process group that cannot form (see :class:`StageGenerations`).
         """
         if (self.stage is None or self._restarts_used() >= self.cfg.max_restarts
                 or any(w.exit_ready for w in self.workers)):
@@ -323,11 +326,17 @@ class Launcher:
         kind = "signal" if (old.exit_code or 0) < 0 else "exit"
         detail = (f"killed by {signal.Signals(-old.exit_code).name}" if kind == "signal"
                   else f"exit code {old.exit_code}")
+        gen = self.stage.replace(old.rank, launch)
+        if gen is None:
+            log.warning("rank %d died (%s) while another stage's replacement is still catching up "
+                        "from the logs; restarting every rank from the global checkpoint",
+                        old.rank, detail)
+            return False
         log.warning("rank %d died (%s); replacing it alone (--recovery stage)", old.rank, detail)
         t_detect = time.time()
         self.emit("failure_detected", kind=kind, rank=old.rank, node=self.cfg.node_rank,
                   pid=old.proc.pid, detail=detail, reporter=None)
-        self.gen = self.stage.replace(old.rank)
+        self.gen = gen
         self.events.gen = self.gen
         new = self._start_worker(self.gen, old.local_rank, master, "replacement")
         self.stage.announce(self.gen, old.rank)
@@ -378,7 +387,7 @@ class Launcher:
                                 and w.rank not in failure.failed_ranks):
                             failure.failed_ranks.append(w.rank)  # the culprit, seen after a peer's report
                         if (w.exit_code not in (0, EXIT_JIT_SAVED) and failure is None
-                                and self._replace_worker(w, master, sel)):
+                                and self._replace_worker(gen, w, master, sel)):
                             continue
                         if w.exit_code not in (0, EXIT_JIT_SAVED) and failure is None:
                             kind = "signal" if (w.exit_code or 0) < 0 else "exit"
@@ -471,7 +480,7 @@ class Launcher:
             w.resumed = True
             self._maybe_emit_summary(gen)
         elif t == "stage_caught_up":
-            self._stage_summary(w, msg)
+            self._stage_summary(gen, w, msg)
         elif t == "exit_ready":
             w.exit_ready = True
             self.coord.report_exit_ready(gen, w.rank)
@@ -497,11 +506,12 @@ class Launcher:
             self.coord.announce_failure(gen, {"kind": kind, "rank": rank, "detail": detail})
         return rec
 
-    def _stage_summary(self, w: Worker, msg: dict) -> None:
+    def _stage_summary(self, launch: int, w: Worker, msg: dict) -> None:
         """A replacement replayed up to the survivors: log its recovery (one rank redid steps)."""
         pending = self._replacing.pop(w.rank, None)
         if pending is None:
             return
+        self.stage.caught_up(launch)
         kind, t_detect, t_start = pending
         now = time.time()
         summary = dict(failure_kind=kind, failed_ranks=[w.rank], detect_s=0.0, save_s=0.0,

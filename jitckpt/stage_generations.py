@@ -8,6 +8,12 @@ ranks, so generation numbers and the restart budget live in the job store, not i
   restart takes one too, chosen by node 0 and read by the others under ``launch<L>/pg_gen``).
 * ``replacements``: replacements so far, on any node (counted against ``--max-restarts``
   together with whole-job restarts, which every launcher counts alike).
+* ``launch<L>/catching_up``: replacements of launch ``L`` that have not yet replayed up to the
+  survivors. Only one at a time: a replacement replays from its neighbours' logs while they wait
+  for it, so a second death before it has caught up (two stages at once, on one node or two, or
+  the replacement itself) leaves a generation that no stage set can complete. That death falls
+  back to the whole-job restart from the global checkpoint, as SWIFT does when logs cannot
+  cover a failure.
 
 One node: the store is a TCPStore served by the launcher on loopback. Several nodes: the
 rendezvous store of :class:`~jitckpt.node_coordinator.NodeCoordinator` (node 0's launcher serves
@@ -16,7 +22,7 @@ it), under the job's prefix. Either way it outlives every worker, rank 0 include
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import Any, Optional
 
 from .launch_config import LaunchConfig
 
@@ -56,16 +62,28 @@ class StageGenerations:
         self.store.wait([key])
         return int(self.store.get(key))
 
-    def replace(self, rank: int) -> int:
+    def replace(self, rank: int, launch: int) -> Optional[int]:
         """Start generation ``g`` for a replacement of ``rank``: raise the failure flag of
         ``g - 1`` (survivors waiting on a live peer stop), count the replacement; return ``g``.
-        Call :meth:`announce` once the replacement process is started."""
+        Call :meth:`announce` once the replacement process is started.
+
+        Returns ``None`` (nothing changed) when another replacement of whole-job launch
+        ``launch`` is still catching up: the caller restarts the whole job instead."""
         from .swift.pipeline_failure import failure_key
 
+        key = f"launch{launch}/catching_up"
+        if self.store.add(key, 1) > 1:  # atomic across nodes: one replacement at a time
+            self.store.add(key, -1)
+            return None
         gen = self.store.add("pg_gen", 1)
         self.store.set(failure_key(gen - 1), "1")
         self.store.add("replacements", 1)
         return gen
+
+    def caught_up(self, launch: int) -> None:
+        """A replacement of launch ``launch`` replayed up to the survivors: the next death can
+        be replaced alone again."""
+        self.store.add(f"launch{launch}/catching_up", -1)
 
     def announce(self, gen: int, rank: int) -> None:
         """Tell the survivors that generation ``gen`` starts with a replacement of ``rank``."""

@@ -6,8 +6,9 @@ one replacement for the dead rank, which loads the global checkpoint of iteratio
 from its neighbours' logs. Survivors never roll back (each completes every iteration exactly
 once and loads no checkpoint), the job ends with exit 0, and every stage's final parameters
 are bitwise identical to a failure-free run. Rank 0 is among the cases (the job store lives in
-the launcher, not in rank 0), and so is a second death after the first replacement. Every job
-has a deadline; its processes are killed by PID.
+the launcher, not in rank 0), and so is a second death after the first replacement. Two stages
+dying at once fall back to a whole-job restart from the global checkpoint. Every job has a
+deadline; its processes are killed by PID.
 """
 from __future__ import annotations
 
@@ -106,10 +107,37 @@ def test_launcher_replaces_only_the_dead_stage_bitwise(tmp_path, reference, fail
             assert torch.equal(got[s][k], reference[s][k]), f"stage {s} {k} differs"
 
 
-def test_two_nodes_each_launcher_replaces_its_own_dead_stage(tmp_path, reference):
-    """Two launchers (2 stages each) share node 0's rendezvous store: stage 2 dies on node 1,
-    then stage 1 on node 0; each launcher replaces its own rank, generations come from the
-    shared store (1, then 2), and the result is bitwise that of a failure-free run."""
+@pytest.mark.parametrize("injection", [
+    ["--fail-stage", "1", "--also-fail", "2", "--fail-iter", str(FAIL_IT), "--fail-op", "0"],
+    # stage 2's replacement (generation 1) dies replaying iteration CKPT + 1
+    ["--fail-stage", "2", "--fail-iter", str(FAIL_IT), "--fail-op", "3",
+     "--then-fail", f"2:{CKPT + 1}:0"],
+], ids=["two-stages-at-once", "replacement-dies-replaying"])
+def test_overlapping_failures_restart_the_whole_job(tmp_path, reference, injection):
+    """Stages 1 and 2 die at the same op, or a replacement dies before it has caught up: the
+    first death seen is replaced; the second finds that replacement still catching up (the
+    survivors wait for it in a group that can no longer form), so the launcher falls back to
+    restarting every rank from the global checkpoint. No wait runs into a timeout, and the
+    result is bitwise that of a failure-free run."""
+    rc, out, events = _launch(tmp_path, launcher_args=["--max-restarts", "3"],
+                              script_args=injection)
+    assert rc == 0, out[-6000:]
+    assert "still catching up from the logs; restarting every rank" in out
+    replaced = [e["rank"] for e in events if e["event"] == "stage_replaced"]
+    assert len(replaced) == 1 and replaced[0] in (1, 2), replaced
+    assert len([e for e in events if e["event"] == "restart"]) == 1
+    starts = [(e["rank"], e["role"]) for e in events if e["event"] == "worker_start"]
+    assert starts == ([(r, "initial") for r in range(4)] + [(replaced[0], "replacement")]
+                      + [(r, "restart") for r in range(4)]), starts
+    run = tmp_path / "run"
+    for s in range(4):
+        st = json.loads((run / "final" / f"stage{s}.json").read_text())
+        assert st["role"] == "restart" and st["loaded_checkpoint"] == CKPT, st
+    _assert_bitwise(run, reference)
+
+
+def _launch_two_nodes(tmp_path: Path, script_args: list) -> list:
+    """Two launchers of two stages each on node 0's rendezvous store; returns their events."""
     port = free_port()
     procs = []
     try:
@@ -121,8 +149,7 @@ def test_two_nodes_each_launcher_replaces_its_own_dead_stage(tmp_path, reference
                    "stage2n", "--recovery", "stage", "--max-restarts", "2", "--checkpoint-dir",
                    str(work / "ckpt"), "--run-dir", str(work / "events"), "--status-interval", "0",
                    str(SCRIPT), "--run-dir", str(tmp_path / "run"), "--iterations", str(ITERS),
-                   "--checkpoint-every", str(CKPT), "--timeout", "60", "--fail-stage", "2",
-                   "--fail-iter", str(FAIL_IT), "--fail-op", "3", "--then-fail", f"1:{FAIL_IT + 1}:2"]
+                   "--checkpoint-every", str(CKPT), "--timeout", "60", *script_args]
             procs.append(subprocess.Popen(cmd, cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                           start_new_session=True))
@@ -137,15 +164,42 @@ def test_two_nodes_each_launcher_replaces_its_own_dead_stage(tmp_path, reference
         for p in procs:
             kill_tree(p.pid)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
-    events = [_read_jsonl(tmp_path / f"node{n}" / "events" / "events.jsonl") for n in (0, 1)]
+    return [_read_jsonl(tmp_path / f"node{n}" / "events" / "events.jsonl") for n in (0, 1)]
+
+
+def _assert_bitwise(run: Path, reference: dict) -> None:
+    got = _final(run)
+    for s in range(4):
+        for k in reference[s]:
+            assert torch.equal(got[s][k], reference[s][k]), f"stage {s} {k} differs"
+
+
+def test_two_nodes_each_launcher_replaces_its_own_dead_stage(tmp_path, reference):
+    """Two launchers (2 stages each) share node 0's rendezvous store: stage 2 dies on node 1,
+    then stage 1 on node 0; each launcher replaces its own rank, generations come from the
+    shared store (1, then 2), and the result is bitwise that of a failure-free run."""
+    events = _launch_two_nodes(tmp_path, ["--fail-stage", "2", "--fail-iter", str(FAIL_IT),
+                                          "--fail-op", "3", "--then-fail", f"1:{FAIL_IT + 1}:2"])
     replaced = [[(e["rank"], e["generation"]) for e in ev if e["event"] == "stage_replaced"]
                 for ev in events]
     assert replaced == [[(1, 2)], [(2, 1)]], replaced
     assert not [e for ev in events for e in ev if e["event"] == "restart"]
-    got = _final(tmp_path / "run")
+    _assert_bitwise(tmp_path / "run", reference)
+
+
+def test_two_nodes_losing_a_stage_each_at_once_restart_the_whole_job(tmp_path, reference):
+    """Stage 1 (node 0) and stage 2 (node 1) die at the same op: the store lets one launcher
+    start a replacement; the other falls back to the whole-job restart, which reaches the first
+    through the rendezvous store. Both nodes restart once, bitwise result."""
+    events = _launch_two_nodes(tmp_path, ["--fail-stage", "1", "--also-fail", "2",
+                                          "--fail-iter", str(FAIL_IT), "--fail-op", "0"])
+    replaced = [e["rank"] for ev in events for e in ev if e["event"] == "stage_replaced"]
+    assert len(replaced) <= 1, replaced  # none if the restart reached the other node first
+    assert [len([e for e in ev if e["event"] == "restart"]) for ev in events] == [1, 1]
     for s in range(4):
-        for k in reference[s]:
-            assert torch.equal(got[s][k], reference[s][k]), f"stage {s} {k} differs"
+        st = json.loads((tmp_path / "run" / "final" / f"stage{s}.json").read_text())
+        assert st["role"] == "restart" and st["loaded_checkpoint"] == CKPT, st
+    _assert_bitwise(tmp_path / "run", reference)
 
 
 def test_no_restarts_left_ends_the_job_with_an_error(tmp_path):
