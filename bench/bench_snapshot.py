@@ -24,10 +24,11 @@ than loading the same state from disk with torch.load.
    same cold torch.load. No restore that copies the state once can beat that ratio on this
    machine, whatever the code does.
 
-Guest memory is touched once before measuring (``warm_guest_memory``): in this VM the first
-touch of guest-physical memory that was never used is served by the host, and a fresh huge page
-then costs about 10x (136 ms instead of 12 ms for 48 MiB, measured). A long-running training host
-has touched its memory long before a restore; without this the restore numbers measure the VM.
+Page faults: the restore copies into fresh memory, which a restarted process has to fault in
+whatever it loads with (torch.load too). That memory follows the system's transparent huge page
+policy; it used to be advised for huge pages, which on this VM made every restore ~4x slower (a
+fresh 2 MiB page is backed by the host on first touch: ~100 MB/s against ~1 GB/s with 4 KiB
+pages) and made the results depend on whether the host still backed recently freed memory.
 
 Usage: python bench/bench_snapshot.py [--quick] [--out bench/results/snapshot.json]
 (about 1.5 minutes; --quick is a smoke test).
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import shutil
 import statistics
@@ -89,15 +89,6 @@ def drop_file_cache(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-def warm_guest_memory(nbytes: int) -> None:
-    """Touch ``nbytes`` of huge-page memory once and free it (see the module docstring)."""
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
-    np.frombuffer(m, dtype=np.uint8)[::4096] = 1
-    m.close()
 
 
 def copy_ceiling(nbytes: int, path: Path, trials: int) -> dict:
@@ -239,7 +230,6 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="snapbench", dir="/tmp"))
     sock = str(tmp / "k.sock")
     keeper = start_keeper(sock)
-    warm_guest_memory(2 << 30)
     try:
         model, opt = build(a.hidden, a.layers)
         clock = [0]

@@ -12,8 +12,6 @@ by node 0 at ``--rdzv-endpoint`` (see :mod:`jitckpt.node_coordinator`).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import selectors

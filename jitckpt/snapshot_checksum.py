@@ -55,8 +55,10 @@ def copy_verified(src: Any, algorithm: str = DEFAULT_ALGORITHM, chunk: int = 1 <
 
     One pass: each chunk is hashed from the copy while it is still in cache. (Copying the next
     chunk on a helper thread meanwhile was slower on a loaded machine: one thread wake-up per
-    chunk.) The copy lives in its own anonymous mapping advised for transparent huge pages, so
-    allocating it costs a few 2 MiB page faults instead of one fault per 4 KiB page.
+    chunk.) The copy lives in its own anonymous mapping, paged as the system's transparent huge
+    page policy says: advising huge pages made a 256 MiB restore 4x slower on our VM, where
+    each fresh 2 MiB page is backed by the host on first touch (100 MB/s vs 1 GB/s for 4 KiB
+    pages, measured).
     """
     import numpy as np  # local: the checksum functions above need neither
     import torch
@@ -65,9 +67,9 @@ def copy_verified(src: Any, algorithm: str = DEFAULT_ALGORITHM, chunk: int = 1 <
     h = Checksum(algorithm)
     if n == 0:
         return torch.empty(0, dtype=torch.uint8), h.value()
-    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
+    # MAP_POPULATE: the kernel faults the pages in one call, about twice as fast as one trap
+    # per page during the copy (256 MiB: 88 ms vs 167 ms for allocate + copy, measured here).
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
     dst = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
     mv, d, s = memoryview(m), dst.numpy(), src.numpy()
     try:
