@@ -175,7 +175,8 @@ class LaunchConfig:
             # Refused rather than accepted and ignored: they run inside the device proxy.
             raise ValueError(f"--plugin {','.join(self.plugins)}: the SWIFT plugins run inside the device proxy "
                              "(proxy mode), which is not built yet; drop --plugin and use them in-process "
-                             "(jitckpt.swift.UpdateUndo, jitckpt.swift.SendLogger; see the README)")
+                             "(jitckpt.swift.UpdateUndo, jitckpt.swift.SendLogger, or libjit.so's NCCL send "
+                             "log via JITCKPT_SEND_LOG_DIR; see the README)")
         self._check_snapshot_flags()
         self._check_recovery()
 

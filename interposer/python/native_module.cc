@@ -204,6 +204,31 @@ void trigger_failure(const std::string& kind, const std::string& detail) {
   api.trigger_failure(kind.c_str(), detail.c_str());
 }
 
+void set_log_context(int64_t iteration, int micro_batch, const std::string& payload) {
+  if (payload != "activation" && payload != "gradient")
+    throw py::value_error("set_log_context: payload must be 'activation' or 'gradient', got '" + payload + "'");
+  if (const jitckpt_api* api = NativeState::instance().api()) api->set_log_context(iteration, micro_batch, payload.c_str());
+}
+
+void flush_send_log(double timeout_s) {
+  if (!std::isfinite(timeout_s) || timeout_s <= 0)
+    throw py::value_error("flush_send_log: timeout must be a positive number of seconds");
+  const jitckpt_api* api = NativeState::instance().api();
+  if (api == nullptr) return;
+  char err[512] = {0};
+  int rc;
+  {
+    py::gil_scoped_release release;
+    rc = api->flush_send_log(timeout_s, err, sizeof err);
+  }
+  if (rc != 0) throw std::runtime_error(std::string("send log: ") + err);
+}
+
+int drop_send_logs_through(int64_t iteration) {
+  const jitckpt_api* api = NativeState::instance().api();
+  return api == nullptr ? 0 : api->drop_send_logs_through(iteration);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -219,7 +244,7 @@ PYBIND11_MODULE(_native, m) {
   m.def("status", &status,
         "dict: preloaded, mode, hang_timeout, step, phase, nccl_streams, dependent_streams, communicators, "
         "collectives_completed, in_flight [{seq, op, stream, step, phase, in_host_call, age_s}], last_error, "
-        "saving, redirect_active, "
+        "saving, redirect_active, send_log {enabled, dir, queued, written, files, bytes, error}, "
         "watchdog_running, library, failure_callback, gil_signal, gil_preemptions.");
   m.def("set_failure_callback", &set_failure_callback, py::arg("cb"), py::kw_only(), py::arg("gil_grace_s") = 0.2,
         py::arg("resume") = false,
@@ -235,6 +260,14 @@ PYBIND11_MODULE(_native, m) {
         "block behind a hung one. The watchdog thread is marked while the failure callback runs.");
   m.def("trigger_failure", &trigger_failure, py::arg("kind"), py::arg("detail") = "",
         "Report a failure as if the watchdog had detected it (runs the callback on the watchdog thread).");
+  m.def("set_log_context", &set_log_context, py::arg("iteration"), py::arg("micro_batch"), py::arg("payload"),
+        "Send log ($JITCKPT_SEND_LOG_DIR): what the next ncclSend calls carry (iteration, micro-batch, "
+        "'activation' or 'gradient'). No-op when libjit.so is not loaded.");
+  m.def("flush_send_log", &flush_send_log, py::arg("timeout") = 30.0,
+        "Wait until every logged ncclSend is written to a chunk file; RuntimeError on a timeout (a copy "
+        "waits behind a blocked stream) or after a failed copy/write.");
+  m.def("drop_send_logs_through", &drop_send_logs_through, py::arg("iteration"),
+        "Delete the send-log chunk files holding only iterations <= iteration; returns how many.");
   m.def("library_path", []() { return NativeState::instance().library_path(); },
         "Path of the loaded libjit.so, or '' if it is not loaded.");
 }

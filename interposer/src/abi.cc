@@ -47,10 +47,27 @@ void end_save_mode() { Registry::instance().end_save_mode(); }
 
 void set_save_thread(int on) { jitckpt::SaveThreadScope::set(on != 0); }
 
+void set_log_context(int64_t iteration, int micro_batch, const char* payload) {
+  Registry::instance().send_log().set_context(iteration, micro_batch, payload);
+}
+
+int flush_send_log(double timeout_s, char* err, size_t err_len) {
+  std::string error;
+  if (Registry::instance().send_log().flush(timeout_s, &error)) return 0;
+  if (err != nullptr && err_len > 0) {
+    std::strncpy(err, error.c_str(), err_len - 1);
+    err[err_len - 1] = '\0';
+  }
+  return -1;
+}
+
+int drop_send_logs_through(int64_t iteration) { return Registry::instance().send_log().drop_through(iteration); }
+
 constexpr jitckpt_api kApi = {JITCKPT_ABI_VERSION, configure,        mark_minibatch,
                               set_phase,           status_json,      set_failure_handler,
                               trigger_failure,     in_blocking_call, end_save_mode,
-                              set_save_thread};
+                              set_save_thread,     set_log_context,  flush_send_log,
+                              drop_send_logs_through};
 
 }  // namespace
 

@@ -110,6 +110,8 @@ ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count, nccl
 
 ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
+  Registry& r = Registry::instance();
+  if (r.tracking() && r.send_log().enabled()) r.send_log().on_send(sendbuff, count, datatype, peer, comm, stream);
   return forward_collective("ncclSend", real_nccl.send, comm, stream, sendbuff, count, datatype, peer, comm,
                             stream);
 }

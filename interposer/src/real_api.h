@@ -49,6 +49,10 @@ struct RealCuda {
   NextSymbol<decltype(&::cudaGetDevice)> getDevice{"cudaGetDevice", kCudartSoname};
   NextSymbol<decltype(&::cudaSetDevice)> setDevice{"cudaSetDevice", kCudartSoname};
   NextSymbol<decltype(&::cudaGetErrorName)> getErrorName{"cudaGetErrorName", kCudartSoname};
+  // Not interposed; used by the send log.
+  NextSymbol<cudaError_t (*)(void**, size_t)> mallocHost{"cudaMallocHost", kCudartSoname};  // overloaded in C++
+  NextSymbol<decltype(&::cudaEventDestroy)> eventDestroy{"cudaEventDestroy", kCudartSoname};
+  NextSymbol<decltype(&::cudaStreamIsCapturing)> streamIsCapturing{"cudaStreamIsCapturing", kCudartSoname};
 };
 
 struct RealNccl {
@@ -72,6 +76,7 @@ struct RealNccl {
   NextSymbol<decltype(&::ncclCommAbort)> commAbort{"ncclCommAbort", kNcclSoname};
   NextSymbol<decltype(&::ncclCommGetAsyncError)> commGetAsyncError{"ncclCommGetAsyncError", kNcclSoname};
   NextSymbol<decltype(&::ncclGetErrorString)> getErrorString{"ncclGetErrorString", kNcclSoname};
+  NextSymbol<decltype(&::ncclCommUserRank)> commUserRank{"ncclCommUserRank", kNcclSoname};
 };
 
 inline RealCuda real_cuda;

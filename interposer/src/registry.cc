@@ -123,6 +123,8 @@ std::string Registry::status_json() {
   } else {
     w.null();
   }
+  w.key("send_log");
+  send_log_.write_status(w);
   w.end_object();
   return w.str();
 }

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define JITCKPT_ABI_VERSION 2u
+#define JITCKPT_ABI_VERSION 3u
 
 // Called on the watchdog thread, once per detected failure, while device copies are redirected to a
 // fresh stream. `kind` is one of "hang", "nccl_error", "nccl_async_error", "cuda_error", "manual".
@@ -37,6 +37,13 @@ typedef struct jitckpt_api {
   // threads' device work is redirected to the save stream (the watchdog thread is marked while the
   // handler runs). Other threads keep the application's streams and block behind a hung one.
   void (*set_save_thread)(int on);
+  // v3, the send log ($JITCKPT_SEND_LOG_DIR; no-ops without it). What the next ncclSend calls carry:
+  // iteration, micro-batch, payload ("activation" forward, "gradient" backward).
+  void (*set_log_context)(int64_t iteration, int micro_batch, const char* payload);
+  // Waits at most timeout_s until every logged send is in a file. Returns 0, or -1 with the reason.
+  int (*flush_send_log)(double timeout_s, char* err, size_t err_len);
+  // Deletes the chunk files holding only iterations <= iteration; returns how many.
+  int (*drop_send_logs_through)(int64_t iteration);
 } jitckpt_api;
 
 const jitckpt_api* jitckpt_api_v1(void);

@@ -21,24 +21,7 @@
 #include <string>
 #include <vector>
 
-#define CUDACHECK(call)                                                      \
-  do {                                                                       \
-    cudaError_t e_ = (call);                                                 \
-    if (e_ != cudaSuccess) {                                                 \
-      std::printf("FAIL %s: %s\n", #call, cudaGetErrorName(e_));             \
-      std::fflush(stdout);                                                   \
-      std::exit(2);                                                          \
-    }                                                                        \
-  } while (0)
-#define NCCLCHECK(call)                                                      \
-  do {                                                                       \
-    ncclResult_t r_ = (call);                                                \
-    if (r_ != ncclSuccess) {                                                 \
-      std::printf("FAIL %s: %s\n", #call, ncclGetErrorString(r_));           \
-      std::fflush(stdout);                                                   \
-      std::exit(3);                                                          \
-    }                                                                        \
-  } while (0)
+#include "nccl_rank_setup.h"
 
 static int g_rank, g_nranks;
 static cudaStream_t g_stream;
@@ -278,20 +261,7 @@ int main(int argc, char** argv) {
   g_nranks = std::atoi(argv[3]);
   const int window_ms = argc > 5 ? std::atoi(argv[5]) : 1500;
   ncclUniqueId id;
-  if (g_rank == 0) {
-    NCCLCHECK(ncclGetUniqueId(&id));
-    std::printf("uid=");
-    for (unsigned char c : id.internal) std::printf("%02x", c);
-    std::printf("\n");
-    std::fflush(stdout);
-  } else {
-    if (argc < 5 || std::strlen(argv[4]) != 2 * sizeof(id.internal)) {
-      std::fprintf(stderr, "rank %d needs rank 0's uid hex\n", g_rank);
-      return 64;
-    }
-    for (size_t i = 0; i < sizeof(id.internal); ++i)
-      id.internal[i] = static_cast<char>(std::stoi(std::string(argv[4] + 2 * i, 2), nullptr, 16));
-  }
+  if (!exchange_unique_id(g_rank, argc, argv, &id)) return 64;
   CUDACHECK(cudaSetDevice(0));
   CUDACHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
   NCCLCHECK(ncclCommInitRank(&g_comm, g_nranks, id, g_rank));

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 
@@ -69,12 +69,17 @@ def _run_compiler(cmd: list[str]) -> None:
         raise RuntimeError(f"compile failed: {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
 
 
-def build_program(name: str, *, kernels: bool, nccl: bool, nvcc_flags: tuple[str, ...] = ()) -> Program:
-    """Compile simcuda_progs/<name>.cu (cached by content and flags); skip if the toolchain is missing."""
+def build_program(name: str, *, kernels: bool, nccl: bool, nvcc_flags: tuple[str, ...] = (),
+                  headers: tuple[Path, ...] = ()) -> Program:
+    """Compile simcuda_progs/<name>.cu (cached by content and flags); skip if the toolchain is missing.
+    ``headers``: extra headers the program includes (their directories go on nvcc's include path
+    as ``<dir>/..`` of ``<dir>/<name>``, and their contents into the cache key)."""
     require_toolchain()
     src = PROGS / f"{name}.cu"
     header = REPO / "simcuda" / "include" / "simcuda" / "host_kernel.h"
-    digest = hashlib.sha256(src.read_bytes() + header.read_bytes() + repr((kernels, nccl, nvcc_flags)).encode()).hexdigest()[:16]
+    extra = b"".join(h.read_bytes() for h in (*headers, *sorted(PROGS.glob("*.h"))))  # shared headers too
+    digest = hashlib.sha256(src.read_bytes() + header.read_bytes() + extra
+                            + repr((kernels, nccl, nvcc_flags)).encode()).hexdigest()[:16]
     variant = name + "".join("_" + f.strip("-").replace(" ", "_").replace("=", "_") for f in nvcc_flags)
     out = BUILD / "simcuda_test_progs" / f"{variant}-{digest}"
     exe, klib = out / name, out / f"{name}_kernels.so"
@@ -83,6 +88,8 @@ def build_program(name: str, *, kernels: bool, nccl: bool, nvcc_flags: tuple[str
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         cmd = [str(NVCC), "-cudart", "shared", *nvcc_flags, "-o", str(tmp / name), str(src)]
+        for h in headers:
+            cmd += ["-I", str(h.parent.parent)]
         if nccl:
             wheel = nccl_wheel_dir()
             # Link against NVIDIA's real libnccl.so.2: the binary must run unchanged on simcuda's.
@@ -162,16 +169,19 @@ class RankGroup:
     """Starts the ranks of one NCCL job (rank 0 first, for its unique id) and kills them all on exit."""
 
     def __init__(self, program: Program, mode: str, nranks: int, *, env: Optional[dict[str, str]] = None,
-                 window_ms: int = 1500, stdin: bool = False) -> None:
+                 window_ms: int = 1500, stdin: bool = False,
+                 rank_env: Optional[Callable[[int], dict[str, str]]] = None) -> None:
         self.program, self.mode, self.nranks = program, mode, nranks
         self.env = env or program.env()
+        self.rank_env = rank_env  # per-rank additions to env
         self.window_ms, self.stdin = window_ms, stdin
         self.ranks: list[RankProcess] = []
 
     def _spawn(self, rank: int, uid: str) -> RankProcess:
         """Start one rank (rank 0 gets no uid: it creates and prints one)."""
         cmd = [str(self.program.exe), self.mode, str(rank), str(self.nranks), uid or "-", str(self.window_ms)]
-        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env = {**self.env, **(self.rank_env(rank) if self.rank_env else {})}
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.PIPE if self.stdin else subprocess.DEVNULL, text=True)
         rp = RankProcess(rank, proc)
         rp.start_reader()

@@ -1,0 +1,311 @@
+#include "send_log.h"
+
+#include <dirent.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "json_writer.h"
+#include "real_api.h"
+
+namespace jitckpt {
+
+namespace {
+
+// torch's dtype names (logging_records.read_chunk does getattr(torch, name)).
+const char* torch_dtype(ncclDataType_t t, size_t* size) {
+  switch (t) {
+    case ncclInt8: *size = 1; return "int8";
+    case ncclUint8: *size = 1; return "uint8";
+    case ncclInt32: *size = 4; return "int32";
+    case ncclUint32: *size = 4; return "uint32";
+    case ncclInt64: *size = 8; return "int64";
+    case ncclUint64: *size = 8; return "uint64";
+    case ncclFloat16: *size = 2; return "float16";
+    case ncclFloat32: *size = 4; return "float32";
+    case ncclFloat64: *size = 8; return "float64";
+    case ncclBfloat16: *size = 2; return "bfloat16";
+    case ncclFloat8e4m3: *size = 1; return "float8_e4m3fn";
+    case ncclFloat8e5m2: *size = 1; return "float8_e5m2";
+    default: *size = 0; return nullptr;
+  }
+}
+
+bool parse_chunk_name(const char* name, int* gen, long long* number, long long* lo, long long* hi) {
+  int consumed = 0;
+  if (std::sscanf(name, "chunk-g%d-%lld-it%lld-%lld.log%n", gen, number, lo, hi, &consumed) != 4) return false;
+  return name[consumed] == '\0';
+}
+
+template <typename Fn>
+void for_each_chunk(const std::string& dir, Fn fn) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return;
+  while (dirent* e = readdir(d)) {
+    int gen;
+    long long number, lo, hi;
+    if (parse_chunk_name(e->d_name, &gen, &number, &lo, &hi)) fn(e->d_name, gen, number, lo, hi);
+  }
+  closedir(d);
+}
+
+size_t round_up_pow2(size_t n) {
+  size_t c = 4096;
+  while (c < n) c <<= 1;
+  return c;
+}
+
+}  // namespace
+
+SendLog::SendLog() {
+  const char* dir = std::getenv("JITCKPT_SEND_LOG_DIR");
+  if (dir == nullptr || *dir == '\0') return;
+  dir_ = dir;
+  if (const char* c = std::getenv("JITCKPT_SEND_LOG_CHUNK")) chunk_records_ = std::max(1L, std::atol(c));
+  if (const char* g = std::getenv("JITCKPT_GEN")) generation_ = std::atoi(g);
+  // A restarted process appends after the chunks already there (names must stay unique).
+  for_each_chunk(dir_, [this](const char*, int, long long number, long long, long long) {
+    files_ = std::max<int64_t>(files_, number + 1);
+  });
+}
+
+void SendLog::set_context(int64_t iteration, int micro_batch, const char* payload) {
+  std::lock_guard<std::mutex> lock(mu_);
+  iteration_ = iteration;
+  micro_batch_ = micro_batch;
+  payload_ = payload != nullptr ? payload : "";
+}
+
+void SendLog::fail(const std::string& why) {
+  if (error_.empty()) {
+    error_ = why;
+    std::fprintf(stderr, "[libjit] send log disabled: %s\n", why.c_str());
+  }
+  written_.notify_all();
+}
+
+void* SendLog::take_buffer(size_t nbytes, size_t* capacity) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = free_.lower_bound(nbytes);
+    if (it != free_.end() && it->first <= 2 * round_up_pow2(nbytes)) {
+      void* p = it->second;
+      *capacity = it->first;
+      free_.erase(it);
+      return p;
+    }
+  }
+  *capacity = round_up_pow2(nbytes);
+  void* p = nullptr;
+  auto alloc = real_cuda.mallocHost.get();
+  if (alloc == nullptr || alloc(&p, *capacity) != cudaSuccess) return nullptr;
+  return p;
+}
+
+void SendLog::give_back(void* host, size_t capacity) {
+  std::lock_guard<std::mutex> lock(mu_);
+  free_.emplace(capacity, host);
+}
+
+void SendLog::on_send(const void* buf, size_t count, ncclDataType_t dtype, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+  // mu_ guards bookkeeping only; no CUDA call is made under it (an application thread may block in
+  // one, and flush() must still honour its deadline).
+  size_t elem = 0;
+  const char* name = torch_dtype(dtype, &elem);
+  int src = -1;
+  auto user_rank = real_nccl.commUserRank.get();
+  if (user_rank != nullptr) user_rank(comm, &src);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  auto capturing = real_cuda.streamIsCapturing.get();
+  if (capturing != nullptr) capturing(stream, &capture);
+  Pending p;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error_.empty()) return;
+    if (name == nullptr) return fail("ncclSend with an unknown datatype " + std::to_string(static_cast<int>(dtype)));
+    if (capture != cudaStreamCaptureStatusNone)
+      return fail("an ncclSend was captured into a CUDA graph: the log cannot follow graph replays");
+    p = Pending{iteration_, micro_batch_, payload_, src, peer, next_seq_[peer]++, name, count, count * elem,
+                nullptr, 0, nullptr};
+  }
+  p.host = take_buffer(std::max<size_t>(p.nbytes, 1), &p.capacity);
+  auto create = real_cuda.eventCreateWithFlags.get();
+  auto copy = real_cuda.memcpyAsync.get();
+  auto record = real_cuda.eventRecord.get();
+  std::string why;
+  if (p.host == nullptr) {
+    why = "cudaMallocHost of " + std::to_string(p.nbytes) + " bytes failed";
+  } else if (create == nullptr || copy == nullptr || record == nullptr ||
+             create(&p.done, cudaEventDisableTiming) != cudaSuccess) {
+    why = "cannot create a CUDA event for the send log";
+  } else if ((p.nbytes > 0 && copy(p.host, buf, p.nbytes, cudaMemcpyDeviceToHost, stream) != cudaSuccess) ||
+             record(p.done, stream) != cudaSuccess) {
+    // Enqueued before the send itself: a send that never completes (its receiver died) must
+    // still be logged, since the receiver's replacement will need exactly this message.
+    why = "the device-to-host copy of a send could not be enqueued";
+  }
+  if (!why.empty()) {
+    if (p.host != nullptr) give_back(p.host, p.capacity);
+    std::lock_guard<std::mutex> lock(mu_);
+    return fail(why);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  queue_.push_back(std::move(p));
+  ++queued_;
+  if (!writer_) writer_ = std::make_unique<std::thread>([this] { writer_loop(); });
+  wake_.notify_one();
+}
+
+void SendLog::writer_loop() {
+  auto query = real_cuda.eventQuery.get();
+  auto destroy = real_cuda.eventDestroy.get();
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    wake_.wait(lock, [this] { return !queue_.empty() || flush_requests_ > flushes_done_; });
+    if (!queue_.empty()) {
+      cudaEvent_t ev = queue_.front().done;
+      lock.unlock();
+      // Poll, not cudaEventSynchronize: a copy behind a hung operation must not pin this thread
+      // (flush() has a deadline and reports what is still pending).
+      cudaError_t st = query(ev);
+      while (st == cudaErrorNotReady) {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        st = query(ev);
+      }
+      if (destroy != nullptr) destroy(ev);
+      lock.lock();
+      Pending p = std::move(queue_.front());
+      queue_.pop_front();
+      if (st != cudaSuccess) {
+        free_.emplace(p.capacity, p.host);
+        fail("a send's device-to-host copy failed");
+        continue;
+      }
+      chunk_.push_back(std::move(p));
+      if (chunk_.size() < chunk_records_) continue;
+    } else if (chunk_.empty()) {
+      flushes_done_ = flush_requests_;
+      written_.notify_all();
+      continue;
+    }
+    std::vector<Pending> records;
+    records.swap(chunk_);
+    lock.unlock();
+    std::string error;
+    bool ok = write_chunk(records, &error);
+    lock.lock();
+    for (Pending& p : records) free_.emplace(p.capacity, p.host);
+    if (!ok) fail(error);
+    written_.notify_all();
+  }
+}
+
+bool SendLog::write_chunk(std::vector<Pending>& records, std::string* error) {
+  int64_t lo = records.front().iteration, hi = lo;
+  JsonWriter j;
+  j.begin_object().key("records").begin_array();
+  for (const Pending& p : records) {
+    lo = std::min(lo, p.iteration);
+    hi = std::max(hi, p.iteration);
+    j.begin_array()
+        .value(p.iteration)
+        .value(static_cast<int64_t>(p.micro_batch))
+        .value(p.payload)
+        .value(static_cast<int64_t>(p.src))
+        .value(static_cast<int64_t>(p.dst))
+        .value(p.seq)
+        .value(static_cast<int64_t>(generation_))
+        .value("send")
+        .value("")  // sends keep their bytes; only receive digests are ever checked
+        .end_array();
+  }
+  j.end_array().key("tensors").begin_array();
+  uint64_t offset = 0;
+  for (const Pending& p : records) {
+    // One dimension: NCCL knows element counts, not shapes; the reader reshapes if it must.
+    j.begin_object().key("dtype").value(p.dtype).key("shape").begin_array();
+    j.value(static_cast<uint64_t>(p.count)).end_array();
+    j.key("offset").value(offset).key("nbytes").value(static_cast<uint64_t>(p.nbytes)).end_object();
+    offset += p.nbytes;
+  }
+  j.end_array().end_object();
+  const std::string& header = j.str();
+
+  int64_t number;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    number = files_++;
+  }
+  char name[128];
+  std::snprintf(name, sizeof name, "chunk-g%d-%06lld-it%lld-%lld.log", generation_,
+                static_cast<long long>(number), static_cast<long long>(lo), static_cast<long long>(hi));
+  std::string path = dir_ + "/" + name, tmp = dir_ + "/." + name + ".tmp";
+  FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (f == nullptr) {
+    *error = "cannot create " + tmp + ": " + std::strerror(errno);
+    return false;
+  }
+  uint64_t len = header.size();  // little-endian on every platform CUDA runs on
+  bool ok = std::fwrite(&len, sizeof len, 1, f) == 1 && std::fwrite(header.data(), 1, header.size(), f) == header.size();
+  for (const Pending& p : records) ok = ok && std::fwrite(p.host, 1, p.nbytes, f) == p.nbytes;
+  ok = (std::fclose(f) == 0) && ok;
+  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    *error = "cannot write " + path + ": " + std::strerror(errno);
+    std::remove(tmp.c_str());
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  written_count_ += static_cast<int64_t>(records.size());
+  bytes_ += static_cast<int64_t>(offset);
+  return true;
+}
+
+bool SendLog::flush(double timeout_s, std::string* error) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!enabled()) return true;
+  int64_t ticket = ++flush_requests_;
+  wake_.notify_one();
+  if (!writer_) writer_ = std::make_unique<std::thread>([this] { writer_loop(); });
+  bool done = written_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                                [&] { return flushes_done_ >= ticket || !error_.empty(); });
+  if (!error_.empty()) {
+    *error = error_;
+    return false;
+  }
+  if (!done) {
+    *error = std::to_string(queue_.size()) + " logged sends still wait for their device-to-host copy after " +
+             std::to_string(timeout_s) + " s (a stream is blocked)";
+    return false;
+  }
+  return true;
+}
+
+int SendLog::drop_through(int64_t iteration) {
+  if (!enabled()) return 0;
+  int dropped = 0;
+  std::vector<std::string> doomed;
+  for_each_chunk(dir_, [&](const char* name, int, long long, long long, long long hi) {
+    if (hi <= iteration) doomed.emplace_back(name);
+  });
+  for (const std::string& name : doomed) dropped += std::remove((dir_ + "/" + name).c_str()) == 0;
+  return dropped;
+}
+
+void SendLog::write_status(JsonWriter& w) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  w.begin_object();
+  w.key("enabled").value(enabled());
+  w.key("dir").value(dir_);
+  w.key("queued").value(queued_);
+  w.key("written").value(written_count_);
+  w.key("files").value(files_);
+  w.key("bytes").value(bytes_);
+  w.key("error").value(error_);
+  w.end_object();
+}
+
+}  // namespace jitckpt

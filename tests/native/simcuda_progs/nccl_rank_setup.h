@@ -1,0 +1,50 @@
+// Shared by the NCCL rank programs: error checks that print and exit, and the unique-id exchange
+// (rank 0 creates the id and prints "uid=<hex>"; the test passes that hex to the other ranks as
+// argv[4]).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#define CUDACHECK(call)                                                      \
+  do {                                                                       \
+    cudaError_t e_ = (call);                                                 \
+    if (e_ != cudaSuccess) {                                                 \
+      std::printf("FAIL %s: %s\n", #call, cudaGetErrorName(e_));             \
+      std::fflush(stdout);                                                   \
+      std::exit(2);                                                          \
+    }                                                                        \
+  } while (0)
+#define NCCLCHECK(call)                                                      \
+  do {                                                                       \
+    ncclResult_t r_ = (call);                                                \
+    if (r_ != ncclSuccess) {                                                 \
+      std::printf("FAIL %s: %s\n", #call, ncclGetErrorString(r_));           \
+      std::fflush(stdout);                                                   \
+      std::exit(3);                                                          \
+    }                                                                        \
+  } while (0)
+
+// Rank 0: a new id, printed. Others: the id from argv[4]. False (with a message) if it is missing.
+inline bool exchange_unique_id(int rank, int argc, char** argv, ncclUniqueId* id) {
+  if (rank == 0) {
+    NCCLCHECK(ncclGetUniqueId(id));
+    std::printf("uid=");
+    for (unsigned char c : id->internal) std::printf("%02x", c);
+    std::printf("\n");
+    std::fflush(stdout);
+    return true;
+  }
+  if (argc < 5 || std::strlen(argv[4]) != 2 * sizeof(id->internal)) {
+    std::fprintf(stderr, "rank %d needs rank 0's uid hex\n", rank);
+    return false;
+  }
+  for (size_t i = 0; i < sizeof(id->internal); ++i)
+    id->internal[i] = static_cast<char>(std::stoi(std::string(argv[4] + 2 * i, 2), nullptr, 16));
+  return true;
+}

@@ -1,0 +1,145 @@
+"""libjit.so's send log: SWIFT logging of ncclSend payloads at the NCCL level (verified on simcuda).
+
+Two pipeline stages (simcuda_progs/pipeline_sends.cu, a genuine nvcc program linked against
+NVIDIA's libnccl.so.2) exchange activations and gradients with ncclSend/ncclRecv under
+LD_PRELOAD=libjit.so with $JITCKPT_SEND_LOG_DIR set per stage. Each stage overwrites its send
+buffer right after ncclSend, so a log that copied the buffer at any other point in stream order
+would hold the wrong bytes. The logs are read back with the Python reader of the SWIFT log format
+(jitckpt.swift.logging_records / LogIndex), the same one a replacement stage replays from.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dp_build import LIBJIT
+from jitckpt.swift.logging_records import ACTIVATION, GRADIENT, MessageKey, iter_chunks, read_chunk
+from jitckpt.swift.logging_replay import LogIndex
+from simcuda_progs.simcuda_harness import REPO, Program, RankGroup, build_program
+
+pytestmark = pytest.mark.native
+TIMEOUT_S = 60
+ITERS, MB, N, GEN = 4, 2, 1000, 3
+
+
+@pytest.fixture(scope="module")
+def prog() -> Program:
+    if not LIBJIT.exists():
+        pytest.skip(f"{LIBJIT} is missing: build with `make native`")
+    return build_program("pipeline_sends", kernels=True, nccl=True,
+                         headers=(REPO / "interposer" / "include" / "jitckpt" / "jit_abi.h",))
+
+
+def _expected(it: int, mb: int, n: int = N) -> torch.Tensor:
+    i = torch.arange(n, dtype=torch.float32)
+    return torch.tensor(float(100 * it + 10 * mb), dtype=torch.float32) + torch.tensor(0.001, dtype=torch.float32) * i
+
+
+def _run(prog: Program, tmp_path, *, drop_through: int = 0, chunk: int = 2) -> list[dict]:
+    env = prog.env(LD_PRELOAD=str(LIBJIT), JITCKPT_SEND_LOG_CHUNK=str(chunk), JITCKPT_GEN=str(GEN))
+    dirs = [tmp_path / f"stage{r}" for r in range(2)]
+    for d in dirs:
+        d.mkdir()
+    with RankGroup(prog, "pipeline", 2, env=env, window_ms=drop_through,
+                   rank_env=lambda r: {"JITCKPT_SEND_LOG_DIR": str(dirs[r])}) as group:
+        out = [rp.finish(timeout=TIMEOUT_S) for rp in group.ranks]
+    for r, kv in enumerate(out):
+        assert kv.get("done") == "1" and kv["libjit"] == "1", (r, kv)
+        assert kv["mismatches"] == "0" and kv["flush"] == "0", (r, kv)
+    return out
+
+
+def test_every_send_is_logged_with_the_bytes_sent(prog: Program, tmp_path) -> None:
+    out = _run(prog, tmp_path)
+    # Logging enqueues a copy and an event: ncclSend still returned with the stream busy.
+    assert out[0]["busy_after_send"] == "1", out[0]
+    for stage, payload, dst, sign in ((0, ACTIVATION, 1, 1.0), (1, GRADIENT, 0, -1.0)):
+        chunks = list(iter_chunks(tmp_path / f"stage{stage}"))
+        # two records a chunk, one iteration's two micro-batches each
+        assert [(g, lo, hi) for _, g, _, lo, hi in chunks] == [(GEN, it, it) for it in range(1, ITERS + 1)]
+        records = [rt for path, *_ in chunks for rt in read_chunk(path)]
+        keys = [(r.key.iteration, r.key.micro_batch, r.key.payload, r.key.src, r.key.dst, r.seq, r.generation,
+                 r.kind) for r, _ in records]
+        assert keys == [(it, mb, payload, stage, dst, 2 * (it - 1) + mb, GEN, "send")
+                        for it in range(1, ITERS + 1) for mb in range(MB)]
+        for r, t in records:
+            assert t.dtype == torch.float32 and t.shape == (N,)
+            assert torch.equal(t, sign * _expected(r.key.iteration, r.key.micro_batch)), r
+
+
+def test_replay_index_serves_logged_messages(prog: Program, tmp_path) -> None:
+    """A replacement of stage 1 finds stage 0's activations by message key (the replay path)."""
+    _run(prog, tmp_path, chunk=3)
+    index = LogIndex([tmp_path / "stage0"], after_iteration=2)  # replay after the iteration-2 checkpoint
+    assert len(index) == (ITERS - 2) * MB
+    for it in range(3, ITERS + 1):  # in the original send order, as a replay consumes them
+        for mb in range(MB):
+            t = index.take_input(MessageKey(iteration=it, micro_batch=mb, payload=ACTIVATION, src=0, dst=1))
+            assert torch.equal(t, _expected(it, mb))
+
+
+def test_logs_through_a_checkpoint_are_dropped(prog: Program, tmp_path) -> None:
+    out = _run(prog, tmp_path, drop_through=2)
+    for stage in range(2):
+        assert out[stage]["dropped"] == "2", out[stage]
+        left = [(lo, hi) for _, _, _, lo, hi in iter_chunks(tmp_path / f"stage{stage}")]
+        assert left == [(3, 3), (4, 4)]
+
+
+def test_off_without_the_variable(prog: Program, tmp_path) -> None:
+    env = prog.env(LD_PRELOAD=str(LIBJIT))
+    with RankGroup(prog, "pipeline", 2, env=env, window_ms=0) as group:
+        out = [rp.finish(timeout=TIMEOUT_S) for rp in group.ranks]
+    assert all(kv["mismatches"] == "0" and kv["flush"] == "0" for kv in out), out
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_send_that_never_completes_is_logged(prog: Program, tmp_path) -> None:
+    """The copy is enqueued before the send: a receiver that died leaves the send hung, and the
+    message it never got is still in the sender's log."""
+    env = prog.env(LD_PRELOAD=str(LIBJIT), JITCKPT_SEND_LOG_DIR=str(tmp_path))
+    with RankGroup(prog, "orphan", 2, env=env, window_ms=0) as group:
+        assert group.ranks[1].wait_for("waiting", TIMEOUT_S) == "1"
+        out = group.ranks[0].finish(timeout=TIMEOUT_S)  # rank 1 is killed on leaving the block
+    assert out["flush"] == "0" and out["send_pending"] == "1", out
+    [(path, *_)] = list(iter_chunks(tmp_path))
+    [(rec, t)] = read_chunk(path)
+    assert (rec.key.iteration, rec.key.micro_batch, rec.key.dst) == (1, 0, 1)
+    assert torch.equal(t, _expected(1, 0, 8 << 20))
+
+
+PY_API = """
+import json, sys
+from jitckpt import _native
+assert _native.preloaded()
+_native.set_log_context(1, 0, "gradient")
+_native.flush_send_log(1.0)  # nothing logged yet: returns at once
+try:
+    _native.set_log_context(1, 0, "weights")
+except ValueError as e:
+    print("bad_payload=" + str(e).split(":")[0])
+print("status=" + json.dumps(_native.status()["send_log"]))
+print("dropped=%d" % _native.drop_send_logs_through(10))
+"""
+
+
+def test_python_api(tmp_path) -> None:
+    """jitckpt._native's send-log calls reach libjit.so (a torch CUDA job would call them)."""
+    import subprocess
+    import sys
+
+    if not LIBJIT.exists():
+        pytest.skip(f"{LIBJIT} is missing: build with `make native`")
+    (tmp_path / "chunk-g0-000000-it1-2.log").write_bytes(b"x")  # an old chunk, to be dropped
+    env = {"LD_PRELOAD": str(LIBJIT), "JITCKPT_SEND_LOG_DIR": str(tmp_path), "PYTHONPATH": str(REPO),
+           "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", PY_API], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kv = dict(line.split("=", 1) for line in proc.stdout.splitlines())
+    assert kv["bad_payload"] == "set_log_context"
+    import json
+
+    status = json.loads(kv["status"])
+    assert status["enabled"] is True and status["dir"] == str(tmp_path) and status["error"] == ""
+    assert kv["dropped"] == "1" and not list(tmp_path.iterdir())
