@@ -48,7 +48,7 @@ void end_save_mode() { Registry::instance().end_save_mode(); }
 void set_save_thread(int on) { jitckpt::SaveThreadScope::set(on != 0); }
 
 void set_log_context(int64_t iteration, int micro_batch, const char* payload) {
-  Registry::instance().send_log().set_context(iteration, micro_batch, payload);
+  Registry::instance().log_context().set(iteration, micro_batch, payload);
 }
 
 int flush_send_log(double timeout_s, char* err, size_t err_len) {

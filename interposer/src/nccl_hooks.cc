@@ -9,6 +9,7 @@
 #include "registry.h"
 
 using jitckpt::BlockingCallScope;
+using jitckpt::LogContext;
 using jitckpt::NextSymbol;
 using jitckpt::real_nccl;
 using jitckpt::Registry;
@@ -111,13 +112,29 @@ ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count, nccl
 ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
   Registry& r = Registry::instance();
-  if (r.tracking() && r.send_log().enabled()) r.send_log().on_send(sendbuff, count, datatype, peer, comm, stream);
+  if (r.tracking()) {
+    LogContext::Value ctx = r.log_context().get();
+    if (r.send_log().enabled()) r.send_log().on_send(ctx, sendbuff, count, datatype, peer, comm, stream);
+    if (r.recv_replay().replaying(ctx)) {  // the survivors got this message before the failure
+      r.recv_replay().dropped_send();
+      return ncclSuccess;
+    }
+  }
   return forward_collective("ncclSend", real_nccl.send, comm, stream, sendbuff, count, datatype, peer, comm,
                             stream);
 }
 
 ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
+  Registry& r = Registry::instance();
+  if (r.tracking()) {
+    LogContext::Value ctx = r.log_context().get();
+    if (r.recv_replay().replaying(ctx)) {
+      ncclResult_t rc = r.recv_replay().serve(ctx, recvbuff, count, datatype, peer, comm, stream);
+      if (rc != ncclSuccess) report_sync_error(r, "ncclRecv (replay from the logs)", rc);
+      return rc;
+    }
+  }
   return forward_collective("ncclRecv", real_nccl.recv, comm, stream, recvbuff, count, datatype, peer, comm,
                             stream);
 }

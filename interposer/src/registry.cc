@@ -125,6 +125,8 @@ std::string Registry::status_json() {
   }
   w.key("send_log");
   send_log_.write_status(w);
+  w.key("recv_replay");
+  recv_replay_.write_status(w);
   w.end_object();
   return w.str();
 }

@@ -1,5 +1,5 @@
 // The single registry of libjit.so: configuration, training markers, what was learned about streams
-// and collectives, the failure latch, the save redirect, the watchdog and the send log. Created on first use and
+// and collectives, the failure latch, the save redirect, the watchdog, and SWIFT's send log and receive replay. Created on first use and
 // never destroyed (the watchdog thread may outlive static destructors at exit).
 #pragma once
 
@@ -12,6 +12,8 @@
 #include "collective_tracker.h"
 #include "failure_latch.h"
 #include "jitckpt/jit_abi.h"
+#include "log_context.h"
+#include "recv_replay.h"
 #include "save_redirect.h"
 #include "send_log.h"
 #include "stream_graph.h"
@@ -31,7 +33,9 @@ class Registry {
   SaveRedirect& redirect() { return redirect_; }
   FailureLatch& failures() { return failures_; }
   Watchdog& watchdog() { return watchdog_; }
+  LogContext& log_context() { return log_context_; }
   SendLog& send_log() { return send_log_; }
+  RecvReplay& recv_replay() { return recv_replay_; }
 
   // False in a child forked after libjit.so was active: it has no watchdog and its copies of the
   // mutexes may be locked, so NCCL calls there pass through untracked.
@@ -69,7 +73,9 @@ class Registry {
   SaveRedirect redirect_;
   FailureLatch failures_;
   Watchdog watchdog_{*this};
+  LogContext log_context_;
   SendLog send_log_;
+  RecvReplay recv_replay_;
 
   std::atomic<double> hang_timeout_s_{300.0};
   std::atomic<int64_t> step_{-1};

@@ -1,6 +1,5 @@
 #include "send_log.h"
 
-#include <dirent.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -9,48 +8,12 @@
 #include <cstring>
 
 #include "json_writer.h"
+#include "log_chunk.h"
 #include "real_api.h"
 
 namespace jitckpt {
 
 namespace {
-
-// torch's dtype names (logging_records.read_chunk does getattr(torch, name)).
-const char* torch_dtype(ncclDataType_t t, size_t* size) {
-  switch (t) {
-    case ncclInt8: *size = 1; return "int8";
-    case ncclUint8: *size = 1; return "uint8";
-    case ncclInt32: *size = 4; return "int32";
-    case ncclUint32: *size = 4; return "uint32";
-    case ncclInt64: *size = 8; return "int64";
-    case ncclUint64: *size = 8; return "uint64";
-    case ncclFloat16: *size = 2; return "float16";
-    case ncclFloat32: *size = 4; return "float32";
-    case ncclFloat64: *size = 8; return "float64";
-    case ncclBfloat16: *size = 2; return "bfloat16";
-    case ncclFloat8e4m3: *size = 1; return "float8_e4m3fn";
-    case ncclFloat8e5m2: *size = 1; return "float8_e5m2";
-    default: *size = 0; return nullptr;
-  }
-}
-
-bool parse_chunk_name(const char* name, int* gen, long long* number, long long* lo, long long* hi) {
-  int consumed = 0;
-  if (std::sscanf(name, "chunk-g%d-%lld-it%lld-%lld.log%n", gen, number, lo, hi, &consumed) != 4) return false;
-  return name[consumed] == '\0';
-}
-
-template <typename Fn>
-void for_each_chunk(const std::string& dir, Fn fn) {
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return;
-  while (dirent* e = readdir(d)) {
-    int gen;
-    long long number, lo, hi;
-    if (parse_chunk_name(e->d_name, &gen, &number, &lo, &hi)) fn(e->d_name, gen, number, lo, hi);
-  }
-  closedir(d);
-}
 
 size_t round_up_pow2(size_t n) {
   size_t c = 4096;
@@ -67,16 +30,7 @@ SendLog::SendLog() {
   if (const char* c = std::getenv("JITCKPT_SEND_LOG_CHUNK")) chunk_records_ = std::max(1L, std::atol(c));
   if (const char* g = std::getenv("JITCKPT_GEN")) generation_ = std::atoi(g);
   // A restarted process appends after the chunks already there (names must stay unique).
-  for_each_chunk(dir_, [this](const char*, int, long long number, long long, long long) {
-    files_ = std::max<int64_t>(files_, number + 1);
-  });
-}
-
-void SendLog::set_context(int64_t iteration, int micro_batch, const char* payload) {
-  std::lock_guard<std::mutex> lock(mu_);
-  iteration_ = iteration;
-  micro_batch_ = micro_batch;
-  payload_ = payload != nullptr ? payload : "";
+  for (const ChunkFile& c : list_chunks(dir_)) files_ = std::max<int64_t>(files_, c.number + 1);
 }
 
 void SendLog::fail(const std::string& why) {
@@ -110,8 +64,8 @@ void SendLog::give_back(void* host, size_t capacity) {
   free_.emplace(capacity, host);
 }
 
-void SendLog::on_send(const void* buf, size_t count, ncclDataType_t dtype, int peer, ncclComm_t comm,
-                      cudaStream_t stream) {
+void SendLog::on_send(const LogContext::Value& ctx, const void* buf, size_t count, ncclDataType_t dtype,
+                      int peer, ncclComm_t comm, cudaStream_t stream) {
   // mu_ guards bookkeeping only; no CUDA call is made under it (an application thread may block in
   // one, and flush() must still honour its deadline).
   size_t elem = 0;
@@ -129,8 +83,8 @@ void SendLog::on_send(const void* buf, size_t count, ncclDataType_t dtype, int p
     if (name == nullptr) return fail("ncclSend with an unknown datatype " + std::to_string(static_cast<int>(dtype)));
     if (capture != cudaStreamCaptureStatusNone)
       return fail("an ncclSend was captured into a CUDA graph: the log cannot follow graph replays");
-    p = Pending{iteration_, micro_batch_, payload_, src, peer, next_seq_[peer]++, name, count, count * elem,
-                nullptr, 0, nullptr};
+    p = Pending{ctx.iteration, ctx.micro_batch, ctx.payload, src, peer, next_seq_[peer]++, name, count,
+                count * elem, nullptr, 0, nullptr};
   }
   p.host = take_buffer(std::max<size_t>(p.nbytes, 1), &p.capacity);
   auto create = real_cuda.eventCreateWithFlags.get();
@@ -287,11 +241,8 @@ bool SendLog::flush(double timeout_s, std::string* error) {
 int SendLog::drop_through(int64_t iteration) {
   if (!enabled()) return 0;
   int dropped = 0;
-  std::vector<std::string> doomed;
-  for_each_chunk(dir_, [&](const char* name, int, long long, long long, long long hi) {
-    if (hi <= iteration) doomed.emplace_back(name);
-  });
-  for (const std::string& name : doomed) dropped += std::remove((dir_ + "/" + name).c_str()) == 0;
+  for (const ChunkFile& c : list_chunks(dir_))
+    if (c.hi <= iteration) dropped += std::remove((dir_ + "/" + c.name).c_str()) == 0;
   return dropped;
 }
 

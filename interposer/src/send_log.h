@@ -6,8 +6,7 @@
 // reads (jitckpt/swift/logging_records.py: kind "send", (iteration, micro-batch, payload, src,
 // dst, seq, generation)), so a replacement stage replays NCCL-logged inputs with the same tools.
 //
-// Off unless $JITCKPT_SEND_LOG_DIR is set. The application names what it is sending with
-// set_context() (iteration, micro-batch, "activation"/"gradient"); libjit.so cannot know it.
+// Off unless $JITCKPT_SEND_LOG_DIR is set. What a send carries comes from LogContext.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,6 +22,8 @@
 #include <thread>
 #include <vector>
 
+#include "log_context.h"
+
 namespace jitckpt {
 
 class JsonWriter;
@@ -34,10 +35,9 @@ class SendLog {
   SendLog& operator=(const SendLog&) = delete;
 
   bool enabled() const { return !dir_.empty(); }
-  void set_context(int64_t iteration, int micro_batch, const char* payload);
-  // After a successful ncclSend of `count` elements from `buf` to `peer` on `stream`.
-  void on_send(const void* buf, size_t count, ncclDataType_t dtype, int peer, ncclComm_t comm,
-               cudaStream_t stream);
+  // Before the ncclSend of `count` elements from `buf` to `peer` on `stream`, carrying `ctx`.
+  void on_send(const LogContext::Value& ctx, const void* buf, size_t count, ncclDataType_t dtype, int peer,
+               ncclComm_t comm, cudaStream_t stream);
   // Waits (at most timeout_s) until every send logged so far is written, a partial chunk
   // included. Returns false with the reason in `error` on a timeout (a copy waits behind a blocked
   // stream) or after a failed copy or write (logging stops at the first failure).
@@ -79,9 +79,6 @@ class SendLog {
   std::vector<Pending> chunk_;          // copied, not yet in a file (writer thread only)
   std::map<int, int64_t> next_seq_;     // per destination rank
   std::multimap<size_t, void*> free_;   // pinned buffers by capacity
-  int64_t iteration_ = 0;
-  int micro_batch_ = 0;
-  std::string payload_ = "activation";
   int64_t queued_ = 0, written_count_ = 0, files_ = 0, bytes_ = 0;
   int64_t flush_requests_ = 0, flushes_done_ = 0;
   std::string error_;

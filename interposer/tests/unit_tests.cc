@@ -1,14 +1,18 @@
 // Unit tests of libjit.so's building blocks that need no CUDA runtime: the lock-free stream graph,
-// the failure latch, the JSON writer and next-symbol resolution. Exit code 0 = all passed; each
+// the failure latch, the JSON writer and reader, the SWIFT log chunk reader and next-symbol resolution. Exit code 0 = all passed; each
 // failed check prints its line. Run by tests/native/test_interposer_unit.py.
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "failure_latch.h"
+#include "json_reader.h"
 #include "json_writer.h"
+#include "log_chunk.h"
 #include "next_symbol.h"
 #include "stream_graph.h"
 
@@ -106,12 +110,65 @@ void next_symbol_resolution() {
 
 }  // namespace
 
+void json_reader_reads_what_json_dumps_writes() {
+  jitckpt::JsonValue v;
+  std::string err;
+  CHECK(jitckpt::parse_json(R"({"records": [[3, 0, "activation", 0, 1, 5, 2, "send", ""]],
+                                 "tensors": [{"dtype": "float32", "shape": [4], "offset": 0, "nbytes": 16}, null],
+                                 "x": -1.5e3, "t": true, "s": "a\"b\u00e9"})", &v, &err));
+  const jitckpt::JsonValue* rec = v.find("records");
+  CHECK(rec != nullptr && rec->array.size() == 1 && rec->array[0].array.size() == 9);
+  CHECK(rec->array[0].array[0].is_integer && rec->array[0].array[0].integer == 3);
+  CHECK(rec->array[0].array[2].string == "activation");
+  const jitckpt::JsonValue* x = v.find("x");
+  CHECK(x != nullptr && !x->is_integer && x->number == -1500.0);
+  CHECK(v.find("t")->boolean && v.find("s")->string == "a\"b\xc3\xa9");
+  CHECK(v.find("tensors")->array[1].kind == jitckpt::JsonValue::Kind::kNull);
+  for (const char* bad : {"", "{", "[1,]", "{\"a\" 1}", "[1] x", "\"unterminated", "tru", "{\"a\":01x}",
+                          "[\"\\q\"]"}) {
+    err.clear();
+    CHECK(!jitckpt::parse_json(bad, &v, &err) && err.find("offset") != std::string::npos);
+  }
+  std::string deep(100, '[');
+  CHECK(!jitckpt::parse_json(deep, &v, &err));  // bounded nesting, no stack overflow
+}
+
+void log_chunk_reader_rejects_damage() {
+  const std::string path = "/tmp/jitckpt_unit_chunk.log";
+  auto write = [&](const std::string& header, const std::string& payload, uint64_t len) {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f.write(reinterpret_cast<const char*>(&len), sizeof len);
+    f << header << payload;
+  };
+  const std::string good = R"({"records": [[1, 0, "gradient", 1, 0, 0, 0, "send", ""]],
+                               "tensors": [{"dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}]})";
+  std::vector<jitckpt::ChunkRecord> out;
+  std::string err;
+  write(good, std::string(8, 'x'), good.size());
+  CHECK(jitckpt::read_chunk(path, &out, &err) && out.size() == 1 && out[0].bytes.size() == 8 &&
+        out[0].payload == "gradient" && out[0].src == 1 && out[0].dtype == "float32");
+  out.clear();
+  write(good, std::string(7, 'x'), good.size());  // truncated payload
+  CHECK(!jitckpt::read_chunk(path, &out, &err) && err.find("beyond the end") != std::string::npos);
+  write(good, "", good.size() + 100);  // header length past the end
+  CHECK(!jitckpt::read_chunk(path, &out, &err) && err.find("header length") != std::string::npos);
+  const std::string short_row = R"({"records": [[1, 0, "gradient"]], "tensors": [null]})";
+  write(short_row, "", short_row.size());
+  CHECK(!jitckpt::read_chunk(path, &out, &err) && err.find("record 0") != std::string::npos);
+  std::remove(path.c_str());
+  size_t size = 0;
+  CHECK(std::strcmp(jitckpt::torch_dtype(ncclBfloat16, &size), "bfloat16") == 0 && size == 2);
+  CHECK(jitckpt::torch_dtype(static_cast<ncclDataType_t>(99), &size) == nullptr);
+}
+
 int main() {
   stream_set_holds_up_to_capacity();
   stream_set_concurrent_inserts_are_all_visible();
   stream_graph_learns_processgroup_pattern();
   failure_latch_first_report_wins_and_is_claimed_once();
   json_writer_escapes_and_nests();
+  json_reader_reads_what_json_dumps_writes();
+  log_chunk_reader_rejects_damage();
   next_symbol_resolution();
   std::printf("%s (%d failed checks)\n", g_failures ? "FAILED" : "OK", g_failures);
   return g_failures ? 1 : 0;

@@ -8,7 +8,9 @@
 // for the stream). The send log is reached through libjit.so's C ABI (jitckpt_api_v1, found with
 // dlsym: absent when libjit.so is not preloaded). At the end: flush, then drop the chunks of
 // iterations <= drop-through (0: none). Mode orphan: stage 1 exits at once and stage 0's one send
-// never completes; stage 0 flushes the log while the send is still pending. Prints key=value lines.
+// never completes; stage 0 flushes the log while the send is still pending. $PIPE_FIRST_ITER: the
+// first iteration this process runs (a survivor resuming after a replacement). Prints key=value
+// lines, the last one libjit.so's status JSON.
 #include <cuda_runtime.h>
 
 __global__ void fill(float* out, float value, int n) {
@@ -97,7 +99,10 @@ int main(int argc, char** argv) {
   }
   std::vector<float> host(N);
   int bad = 0, busy_after_send = -1;
-  for (int it = 1; it <= ITERS; ++it) {
+  // A survivor of a failure continues where it was; a replacement starts over (its receives up to
+  // the survivors' iteration come from the logs when JITCKPT_RECV_REPLAY_* are set).
+  const char* first = std::getenv("PIPE_FIRST_ITER");
+  for (int it = first != nullptr ? std::atoi(first) : 1; it <= ITERS; ++it) {
     for (int mb = 0; mb < MB; ++mb) {
       if (rank == 0) {
         fill<<<(N + 255) / 256, 256, 0, stream>>>(act, static_cast<float>(100 * it + 10 * mb), N);
@@ -106,11 +111,13 @@ int main(int argc, char** argv) {
         NCCLCHECK(ncclSend(act, N, ncclFloat32, 1, comm, stream));
         if (it == 1 && mb == 0) busy_after_send = cudaStreamQuery(stream) == cudaErrorNotReady;
         fill<<<(N + 255) / 256, 256, 0, stream>>>(act, -1.0f, N);  // the next write to the buffer
+        if (api != nullptr) api->set_log_context(it, mb, "gradient");
         NCCLCHECK(ncclRecv(grad, N, ncclFloat32, 1, comm, stream));
         CUDACHECK(cudaMemcpyAsync(host.data(), grad, N * sizeof(float), cudaMemcpyDeviceToHost, stream));
         CUDACHECK(cudaStreamSynchronize(stream));
         for (int i = 0; i < N; ++i) bad += host[i] != -expected(it, mb, i);
       } else {
+        if (api != nullptr) api->set_log_context(it, mb, "activation");
         NCCLCHECK(ncclRecv(act, N, ncclFloat32, 0, comm, stream));
         CUDACHECK(cudaMemcpyAsync(host.data(), act, N * sizeof(float), cudaMemcpyDeviceToHost, stream));
         CUDACHECK(cudaStreamSynchronize(stream));
@@ -130,6 +137,9 @@ int main(int argc, char** argv) {
     std::printf("flush=%d\n", api->flush_send_log(30.0, err, sizeof err));
     if (err[0] != '\0') std::printf("flush_error=%s\n", err);
     if (drop_through > 0) std::printf("dropped=%d\n", api->drop_send_logs_through(drop_through));
+    char status[8192];
+    api->status_json(status, sizeof status);
+    std::printf("status=%s\n", status);
   }
   NCCLCHECK(ncclCommDestroy(comm));
   std::printf("done=1\n");

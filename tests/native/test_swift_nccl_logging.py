@@ -1,11 +1,14 @@
-"""libjit.so's send log: SWIFT logging of ncclSend payloads at the NCCL level (verified on simcuda).
+"""SWIFT logging at the NCCL level in libjit.so: the send log and a replacement's receive replay
+(verified on simcuda).
 
 Two pipeline stages (simcuda_progs/pipeline_sends.cu, a genuine nvcc program linked against
 NVIDIA's libnccl.so.2) exchange activations and gradients with ncclSend/ncclRecv under
 LD_PRELOAD=libjit.so with $JITCKPT_SEND_LOG_DIR set per stage. Each stage overwrites its send
 buffer right after ncclSend, so a log that copied the buffer at any other point in stream order
 would hold the wrong bytes. The logs are read back with the Python reader of the SWIFT log format
-(jitckpt.swift.logging_records / LogIndex), the same one a replacement stage replays from.
+(jitckpt.swift.logging_records / LogIndex), the same one a replacement stage replays from, and
+by libjit.so's own receive replay: a replacement stage's ncclRecv served from the logs while a
+survivor goes on without rolling back.
 """
 from __future__ import annotations
 
@@ -143,3 +146,49 @@ def test_python_api(tmp_path) -> None:
     status = json.loads(kv["status"])
     assert status["enabled"] is True and status["dir"] == str(tmp_path) and status["error"] == ""
     assert kv["dropped"] == "1" and not list(tmp_path.iterdir())
+
+
+def test_replacement_replays_its_receives_from_the_logs(prog: Program, tmp_path) -> None:
+    import json
+
+    first = tmp_path / "first"
+    first.mkdir()
+    _run(prog, first)  # the failure-free run that wrote stage 0's log
+    env = prog.env(LD_PRELOAD=str(LIBJIT), JITCKPT_GEN=str(GEN + 1))
+    relog = tmp_path / "relog"
+    relog.mkdir()
+    per_rank = [{"PIPE_FIRST_ITER": "3"},
+                {"JITCKPT_RECV_REPLAY_DIRS": str(first / "stage0"), "JITCKPT_RECV_REPLAY_THROUGH": "2",
+                 "JITCKPT_SEND_LOG_DIR": str(relog)}]
+    with RankGroup(prog, "pipeline", 2, env=env, window_ms=0, rank_env=lambda r: per_rank[r]) as group:
+        out = [rp.finish(timeout=TIMEOUT_S) for rp in group.ranks]
+    # Both check every value they received: the replacement got iterations 1-2 from the log and
+    # 3-4 live; the survivor got only the gradients of 3-4 (a gradient the replacement had sent
+    # while replaying would have arrived in their place).
+    assert [kv["mismatches"] for kv in out] == ["0", "0"], out
+    replay = json.loads(out[1]["status"])["recv_replay"]
+    assert replay == {"enabled": True, "through": 2, "served": 2 * MB, "dropped_sends": 2 * MB, "error": ""}
+    # The replacement's own log is whole again: every gradient, replayed ones included.
+    records = [rt for path, *_ in iter_chunks(relog) for rt in read_chunk(path)]
+    assert sorted((r.key.iteration, r.key.micro_batch) for r, _ in records) == \
+        [(it, mb) for it in range(1, ITERS + 1) for mb in range(MB)]
+    assert all(r.generation == GEN + 1 and torch.equal(t, -_expected(r.key.iteration, r.key.micro_batch))
+               for r, t in records)
+
+
+def test_replay_without_the_message_fails_the_receive(prog: Program, tmp_path) -> None:
+    """Logs dropped through iteration 1 cannot replay iteration 1: the receive fails with an NCCL
+    error naming the message, instead of running on with a wrong input."""
+    first = tmp_path / "first"
+    first.mkdir()
+    _run(prog, first, drop_through=1)
+    env = prog.env(LD_PRELOAD=str(LIBJIT))
+    per_rank = [{"PIPE_FIRST_ITER": "3"},
+                {"JITCKPT_RECV_REPLAY_DIRS": str(first / "stage0"), "JITCKPT_RECV_REPLAY_THROUGH": "2"}]
+    with RankGroup(prog, "pipeline", 2, env=env, window_ms=0, rank_env=lambda r: per_rank[r]) as group:
+        out = group.ranks[1].finish(timeout=TIMEOUT_S)  # the survivor is killed on leaving the block
+        seen = "\n".join(group.ranks[1].seen)
+    assert group.ranks[1].proc.returncode == 3, seen  # NCCLCHECK's exit
+    assert "FAIL ncclRecv" in seen and "invalid usage" in seen.lower(), seen
+    assert "no logged message (iteration 1, micro-batch 0, activation, from rank 0 to rank 1)" in seen, seen
+    assert "done" not in out

@@ -1,0 +1,42 @@
+// SWIFT log chunk files, as jitckpt/swift/logging_records.py defines them:
+// chunk-g<gen>-<number>-it<lo>-<hi>.log = 8-byte little-endian header length, a JSON header
+// {"records": [[iteration, micro_batch, payload, src, dst, seq, generation, kind, digest], ...],
+//  "tensors": [{"dtype", "shape", "offset", "nbytes"} | null, ...]}, then the tensor bytes.
+#pragma once
+
+#include <nccl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace jitckpt {
+
+// torch's name of an NCCL element type (the reader does getattr(torch, name)); nullptr if unknown.
+const char* torch_dtype(ncclDataType_t t, size_t* size);
+
+struct ChunkFile {
+  std::string name;
+  int generation = 0;
+  int64_t number = 0, lo = 0, hi = 0;
+};
+
+// The complete chunk files in `dir` (temporary files are hidden names and never listed).
+std::vector<ChunkFile> list_chunks(const std::string& dir);
+
+struct ChunkRecord {
+  int64_t iteration = 0;
+  int micro_batch = 0;
+  std::string payload;
+  int src = -1, dst = -1;
+  int64_t seq = 0;
+  int generation = 0;
+  std::string kind;   // "send" (bytes kept) or "recv" (digest only)
+  std::string dtype;  // of the tensor, "" without one
+  std::vector<char> bytes;
+};
+
+// Reads one chunk file; false with a message naming the file on any malformed content.
+bool read_chunk(const std::string& path, std::vector<ChunkRecord>* out, std::string* error);
+
+}  // namespace jitckpt
