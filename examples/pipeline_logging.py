@@ -155,8 +155,10 @@ def _build_stage(cfg: PipelineRun, s: int):
 class _Stage:
     """State of one stage process across process-group generations."""
 
-    def __init__(self, cfg: PipelineRun, s: int, generation: int, role: str, store: dist.Store):
+    def __init__(self, cfg: PipelineRun, s: int, generation: int, role: str, store: dist.Store,
+                 member: Optional[StageMembership] = None):
         self.cfg, self.s, self.gen, self.role = cfg, s, generation, role
+        self.member = member  # under jitckpt run --recovery stage: the launcher's view
         self.run = Path(cfg.run_dir)
         self.ckpt_dir = self.run / "ckpt"
         self.log_root = Path(cfg.log_root) if cfg.log_root else self.run / "logs"
@@ -237,6 +239,8 @@ class _Stage:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _run(self, channel, it: int) -> None:
+        if self.member is not None:
+            self.member.mark_iteration(it - 1)
         t0 = time.monotonic()
         loss = self.stage.run_iteration(channel, it, on_op=self._maybe_die)
         self.stats["checked_outputs"] += channel.checked_outputs
@@ -248,13 +252,16 @@ class _Stage:
         """Replacement/restart: load the last complete global checkpoint."""
 
 
+        t0 = time.monotonic()
         c = latest_global_checkpoint(self.ckpt_dir, self.cfg.num_stages)
         if c is None:
             raise RuntimeError(f"no complete global checkpoint in {self.ckpt_dir}")
-        self.stage.load_state_dict(torch.load(checkpoint_path(self.ckpt_dir, c, self.s),
-                                              weights_only=True))
+        path = checkpoint_path(self.ckpt_dir, c, self.s)
+        self.stage.load_state_dict(torch.load(path, weights_only=True))
         self.completed = c
         self.stats["loaded_checkpoint"] = c
+        if self.member is not None:
+            self.member.report_restored(path=str(path), step=c, seconds=time.monotonic() - t0)
         if self.cfg.tamper_replay:
             with torch.no_grad():
                 next(self.stage.module.parameters()).view(-1)[0] += 1e-3
@@ -362,7 +369,7 @@ class _Stage:
 
 def _run_stage(cfg: PipelineRun, s: int, generation: int, role: str, store: dist.Store,
                member: Optional[StageMembership] = None) -> None:
-    st = _Stage(cfg, s, generation, role, store)
+    st = _Stage(cfg, s, generation, role, store, member)
     st.mark("started")
     if role in ("replacement", "restart"):
         st.restore()

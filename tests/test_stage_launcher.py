@@ -123,6 +123,10 @@ def test_overlapping_failures_restart_the_whole_job(tmp_path, reference, injecti
                               script_args=injection)
     assert rc == 0, out[-6000:]
     assert "still catching up from the logs; restarting every rank" in out
+    # One failure, both deaths in it, recovered by the restart from the iteration-CKPT checkpoint.
+    [summary] = [e for e in events if e["event"] == "recovery_summary"]
+    assert summary.get("scope") != "stage" and summary["step_resumed"] == CKPT, summary
+    assert {e["step"] for e in events if e["event"] == "restore"} == {CKPT}
     replaced = [e["rank"] for e in events if e["event"] == "stage_replaced"]
     assert len(replaced) == 1 and replaced[0] in (1, 2), replaced
     assert len([e for e in events if e["event"] == "restart"]) == 1

@@ -40,8 +40,10 @@ class StageMembership:
     ``failed_rank(g)`` waits (bounded by the store timeout) until the launcher names the rank
     whose replacement starts generation ``g`` and returns it. A replacement calls
     ``report_caught_up(...)`` once it has replayed up to the survivors (the launcher then logs
-    the recovery, with its time, as a ``recovery_summary`` event). ``exit(code)`` ends the
-    process once the stage is done (see its docstring for why not a normal exit).
+    the recovery, with its time, as a ``recovery_summary`` event). ``mark_iteration`` (each
+    iteration) and ``report_restored`` (after loading a checkpoint) let the launcher follow
+    progress and report a whole-job restart's recovery. ``exit(code)`` ends the process once
+    the stage is done (see its docstring for why not a normal exit).
     """
 
     rank: int
@@ -85,13 +87,27 @@ class StageMembership:
         self.store.wait([announce_key(generation)])
         return int(self.store.get(announce_key(generation)))
 
+    def mark_iteration(self, completed: int) -> None:
+        """At the top of each iteration, with the number of iterations completed: the launcher's
+        progress heartbeat (``jitckpt.mark_step``); after a restart it also tells the launcher
+        that training runs again, which ends the recovery it reports."""
+        from .. import mark_step
+
+        mark_step(completed)
+
+    def report_restored(self, *, path: str, step: int, seconds: float) -> None:
+        """Tell the launcher this worker loaded the global checkpoint ``path`` of ``step``."""
+        from .. import _get_runtime
+
+        _get_runtime().report_restored(str(path), int(step), float(seconds))
+
     def report_caught_up(self, *, checkpoint: int, replayed: int) -> None:
         """Tell the launcher this replacement loaded ``checkpoint`` and replayed ``replayed``
-        iterations from the logs, so it is back with the survivors (no-op without a launcher)."""
-        from .. import _runtime_or_none
+        iterations from the logs, so it is back with the survivors."""
+        from .. import _get_runtime
 
-        rt = _runtime_or_none()
-        if rt is not None and rt.channel is not None:
+        rt = _get_runtime()
+        if rt.channel is not None:
             rt.channel.send("stage_caught_up", rank=self.rank, generation=self.generation,
                             checkpoint=int(checkpoint), replayed=int(replayed))
 
