@@ -28,13 +28,15 @@ from .checkpoint_store import prune
 from .control_channel import ENV_FD, ControlChannel, channel_pair
 from .events import EventLog
 from .keeper_supervisor import KeeperSupervisor
-from .exit_codes import EXIT_JIT_SAVED
+from .exit_codes import EXIT_JIT_SAVED, EXIT_NO_SAVE
 from .launch_config import LaunchConfig
 from .node_coordinator import NodeCoordinator
 from .stage_generations import StageGenerations
 from .status_display import StatusDisplay
 
 log = logging.getLogger("jitckpt.launcher")
+# Exit codes of ranks that ended because of another rank's failure (saved, or gave up saving).
+NOT_A_CULPRIT = (0, EXIT_JIT_SAVED, EXIT_NO_SAVE)
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -381,7 +383,7 @@ class Launcher:
                         sel.unregister(key.fd)
                         w.eof = True
                         self._reap(w)
-                        if (failure is not None and w.exit_code not in (0, EXIT_JIT_SAVED)
+                        if (failure is not None and w.exit_code not in NOT_A_CULPRIT
                                 and w.rank not in failure.failed_ranks):
                             failure.failed_ranks.append(w.rank)  # the culprit, seen after a peer's report
                         if (w.exit_code not in (0, EXIT_JIT_SAVED) and failure is None
@@ -392,6 +394,12 @@ class Launcher:
                             detail = (f"killed by {signal.Signals(-w.exit_code).name}"
                                       if kind == "signal" else f"exit code {w.exit_code}")
                             failure = self._on_failure(gen, kind, w.rank, detail)
+                            for rank, (_, t_detect, _) in self._replacing.items():
+                                # --recovery stage fell back: a death still being replaced is
+                                # part of this failure (and was detected first).
+                                if rank not in failure.failed_ranks:
+                                    failure.failed_ranks.append(rank)
+                                failure.t_detect = min(failure.t_detect, t_detect)
                         continue
                     failure = self._on_message(gen, w, msg, failure)
                     while w.channel.buffered():  # one socket read can carry several messages
@@ -576,7 +584,7 @@ class Launcher:
             failure.failed_ranks = sorted(set(prev.failed_ranks) | set(failure.failed_ranks))
         self.pending_summary = failure
         for w in self.workers:
-            if w.exit_code not in (0, EXIT_JIT_SAVED, None) and w.rank not in failure.failed_ranks:
+            if w.exit_code not in (*NOT_A_CULPRIT, None) and w.rank not in failure.failed_ranks:
                 if w.rank not in failure.saved_ranks and not (
                         w.exit_code == -signal.SIGKILL and failure.kind != "hang"):
                     # Died on its own, or (after a hang) was still silent when killed: a culprit.

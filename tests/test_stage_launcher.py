@@ -107,13 +107,13 @@ def test_launcher_replaces_only_the_dead_stage_bitwise(tmp_path, reference, fail
             assert torch.equal(got[s][k], reference[s][k]), f"stage {s} {k} differs"
 
 
-@pytest.mark.parametrize("injection", [
-    ["--fail-stage", "1", "--also-fail", "2", "--fail-iter", str(FAIL_IT), "--fail-op", "0"],
+@pytest.mark.parametrize("injection,dead", [
+    (["--fail-stage", "1", "--also-fail", "2", "--fail-iter", str(FAIL_IT), "--fail-op", "0"], [1, 2]),
     # stage 2's replacement (generation 1) dies replaying iteration CKPT + 1
-    ["--fail-stage", "2", "--fail-iter", str(FAIL_IT), "--fail-op", "3",
-     "--then-fail", f"2:{CKPT + 1}:0"],
+    (["--fail-stage", "2", "--fail-iter", str(FAIL_IT), "--fail-op", "3",
+      "--then-fail", f"2:{CKPT + 1}:0"], [2]),
 ], ids=["two-stages-at-once", "replacement-dies-replaying"])
-def test_overlapping_failures_restart_the_whole_job(tmp_path, reference, injection):
+def test_overlapping_failures_restart_the_whole_job(tmp_path, reference, injection, dead):
     """Stages 1 and 2 die at the same op, or a replacement dies before it has caught up: the
     first death seen is replaced; the second finds that replacement still catching up (the
     survivors wait for it in a group that can no longer form), so the launcher falls back to
@@ -126,6 +126,8 @@ def test_overlapping_failures_restart_the_whole_job(tmp_path, reference, injecti
     # One failure, both deaths in it, recovered by the restart from the iteration-CKPT checkpoint.
     [summary] = [e for e in events if e["event"] == "recovery_summary"]
     assert summary.get("scope") != "stage" and summary["step_resumed"] == CKPT, summary
+    # Both deaths, not the survivors that gave up (no save function).
+    assert sorted(summary["failed_ranks"]) == dead, summary
     assert {e["step"] for e in events if e["event"] == "restore"} == {CKPT}
     replaced = [e["rank"] for e in events if e["event"] == "stage_replaced"]
     assert len(replaced) == 1 and replaced[0] in (1, 2), replaced
