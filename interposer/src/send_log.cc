@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 
 #include "json_writer.h"
 #include "log_chunk.h"
@@ -117,44 +118,66 @@ void SendLog::on_send(const LogContext::Value& ctx, const void* buf, size_t coun
 void SendLog::writer_loop() {
   auto query = real_cuda.eventQuery.get();
   auto destroy = real_cuda.eventDestroy.get();
+  auto idle = std::chrono::microseconds(200);
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     wake_.wait(lock, [this] { return !queue_.empty() || flush_requests_ > flushes_done_; });
-    if (!queue_.empty()) {
-      cudaEvent_t ev = queue_.front().done;
-      lock.unlock();
-      // Poll, not cudaEventSynchronize: a copy behind a hung operation must not pin this thread
-      // (flush() has a deadline and reports what is still pending).
-      cudaError_t st = query(ev);
-      while (st == cudaErrorNotReady) {
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
-        st = query(ev);
-      }
-      if (destroy != nullptr) destroy(ev);
-      lock.lock();
-      Pending p = std::move(queue_.front());
-      queue_.pop_front();
-      if (st != cudaSuccess) {
-        free_.emplace(p.capacity, p.host);
-        fail("a send's device-to-host copy failed");
+    // Every copy that has completed is taken, in queue order, not only the oldest: a copy stuck
+    // behind a blocked stream must not hold back the messages of other streams. Events are
+    // polled (never cudaEventSynchronize), so flush() keeps its deadline.
+    std::deque<Pending> batch;
+    batch.swap(queue_);
+    lock.unlock();
+    std::vector<Pending> ready;
+    std::deque<Pending> waiting;
+    bool copy_failed = false;
+    for (Pending& p : batch) {
+      cudaError_t st = query(p.done);
+      if (st == cudaErrorNotReady) {
+        waiting.push_back(std::move(p));
         continue;
       }
-      chunk_.push_back(std::move(p));
-      if (chunk_.size() < chunk_records_) continue;
-    } else if (chunk_.empty()) {
+      if (destroy != nullptr) destroy(p.done);
+      if (st == cudaSuccess) {
+        ready.push_back(std::move(p));
+      } else {
+        copy_failed = true;
+        give_back(p.host, p.capacity);
+      }
+    }
+    lock.lock();
+    while (!waiting.empty()) {  // back in front of whatever was queued meanwhile, in order
+      queue_.push_front(std::move(waiting.back()));
+      waiting.pop_back();
+    }
+    if (copy_failed) fail("a send's device-to-host copy failed");
+    for (Pending& p : ready) chunk_.push_back(std::move(p));
+    const bool flushing = flush_requests_ > flushes_done_;
+    while (chunk_.size() >= chunk_records_ || (flushing && !chunk_.empty())) {
+      size_t n = std::min(chunk_.size(), chunk_records_);
+      std::vector<Pending> records(std::make_move_iterator(chunk_.begin()),
+                                   std::make_move_iterator(chunk_.begin() + static_cast<long>(n)));
+      chunk_.erase(chunk_.begin(), chunk_.begin() + static_cast<long>(n));
+      lock.unlock();
+      std::string error;
+      bool ok = write_chunk(records, &error);
+      lock.lock();
+      for (Pending& r : records) free_.emplace(r.capacity, r.host);
+      if (!ok) fail(error);
+      written_.notify_all();
+    }
+    if (flushing && queue_.empty() && chunk_.empty()) {
       flushes_done_ = flush_requests_;
       written_.notify_all();
-      continue;
     }
-    std::vector<Pending> records;
-    records.swap(chunk_);
-    lock.unlock();
-    std::string error;
-    bool ok = write_chunk(records, &error);
-    lock.lock();
-    for (Pending& p : records) free_.emplace(p.capacity, p.host);
-    if (!ok) fail(error);
-    written_.notify_all();
+    if (!queue_.empty() && ready.empty()) {  // copies still running: back off, up to 10 ms
+      lock.unlock();
+      std::this_thread::sleep_for(idle);
+      idle = std::min(idle * 2, std::chrono::microseconds(10000));
+      lock.lock();
+    } else {
+      idle = std::chrono::microseconds(200);
+    }
   }
 }
 
@@ -232,7 +255,7 @@ bool SendLog::flush(double timeout_s, std::string* error) {
   }
   if (!done) {
     *error = std::to_string(queue_.size()) + " logged sends still wait for their device-to-host copy after " +
-             std::to_string(timeout_s) + " s (a stream is blocked)";
+             std::to_string(timeout_s) + " s (a stream is blocked); every completed one is written";
     return false;
   }
   return true;

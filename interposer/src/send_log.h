@@ -40,7 +40,8 @@ class SendLog {
                ncclComm_t comm, cudaStream_t stream);
   // Waits (at most timeout_s) until every send logged so far is written, a partial chunk
   // included. Returns false with the reason in `error` on a timeout (a copy waits behind a blocked
-  // stream) or after a failed copy or write (logging stops at the first failure).
+  // stream; every completed one is written by then) or after a failed copy or write (logging
+  // stops at the first failure). libjit.so flushes on every detected failure, before the handler.
   bool flush(double timeout_s, std::string* error);
   // Deletes chunk files whose records are all from iterations <= `iteration` (the newest global
   // checkpoint covers them). Returns how many files were deleted.
@@ -76,7 +77,7 @@ class SendLog {
   std::condition_variable wake_;        // writer: work or a flush request
   std::condition_variable written_;     // flushers: progress
   std::deque<Pending> queue_;
-  std::vector<Pending> chunk_;          // copied, not yet in a file (writer thread only)
+  std::vector<Pending> chunk_;          // copied, not yet in a file
   std::map<int, int64_t> next_seq_;     // per destination rank
   std::multimap<size_t, void*> free_;   // pinned buffers by capacity
   int64_t queued_ = 0, written_count_ = 0, files_ = 0, bytes_ = 0;

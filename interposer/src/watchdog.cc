@@ -100,6 +100,12 @@ void Watchdog::poll() {
 
 void Watchdog::dispatch(const Failure& failure) {
   log_always("failure detected: %s: %s", failure.kind.c_str(), failure.detail.c_str());
+  // SWIFT: the messages this process sent are what a replacement of the failed peer replays;
+  // write them out before the handler (which may end the process). Bounded: a copy behind the
+  // hung operation never completes, and neither did its send.
+  std::string log_error;
+  if (registry_.send_log().enabled() && !registry_.send_log().flush(2.0, &log_error))
+    log_always("send log at the failure: %s", log_error.c_str());
   int device = std::max(registry_.collectives().first_device(), 0);
   registry_.set_saving(true);
   registry_.redirect().begin(device);  // on failure the save runs unredirected (logged)

@@ -126,6 +126,22 @@ print("dropped=%d" % _native.drop_send_logs_through(10))
 """
 
 
+def test_a_detected_failure_flushes_the_log(prog: Program, tmp_path) -> None:
+    """No flush by the application: it blocks behind a send whose receiver never receives.
+    libjit.so's watchdog detects the hang and writes the log (a partial chunk) before its
+    failure handler runs, so the message is there for the receiver's replacement."""
+    env = prog.env(LD_PRELOAD=str(LIBJIT), JITCKPT_SEND_LOG_DIR=str(tmp_path), JITCKPT_HANG_TIMEOUT="3")
+    with RankGroup(prog, "orphan_hang", 2, env=env, window_ms=0) as group:
+        rank0 = group.ranks[0]
+        rank0.wait_for("blocking", TIMEOUT_S)
+        assert not list(iter_chunks(tmp_path))  # one record, still in the partial chunk (3 s margin)
+        rank0.wait_for_line(lambda line: "no failure callback registered" in line, "the handler step", TIMEOUT_S)
+        [(path, *_)] = list(iter_chunks(tmp_path))
+        [(rec, t)] = read_chunk(path)
+    assert any("failure detected: hang" in line for line in rank0.seen), rank0.seen
+    assert rec.key.iteration == 1 and torch.equal(t, _expected(1, 0, 8 << 20))
+
+
 def test_python_api(tmp_path) -> None:
     """jitckpt._native's send-log calls reach libjit.so (a torch CUDA job would call them)."""
     import subprocess

@@ -8,7 +8,8 @@
 // for the stream). The send log is reached through libjit.so's C ABI (jitckpt_api_v1, found with
 // dlsym: absent when libjit.so is not preloaded). At the end: flush, then drop the chunks of
 // iterations <= drop-through (0: none). Mode orphan: stage 1 exits at once and stage 0's one send
-// never completes; stage 0 flushes the log while the send is still pending. $PIPE_FIRST_ITER: the
+// never completes; stage 0 flushes the log while the send is still pending. Mode orphan_hang: stage 0
+// blocks in cudaStreamSynchronize behind that send instead (libjit.so detects the hang). $PIPE_FIRST_ITER: the
 // first iteration this process runs (a survivor resuming after a replacement). Prints key=value
 // lines, the last one libjit.so's status JSON.
 #include <cuda_runtime.h>
@@ -75,7 +76,8 @@ int main(int argc, char** argv) {
   CUDACHECK(cudaMalloc(&act, N * sizeof(float)));
   CUDACHECK(cudaMalloc(&grad, N * sizeof(float)));
   CUDACHECK(cudaMalloc(&sink, sizeof(float)));
-  if (std::string(argv[1]) == "orphan") {
+  const std::string mode = argv[1];
+  if (mode == "orphan" || mode == "orphan_hang") {
     // The receiver is gone before the message: the send never completes, yet it must be in the
     // log (a replacement receiver will need exactly this message).
     if (rank == 1) {  // alive, but never receives (the test kills it)
@@ -90,6 +92,11 @@ int main(int argc, char** argv) {
     if (api != nullptr) api->set_log_context(1, 0, "activation");
     NCCLCHECK(ncclSend(big, BIG, ncclFloat32, 1, comm, stream));
     fill<<<(BIG + 255) / 256, 256, 0, stream>>>(big, -1.0f, BIG);
+    if (mode == "orphan_hang") {  // block behind the hung send: libjit.so's watchdog takes over
+      std::printf("blocking=1\n");
+      std::fflush(stdout);
+      cudaStreamSynchronize(stream);
+    }
     char err[512] = {0};
     std::printf("flush=%d\n", api != nullptr ? api->flush_send_log(20.0, err, sizeof err) : -2);
     std::printf("send_pending=%d\n", cudaStreamQuery(stream) == cudaErrorNotReady);

@@ -133,23 +133,28 @@ class RankProcess:
 
     def wait_for(self, key: str, timeout: float) -> str:
         """Value of the first `key=` line, waiting at most `timeout` seconds."""
+        line = self.wait_for_line(lambda line: line.startswith(key + "="), f"'{key}='", timeout)
+        return line.split("=", 1)[1]
+
+    def wait_for_line(self, match: Callable[[str], bool], what: str, timeout: float) -> str:
+        """The first output line that `match`es, waiting at most `timeout` seconds."""
         deadline = time.monotonic() + timeout
         for line in self.seen:
-            if line.startswith(key + "="):
-                return line.split("=", 1)[1]
+            if match(line):
+                return line
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"rank {self.rank}: no '{key}=' within {timeout}s; output so far: {self.seen}")
+                raise TimeoutError(f"rank {self.rank}: no {what} within {timeout}s; output so far: {self.seen}")
             try:
                 line = self.lines.get(timeout=left)
             except queue.Empty:
                 continue
             if line is None:
-                raise EOFError(f"rank {self.rank} exited (rc={self.proc.poll()}) before '{key}='; output: {self.seen}")
+                raise EOFError(f"rank {self.rank} exited (rc={self.proc.poll()}) before {what}; output: {self.seen}")
             self.seen.append(line)
-            if line.startswith(key + "="):
-                return line.split("=", 1)[1]
+            if match(line):
+                return line
 
     def finish(self, timeout: float) -> dict[str, str]:
         """Wait for exit (bounded) and return all key=value output."""
