@@ -234,7 +234,7 @@ class Protected:
             if self._buffer_snapshot:
                 model_sd = {**model_sd, **{k: v for k, v in self._buffer_snapshot.items() if k in model_sd}}
         extra = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in self.extra.items()}
-        return {
+        out = {
             "step": self.step,
             "model": model_sd,
             # ZeRO: the partitions go through AOR (its state_dict() would be a collective).
@@ -243,6 +243,12 @@ class Protected:
             "rng": rng,
             "extra": extra,
         }
+        if self._zero:
+            # The wrapper's hyperparameters are what its step syncs into the local optimizer: a
+            # scheduler changes them there, and scheduler.load_state_dict() does not set them.
+            out["zero_param_groups"] = [{k: v for k, v in g.items() if k != "params"}
+                                        for g in self.optimizer.param_groups]
+        return out
 
     def save(self, path: str) -> None:
         """Save into directory ``path`` (the save_fn given to ``jitckpt.init``)."""
@@ -272,6 +278,8 @@ class Protected:
         elif not self._zero:
             raise ValueError("this state has no optimizer state (it is from a ZeroRedundancyOptimizer "
                              "job) but the optimizer is a plain one")
+        else:
+            self._load_zero_hyperparameters(sd)
         if self.scheduler is not None and sd["scheduler"] is not None:
             self.scheduler.load_state_dict(sd["scheduler"])
         for k, v in sd["extra"].items():
@@ -284,6 +292,17 @@ class Protected:
         self._mid_minibatch = False
         self._resumed_step = self.step
         return self.step
+
+    def _load_zero_hyperparameters(self, sd: dict) -> None:
+        """ZeRO: the wrapper's hyperparameters as they were (a scheduler may have changed them
+        since the local optimizer last copied them, so the partition's own are stale)."""
+        groups = sd.get("zero_param_groups")
+        if groups is None or len(groups) != len(self.optimizer.param_groups):
+            raise ValueError("this ZeroRedundancyOptimizer state has no hyperparameters for its "
+                             f"{len(self.optimizer.param_groups)} parameter group(s) (written by an "
+                             "older jitckpt?); resume it from scratch")
+        for g, saved in zip(self.optimizer.param_groups, groups):
+            g.update(saved)
 
     def restore(self) -> int:
         """Load the newest complete checkpoint if there is one; return the step to continue from.
@@ -319,6 +338,7 @@ class Protected:
         if self._zero and point.aor is not None:
             loaded = self._snapshots.load_zero_partitions(self.optimizer, point)
             self._peer_state, fetched = loaded.peer_state, loaded.remote
+            self._load_zero_hyperparameters(point.state)  # over the partition's stale copy
         path = point.path or f"memory:step{point.step}"
         rt.report_restored(path, step, point.seconds + time.monotonic() - t0, source=point.source,
                            decoded=point.decoded, fetched=fetched)

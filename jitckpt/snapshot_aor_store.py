@@ -198,7 +198,10 @@ def load_zero_partition(zero: ZeroRedundancyOptimizer, state: dict) -> None:
                 raise ValueError(f"AOR partition state {name} of parameter {index} has shape "
                                  f"{tuple(value.shape)}, the parameter {tuple(params[index].shape)}")
     zero.optim.load_state_dict(state)
-    # ZeRO copies its global groups' hyperparameters into the local optimizer before each step.
+    # ZeRO copies its global groups' hyperparameters into the local optimizer before each step,
+    # so the partition's are those of the last step taken: a scheduler that stepped after it
+    # (the usual order) changed the global ones since. This copy is only a fallback; a caller
+    # that saved the global groups (jitckpt.protect() does) puts them back after this call.
     for g, lg in zip(zero.param_groups, zero.optim.param_groups):
         g.update({k: v for k, v in lg.items() if k != "params"})
 

@@ -290,4 +290,4 @@ def test_zero_failure_restores_partitions_through_aor(zero_reference, tmp_path, 
     final = torch.load(tmp_path / "zfail-final.pt", weights_only=True)
     assert final.keys() == zero_reference.keys()
     for k in zero_reference:
-        assert torch.equal(final[k], zero_reference[k]), f"parameter {k} differs from the failure-free run"
+        assert torch.equal(final[k], zero_reference[k]), f"parameter {k} differs from the failure-free run; restores {restores}"
