@@ -112,7 +112,7 @@ ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count, nccl
 ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
   Registry& r = Registry::instance();
-  if (r.tracking()) {
+  if (r.tracking() && (r.send_log().enabled() || r.recv_replay().enabled())) {  // off: no context read
     LogContext::Value ctx = r.log_context().get();
     if (r.send_log().enabled()) r.send_log().on_send(ctx, sendbuff, count, datatype, peer, comm, stream);
     if (r.recv_replay().replaying(ctx)) {  // the survivors got this message before the failure
@@ -127,7 +127,7 @@ ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatyp
 ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
   Registry& r = Registry::instance();
-  if (r.tracking()) {
+  if (r.tracking() && r.recv_replay().enabled()) {
     LogContext::Value ctx = r.log_context().get();
     if (r.recv_replay().replaying(ctx)) {
       ncclResult_t rc = r.recv_replay().serve(ctx, recvbuff, count, datatype, peer, comm, stream);

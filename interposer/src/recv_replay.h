@@ -34,6 +34,7 @@ class RecvReplay {
   RecvReplay(const RecvReplay&) = delete;
   RecvReplay& operator=(const RecvReplay&) = delete;
 
+  bool enabled() const { return enabled_; }  // fixed at construction
   bool replaying(const LogContext::Value& ctx) const { return enabled_ && ctx.iteration <= through_; }
   // Enqueues on `stream` a host-to-device copy of the logged message the ncclRecv asks for.
   ncclResult_t serve(const LogContext::Value& ctx, void* buf, size_t count, ncclDataType_t dtype, int peer,
