@@ -2,12 +2,15 @@
 
 #include <dirent.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 #include <fstream>
 #include <iterator>
 
 #include "json_reader.h"
+#include "json_writer.h"
 
 namespace jitckpt {
 
@@ -90,15 +93,16 @@ bool read_chunk(const std::string& path, std::vector<ChunkRecord>* out, std::str
   for (size_t i = 0; i < records->array.size(); ++i) {
     const JsonValue& row = records->array[i];
     ChunkRecord r;
+    RecordMeta& m = r.meta;
     int64_t mb, src, dst, gen;
-    if (row.kind != JsonValue::Kind::kArray || !int_at(row, 0, &r.iteration) || !int_at(row, 1, &mb) ||
-        !str_at(row, 2, &r.payload) || !int_at(row, 3, &src) || !int_at(row, 4, &dst) || !int_at(row, 5, &r.seq) ||
-        !int_at(row, 6, &gen) || !str_at(row, 7, &r.kind))
+    if (row.kind != JsonValue::Kind::kArray || !int_at(row, 0, &m.iteration) || !int_at(row, 1, &mb) ||
+        !str_at(row, 2, &m.payload) || !int_at(row, 3, &src) || !int_at(row, 4, &dst) || !int_at(row, 5, &m.seq) ||
+        !int_at(row, 6, &gen) || !str_at(row, 7, &m.kind))
       return bad("record " + std::to_string(i) + " is malformed");
-    r.micro_batch = static_cast<int>(mb);
-    r.src = static_cast<int>(src);
-    r.dst = static_cast<int>(dst);
-    r.generation = static_cast<int>(gen);
+    m.micro_batch = static_cast<int>(mb);
+    m.src = static_cast<int>(src);
+    m.dst = static_cast<int>(dst);
+    m.generation = static_cast<int>(gen);
     const JsonValue& t = tensors->array[i];
     if (t.kind == JsonValue::Kind::kObject) {
       const JsonValue* dtype = t.find("dtype");
@@ -109,13 +113,67 @@ bool read_chunk(const std::string& path, std::vector<ChunkRecord>* out, std::str
           static_cast<uint64_t>(offset->integer) + static_cast<uint64_t>(nbytes->integer) >
               data.size() - payload_start)
         return bad("tensor " + std::to_string(i) + " is malformed or beyond the end of the file");
-      r.dtype = dtype->string;
+      m.dtype = dtype->string;
       const char* begin = data.data() + payload_start + offset->integer;
       r.bytes.assign(begin, begin + nbytes->integer);
     } else if (t.kind != JsonValue::Kind::kNull) {
       return bad("tensor " + std::to_string(i) + " is neither an object nor null");
     }
     out->push_back(std::move(r));
+  }
+  return true;
+}
+
+bool write_chunk(const std::string& dir, int generation, int64_t number, const std::vector<ChunkEntry>& entries,
+                 std::string* error) {
+  int64_t lo = entries.front().meta->iteration, hi = lo;
+  JsonWriter j;
+  j.begin_object().key("records").begin_array();
+  for (const ChunkEntry& e : entries) {
+    const RecordMeta& m = *e.meta;
+    lo = std::min(lo, m.iteration);
+    hi = std::max(hi, m.iteration);
+    j.begin_array()
+        .value(m.iteration)
+        .value(static_cast<int64_t>(m.micro_batch))
+        .value(m.payload)
+        .value(static_cast<int64_t>(m.src))
+        .value(static_cast<int64_t>(m.dst))
+        .value(m.seq)
+        .value(static_cast<int64_t>(m.generation))
+        .value(m.kind)
+        .value("")  // sends keep their bytes; only receive digests are ever checked
+        .end_array();
+  }
+  j.end_array().key("tensors").begin_array();
+  uint64_t offset = 0;
+  for (const ChunkEntry& e : entries) {
+    // One dimension: NCCL knows element counts, not shapes; the reader reshapes if it must.
+    j.begin_object().key("dtype").value(e.meta->dtype).key("shape").begin_array();
+    j.value(static_cast<uint64_t>(e.count)).end_array();
+    j.key("offset").value(offset).key("nbytes").value(static_cast<uint64_t>(e.nbytes)).end_object();
+    offset += e.nbytes;
+  }
+  j.end_array().end_object();
+  const std::string& header = j.str();
+
+  char name[128];
+  std::snprintf(name, sizeof name, "chunk-g%d-%06lld-it%lld-%lld.log", generation, static_cast<long long>(number),
+                static_cast<long long>(lo), static_cast<long long>(hi));
+  std::string path = dir + "/" + name, tmp = dir + "/." + name + ".tmp";
+  FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (f == nullptr) {
+    *error = "cannot create " + tmp + ": " + std::strerror(errno);
+    return false;
+  }
+  uint64_t len = header.size();  // little-endian on every platform CUDA runs on
+  bool ok = std::fwrite(&len, sizeof len, 1, f) == 1 && std::fwrite(header.data(), 1, header.size(), f) == header.size();
+  for (const ChunkEntry& e : entries) ok = ok && std::fwrite(e.bytes, 1, e.nbytes, f) == e.nbytes;
+  ok = (std::fclose(f) == 0) && ok;
+  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    *error = "cannot write " + path + ": " + std::strerror(errno);
+    std::remove(tmp.c_str());
+    return false;
   }
   return true;
 }

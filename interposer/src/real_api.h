@@ -51,7 +51,6 @@ struct RealCuda {
   NextSymbol<decltype(&::cudaGetErrorName)> getErrorName{"cudaGetErrorName", kCudartSoname};
   // Not interposed; used by the send log.
   NextSymbol<cudaError_t (*)(void**, size_t)> mallocHost{"cudaMallocHost", kCudartSoname};  // overloaded in C++
-  NextSymbol<decltype(&::cudaEventDestroy)> eventDestroy{"cudaEventDestroy", kCudartSoname};
   NextSymbol<decltype(&::cudaStreamIsCapturing)> streamIsCapturing{"cudaStreamIsCapturing", kCudartSoname};
 };
 

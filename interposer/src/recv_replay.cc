@@ -43,12 +43,13 @@ bool RecvReplay::load() {
         return false;
       }
       for (ChunkRecord& r : records) {
-        if (r.kind != "send" || r.iteration > through_) continue;
-        Key key{r.iteration, r.micro_batch, r.payload, r.src, r.dst};
+        const RecordMeta& m = r.meta;
+        if (m.kind != "send" || m.iteration > through_) continue;
+        Key key{m.iteration, m.micro_batch, m.payload, m.src, m.dst};
         auto it = messages_.find(key);
         // Re-sent after an earlier recovery: the newest generation's copy wins (as LogIndex).
-        if (it != messages_.end() && it->second.generation > r.generation) continue;
-        messages_[key] = Message{r.generation, r.seq, std::move(r.dtype), std::move(r.bytes)};
+        if (it != messages_.end() && it->second.generation > m.generation) continue;
+        messages_[key] = Message{m.generation, m.seq, m.dtype, std::move(r.bytes)};
       }
     }
   }

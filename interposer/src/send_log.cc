@@ -9,7 +9,6 @@
 #include <iterator>
 
 #include "json_writer.h"
-#include "log_chunk.h"
 #include "real_api.h"
 
 namespace jitckpt {
@@ -42,27 +41,42 @@ void SendLog::fail(const std::string& why) {
   written_.notify_all();
 }
 
-void* SendLog::take_buffer(size_t nbytes, size_t* capacity) {
+bool SendLog::take_resources(Pending* p) {
+  const size_t want = std::max<size_t>(p->nbytes, 1);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = free_.lower_bound(nbytes);
-    if (it != free_.end() && it->first <= 2 * round_up_pow2(nbytes)) {
-      void* p = it->second;
-      *capacity = it->first;
+    auto it = free_.lower_bound(want);
+    if (it != free_.end() && it->first <= 2 * round_up_pow2(want)) {
+      p->host = it->second;
+      p->capacity = it->first;
       free_.erase(it);
-      return p;
+    }
+    if (!free_events_.empty()) {
+      p->done = free_events_.back();
+      free_events_.pop_back();
     }
   }
-  *capacity = round_up_pow2(nbytes);
-  void* p = nullptr;
-  auto alloc = real_cuda.mallocHost.get();
-  if (alloc == nullptr || alloc(&p, *capacity) != cudaSuccess) return nullptr;
-  return p;
+  if (p->host == nullptr) {
+    p->capacity = round_up_pow2(want);
+    auto alloc = real_cuda.mallocHost.get();
+    if (alloc == nullptr || alloc(&p->host, p->capacity) != cudaSuccess) p->host = nullptr;
+  }
+  if (p->done == nullptr) {
+    auto create = real_cuda.eventCreateWithFlags.get();
+    if (create == nullptr || create(&p->done, cudaEventDisableTiming) != cudaSuccess) p->done = nullptr;
+  }
+  return p->host != nullptr && p->done != nullptr;
 }
 
-void SendLog::give_back(void* host, size_t capacity) {
-  std::lock_guard<std::mutex> lock(mu_);
-  free_.emplace(capacity, host);
+void SendLog::give_back(Pending* p) {
+  if (p->host != nullptr) free_.emplace(p->capacity, p->host);
+  if (p->done != nullptr) free_events_.push_back(p->done);
+  p->host = nullptr;
+  p->done = nullptr;
+}
+
+void SendLog::start_writer() {
+  if (!writer_) writer_ = std::make_unique<std::thread>([this] { writer_loop(); });
 }
 
 void SendLog::on_send(const LogContext::Value& ctx, const void* buf, size_t count, ncclDataType_t dtype,
@@ -84,40 +98,36 @@ void SendLog::on_send(const LogContext::Value& ctx, const void* buf, size_t coun
     if (name == nullptr) return fail("ncclSend with an unknown datatype " + std::to_string(static_cast<int>(dtype)));
     if (capture != cudaStreamCaptureStatusNone)
       return fail("an ncclSend was captured into a CUDA graph: the log cannot follow graph replays");
-    p = Pending{ctx.iteration, ctx.micro_batch, ctx.payload, src, peer, next_seq_[peer]++, name, count,
-                count * elem, nullptr, 0, nullptr};
+    p.meta = RecordMeta{ctx.iteration, ctx.micro_batch, ctx.payload, src, peer, next_seq_[peer]++, generation_,
+                        "send", name};
   }
-  p.host = take_buffer(std::max<size_t>(p.nbytes, 1), &p.capacity);
-  auto create = real_cuda.eventCreateWithFlags.get();
+  p.count = count;
+  p.nbytes = count * elem;
   auto copy = real_cuda.memcpyAsync.get();
   auto record = real_cuda.eventRecord.get();
   std::string why;
-  if (p.host == nullptr) {
-    why = "cudaMallocHost of " + std::to_string(p.nbytes) + " bytes failed";
-  } else if (create == nullptr || copy == nullptr || record == nullptr ||
-             create(&p.done, cudaEventDisableTiming) != cudaSuccess) {
-    why = "cannot create a CUDA event for the send log";
-  } else if ((p.nbytes > 0 && copy(p.host, buf, p.nbytes, cudaMemcpyDeviceToHost, stream) != cudaSuccess) ||
+  if (!take_resources(&p)) {
+    why = "cannot allocate " + std::to_string(p.nbytes) + " bytes of pinned memory or a CUDA event";
+  } else if (copy == nullptr || record == nullptr ||
+             (p.nbytes > 0 && copy(p.host, buf, p.nbytes, cudaMemcpyDeviceToHost, stream) != cudaSuccess) ||
              record(p.done, stream) != cudaSuccess) {
     // Enqueued before the send itself: a send that never completes (its receiver died) must
     // still be logged, since the receiver's replacement will need exactly this message.
     why = "the device-to-host copy of a send could not be enqueued";
   }
+  std::lock_guard<std::mutex> lock(mu_);
   if (!why.empty()) {
-    if (p.host != nullptr) give_back(p.host, p.capacity);
-    std::lock_guard<std::mutex> lock(mu_);
+    give_back(&p);
     return fail(why);
   }
-  std::lock_guard<std::mutex> lock(mu_);
   queue_.push_back(std::move(p));
   ++queued_;
-  if (!writer_) writer_ = std::make_unique<std::thread>([this] { writer_loop(); });
+  start_writer();
   wake_.notify_one();
 }
 
 void SendLog::writer_loop() {
   auto query = real_cuda.eventQuery.get();
-  auto destroy = real_cuda.eventDestroy.get();
   auto idle = std::chrono::microseconds(200);
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
@@ -128,21 +138,14 @@ void SendLog::writer_loop() {
     std::deque<Pending> batch;
     batch.swap(queue_);
     lock.unlock();
-    std::vector<Pending> ready;
+    std::vector<Pending> ready, failed;
     std::deque<Pending> waiting;
-    bool copy_failed = false;
     for (Pending& p : batch) {
       cudaError_t st = query(p.done);
       if (st == cudaErrorNotReady) {
         waiting.push_back(std::move(p));
-        continue;
-      }
-      if (destroy != nullptr) destroy(p.done);
-      if (st == cudaSuccess) {
-        ready.push_back(std::move(p));
       } else {
-        copy_failed = true;
-        give_back(p.host, p.capacity);
+        (st == cudaSuccess ? ready : failed).push_back(std::move(p));
       }
     }
     lock.lock();
@@ -150,7 +153,8 @@ void SendLog::writer_loop() {
       queue_.push_front(std::move(waiting.back()));
       waiting.pop_back();
     }
-    if (copy_failed) fail("a send's device-to-host copy failed");
+    for (Pending& p : failed) give_back(&p);
+    if (!failed.empty()) fail("a send's device-to-host copy failed");
     for (Pending& p : ready) chunk_.push_back(std::move(p));
     const bool flushing = flush_requests_ > flushes_done_;
     while (chunk_.size() >= chunk_records_ || (flushing && !chunk_.empty())) {
@@ -160,9 +164,9 @@ void SendLog::writer_loop() {
       chunk_.erase(chunk_.begin(), chunk_.begin() + static_cast<long>(n));
       lock.unlock();
       std::string error;
-      bool ok = write_chunk(records, &error);
+      bool ok = write_records(records, &error);
       lock.lock();
-      for (Pending& r : records) free_.emplace(r.capacity, r.host);
+      for (Pending& r : records) give_back(&r);
       if (!ok) fail(error);
       written_.notify_all();
     }
@@ -181,63 +185,22 @@ void SendLog::writer_loop() {
   }
 }
 
-bool SendLog::write_chunk(std::vector<Pending>& records, std::string* error) {
-  int64_t lo = records.front().iteration, hi = lo;
-  JsonWriter j;
-  j.begin_object().key("records").begin_array();
+bool SendLog::write_records(std::vector<Pending>& records, std::string* error) {
+  std::vector<ChunkEntry> entries;
+  uint64_t bytes = 0;
   for (const Pending& p : records) {
-    lo = std::min(lo, p.iteration);
-    hi = std::max(hi, p.iteration);
-    j.begin_array()
-        .value(p.iteration)
-        .value(static_cast<int64_t>(p.micro_batch))
-        .value(p.payload)
-        .value(static_cast<int64_t>(p.src))
-        .value(static_cast<int64_t>(p.dst))
-        .value(p.seq)
-        .value(static_cast<int64_t>(generation_))
-        .value("send")
-        .value("")  // sends keep their bytes; only receive digests are ever checked
-        .end_array();
+    entries.push_back(ChunkEntry{&p.meta, p.host, p.nbytes, p.count});
+    bytes += p.nbytes;
   }
-  j.end_array().key("tensors").begin_array();
-  uint64_t offset = 0;
-  for (const Pending& p : records) {
-    // One dimension: NCCL knows element counts, not shapes; the reader reshapes if it must.
-    j.begin_object().key("dtype").value(p.dtype).key("shape").begin_array();
-    j.value(static_cast<uint64_t>(p.count)).end_array();
-    j.key("offset").value(offset).key("nbytes").value(static_cast<uint64_t>(p.nbytes)).end_object();
-    offset += p.nbytes;
-  }
-  j.end_array().end_object();
-  const std::string& header = j.str();
-
   int64_t number;
   {
     std::lock_guard<std::mutex> lock(mu_);
     number = files_++;
   }
-  char name[128];
-  std::snprintf(name, sizeof name, "chunk-g%d-%06lld-it%lld-%lld.log", generation_,
-                static_cast<long long>(number), static_cast<long long>(lo), static_cast<long long>(hi));
-  std::string path = dir_ + "/" + name, tmp = dir_ + "/." + name + ".tmp";
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) {
-    *error = "cannot create " + tmp + ": " + std::strerror(errno);
-    return false;
-  }
-  uint64_t len = header.size();  // little-endian on every platform CUDA runs on
-  bool ok = std::fwrite(&len, sizeof len, 1, f) == 1 && std::fwrite(header.data(), 1, header.size(), f) == header.size();
-  for (const Pending& p : records) ok = ok && std::fwrite(p.host, 1, p.nbytes, f) == p.nbytes;
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    *error = "cannot write " + path + ": " + std::strerror(errno);
-    std::remove(tmp.c_str());
-    return false;
-  }
+  if (!write_chunk(dir_, generation_, number, entries, error)) return false;
   std::lock_guard<std::mutex> lock(mu_);
   written_count_ += static_cast<int64_t>(records.size());
-  bytes_ += static_cast<int64_t>(offset);
+  bytes_ += static_cast<int64_t>(bytes);
   return true;
 }
 
@@ -245,8 +208,8 @@ bool SendLog::flush(double timeout_s, std::string* error) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!enabled()) return true;
   int64_t ticket = ++flush_requests_;
+  start_writer();
   wake_.notify_one();
-  if (!writer_) writer_ = std::make_unique<std::thread>([this] { writer_loop(); });
   bool done = written_.wait_for(lock, std::chrono::duration<double>(timeout_s),
                                 [&] { return flushes_done_ >= ticket || !error_.empty(); });
   if (!error_.empty()) {

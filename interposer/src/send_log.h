@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "log_chunk.h"
 #include "log_context.h"
 
 namespace jitckpt {
@@ -50,12 +51,7 @@ class SendLog {
 
  private:
   struct Pending {
-    int64_t iteration = 0;
-    int micro_batch = 0;
-    std::string payload;
-    int src = -1, dst = -1;
-    int64_t seq = 0;
-    const char* dtype = nullptr;  // torch's name
+    RecordMeta meta;
     size_t count = 0;             // elements
     size_t nbytes = 0;
     void* host = nullptr;         // pinned, capacity >= nbytes
@@ -64,9 +60,11 @@ class SendLog {
   };
 
   void writer_loop();
-  bool write_chunk(std::vector<Pending>& records, std::string* error);
-  void* take_buffer(size_t nbytes, size_t* capacity);  // mu_ not held (may allocate)
-  void give_back(void* host, size_t capacity);          // mu_ not held
+  bool write_records(std::vector<Pending>& records, std::string* error);
+  // A pinned buffer of at least nbytes and an event, pooled (mu_ not held: may allocate).
+  bool take_resources(Pending* p);
+  void give_back(Pending* p);                           // mu_ held
+  void start_writer();                                  // mu_ held
   void fail(const std::string& why);                    // mu_ held
 
   std::string dir_;
@@ -80,6 +78,7 @@ class SendLog {
   std::vector<Pending> chunk_;          // copied, not yet in a file
   std::map<int, int64_t> next_seq_;     // per destination rank
   std::multimap<size_t, void*> free_;   // pinned buffers by capacity
+  std::vector<cudaEvent_t> free_events_;
   int64_t queued_ = 0, written_count_ = 0, files_ = 0, bytes_ = 0;
   int64_t flush_requests_ = 0, flushes_done_ = 0;
   std::string error_;

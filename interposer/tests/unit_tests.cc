@@ -146,7 +146,7 @@ void log_chunk_reader_rejects_damage() {
   std::string err;
   write(good, std::string(8, 'x'), good.size());
   CHECK(jitckpt::read_chunk(path, &out, &err) && out.size() == 1 && out[0].bytes.size() == 8 &&
-        out[0].payload == "gradient" && out[0].src == 1 && out[0].dtype == "float32");
+        out[0].meta.payload == "gradient" && out[0].meta.src == 1 && out[0].meta.dtype == "float32");
   out.clear();
   write(good, std::string(7, 'x'), good.size());  // truncated payload
   CHECK(!jitckpt::read_chunk(path, &out, &err) && err.find("beyond the end") != std::string::npos);
@@ -156,6 +156,21 @@ void log_chunk_reader_rejects_damage() {
   write(short_row, "", short_row.size());
   CHECK(!jitckpt::read_chunk(path, &out, &err) && err.find("record 0") != std::string::npos);
   std::remove(path.c_str());
+  // What write_chunk writes, read_chunk reads back (name, header and bytes).
+  jitckpt::RecordMeta meta{7, 1, "activation", 0, 1, 3, 2, "send", "int32"};
+  const int values[3] = {5, -6, 7};
+  std::string dir = "/tmp";
+  CHECK(jitckpt::write_chunk(dir, 2, 424242, {{&meta, values, sizeof values, 3}}, &err));
+  std::vector<jitckpt::ChunkFile> files;
+  for (const jitckpt::ChunkFile& c : jitckpt::list_chunks(dir))
+    if (c.number == 424242) files.push_back(c);
+  CHECK(files.size() == 1 && files[0].name == "chunk-g2-424242-it7-7.log" && files[0].lo == 7 && files[0].hi == 7);
+  out.clear();
+  CHECK(jitckpt::read_chunk(dir + "/chunk-g2-424242-it7-7.log", &out, &err) && out.size() == 1 &&
+        out[0].meta.iteration == 7 && out[0].meta.seq == 3 && out[0].meta.generation == 2 &&
+        out[0].meta.dtype == "int32" && out[0].bytes.size() == sizeof values &&
+        std::memcmp(out[0].bytes.data(), values, sizeof values) == 0);
+  std::remove((dir + "/chunk-g2-424242-it7-7.log").c_str());
   size_t size = 0;
   CHECK(std::strcmp(jitckpt::torch_dtype(ncclBfloat16, &size), "bfloat16") == 0 && size == 2);
   CHECK(jitckpt::torch_dtype(static_cast<ncclDataType_t>(99), &size) == nullptr);
