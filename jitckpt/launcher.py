@@ -39,6 +39,13 @@ log = logging.getLogger("jitckpt.launcher")
 NOT_A_CULPRIT = (0, EXIT_JIT_SAVED, EXIT_NO_SAVE)
 
 
+def _death(w: "Worker") -> tuple[str, str]:
+    """How a worker that exited on its own died: (failure kind, detail)."""
+    if (w.exit_code or 0) < 0:
+        return "signal", f"killed by {signal.Signals(-w.exit_code).name}"
+    return "exit", f"exit code {w.exit_code}"
+
+
 def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -323,9 +330,7 @@ class Launcher:
         if (self.stage is None or self._restarts_used() >= self.cfg.max_restarts
                 or any(w.exit_ready for w in self.workers)):
             return False
-        kind = "signal" if (old.exit_code or 0) < 0 else "exit"
-        detail = (f"killed by {signal.Signals(-old.exit_code).name}" if kind == "signal"
-                  else f"exit code {old.exit_code}")
+        kind, detail = _death(old)
         gen = self.stage.replace(old.rank, launch)
         if gen is None:
             log.warning("rank %d died (%s) while another stage's replacement is still catching up "
@@ -386,13 +391,10 @@ class Launcher:
                         if (failure is not None and w.exit_code not in NOT_A_CULPRIT
                                 and w.rank not in failure.failed_ranks):
                             failure.failed_ranks.append(w.rank)  # the culprit, seen after a peer's report
-                        if (w.exit_code not in (0, EXIT_JIT_SAVED) and failure is None
-                                and self._replace_worker(gen, w, master, sel)):
-                            continue
                         if w.exit_code not in (0, EXIT_JIT_SAVED) and failure is None:
-                            kind = "signal" if (w.exit_code or 0) < 0 else "exit"
-                            detail = (f"killed by {signal.Signals(-w.exit_code).name}"
-                                      if kind == "signal" else f"exit code {w.exit_code}")
+                            if self._replace_worker(gen, w, master, sel):
+                                continue
+                            kind, detail = _death(w)
                             failure = self._on_failure(gen, kind, w.rank, detail)
                             for rank, (_, t_detect, _) in self._replacing.items():
                                 # --recovery stage fell back: a death still being replaced is

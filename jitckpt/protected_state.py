@@ -278,8 +278,6 @@ class Protected:
         elif not self._zero:
             raise ValueError("this state has no optimizer state (it is from a ZeroRedundancyOptimizer "
                              "job) but the optimizer is a plain one")
-        else:
-            self._load_zero_hyperparameters(sd)
         if self.scheduler is not None and sd["scheduler"] is not None:
             self.scheduler.load_state_dict(sd["scheduler"])
         for k, v in sd["extra"].items():
@@ -294,8 +292,9 @@ class Protected:
         return self.step
 
     def _load_zero_hyperparameters(self, sd: dict) -> None:
-        """ZeRO: the wrapper's hyperparameters as they were (a scheduler may have changed them
-        since the local optimizer last copied them, so the partition's own are stale)."""
+        """ZeRO, after its partitions are loaded: the wrapper's hyperparameters as they were. The
+        partition loader copies the local optimizer's, which a scheduler step after the last
+        ``zero.step()`` has made stale."""
         groups = sd.get("zero_param_groups")
         if groups is None or len(groups) != len(self.optimizer.param_groups):
             raise ValueError("this ZeroRedundancyOptimizer state has no hyperparameters for its "
@@ -338,7 +337,7 @@ class Protected:
         if self._zero and point.aor is not None:
             loaded = self._snapshots.load_zero_partitions(self.optimizer, point)
             self._peer_state, fetched = loaded.peer_state, loaded.remote
-            self._load_zero_hyperparameters(point.state)  # over the partition's stale copy
+            self._load_zero_hyperparameters(point.state)
         path = point.path or f"memory:step{point.step}"
         rt.report_restored(path, step, point.seconds + time.monotonic() - t0, source=point.source,
                            decoded=point.decoded, fetched=fetched)
