@@ -74,7 +74,7 @@ cudaError_t event_record(NextSymbol<Fn>& next, cudaEvent_t event, cudaStream_t s
     r.graph().note_event_record(event, stream);
   }
   auto fn = next.get();
-  return fn ? fn(event, stream) : kMissing;
+  return fn ? checked(r, "cudaEventRecord", fn(event, stream)) : kMissing;
 }
 
 template <typename Fn>
@@ -87,7 +87,7 @@ cudaError_t event_record_with_flags(NextSymbol<Fn>& next, cudaEvent_t event, cud
     r.graph().note_event_record(event, stream);
   }
   auto fn = next.get();
-  return fn ? fn(event, stream, flags) : kMissing;
+  return fn ? checked(r, "cudaEventRecordWithFlags", fn(event, stream, flags)) : kMissing;
 }
 
 template <typename Fn>
@@ -101,7 +101,7 @@ cudaError_t stream_wait_event(NextSymbol<Fn>& next, cudaStream_t stream, cudaEve
   }
   r.graph().note_stream_wait(stream, event);
   auto fn = next.get();
-  return fn ? fn(stream, event, flags) : kMissing;
+  return fn ? checked(r, "cudaStreamWaitEvent", fn(stream, event, flags)) : kMissing;
 }
 
 template <typename Fn>
@@ -129,11 +129,11 @@ cudaError_t memcpy_sync(NextSymbol<Fn>& next, void* dst, const void* src, size_t
 
 // Calls that only take a stream to enqueue on: redirected during the save, otherwise untouched.
 template <typename Fn, typename... Args>
-cudaError_t enqueue(NextSymbol<Fn>& next, cudaStream_t stream, Args... args_before_stream) {
+cudaError_t enqueue(const char* call, NextSymbol<Fn>& next, cudaStream_t stream, Args... args_before_stream) {
   Registry& r = Registry::instance();
   if (__builtin_expect(r.redirect().applies_here(), 0)) stream = r.redirect().stream();
   auto fn = next.get();
-  return fn ? fn(args_before_stream..., stream) : kMissing;
+  return fn ? checked(r, call, fn(args_before_stream..., stream)) : kMissing;
 }
 
 }  // namespace
@@ -202,37 +202,48 @@ cudaError_t cudaMemcpy_ptds(void* dst, const void* src, size_t count, enum cudaM
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind,
                             cudaStream_t stream) {
-  return enqueue(real_cuda.memcpyAsync, stream, dst, src, count, kind);
+  return enqueue("cudaMemcpyAsync", real_cuda.memcpyAsync, stream, dst, src, count, kind);
 }
 cudaError_t cudaMemcpyAsync_ptsz(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind,
                                  cudaStream_t stream) {
-  return enqueue(real_cuda.memcpyAsync_ptsz, stream, dst, src, count, kind);
+  return enqueue("cudaMemcpyAsync", real_cuda.memcpyAsync_ptsz, stream, dst, src, count, kind);
 }
 
 cudaError_t cudaMemsetAsync(void* dst, int value, size_t count, cudaStream_t stream) {
-  return enqueue(real_cuda.memsetAsync, stream, dst, value, count);
+  return enqueue("cudaMemsetAsync", real_cuda.memsetAsync, stream, dst, value, count);
 }
 cudaError_t cudaMemsetAsync_ptsz(void* dst, int value, size_t count, cudaStream_t stream) {
-  return enqueue(real_cuda.memsetAsync_ptsz, stream, dst, value, count);
+  return enqueue("cudaMemsetAsync", real_cuda.memsetAsync_ptsz, stream, dst, value, count);
 }
 
 cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** args, size_t shared_mem,
                              cudaStream_t stream) {
-  return enqueue(real_cuda.launchKernel, stream, func, grid, block, args, shared_mem);
+  return enqueue("cudaLaunchKernel", real_cuda.launchKernel, stream, func, grid, block, args, shared_mem);
 }
 cudaError_t cudaLaunchKernel_ptsz(const void* func, dim3 grid, dim3 block, void** args, size_t shared_mem,
                                   cudaStream_t stream) {
-  return enqueue(real_cuda.launchKernel_ptsz, stream, func, grid, block, args, shared_mem);
+  return enqueue("cudaLaunchKernel", real_cuda.launchKernel_ptsz, stream, func, grid, block, args, shared_mem);
 }
 
 // What nvcc 13 generated launch stubs (<<<...>>>) call.
 cudaError_t __cudaLaunchKernel(cudaKernel_t kernel, dim3 grid, dim3 block, void** args, size_t shared_mem,
                                cudaStream_t stream) {
-  return enqueue(real_cuda.internalLaunchKernel, stream, kernel, grid, block, args, shared_mem);
+  return enqueue("cudaLaunchKernel", real_cuda.internalLaunchKernel, stream, kernel, grid, block, args, shared_mem);
 }
 cudaError_t __cudaLaunchKernel_ptsz(cudaKernel_t kernel, dim3 grid, dim3 block, void** args, size_t shared_mem,
                                     cudaStream_t stream) {
-  return enqueue(real_cuda.internalLaunchKernel_ptsz, stream, kernel, grid, block, args, shared_mem);
+  return enqueue("cudaLaunchKernel", real_cuda.internalLaunchKernel_ptsz, stream, kernel, grid, block, args, shared_mem);
+}
+
+// A device fault set asynchronously (sticky on a GPU) is often first seen here, e.g. by the launch
+// check after a kernel (torch's C10_CUDA_KERNEL_LAUNCH_CHECK).
+cudaError_t cudaGetLastError(void) {
+  auto fn = real_cuda.getLastError.get();
+  return fn ? checked(Registry::instance(), "cudaGetLastError", fn()) : kMissing;
+}
+cudaError_t cudaPeekAtLastError(void) {
+  auto fn = real_cuda.peekAtLastError.get();
+  return fn ? checked(Registry::instance(), "cudaPeekAtLastError", fn()) : kMissing;
 }
 
 }  // extern "C"

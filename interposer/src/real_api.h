@@ -38,6 +38,8 @@ struct RealCuda {
   NextSymbol<decltype(&::cudaMemcpy)> memcpy_ptds{"cudaMemcpy_ptds", kCudartSoname};
   NextSymbol<decltype(&::cudaMemcpyAsync)> memcpyAsync_ptsz{"cudaMemcpyAsync_ptsz", kCudartSoname};
   NextSymbol<decltype(&::cudaMemsetAsync)> memsetAsync_ptsz{"cudaMemsetAsync_ptsz", kCudartSoname};
+  NextSymbol<decltype(&::cudaGetLastError)> getLastError{"cudaGetLastError", kCudartSoname};
+  NextSymbol<decltype(&::cudaPeekAtLastError)> peekAtLastError{"cudaPeekAtLastError", kCudartSoname};
   NextSymbol<LaunchKernelFn> launchKernel_ptsz{"cudaLaunchKernel_ptsz", kCudartSoname};
   NextSymbol<InternalLaunchKernelFn> internalLaunchKernel_ptsz{"__cudaLaunchKernel_ptsz", kCudartSoname};
   // Not interposed; used by the watchdog and the save redirect.

@@ -71,7 +71,8 @@ void Registry::report_failure(const char* kind, const std::string& detail) {
 
 void Registry::report_failure_and_hold(const char* kind, const std::string& detail) {
   report_failure(kind, detail);
-  if (failure_handler().first == nullptr || Watchdog::on_watchdog_thread()) return;
+  // The thread running the handler or the save must not wait for itself.
+  if (failure_handler().first == nullptr || Watchdog::on_watchdog_thread() || SaveThreadScope::marked()) return;
   BlockingCallScope blocking;  // lets the GIL hand-off pre-empt this thread while it waits
   failures_.wait_handled();
 }

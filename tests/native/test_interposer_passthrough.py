@@ -72,7 +72,8 @@ def test_real_cudart_results_unchanged_under_preload(suffix: str) -> None:
     ptsz = {"": "", "_ptsz": "_ptsz"}[suffix]
     for sym in (f"cudaEventRecord{ptsz}", f"cudaStreamWaitEvent{ptsz}", f"cudaMemcpyAsync{ptsz}",
                 f"__cudaLaunchKernel{ptsz}", f"cudaLaunchKernel{ptsz}", f"cudaStreamSynchronize{ptsz}",
-                f"cudaMemsetAsync{ptsz}", "cudaMemcpy_ptds" if ptsz else "cudaMemcpy", "cudaDeviceSynchronize"):
+                f"cudaMemsetAsync{ptsz}", "cudaMemcpy_ptds" if ptsz else "cudaMemcpy", "cudaDeviceSynchronize",
+                "cudaGetLastError"):
         assert f"interposed {sym} -> 0x" in pre.stderr, (sym, pre.stderr)
     assert "cannot find the next definition" not in pre.stderr
 

@@ -41,6 +41,24 @@ int block_and_sync(int release_fd) {
   return e;
 }
 
+// Sets a sticky device fault (simcuda's private simcudaSetStickyError, as its NCCL failure injection
+// does) and returns what `call` then returns: 0 cudaGetLastError, 1 cudaPeekAtLastError,
+// 2 cudaMemsetAsync, 3 cudaEventRecord. -1 without simcuda.
+int sticky_fault_then(int call, void* device) {
+  auto set_sticky = reinterpret_cast<void (*)(cudaError_t)>(dlsym(RTLD_DEFAULT, "simcudaSetStickyError"));
+  if (set_sticky == nullptr) return -1;
+  cudaEvent_t event = nullptr;
+  if (call == 3 && cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) return -2;
+  set_sticky(cudaErrorIllegalAddress);
+  switch (call) {
+    case 0: return cudaGetLastError();
+    case 1: return cudaPeekAtLastError();
+    case 2: return cudaMemsetAsync(device, 0, 4, nullptr);
+    case 3: return cudaEventRecord(event, nullptr);
+    default: return -3;
+  }
+}
+
 int copy_to_host(float* host, const float* device, int n) {
   return cudaMemcpy(host, device, sizeof(float) * n, cudaMemcpyDeviceToHost);
 }
