@@ -12,8 +12,17 @@ Failure injection: --inject GEN:RANK:STEP:MODE (repeatable) fires in launch GEN
   save     SIGKILL self in the middle of writing its JIT checkpoint
   keeper   SIGKILL this node's snapshot keeper (jitckpt run --snapshot-every) before the forward
   node     a whole node lost: SIGKILL this node's snapshot keeper, then self, before the forward
+  midstep  with --overlap-step: launch the all-reduce of only the first 2 gradients, then SIGKILL
+           self; the other ranks' optimizer step has updated 2 parameters when its wait for the
+           third gradient fails (a step torn on the survivors: jitckpt run --plugin undo)
+
+--overlap-step runs data parallelism without DDP, the optimizer step overlapped with the gradient
+all-reduce as in SWIFT: each parameter is updated as soon as its own all-reduce is done. PyTorch has
+no such optimizer on CPU, so it is emulated by wrapping torch's for-loop update function, which the
+step then calls once per parameter.
 """
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -47,7 +56,38 @@ def parse():
                    help="with --no-jitckpt: torch.save on rank 0 every N steps, resume from it (the "
                         "torchrun + periodic checkpoint baseline)")
     p.add_argument("--baseline-dir", default="")
-    return p.parse_args()
+    p.add_argument("--overlap-step", action="store_true",
+                   help="no DDP; each parameter's update waits only for its own gradient all-reduce")
+    args = p.parse_args()
+    if args.overlap_step and args.optim not in ("adam", "sgd"):
+        p.error("--overlap-step works with --optim adam or sgd")
+    return args
+
+
+MIDSTEP_ALLREDUCES = 2  # gradients the midstep victim still contributes before it dies
+
+
+def overlap_step_with_allreduce(optim_name, wait):
+    """Make the optimizer's for-loop update (``foreach=False``) call ``wait(i, param)`` before it
+    updates the i-th parameter of a group, e.g. to wait for that gradient's all-reduce only."""
+    import importlib
+
+    module_name, fn_name = {"adam": ("torch.optim.adam", "_single_tensor_adam"),
+                            "sgd": ("torch.optim.sgd", "_single_tensor_sgd")}[optim_name]
+    module = importlib.import_module(module_name)
+    single = getattr(module, fn_name)
+
+    def per_param(params, *args, **kwargs):
+        for i, p in enumerate(params):
+            wait(i, p)
+            lists = [isinstance(a, list) and len(a) == len(params) for a in args]
+            cut = [a[i:i + 1] if is_list else a for a, is_list in zip(args, lists)]
+            single([p], *cut, **kwargs)
+            for a, c, is_list in zip(args, cut, lists):
+                if is_list:  # e.g. SGD's first step creates its momentum buffer in the list
+                    a[i] = c[0]
+
+    setattr(module, fn_name, per_param)
 
 
 def build(args):
@@ -71,15 +111,20 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    model = DDP(build(args))
+    model = build(args) if args.overlap_step else DDP(build(args))
+    net = model if args.overlap_step else model.module
+    works = {}
+    if args.overlap_step:  # a wait raises if a peer died before contributing that gradient
+        overlap_step_with_allreduce(args.optim, lambda i, p: works.pop(id(p)).wait())
     if args.optim == "zero-adam":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=args.lr)
     elif args.optim == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr, foreach=False if args.overlap_step else None)
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
+                              foreach=False if args.overlap_step else None)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)  # changes before the tests' resume points, so a restore that misses it shows
     mine = {}
     for spec in args.inject:
@@ -101,7 +146,7 @@ def main():
     baseline_file = os.path.join(args.baseline_dir, "ckpt.pt") if args.baseline_dir else ""
     if args.no_jitckpt and baseline_file and os.path.exists(baseline_file):
         sd = torch.load(baseline_file, weights_only=True)
-        model.module.load_state_dict(sd["model"])
+        net.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optimizer"])
         sched.load_state_dict(sd["scheduler"])
         start = sd["step"]
@@ -139,11 +184,25 @@ def main():
         loss = loss_fn(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
+        if args.overlap_step:
+            params = [p for p in model.parameters() if p.grad is not None]
+            if mine.get("midstep") == step:
+                params = params[:MIDSTEP_ALLREDUCES]
+            for p in params:  # the mean: each rank adds its gradient / world
+                works[id(p)] = dist.all_reduce(p.grad.div_(world), async_op=True)
+            if mine.get("midstep") == step:
+                for p in params:  # delivered to every peer (gloo sends from its own thread)
+                    works[id(p)].wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+            # The waits inside the step are collectives jitckpt cannot see: mark them.
+            with contextlib.nullcontext() if args.no_jitckpt else jitckpt.blocking_region("allreduce"):
+                opt.step()
+        else:
+            opt.step()
         sched.step()
         if args.baseline_save_every and rank == 0 and (step + 1) % args.baseline_save_every == 0:
             os.makedirs(args.baseline_dir, exist_ok=True)
-            torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+            torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
                         "scheduler": sched.state_dict(), "step": step + 1}, baseline_file + ".tmp")
             os.replace(baseline_file + ".tmp", baseline_file)
         if args.step_sleep:
@@ -154,7 +213,7 @@ def main():
                                    "t": time.time(), "dt": time.perf_counter() - t0}) + "\n")
             logf.flush()
     if rank == 0 and args.out:
-        sd = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
         tmp = args.out + ".tmp"
         torch.save(sd, tmp)
         os.replace(tmp, args.out)

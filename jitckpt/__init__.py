@@ -142,6 +142,10 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     A ``ZeroRedundancyOptimizer`` is accepted under ``--snapshot-every`` on >= 2 nodes only: its
     partitions are protected by AOR in the keepers, and the job resumes from the newest snapshot
     (no JIT save: a lost rank's partition is nowhere else).
+    Under ``jitckpt run --plugin undo`` a failure that tears the optimizer step (inside
+    ``optimizer.step()``, or before the scheduler's step of the same minibatch) is undone by SWIFT
+    update-undo before the JIT save, so the survivors still save the start of that minibatch;
+    an optimizer without an exact inverse is refused here (:class:`jitckpt.swift.UpdateUndo`).
     """
     from .protected_state import Protected, is_zero
 
@@ -162,6 +166,9 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     else:
         init(state.save, step_fn=lambda: state.step, shard_id=shard_id, num_shards=num_shards)
     rt.consistency_check = state.consistent_now
+    if "undo" in rt.plugins:
+        state.enable_undo()
+        rt.roll_back = state.roll_back
     return state
 
 

@@ -13,7 +13,8 @@ event                     fields
 ``step``                  rank, step, step_time (s) -- sampled, not every step
 ``failure_detected``      kind (exit|signal|hang|error|exception), rank, pid, node, detail,
                           detect_time (s from the failure to its detection, when known)
-``checkpoint_saved``      rank, step, bytes, seconds, path, kind (jit|periodic)
+``checkpoint_saved``      rank, step, bytes, seconds, path, kind (jit|periodic), undone (parameters
+                          --plugin undo rolled back before this JIT save, else null)
 ``checkpoint_failed``     rank, reason
 ``restart``               reason, restart_count
 ``restore``               rank, step, path, seconds, source (disk|memory), decoded (snapshot

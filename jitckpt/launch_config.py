@@ -98,7 +98,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "for the dead rank (pipeline stages with SWIFT logging; see "
                         "jitckpt.swift.StageMembership)")
     g.add_argument("--plugin", default="",
-                   help="device-proxy plugins (undo,logging); proxy mode is not built yet, so this is refused")
+                   help="SWIFT recovery plugins, comma-separated. undo: a failure that tears the optimizer "
+                        "step (jitckpt.protect's optimizer) is undone on the survivors before their JIT save, "
+                        "so they still save the start of the failed minibatch. logging: refused until the "
+                        "device proxy exists (use jitckpt.swift.SendLogger or libjit.so's send log)")
     g.add_argument("--snapshot-every", type=int, default=0,
                    help="in-memory snapshot (REFT tier) of jitckpt.protect()'s state every N steps, kept by "
                         "a per-node keeper process that outlives the trainers (0 = off)")
@@ -171,12 +174,15 @@ class LaunchConfig:
         unknown = set(self.plugins) - {"undo", "logging"}
         if unknown:
             raise ValueError(f"--plugin: unknown plugin(s) {sorted(unknown)}; known: undo, logging")
-        if self.plugins:
-            # Refused rather than accepted and ignored: they run inside the device proxy.
-            raise ValueError(f"--plugin {','.join(self.plugins)}: the SWIFT plugins run inside the device proxy "
-                             "(proxy mode), which is not built yet; drop --plugin and use them in-process "
-                             "(jitckpt.swift.UpdateUndo, jitckpt.swift.SendLogger, or libjit.so's NCCL send "
-                             "log via JITCKPT_SEND_LOG_DIR; see the README)")
+        if "logging" in self.plugins:
+            # Refused rather than accepted and ignored: it belongs inside the device proxy.
+            raise ValueError("--plugin logging: SWIFT logging as a plugin runs inside the device proxy (proxy "
+                             "mode), which is not built yet; drop it and log in-process "
+                             "(jitckpt.swift.SendLogger with --recovery stage, or libjit.so's NCCL send log "
+                             "via JITCKPT_SEND_LOG_DIR; see the README)")
+        if "undo" in self.plugins and self.recovery != "jit":
+            raise ValueError(f"--plugin undo works with --recovery jit (it makes the survivors' JIT save "
+                             f"possible), not --recovery {self.recovery}")
         self._check_snapshot_flags()
         self._check_recovery()
 

@@ -279,6 +279,7 @@ class Launcher:
             "JITCKPT_CHECKPOINT_DIR": cfg.checkpoint_dir, "JITCKPT_RUN_DIR": str(self.run_dir),
             "JITCKPT_HANG_TIMEOUT": cfg.hang_timeout, "JITCKPT_PERIODIC_EVERY": str(cfg.periodic_every),
             "JITCKPT_SAVE_TIMEOUT": str(cfg.save_timeout), "JITCKPT_GEN": str(gen),
+            "JITCKPT_PLUGINS": ",".join(cfg.plugins),
         }
         if cfg.preload:
             env["LD_PRELOAD"] = cfg.preload
@@ -467,7 +468,8 @@ class Launcher:
                 failure.detect_s = max(failure.detect_s, float(msg["detect_s"]))
         elif t == "saved":
             self.emit("checkpoint_saved", rank=w.rank, step=msg["step"], bytes=msg["bytes"],
-                      seconds=msg["seconds"], path=msg["path"], kind=msg.get("kind", "jit"))
+                      seconds=msg["seconds"], path=msg["path"], kind=msg.get("kind", "jit"),
+                      undone=msg.get("undone"))
             if msg.get("kind", "jit") == "jit":
                 self.coord.report_saved(gen, int(msg.get("shard_id", 0)),
                                        int(msg.get("num_shards", 1)), w.rank)

@@ -98,6 +98,8 @@ class Protected:
         self._buffer_snapshot: Optional[dict] = None
         self._has_buffers = any(True for _ in model.buffers())
         self._stepped = False          # optimizer.step() ran since this minibatch's forward
+        self._in_step = False          # optimizer.step() began and has not returned
+        self._undo: Any = None         # jitckpt.swift.UpdateUndo under --plugin undo
         self._sched_epoch: Any = None  # scheduler.last_epoch when this minibatch's forward began
         self._ddp_layout: Optional[dict] = None
         self._train_forwards = 0
@@ -194,7 +196,41 @@ class Protected:
             sd[LAYOUT_KEY] = json.dumps(self._ddp_layout)
         return sd
 
+    def enable_undo(self) -> None:
+        """``jitckpt run --plugin undo``: make a torn state recoverable by SWIFT update-undo.
+
+        Raises :class:`jitckpt.swift.NotInvertibleError` (naming the fix) for an optimizer or
+        configuration that has no exact inverse; the hooks it installs run after this object's."""
+        if self._zero:
+            raise TypeError("--plugin undo: a ZeroRedundancyOptimizer step is not undone (its partitions "
+                            "are protected by AOR snapshots); drop --plugin undo")
+        from .swift import NotInvertibleError, UpdateUndo
+
+        try:
+            self._undo = UpdateUndo(self.optimizer, self.scheduler)
+        except NotInvertibleError as e:
+            raise NotInvertibleError(f"jitckpt run --plugin undo: {e} (or drop --plugin undo)") from None
+
+    def torn(self) -> bool:
+        """True inside ``optimizer.step()`` and between it and the scheduler's step."""
+        return self._in_step or not self.consistent_now()
+
+    def roll_back(self) -> int:
+        """Undo the torn step (``enable_undo`` first): the state is again the one at the start of
+        this minibatch, as if the failure had come before ``optimizer.step()``. Returns the number
+        of parameters undone; raises :class:`jitckpt.swift.UndoError` if the step's gradients are
+        gone (``zero_grad()`` ran after the step), leaving the state untouched."""
+        if self._undo is None:
+            raise RuntimeError("roll_back() needs enable_undo() (jitckpt run --plugin undo)")
+        undone = self._undo.undo_last_step()
+        if not self._in_step:  # the step had completed and been counted
+            self.step -= 1
+        self._in_step = self._stepped = False
+        self._mid_minibatch = True  # RNG and buffers are saved from the minibatch's start again
+        return undone
+
     def _before_step(self, *args: Any, **kwargs: Any) -> None:
+        self._in_step = True
         # The snapshot reads parameters and optimizer state: done before they change.
         if self._snapshots is not None and self._snapshots.taker is not None:
             from . import _runtime_or_none
@@ -215,6 +251,7 @@ class Protected:
             self._ddp_layout = ddp_layout.capture(self.model) or self._ddp_layout
 
     def _on_step_done(self, *args: Any, **kwargs: Any) -> None:
+        self._in_step = False
         self.step += 1
         self._mid_minibatch = False
         self._stepped = True

@@ -38,6 +38,7 @@ ENV_CHECKPOINT_DIR = "JITCKPT_CHECKPOINT_DIR"
 ENV_HANG_TIMEOUT = "JITCKPT_HANG_TIMEOUT"
 ENV_PERIODIC_EVERY = "JITCKPT_PERIODIC_EVERY"
 ENV_SAVE_TIMEOUT = "JITCKPT_SAVE_TIMEOUT"
+ENV_PLUGINS = "JITCKPT_PLUGINS"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -50,7 +51,8 @@ class WorkerRuntime:
 
     def __init__(self, *, rank: int, world_size: int, gen: int, checkpoint_dir: str,
                  hang_timeout: HangTimeout, channel: Optional[ControlChannel],
-                 periodic_every: int = 0, save_timeout: float = 120.0) -> None:
+                 periodic_every: int = 0, save_timeout: float = 120.0,
+                 plugins: tuple[str, ...] = ()) -> None:
         if periodic_every < 0:
             raise ValueError(f"periodic_every must be >= 0, got {periodic_every}")
         self.rank, self.world_size, self.gen = rank, world_size, gen
@@ -58,17 +60,21 @@ class WorkerRuntime:
         self.channel = channel
         self.periodic_every = periodic_every
         self.save_timeout = save_timeout
+        self.plugins = tuple(plugins)  # jitckpt run --plugin (protect() acts on "undo")
         # A region blocked this long after a failure is taken as stuck: save while it is held.
         self.blocked_grace = 2.0
         self.save_fn: Optional[Callable[[str], None]] = None
         self.no_save_reason: Optional[str] = None  # why this job registers no save function
         self.step_fn: Optional[Callable[[], int]] = None
         self.consistency_check: Optional[Callable[[], bool]] = None
+        # --plugin undo: puts a torn state (interrupted optimizer step, or its minibatch unfinished)
+        # back to the start of the minibatch; returns the number of parameters undone.
+        self.roll_back: Optional[Callable[[], int]] = None
         self.shard_id, self.num_shards, self.replica_id = 0, 1, rank
 
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._regions: dict[int, tuple[str, float]] = {}
+        self._regions: dict[int, tuple[str, float, bool]] = {}  # kind, start, on the main thread
         self._in_optimizer = False
         self._failure: Optional[dict] = None
         self._failure_evt = threading.Event()
@@ -99,7 +105,8 @@ class WorkerRuntime:
         return cls(rank=rank, world_size=world, gen=gen, checkpoint_dir=ckpt, hang_timeout=ht,
                    channel=channel if channel is not None else ControlChannel.from_env(),
                    periodic_every=_env_int(ENV_PERIODIC_EVERY, 0),
-                   save_timeout=float(os.environ.get(ENV_SAVE_TIMEOUT, "120")))
+                   save_timeout=float(os.environ.get(ENV_SAVE_TIMEOUT, "120")),
+                   plugins=tuple(filter(None, os.environ.get(ENV_PLUGINS, "").split(","))))
 
     def start(self) -> None:
         self._hooks.install()
@@ -251,22 +258,29 @@ class WorkerRuntime:
             self._periodic_save(step)
 
     # ---- region tracking (called by CollectiveHooks on the calling thread) --------------------
+    def _torn(self) -> bool:
+        """Whether the state is mid-update now (``protect`` knows; else only inside a step)."""
+        return self._in_optimizer or (self.consistency_check is not None and not self.consistency_check())
+
     def _consistent(self) -> bool:
-        """Whether the saved state would be consistent now (``protect`` knows; else assume so)."""
-        return not self._in_optimizer and (self.consistency_check is None or self.consistency_check())
+        """Whether this thread may save now: the state is not torn, or --plugin undo will roll it
+        back first and this is the main thread (the one that mutates it, so it is not mid-update)."""
+        if not self._torn():
+            return True
+        return self.roll_back is not None and threading.current_thread() is threading.main_thread()
 
     def region_enter(self, kind: str) -> int:
         if self._failure_evt.is_set() and self._consistent():
             self._save_and_exit(on_main=True)
         tok = next(self._ids)
         with self._lock:
-            self._regions[tok] = (kind, time.monotonic())
+            self._regions[tok] = (kind, time.monotonic(), threading.current_thread() is threading.main_thread())
         self._native_phase("backward" if kind == "backward" else "allreduce")
         return tok
 
     def region_exit(self, token: int, exc: Optional[BaseException]) -> None:
         with self._lock:
-            kind, start = self._regions.pop(token, ("?", time.monotonic()))
+            kind, start, _ = self._regions.pop(token, ("?", time.monotonic(), False))
             held = self._save_claimed  # another thread is saving: stay inside, params untouched
         if held:
             self._park()
@@ -298,7 +312,7 @@ class WorkerRuntime:
         with self._lock:
             if not self._regions:
                 return None
-            kind, start = min(self._regions.values(), key=lambda r: r[1])
+            kind, start, _ = min(self._regions.values(), key=lambda r: r[1])
         return kind, time.monotonic() - start
 
     # ---- failure handling ---------------------------------------------------------------
@@ -337,9 +351,10 @@ class WorkerRuntime:
             with self._lock:
                 if self._save_claimed:
                     return
-                blocked = any(time.monotonic() - start > self.blocked_grace
-                              for _, start in self._regions.values())
-                claim = blocked and self._consistent()
+                blocked = [on_main for _, start, on_main in self._regions.values()
+                           if time.monotonic() - start > self.blocked_grace]
+                # A torn state is rolled back only while the main thread, which mutates it, waits.
+                claim = bool(blocked) and (not self._torn() or (self.roll_back is not None and any(blocked)))
                 if claim:
                     self._save_claimed = True
             if claim:
@@ -363,6 +378,7 @@ class WorkerRuntime:
     def _do_save_and_exit(self) -> None:
         if self.save_fn is None:
             self._give_up(self.no_save_reason or "no save function registered (call jitckpt.init(save_fn))")
+        undone = self._roll_back_if_torn()
         step = self.current_step()
         if self._native is not None:  # this thread's device copies go to libjit.so's save stream
             self._native.set_save_thread(True)
@@ -377,8 +393,22 @@ class WorkerRuntime:
         if self.channel is not None:
             self.channel.send("saved", rank=self.rank, path=str(path), step=step,
                               bytes=meta.total_bytes, seconds=seconds, shard_id=self.shard_id,
-                              num_shards=self.num_shards, kind="jit")
+                              num_shards=self.num_shards, kind="jit", undone=undone)
         self._exit(EXIT_JIT_SAVED)
+
+    def _roll_back_if_torn(self) -> Optional[int]:
+        """--plugin undo: undo the torn step before saving; the number of parameters undone."""
+        if self.roll_back is None or not self._torn():
+            return None
+        try:
+            undone = self.roll_back()
+        except Exception as e:  # noqa: BLE001 - e.g. UndoError: zero_grad() ran after the step
+            self._give_up(f"--plugin undo could not undo the interrupted optimizer step, so this rank "
+                          f"has no consistent state to save: {type(e).__name__}: {e}")
+        self._in_optimizer = False
+        log.warning("rank %d: --plugin undo rolled back the torn optimizer step (%d parameters) "
+                    "before the JIT save", self.rank, undone)
+        return undone
 
     def _give_up(self, reason: str) -> None:
         log.error("rank %d: %s", self.rank, reason)

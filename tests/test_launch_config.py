@@ -32,6 +32,7 @@ def test_torchrun_spellings_and_script_args(tmp_path):
     (["--nnodes", "1", "--node-rank", "1"], "--node-rank"),
     (["--plugin", "bogus"], "unknown plugin"),
     (["--plugin", "undo,logging"], "device proxy"),
+    (["--plugin", "undo", "--recovery", "stage"], "--recovery jit"),
     (["--recovery", "stage", "--snapshot-every", "2"], "Drop one of the two flags"),
 ])
 def test_bad_config_is_named(tmp_path, argv, message):

@@ -61,3 +61,59 @@ def test_zero_job_refuses_disk_tiers_it_cannot_resume_from():
         with pytest.raises(ValueError, match="without the optimizer partitions"):
             _check_zero_job(rt)
     _check_zero_job(SimpleNamespace(periodic_every=0, snapshots=SimpleNamespace(flush_every=0)))
+
+
+def _one_step(state: Protected, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.ones(4, 2)).sum().backward()
+    opt.step()
+
+
+def test_roll_back_of_a_completed_step_whose_scheduler_step_is_pending():
+    # --plugin undo: a failure between optimizer.step() and scheduler.step() (a collective there).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    state = Protected(model, opt, sched)
+    state.enable_undo()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _one_step(state, model, opt)
+    assert state.torn() and state.step == 1
+    assert state.roll_back() == 2
+    assert not state.torn() and state.step == 0 and state.state_dict()["step"] == 0
+    for k, v in model.state_dict().items():  # within a few ulp (the stated UpdateUndo bound)
+        torch.testing.assert_close(v, before[k], rtol=0, atol=1e-6)
+    assert not opt.state[model.weight]  # Adam's lazily created state is gone again
+    # After the scheduler's step the minibatch's update is complete: nothing is torn.
+    _one_step(state, model, opt)
+    sched.step()
+    assert not state.torn() and state.step == 1
+
+
+def test_roll_back_of_an_interrupted_step_keeps_the_step_count():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = Protected(model, opt)
+    state.enable_undo()
+
+    def fail(*_a, **_k):
+        raise RuntimeError("peer died")  # as a wait inside the step would
+
+    handle = opt.register_step_pre_hook(fail)  # after Protected's and UpdateUndo's pre-hooks
+    model(torch.ones(4, 2)).sum().backward()
+    with pytest.raises(RuntimeError, match="peer died"):
+        opt.step()
+    handle.remove()
+    assert state.torn() and state.step == 0
+    assert state.roll_back() == 0  # nothing was updated yet
+    assert not state.torn() and state.step == 0
+
+
+def test_enable_undo_refuses_an_optimizer_without_inverse():
+    from jitckpt.swift import NotInvertibleError
+
+    model = torch.nn.Linear(2, 2)
+    state = Protected(model, torch.optim.Adagrad(model.parameters()))
+    with pytest.raises(NotInvertibleError, match="drop --plugin undo"):
+        state.enable_undo()

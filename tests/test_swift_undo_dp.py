@@ -23,7 +23,7 @@ killed by PID on exit; each run has a deadline of PROC_TIMEOUT seconds.
 """
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -38,6 +38,7 @@ import pytest
 WORLD, FAIL_RANK, FAIL_IT, K, ITERS = 3, 2, 5, 2, 12
 LOSS_REL_BOUND = 1e-5
 PROC_TIMEOUT = 60.0  # per run; a healthy run takes a few seconds
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
 
 
 # ------------------------------------------------------------------ worker side ------------
@@ -52,12 +53,19 @@ def _group(port: int, generation: str, rank: int):
 
 
 OPTIMIZERS = {
-    # name: (factory, torch module holding the for-loop functional, its name)
-    "adam": (lambda ps, torch: torch.optim.Adam(ps, lr=0.02), "torch.optim.adam",
-             "_single_tensor_adam"),
-    "sgd-nesterov": (lambda ps, torch: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
-                     "torch.optim.sgd", "_single_tensor_sgd"),
+    # name: (factory of a for-loop optimizer, name for train_ddp.overlap_step_with_allreduce)
+    "adam": (lambda ps, torch: torch.optim.Adam(ps, lr=0.02, foreach=False), "adam"),
+    "sgd-nesterov": (lambda ps, torch: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True,
+                                                       foreach=False), "sgd"),
 }
+
+
+def _train_ddp():
+    """examples/train_ddp.py as a module: its overlapped optimizer step (SWIFT's overlap)."""
+    spec = importlib.util.spec_from_file_location("train_ddp", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _worker(rank: int, port: int, mode: str, out: str, kind: str) -> None:
@@ -68,30 +76,21 @@ def _worker(rank: int, port: int, mode: str, out: str, kind: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     params = list(model.parameters())
-    make_opt, module_name, functional = OPTIMIZERS[kind]
+    make_opt, optim_name = OPTIMIZERS[kind]
     opt = make_opt(params, torch)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     undo = UpdateUndo(opt, sched)
     works: dict[int, object] = {}
     dying = mode == "fail" and rank == FAIL_RANK
     current = {"it": -1}
-    module = importlib.import_module(module_name)
-    single = getattr(module, functional)
 
-    def per_param_step(ps, *args, **kwargs):
+    def wait(i, p):
         # SWIFT: wait for this tensor's all-reduce, then launch its update.
-        for i, p in enumerate(ps):
-            if dying and current["it"] == FAIL_IT and i == K:
-                os.kill(os.getpid(), signal.SIGKILL)
-            works[id(p)].wait()
-            lists = [isinstance(a, list) and len(a) == len(ps) for a in args]
-            cut = [a[i:i + 1] if is_list else a for a, is_list in zip(args, lists)]
-            single([p], *cut, **kwargs)
-            for a, c, is_list in zip(args, cut, lists):
-                if is_list:  # e.g. SGD's first step stores new momentum buffers in the list
-                    a[i] = c[0]
+        if dying and current["it"] == FAIL_IT and i == K:
+            os.kill(os.getpid(), signal.SIGKILL)
+        works[id(p)].wait()
 
-    setattr(module, functional, per_param_step)
+    _train_ddp().overlap_step_with_allreduce(optim_name, wait)
     result: dict = {"losses": {}, "rank": rank}
     if mode == "replacement":
         pg = _group(port, "gen1", rank)
