@@ -50,16 +50,17 @@ bool is_device_fault(cudaError_t e) {
   }
 }
 
-__attribute__((noinline)) void report_device_fault(Registry& r, const char* call, cudaError_t e) {
+__attribute__((noinline)) void report_device_fault(const char* call, cudaError_t e) {
   auto name = real_cuda.getErrorName.get();
   char detail[160];
   std::snprintf(detail, sizeof detail, "%s returned %s", call, name ? name(e) : "a device fault");
-  r.report_failure_and_hold("cuda_error", detail);
+  Registry::instance().report_failure_and_hold("cuda_error", detail);
 }
 
-// A synchronizing call returned a device fault: report it before the application sees it.
-inline __attribute__((always_inline)) cudaError_t checked(Registry& r, const char* call, cudaError_t e) {
-  if (__builtin_expect(e != cudaSuccess, 0) && is_device_fault(e)) report_device_fault(r, call, e);
+// An interposed call returned a device fault: report it before the application sees it.
+// Only the rare failure path touches the registry (cudaGetLastError runs after every torch kernel).
+inline __attribute__((always_inline)) cudaError_t checked(const char* call, cudaError_t e) {
+  if (__builtin_expect(e != cudaSuccess, 0) && is_device_fault(e)) report_device_fault(call, e);
   return e;
 }
 
@@ -74,7 +75,7 @@ cudaError_t event_record(NextSymbol<Fn>& next, cudaEvent_t event, cudaStream_t s
     r.graph().note_event_record(event, stream);
   }
   auto fn = next.get();
-  return fn ? checked(r, "cudaEventRecord", fn(event, stream)) : kMissing;
+  return fn ? checked("cudaEventRecord", fn(event, stream)) : kMissing;
 }
 
 template <typename Fn>
@@ -87,7 +88,7 @@ cudaError_t event_record_with_flags(NextSymbol<Fn>& next, cudaEvent_t event, cud
     r.graph().note_event_record(event, stream);
   }
   auto fn = next.get();
-  return fn ? checked(r, "cudaEventRecordWithFlags", fn(event, stream, flags)) : kMissing;
+  return fn ? checked("cudaEventRecordWithFlags", fn(event, stream, flags)) : kMissing;
 }
 
 template <typename Fn>
@@ -101,7 +102,7 @@ cudaError_t stream_wait_event(NextSymbol<Fn>& next, cudaStream_t stream, cudaEve
   }
   r.graph().note_stream_wait(stream, event);
   auto fn = next.get();
-  return fn ? checked(r, "cudaStreamWaitEvent", fn(stream, event, flags)) : kMissing;
+  return fn ? checked("cudaStreamWaitEvent", fn(stream, event, flags)) : kMissing;
 }
 
 template <typename Fn>
@@ -110,7 +111,7 @@ cudaError_t stream_synchronize(NextSymbol<Fn>& next, cudaStream_t stream) {
   if (__builtin_expect(r.redirect().applies_here(), 0)) return synchronize_save_stream(r);
   auto fn = next.get();
   BlockingCallScope blocking;
-  return fn ? checked(r, "cudaStreamSynchronize", fn(stream)) : kMissing;
+  return fn ? checked("cudaStreamSynchronize", fn(stream)) : kMissing;
 }
 
 template <typename Fn>
@@ -124,7 +125,7 @@ cudaError_t memcpy_sync(NextSymbol<Fn>& next, void* dst, const void* src, size_t
   }
   auto fn = next.get();
   BlockingCallScope blocking;
-  return fn ? checked(r, "cudaMemcpy", fn(dst, src, count, kind)) : kMissing;
+  return fn ? checked("cudaMemcpy", fn(dst, src, count, kind)) : kMissing;
 }
 
 // Calls that only take a stream to enqueue on: redirected during the save, otherwise untouched.
@@ -133,7 +134,7 @@ cudaError_t enqueue(const char* call, NextSymbol<Fn>& next, cudaStream_t stream,
   Registry& r = Registry::instance();
   if (__builtin_expect(r.redirect().applies_here(), 0)) stream = r.redirect().stream();
   auto fn = next.get();
-  return fn ? checked(r, call, fn(args_before_stream..., stream)) : kMissing;
+  return fn ? checked(call, fn(args_before_stream..., stream)) : kMissing;
 }
 
 }  // namespace
@@ -175,7 +176,7 @@ cudaError_t cudaDeviceSynchronize(void) {
   if (__builtin_expect(r.redirect().applies_here(), 0)) return synchronize_save_stream(r);
   auto fn = real_cuda.deviceSynchronize.get();
   BlockingCallScope blocking;
-  return fn ? checked(r, "cudaDeviceSynchronize", fn()) : kMissing;
+  return fn ? checked("cudaDeviceSynchronize", fn()) : kMissing;
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
@@ -190,7 +191,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   }
   auto fn = real_cuda.eventSynchronize.get();
   BlockingCallScope blocking;
-  return fn ? checked(r, "cudaEventSynchronize", fn(event)) : kMissing;
+  return fn ? checked("cudaEventSynchronize", fn(event)) : kMissing;
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind) {
@@ -239,11 +240,11 @@ cudaError_t __cudaLaunchKernel_ptsz(cudaKernel_t kernel, dim3 grid, dim3 block, 
 // check after a kernel (torch's C10_CUDA_KERNEL_LAUNCH_CHECK).
 cudaError_t cudaGetLastError(void) {
   auto fn = real_cuda.getLastError.get();
-  return fn ? checked(Registry::instance(), "cudaGetLastError", fn()) : kMissing;
+  return fn ? checked("cudaGetLastError", fn()) : kMissing;
 }
 cudaError_t cudaPeekAtLastError(void) {
   auto fn = real_cuda.peekAtLastError.get();
-  return fn ? checked(Registry::instance(), "cudaPeekAtLastError", fn()) : kMissing;
+  return fn ? checked("cudaPeekAtLastError", fn()) : kMissing;
 }
 
 }  // extern "C"

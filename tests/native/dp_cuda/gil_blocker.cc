@@ -2,6 +2,7 @@
 // progress, after making libjit.so report a failure from that stream, all inside ONE call so that a
 // caller using ctypes.PyDLL holds the GIL for the whole time. The stream is a blocking stream, so
 // plain cudaMemcpy (legacy default stream) would wait for it too unless libjit.so redirects it.
+// Also: sticky_fault_then, a device fault first seen by a non-synchronizing call (device_fault test).
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <unistd.h>
