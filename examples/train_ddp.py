@@ -12,6 +12,9 @@ Failure injection: --inject GEN:RANK:STEP:MODE (repeatable) fires in launch GEN
   save     SIGKILL self in the middle of writing its JIT checkpoint
   keeper   SIGKILL this node's snapshot keeper (jitckpt run --snapshot-every) before the forward
   node     a whole node lost: SIGKILL this node's snapshot keeper, then self, before the forward
+When kill/node fires on every rank at the same step (the whole job lost at once), the ranks meet
+in a barrier after the keepers are dead and before any dies: else the first death could stop a
+rank (its launcher tells it of the failure) before it killed its keeper.
   midstep  with --overlap-step: launch the all-reduce of only the first 2 gradients, then SIGKILL
            self; the other ranks' optimizer step has updated 2 parameters when its wait for the
            third gradient fails (a step torn on the survivors: jitckpt run --plugin undo)
@@ -106,6 +109,21 @@ def batch_for(step, rank, args):
     return x, y
 
 
+def wait_gone(pid, timeout=10.0):
+    """Until ``pid`` (not our child: we cannot reap it) has died, so a restart finds it dead."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"pid {pid} still alive {timeout}s after SIGKILL")
+
+
 def main():
     args = parse()
     dist.init_process_group("gloo")
@@ -127,10 +145,13 @@ def main():
                               foreach=False if args.overlap_step else None)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)  # changes before the tests' resume points, so a restore that misses it shows
     mine = {}
+    dying: dict = {}  # step -> ranks that kill/node themselves there in this launch
     for spec in args.inject:
         g, r, s, mode = spec.split(":")
         if int(g) == gen and int(r) == rank:
             mine[mode] = int(s)
+        if int(g) == gen and mode in ("kill", "node"):
+            dying.setdefault(int(s), set()).add(int(r))
     start = 0
     if not args.no_jitckpt:
         state = jitckpt.protect(model, opt, sched)
@@ -167,9 +188,12 @@ def main():
             keeper_pid = keeper.ping()["pid"]
             keeper.close()
             os.kill(keeper_pid, signal.SIGKILL)
+            wait_gone(keeper_pid)
             if mine.get("node") == step:
                 mine["kill"] = step
         if mine.get("kill") == step:
+            if len(dying[step]) == world:
+                dist.barrier()
             if logf:
                 logf.write(json.dumps({"gen": gen, "rank": rank, "dying": step, "t": time.time()}) + "\n")
                 logf.flush()
