@@ -12,7 +12,7 @@ supervises them. One stage can SIGKILL itself at (iteration, op). Recovery modes
 Run directly for a demo: ``python examples/pipeline_logging.py --fail-stage 2 --fail-iter 7``.
 Or under the launcher, which then does the supervising (one stage per worker)::
 
-    jitckpt run --nproc-per-node 4 --recovery stage examples/pipeline_logging.py \
+    jitckpt run --nproc-per-node 4 --plugin logging examples/pipeline_logging.py \
         --run-dir /tmp/pl --fail-stage 2 --fail-iter 7
 """
 from __future__ import annotations

@@ -92,16 +92,19 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preload", default="",
                    help="LD_PRELOAD for the workers; 'libjit' = jitckpt's CUDA/NCCL interposer (GPU hang "
                         "detection), or a path")
-    g.add_argument("--recovery", default="jit", choices=list(RECOVERY_MODES),
+    g.add_argument("--recovery", default=None, choices=list(RECOVERY_MODES),
                    help="jit: on a failure save JIT checkpoints from the survivors and restart every "
                         "rank (default); stage: keep the survivors running and start one replacement "
-                        "for the dead rank (pipeline stages with SWIFT logging; see "
+                        "for the dead rank, which replays its inputs from its neighbours' SWIFT logs "
+                        "(pipeline stages; the default with --plugin logging; see "
                         "jitckpt.swift.StageMembership)")
     g.add_argument("--plugin", default="",
-                   help="SWIFT recovery plugins, comma-separated. undo: a failure that tears the optimizer "
-                        "step (jitckpt.protect's optimizer) is undone on the survivors before their JIT save, "
-                        "so they still save the start of the failed minibatch. logging: refused until the "
-                        "device proxy exists (use jitckpt.swift.SendLogger or libjit.so's send log)")
+                   help="SWIFT recovery plugins, comma-separated, run in-process (the device proxy they "
+                        "are meant for is not built). undo: a failure that tears the optimizer step "
+                        "(jitckpt.protect's optimizer) is undone on the survivors before their JIT save, "
+                        "so they still save the start of the failed minibatch. logging: pipeline stages "
+                        "log the messages they send (jitckpt.swift.SendLogger) and a dead stage is "
+                        "replaced alone (--recovery stage)")
     g.add_argument("--snapshot-every", type=int, default=0,
                    help="in-memory snapshot (REFT tier) of jitckpt.protect()'s state every N steps, kept by "
                         "a per-node keeper process that outlives the trainers (0 = off)")
@@ -137,7 +140,7 @@ class LaunchConfig:
     metrics_addr: str = "127.0.0.1"
     preload: str = ""
     plugins: tuple = ()
-    recovery: str = "jit"
+    recovery: Optional[str] = None  # None: "stage" with --plugin logging, else "jit"
     snapshot_every: int = 0
     snapshot_protection: Optional[str] = None
     snapshot_flush_every: int = 0
@@ -174,24 +177,34 @@ class LaunchConfig:
         unknown = set(self.plugins) - {"undo", "logging"}
         if unknown:
             raise ValueError(f"--plugin: unknown plugin(s) {sorted(unknown)}; known: undo, logging")
-        if "logging" in self.plugins:
-            # Refused rather than accepted and ignored: it belongs inside the device proxy.
-            raise ValueError("--plugin logging: SWIFT logging as a plugin runs inside the device proxy (proxy "
-                             "mode), which is not built yet; drop it and log in-process "
-                             "(jitckpt.swift.SendLogger with --recovery stage, or libjit.so's NCCL send log "
-                             "via JITCKPT_SEND_LOG_DIR; see the README)")
-        if "undo" in self.plugins and self.recovery != "jit":
-            raise ValueError(f"--plugin undo works with --recovery jit (it makes the survivors' JIT save "
-                             f"possible), not --recovery {self.recovery}")
+        self._resolve_recovery()
         self._check_snapshot_flags()
         self._check_recovery()
 
-    def _check_recovery(self) -> None:
+    def _resolve_recovery(self) -> None:
+        """The logging plugin and --recovery stage are one recovery: a dead stage replaced alone,
+        replaying from its neighbours' logs. Undo serves the other one (a JIT save)."""
+        if "undo" in self.plugins and "logging" in self.plugins:
+            raise ValueError("--plugin undo,logging: the two serve different recoveries. undo lets the "
+                             "survivors JIT-save when a failure tore their optimizer step (--recovery "
+                             "jit, every rank restarts); logging replaces a dead pipeline stage alone "
+                             "while the survivors keep running and save nothing (--recovery stage). "
+                             "Keep one")
+        if self.recovery is None:
+            self.recovery = "stage" if "logging" in self.plugins else "jit"
         if self.recovery not in RECOVERY_MODES:
             raise ValueError(f"--recovery {self.recovery!r}: choose one of {', '.join(RECOVERY_MODES)}")
-        if self.recovery != "stage":
-            return
-        if self.snapshot_every:
+        if "logging" in self.plugins and self.recovery != "stage":
+            raise ValueError(f"--plugin logging replaces a dead pipeline stage alone from its neighbours' "
+                             f"logs (--recovery stage), not --recovery {self.recovery}: drop one of the two")
+        if "undo" in self.plugins and self.recovery != "jit":
+            raise ValueError(f"--plugin undo works with --recovery jit (it makes the survivors' JIT save "
+                             f"possible), not --recovery {self.recovery}")
+        if self.recovery == "stage" and "logging" not in self.plugins:
+            self.plugins = (*self.plugins, "logging")  # stage recovery is the logging recovery
+
+    def _check_recovery(self) -> None:
+        if self.recovery == "stage" and self.snapshot_every:
             raise ValueError("--recovery stage keeps the survivors' state in memory and replaces only the "
                              "dead rank; in-memory snapshots (--snapshot-every) serve --recovery jit. "
                              "Drop one of the two flags")

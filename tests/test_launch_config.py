@@ -31,8 +31,10 @@ def test_torchrun_spellings_and_script_args(tmp_path):
     (["--nnodes", "2"], "--rdzv-endpoint"),
     (["--nnodes", "1", "--node-rank", "1"], "--node-rank"),
     (["--plugin", "bogus"], "unknown plugin"),
-    (["--plugin", "undo,logging"], "device proxy"),
+    (["--plugin", "undo,logging"], "serve different recoveries"),
     (["--plugin", "undo", "--recovery", "stage"], "--recovery jit"),
+    (["--plugin", "logging", "--recovery", "jit"], "--recovery stage.*drop one of the two"),
+    (["--plugin", "logging", "--snapshot-every", "2"], "Drop one of the two flags"),
     (["--recovery", "stage", "--snapshot-every", "2"], "Drop one of the two flags"),
 ])
 def test_bad_config_is_named(tmp_path, argv, message):
@@ -40,6 +42,20 @@ def test_bad_config_is_named(tmp_path, argv, message):
     script.write_text("")
     with pytest.raises(ValueError, match=message):
         parse(*argv, str(script))
+
+
+def test_logging_plugin_is_the_stage_recovery(tmp_path):
+    """--plugin logging selects --recovery stage, and --recovery stage turns the plugin on (the
+    workers see it in $JITCKPT_PLUGINS): they are one recovery, spelt either way."""
+    script = tmp_path / "t.py"
+    script.write_text("")
+    for argv in (["--plugin", "logging"], ["--recovery", "stage"], ["--plugin", "logging", "--recovery", "stage"]):
+        cfg = parse(*argv, str(script))
+        assert (cfg.recovery, cfg.plugins) == ("stage", ("logging",)), argv
+    cfg = parse(str(script))
+    assert (cfg.recovery, cfg.plugins) == ("jit", ())
+    cfg = parse("--plugin", "undo", str(script))
+    assert (cfg.recovery, cfg.plugins) == ("jit", ("undo",))
 
 
 def test_missing_script_is_a_clear_cli_error(tmp_path):

@@ -1,4 +1,5 @@
-"""`jitckpt run --recovery stage`: the launcher replaces one dead pipeline stage, alone.
+"""`jitckpt run --plugin logging` (= `--recovery stage`): the launcher replaces one dead pipeline
+stage, alone.
 
 Four workers run the 4-stage 1F1B pipeline of examples/pipeline_logging.py (SWIFT logging).
 One stage SIGKILLs itself at iteration 6; the launcher keeps the other three running and starts
@@ -31,7 +32,7 @@ ITERS, CKPT, FAIL_IT = 8, 4, 6
 
 def _launch(work: Path, *, launcher_args: list, script_args: list, timeout: float = 150.0):
     work.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", "4", "--recovery", "stage",
+    cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", "4", "--plugin", "logging",
            "--checkpoint-dir", str(work / "ckpt"), "--run-dir", str(work / "events"),
            "--status-interval", "0", *launcher_args, str(SCRIPT), "--run-dir", str(work / "run"),
            "--iterations", str(ITERS), "--checkpoint-every", str(CKPT), "--timeout", "60",

@@ -10,7 +10,7 @@ and detects divergence, ``PipelineStage``/``PipelineChannel`` run an iteration l
 logs, ``parallel_replay_iteration`` re-computes a lost stage's micro-batches on several
 workers, and ``plan_groups`` is the selective-logging grouping of SWIFT §5.3.
 ``StageMembership`` is a worker's rank, generation, role and job store under
-``jitckpt run --recovery stage`` (the launcher replaces a dead stage alone).
+``jitckpt run --plugin logging`` (= ``--recovery stage``: the launcher replaces a dead stage alone).
 """
 from .errors import NotInvertibleError, UndoError
 from .lamb import Lamb
