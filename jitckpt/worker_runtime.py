@@ -15,6 +15,7 @@ a failure parks instead of returning). It never runs during the optimizer phase.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import itertools
 import logging
 import os
@@ -109,6 +110,9 @@ class WorkerRuntime:
                    plugins=tuple(filter(None, os.environ.get(ENV_PLUGINS, "").split(","))))
 
     def start(self) -> None:
+        # A fatal signal (a segfault, or SIGABRT from a C++ std::terminate in a library) then
+        # prints every thread's Python stack into the launcher's output: where it died.
+        faulthandler.enable()
         self._hooks.install()
         from . import ddp_layout
         from .snapshot_tier import SnapshotTier

@@ -58,7 +58,7 @@ def test_single_failure_recovers_bitwise(reference, tmp_path, mode):
     res = run_case(tmp_path, nproc, [f"0:{victim}:{FAIL_STEP}:{mode}"])
     assert res.rc == 0, res.out[-4000:]
     failures = res.ev("failure_detected")
-    assert len(failures) == 1
+    assert len(failures) == 1, (failures, res.out[-4000:])
     expected_kind = {"kill": {"signal", "error"}, "stop": {"hang"}, "gil": {"hang"},
                      "raise": {"exception", "error"},
                      "optim": {"signal", "error"}}[mode]
