@@ -12,12 +12,13 @@ Failure injection: --inject GEN:RANK:STEP:MODE (repeatable) fires in launch GEN
   save     SIGKILL self in the middle of writing its JIT checkpoint
   keeper   SIGKILL this node's snapshot keeper (jitckpt run --snapshot-every) before the forward
   node     a whole node lost: SIGKILL this node's snapshot keeper, then self, before the forward
-When kill/node fires on every rank at the same step (the whole job lost at once), the ranks meet
-in a barrier after the keepers are dead and before any dies: else the first death could stop a
-rank (its launcher tells it of the failure) before it killed its keeper.
   midstep  with --overlap-step: launch the all-reduce of only the first 2 gradients, then SIGKILL
            self; the other ranks' optimizer step has updated 2 parameters when its wait for the
            third gradient fails (a step torn on the survivors: jitckpt run --plugin undo)
+
+When kill/node fires on every rank at the same step (the whole job lost at once), the ranks meet
+in a barrier after the keepers are dead and before any dies: else the first death could stop a
+rank (its launcher tells it of the failure) before it killed its keeper.
 
 --overlap-step runs data parallelism without DDP, the optimizer step overlapped with the gradient
 all-reduce as in SWIFT: each parameter is updated as soon as its own all-reduce is done. PyTorch has
@@ -143,7 +144,8 @@ def main():
     else:
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
                               foreach=False if args.overlap_step else None)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)  # changes before the tests' resume points, so a restore that misses it shows
+    # The rate changes before the tests' resume points, so a restore that misses it shows.
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
     mine = {}
     dying: dict = {}  # step -> ranks that kill/node themselves there in this launch
     for spec in args.inject:

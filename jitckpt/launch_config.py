@@ -177,13 +177,13 @@ class LaunchConfig:
         unknown = set(self.plugins) - {"undo", "logging"}
         if unknown:
             raise ValueError(f"--plugin: unknown plugin(s) {sorted(unknown)}; known: undo, logging")
-        self._resolve_recovery()
         self._check_snapshot_flags()
-        self._check_recovery()
+        self._resolve_recovery()
 
     def _resolve_recovery(self) -> None:
-        """The logging plugin and --recovery stage are one recovery: a dead stage replaced alone,
-        replaying from its neighbours' logs. Undo serves the other one (a JIT save)."""
+        """Settle --recovery and --plugin. The logging plugin and --recovery stage are one recovery
+        (a dead stage replaced alone, replaying from its neighbours' logs); undo and in-memory
+        snapshots serve the other (every rank restarts from a JIT save or a snapshot)."""
         if "undo" in self.plugins and "logging" in self.plugins:
             raise ValueError("--plugin undo,logging: the two serve different recoveries. undo lets the "
                              "survivors JIT-save when a failure tore their optimizer step (--recovery "
@@ -202,8 +202,6 @@ class LaunchConfig:
                              f"possible), not --recovery {self.recovery}")
         if self.recovery == "stage" and "logging" not in self.plugins:
             self.plugins = (*self.plugins, "logging")  # stage recovery is the logging recovery
-
-    def _check_recovery(self) -> None:
         if self.recovery == "stage" and self.snapshot_every:
             raise ValueError("--recovery stage keeps the survivors' state in memory and replaces only the "
                              "dead rank; in-memory snapshots (--snapshot-every) serve --recovery jit. "
