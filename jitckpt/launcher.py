@@ -264,6 +264,8 @@ class Launcher:
         # Restarted gloo workers must not read a previous generation's peer addresses.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env.setdefault("OMP_NUM_THREADS", str(self.cfg.omp_num_threads))
+        if self.cfg.nnodes == 1:  # one node: gloo's own sockets on loopback too, as the store's
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         return env
 
     def _rank_env(self, gen: int, local_rank: int, master: tuple[str, int], role: str) -> dict:
@@ -275,7 +277,11 @@ class Launcher:
             "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(cfg.world_size), "ROLE_NAME": "default",
             "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
             "TORCHELASTIC_RESTART_COUNT": str(gen), "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
-            "TORCHELASTIC_RUN_ID": cfg.run_id, "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_RUN_ID": cfg.run_id,
+            # Python workers: rank 0's process serves the store on MASTER_ADDR only (every rank a
+            # client), not torch's server on every interface (jitckpt.generation_store).
+            "TORCHELASTIC_USE_AGENT_STORE": str(not cfg.no_python),
+            "JITCKPT_HOST_STORE": "0" if cfg.no_python else "1",
             "JITCKPT_CHECKPOINT_DIR": cfg.checkpoint_dir, "JITCKPT_RUN_DIR": str(self.run_dir),
             "JITCKPT_HANG_TIMEOUT": cfg.hang_timeout, "JITCKPT_PERIODIC_EVERY": str(cfg.periodic_every),
             "JITCKPT_SAVE_TIMEOUT": str(cfg.save_timeout), "JITCKPT_GEN": str(gen),

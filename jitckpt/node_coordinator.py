@@ -17,6 +17,7 @@ import os
 import threading
 from typing import Optional
 
+from .generation_store import bind_listener
 from .launch_config import LaunchConfig
 
 
@@ -40,9 +41,13 @@ class NodeCoordinator:
     def _client(self, *, server: bool = False):  # type: ignore[no-untyped-def]
         import torch.distributed as dist
 
+        listen_fd = None
+        if server:  # on the rendezvous address only, not torch's default of every interface
+            listen_fd = bind_listener(self.cfg.rdzv_host, self.cfg.rdzv_port).detach()
         store = dist.TCPStore(self.cfg.rdzv_host, self.cfg.rdzv_port, world_size=None,
                               is_master=server, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=self.cfg.rdzv_timeout))
+                              timeout=datetime.timedelta(seconds=self.cfg.rdzv_timeout),
+                              master_listen_fd=listen_fd)
         return dist.PrefixStore(self.prefix, store)
 
     @property

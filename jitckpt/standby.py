@@ -34,6 +34,9 @@ def main() -> None:
     os.environ.update(msg["env"])
     os.chdir(msg["cwd"])
     argv = list(msg["argv"])
+    from .generation_store import host_if_rank0
+
+    store = host_if_rank0()  # noqa: F841 - serves the process group's store while this rank lives
     rt = WorkerRuntime.from_env(channel)
     rt.start()
     _install_runtime(rt)
