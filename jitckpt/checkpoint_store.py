@@ -11,9 +11,14 @@ their sizes and CRC32s go into the metadata file (written to a temporary name, f
 and only then is the directory renamed to its final name. A directory without a valid metadata
 file, or whose files do not match it, is never used. Older checkpoints are deleted only after a
 newer complete one exists.
+
+A save that fails because the file system is full raises :class:`CheckpointError` ("no space left
+on <dir>: N bytes needed") and leaves nothing behind. A checkpoint that verifies but cannot be
+loaded is moved aside to ``bad-<name>`` by :func:`quarantine` (kept, never selected again).
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -33,6 +38,11 @@ FORMAT_VERSION = 2
 KINDS = ("jit", "periodic", "snapshot")
 _DIR_RE = re.compile(r"^(?P<kind>[a-z]+)-g(?P<gen>\d+)-r(?P<rank>\d+)-s(?P<step>-?\d+)$")
 _CHUNK = 8 << 20
+QUARANTINE_PREFIX = "bad-"
+QUARANTINE_NOTE = "jitckpt-quarantine.txt"
+# A save that fails with less free space than this left is taken as one that ran out of space:
+# torch.save's zip writer reports a failed write as "unexpected pos", without the errno.
+_FULL_MARGIN = 1 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -54,6 +64,7 @@ class CheckpointMeta:
     save_seconds: float = 0.0
     files: dict = field(default_factory=dict)  # relative path -> {"size": int, "crc32c": int}
     format_version: int = FORMAT_VERSION
+    run_id: str = ""  # the job that wrote it (jitckpt run's --rdzv-id or its generated id)
 
     @property
     def total_bytes(self) -> int:
@@ -102,21 +113,26 @@ def write_checkpoint(
     shard_id: int = 0,
     num_shards: int = 1,
     fsync: bool = True,
+    run_id: Optional[str] = None,
 ) -> tuple[Path, CheckpointMeta]:
     """Run ``save_fn(tmpdir)`` and commit the result atomically; return (final dir, metadata).
 
-    Raises :class:`CheckpointError` if ``save_fn`` fails or writes nothing; the partial temporary
-    directory is removed and no existing checkpoint is touched.
+    Raises :class:`CheckpointError` if ``save_fn`` writes nothing or the file system fills up
+    ("no space left on <root>: N bytes needed"); other errors of ``save_fn`` propagate. In every
+    case the partial temporary directory is removed and no existing checkpoint is touched.
+    ``run_id`` defaults to ``$TORCHELASTIC_RUN_ID`` (set by ``jitckpt run``).
     """
     if kind not in KINDS:
         raise ValueError(f"checkpoint kind must be one of {KINDS}, got {kind!r}")
+    if run_id is None:
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_dir_name(kind, gen, rank, step)
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{time.monotonic_ns()}"
     t0 = time.monotonic()
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         save_fn(str(tmp))
         files = {}
         for p in _data_files(tmp):
@@ -130,7 +146,7 @@ def write_checkpoint(
                 "path it is given")
         meta = CheckpointMeta(kind=kind, step=step, rank=rank, world_size=world_size, gen=gen,
                               shard_id=shard_id, num_shards=num_shards, created=time.time(),
-                              save_seconds=time.monotonic() - t0, files=files)
+                              save_seconds=time.monotonic() - t0, files=files, run_id=run_id)
         meta_tmp = tmp / (META_FILE + ".tmp")
         with open(meta_tmp, "w") as f:
             json.dump(asdict(meta), f)
@@ -145,9 +161,58 @@ def write_checkpoint(
         if fsync:
             _fsync_path(root)
         return final, meta
-    except BaseException:
+    except BaseException as e:
+        written = _tree_bytes(tmp)
+        full = isinstance(e, Exception) and not isinstance(e, CheckpointError) and _out_of_space(e, root)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            needed = max(written, _newest_size(root, rank))
+            raise CheckpointError(
+                f"no space left on {root}: {needed} bytes needed, {_free_bytes(root)} free "
+                f"(the partial save was removed; older checkpoints are kept)") from e
         raise
+
+
+def _tree_bytes(directory: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(directory):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return -1
+
+
+def _out_of_space(exc: BaseException, root: Path) -> bool:
+    """Whether a failed save ran out of space: ENOSPC/EDQUOT anywhere in the exception chain, or
+    (torch.save hides the errno) hardly any space left on the file system after the failure."""
+    seen: set = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return 0 <= _free_bytes(root) < _FULL_MARGIN
+
+
+def _newest_size(root: Path, rank: int) -> int:
+    """Size of this rank's newest committed checkpoint (0 if none): what the next one needs."""
+    for c in list_candidates(root):
+        if c.rank == rank:
+            try:
+                return read_meta(c.path).total_bytes
+            except CheckpointError:
+                continue
+    return 0
 
 
 def read_meta(directory: str | os.PathLike) -> CheckpointMeta:
@@ -160,8 +225,10 @@ def read_meta(directory: str | os.PathLike) -> CheckpointMeta:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{directory}: unreadable {META_FILE}: {e}") from None
     try:
-        meta = CheckpointMeta(**raw)
-    except TypeError as e:
+        known = CheckpointMeta.__dataclass_fields__
+        # Fields added by a newer jitckpt are ignored; older metadata lacks e.g. run_id.
+        meta = CheckpointMeta(**{k: v for k, v in raw.items() if k in known})
+    except (TypeError, AttributeError) as e:
         raise CheckpointError(f"{directory}: malformed {META_FILE}: {e}") from None
     if meta.format_version != FORMAT_VERSION:
         raise CheckpointError(
@@ -263,12 +330,64 @@ def prune(root: str | os.PathLike, *, older_than_step: int) -> list[Path]:
         if c.step < older_than_step:
             shutil.rmtree(c.path, ignore_errors=True)
             removed.append(c.path)
+    return removed + _remove_stale_tmp(root)
+
+
+def prune_finished(root: str | os.PathLike) -> list[Path]:
+    """At a successful job end: delete every JIT checkpoint and stale temporary directory.
+
+    JIT checkpoints hold mid-run states of a job that has since finished (several replicas' copies
+    of one step, typically): a later job in the same directory must not resume from them.
+    Periodic checkpoints and flushed snapshots, which the user asked for, are kept, and so are
+    quarantined (``bad-*``) ones.
+    """
+    root = Path(root)
+    removed = []
+    for c in list_candidates(root):
+        if c.kind == "jit":
+            shutil.rmtree(c.path, ignore_errors=True)
+            removed.append(c.path)
+    return removed + _remove_stale_tmp(root)
+
+
+def _remove_stale_tmp(root: Path) -> list[Path]:
+    """Temporary directories of writers that are gone (a save killed half-way)."""
+    removed = []
     for p in root.glob(".tmp-*"):
         pid = p.name.rsplit("-", 2)[-2]
         if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+def quarantine(directory: str | os.PathLike, reason: str) -> Optional[Path]:
+    """Move a checkpoint that verifies but cannot be loaded to ``bad-<name>``, with the reason.
+
+    It is never deleted, and no reader (this job's other ranks, later restarts and later jobs)
+    selects it again. Returns the new path, or None if it is gone already (another rank moved it).
+    """
+    src = Path(directory)
+    for i in range(1000):
+        dest = src.with_name(f"{QUARANTINE_PREFIX}{src.name}" + (f"-{i}" if i else ""))
+        if dest.exists():
+            continue
+        try:
+            os.rename(src, dest)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                continue  # another rank quarantined another copy under that name just now
+            raise
+        try:
+            (dest / QUARANTINE_NOTE).write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {reason}\n")
+        except OSError:
+            pass  # e.g. a full disk: the name alone keeps it from being used
+        log.warning("checkpoint %s cannot be loaded (%s); moved to %s (kept, not used again)",
+                    src, reason, dest)
+        return dest
+    raise CheckpointError(f"{src}: cannot quarantine it: too many {QUARANTINE_PREFIX}{src.name}* exist")
 
 
 def _pid_alive(pid: int) -> bool:
