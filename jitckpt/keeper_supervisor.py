@@ -64,8 +64,8 @@ class KeeperSupervisor:
         return True
 
     def _start(self) -> None:
-        # Same process group as the launcher (no new session): a Ctrl-C at the terminal reaches
-        # it too, and stop() ends it on every exit path of the launcher.
+        # Same process group as the launcher (no new session): a SIGTERM to the group reaches it too,
+        # and stop() ends it on every exit path of the launcher. It ignores SIGINT (see serve()).
         proc = subprocess.Popen([self.python, "-m", "jitckpt.snapshot_keeper", "--socket", self.socket_path,
                                  "--node", str(self.node)], env=self.env, stdout=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL)

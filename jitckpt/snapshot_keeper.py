@@ -196,6 +196,9 @@ def serve(socket_path: str, *, node: int, max_lifetime: float, ready_out: Any = 
     srv.listen(64)
     srv.settimeout(0.5)  # lets the accept loop notice stop/lifetime
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # A Ctrl-C at the terminal reaches the launcher's whole process group: the launcher turns it
+    # into a JIT save of every rank and stops this keeper afterwards, not before.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     deadline = time.monotonic() + max_lifetime if max_lifetime > 0 else None
     print(f"ready {os.getpid()}", file=ready_out, flush=True)
     try:
