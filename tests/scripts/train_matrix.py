@@ -1,0 +1,213 @@
+"""The training script of the fault-injection matrix (tests/fault_harness.py, test_fault_matrix.py).
+
+Deterministic DDP training (data chosen by step, as examples/train_ddp.py), so a resumed run's final
+parameters and buffers can be compared bitwise with a failure-free run's. Faults come from outside
+(the harness signals worker PIDs at random times); the few a plain signal cannot cause are armed:
+
+* ``--on-usr1 MODE``: SIGUSR1 makes this rank fail, MODE one of
+    gil     hold the GIL in a C call (libc sleep through ctypes.PyDLL), at the point the signal hit
+    raise   raise an exception at the next point the training loop checks (several per step)
+    optim   SIGKILL itself inside the next optimizer.step(), after the gradient all-reduce
+* ``--exit-fault GEN:RANK:MODE``: RANK of launch GEN dies once it passed jitckpt's exit barrier:
+    abort   SIGABRT from a libc exit handler, after the interpreter has finalized
+    kill    SIGKILL from a Python atexit handler that runs after jitckpt's exit barrier
+
+``--phase-sleep S`` spreads each step over its phases (before the forward, in the forward, in the
+backward before DDP's all-reduce, before and inside the optimizer step) so a signal at a random
+time lands in any of them. Every step logs ``begin`` and, once done, ``step`` records (gen, rank,
+pid) to ``--steps-log``; rank 0 saves the final ``state_dict`` (parameters and buffers) to ``--out``.
+"""
+import argparse
+import atexit
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import jitckpt
+
+IN, HIDDEN, OUT, BATCH = 32, 64, 8, 16
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="ln", choices=["ln", "bn", "dropout"])
+    p.add_argument("--optim", default="adam", choices=["adam", "sgd", "adamw"])
+    p.add_argument("--api", default="protect", choices=["protect", "init"])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--phase-sleep", type=float, default=0.0)
+    p.add_argument("--on-usr1", default="", choices=["", "gil", "raise", "optim"])
+    p.add_argument("--exit-fault", default="", metavar="GEN:RANK:MODE")
+    p.add_argument("--out", default="")
+    p.add_argument("--steps-log", default="")
+    return p.parse_args()
+
+
+class Sleep(nn.Module):
+    """Identity whose forward and backward each take ``seconds`` (a phase of the step)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seconds:
+            time.sleep(self.seconds)
+            x = _SleepBackward.apply(x, self.seconds)
+        return x
+
+
+class _SleepBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):  # type: ignore[no-untyped-def]
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        time.sleep(ctx.seconds)
+        return g, None
+
+
+def build(args: argparse.Namespace) -> nn.Module:
+    torch.manual_seed(0)
+    norm = {"ln": lambda: nn.LayerNorm(HIDDEN), "bn": lambda: nn.BatchNorm1d(HIDDEN),
+            "dropout": lambda: nn.Dropout(0.2)}[args.model]
+    return nn.Sequential(nn.Linear(IN, HIDDEN), norm(), nn.Tanh(), Sleep(args.phase_sleep),
+                         nn.Linear(HIDDEN, HIDDEN), norm(), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+
+
+def make_optimizer(args: argparse.Namespace, params) -> torch.optim.Optimizer:  # type: ignore[no-untyped-def]
+    if args.optim == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    if args.optim == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def batch_for(step: int, rank: int):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def arm_exit_fault(mode: str) -> None:
+    if mode == "abort":  # libc runs __cxa_atexit handlers after Py_Finalize
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.__cxa_atexit.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None)
+        return
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    # atexit runs last-registered first: ``die`` must be registered before the runtime's barrier,
+    # which the warm standby registered before this script started.
+    rt = jitckpt._runtime_or_none()
+    barrier = getattr(rt, "_exit_barrier", None)
+    if barrier is not None:
+        atexit.unregister(barrier)
+    atexit.register(die)
+    if barrier is not None:
+        atexit.register(barrier)
+
+
+def main() -> None:
+    args = parse()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.exit_fault:
+        g, r, mode = args.exit_fault.split(":")
+        if int(g) == gen and int(r) == rank:
+            arm_exit_fault(mode)
+    net = build(args)
+    model = DDP(net)
+    opt = make_optimizer(args, model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
+    armed = {"fire": False}
+
+    def on_usr1(signum, frame):  # type: ignore[no-untyped-def]
+        if args.on_usr1 == "gil":
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(3600)  # PyDLL keeps the GIL: no Python thread here runs
+        armed["fire"] = True
+
+    signal.signal(signal.SIGUSR1, on_usr1)
+
+    def check_raise() -> None:
+        if armed["fire"] and args.on_usr1 == "raise":
+            raise RuntimeError(f"injected exception in rank {rank} (SIGUSR1)")
+
+    def in_optimizer_step(*_a, **_k) -> None:  # type: ignore[no-untyped-def]
+        if armed["fire"] and args.on_usr1 == "optim":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.phase_sleep:
+            time.sleep(args.phase_sleep)
+
+    if args.api == "protect":
+        state = jitckpt.protect(model, opt, sched)
+        start = state.restore()
+    else:
+        done = {"steps": 0}
+
+        def save_fn(path: str) -> None:  # what the README asks of a save function
+            torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict(), "step": done["steps"],
+                        "rng": torch.get_rng_state()}, os.path.join(path, "state.pt"))
+
+        jitckpt.init(save_fn, step_fn=lambda: done["steps"])
+        path = jitckpt.get_checkpoint_path()
+        if path is not None:
+            sd = torch.load(os.path.join(path, "state.pt"), weights_only=True)
+            net.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["optimizer"])
+            sched.load_state_dict(sd["scheduler"])
+            torch.set_rng_state(sd["rng"])
+            done["steps"] = sd["step"]
+        start = done["steps"]
+    opt.register_step_pre_hook(in_optimizer_step)
+    logf = open(args.steps_log, "a") if args.steps_log else None
+
+    def log(**rec) -> None:  # type: ignore[no-untyped-def]
+        if logf:
+            logf.write(json.dumps({"gen": gen, "rank": rank, "pid": os.getpid(), "t": time.time(), **rec}) + "\n")
+            logf.flush()
+
+    loss_fn = nn.MSELoss()
+    for step in range(start, args.steps):
+        if args.api == "init":
+            jitckpt.mark_step(step)
+        log(begin=step)
+        x, y = batch_for(step, rank)
+        if args.phase_sleep:
+            time.sleep(args.phase_sleep)
+        check_raise()
+        loss = loss_fn(model(x), y)
+        check_raise()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        check_raise()
+        if args.phase_sleep:
+            time.sleep(args.phase_sleep)
+        opt.step()
+        if args.api == "init":
+            done["steps"] += 1
+        sched.step()
+        log(step=step)
+    if rank == 0 and args.out:
+        sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        torch.save(sd, args.out + ".tmp")
+        os.replace(args.out + ".tmp", args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
