@@ -3,12 +3,17 @@
 Data for step s comes from a generator seeded with s, so a resumed job sees the same minibatches.
 Failure injection: --inject GEN:RANK:STEP:MODE (repeatable) fires in launch GEN
 (TORCHELASTIC_RESTART_COUNT) on RANK at minibatch STEP, with MODE one of
-  kill     SIGKILL self before the forward pass
+  kill     SIGKILL self before the forward pass (with --model bn the others are then in DDP's
+           broadcast of the buffers, at the start of their forward)
+  fwdkill  SIGKILL self inside the forward, after DDP's buffer broadcast (a forward pre-hook of
+           the wrapped module): the others have this minibatch's buffers, and fail in backward
   stop     SIGSTOP self (a hang: the process is alive but does nothing)
   gil      hang inside a C call that holds the GIL (libc sleep through ctypes.PyDLL)
   raise    an exception in the training step
   optim    SIGKILL self inside optimizer.step(), after the gradient all-reduce
   restore  SIGKILL self right after restoring (STEP ignored): a failure during recovery
+  exitabort  SIGABRT at process exit, after jitckpt's exit barrier and all of Python's shutdown
+           (STEP ignored): a C++ destructor that aborts once the job is done
   save     SIGKILL self in the middle of writing its JIT checkpoint
   keeper   SIGKILL this node's snapshot keeper (jitckpt run --snapshot-every) before the forward
   node     a whole node lost: SIGKILL this node's snapshot keeper, then self, before the forward
@@ -47,6 +52,10 @@ def parse():
     p.add_argument("--out-dim", type=int, default=8)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--model", default="mlp", choices=["mlp", "bn", "ln", "dropout"],
+                   help="mlp: Linear+Tanh; bn: + BatchNorm1d after each hidden Linear (buffers DDP "
+                        "broadcasts at every forward); ln: + LayerNorm; dropout: + Dropout(0.25) "
+                        "(RNG state)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--optim", default="adam", choices=["adam", "sgd", "zero-adam"],
@@ -97,10 +106,16 @@ def overlap_step_with_allreduce(optim_name, wait):
 def build(args):
     torch.manual_seed(0)
     dims = [args.in_dim] + [args.hidden] * args.layers + [args.out_dim]
+    norm = {"bn": nn.BatchNorm1d, "ln": nn.LayerNorm}.get(args.model)
     layers = []
-    for a, b in zip(dims[:-1], dims[1:]):
-        layers += [nn.Linear(a, b), nn.Tanh()]
-    return nn.Sequential(*layers[:-1])
+    for a, b in zip(dims[:-2], dims[1:-1]):  # hidden layers; the output layer is a bare Linear
+        layers.append(nn.Linear(a, b))
+        if norm is not None:
+            layers.append(norm(b))
+        layers.append(nn.Tanh())
+        if args.model == "dropout":
+            layers.append(nn.Dropout(0.25))
+    return nn.Sequential(*layers, nn.Linear(dims[-2], dims[-1]))
 
 
 def batch_for(step, rank, args):
@@ -166,6 +181,12 @@ def main():
         start = state.restore()
         if "restore" in mine:
             os.kill(os.getpid(), signal.SIGKILL)
+    if "exitabort" in mine:  # libc runs this after the interpreter has finalized
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.__cxa_atexit.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None)
     baseline_file = os.path.join(args.baseline_dir, "ckpt.pt") if args.baseline_dir else ""
     if args.no_jitckpt and baseline_file and os.path.exists(baseline_file):
         sd = torch.load(baseline_file, weights_only=True)
@@ -173,6 +194,11 @@ def main():
         opt.load_state_dict(sd["optimizer"])
         sched.load_state_dict(sd["scheduler"])
         start = sd["step"]
+    if "fwdkill" in mine:
+        def die_in_forward(*_a):
+            if state.step == mine["fwdkill"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+        net.register_forward_pre_hook(die_in_forward)
     if "optim" in mine:
         def die_in_step(*_a, **_k):
             if state.step == mine["optim"]:

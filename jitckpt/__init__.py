@@ -77,6 +77,13 @@ def init(save_fn: Callable[[str], None], *, step_fn: Optional[Callable[[], int]]
     parallelism: ranks with the same shard_id are data-parallel replicas (default: pure data
     parallelism, one shard). ``checkpoint_dir`` overrides ``$JITCKPT_CHECKPOINT_DIR`` (set by
     ``jitckpt run --checkpoint-dir``).
+
+    Compared with :func:`protect`: JIT saves, the recovery summary and the heartbeat work the same
+    (the optimizer steps are the signs of progress). ``jitckpt run --periodic-every`` needs
+    :func:`mark_step` at the top of each iteration: jitckpt cannot tell where ``save_fn``'s state
+    (your step counter, scheduler, data position) is consistent, so without it no periodic
+    checkpoint is taken and the ranks that would take one say so once (console and a ``warning``
+    event).
     """
     if checkpoint_dir is not None:
         os.environ["JITCKPT_CHECKPOINT_DIR"] = os.path.abspath(checkpoint_dir)

@@ -4,11 +4,14 @@ The launcher creates one socketpair per worker and hands the child end to the wo
 (fd number in ``JITCKPT_CONTROL_FD``). Nothing listens on a network port and nothing polls: the
 worker's listener thread blocks in ``recv`` and wakes only when the launcher writes.
 
-Messages worker -> launcher: ``hello``, ``status`` (step, step_time), ``failure`` (kind, detail),
-``saved`` (path, step, bytes, seconds, shard_id), ``save_failed`` (reason), ``restored`` (step,
-path, seconds), ``resumed`` (step), ``exit_ready``.
+Messages worker -> launcher: ``hello``, ``status`` (step, step_time: every step begun or
+optimizer step done; step_time in a sample every ~0.5 s), ``failure`` (kind, detail, culprit: the
+failed rank if the reporter knows it), ``saved`` (path, step, bytes, seconds, shard_id),
+``save_failed`` (reason), ``restored`` (step, path, seconds), ``resumed`` (step: the first step
+done after a restart), ``warning`` (reason), ``exit_ready`` (step).
 Messages launcher -> worker: ``assign`` (standby only: env, argv, cwd, module), ``failure``
-(kind, rank, detail: save now), ``verdict`` (ok: bool, the exit barrier).
+(kind, rank, detail: save now), ``verdict`` (ok: bool, the exit barrier), ``peer_exit`` (rank,
+step: that rank reached its exit barrier).
 """
 from __future__ import annotations
 

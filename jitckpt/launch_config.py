@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -10,6 +13,7 @@ from typing import Optional
 
 from .watchdog import HangTimeout
 
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 # Same names as snapshot_protection.SCHEMES (not imported: the launcher does not import torch).
 SNAPSHOT_PROTECTIONS = ("aec", "arc", "none")
 RECOVERY_MODES = ("jit", "stage")
@@ -37,6 +41,35 @@ def _nproc(text: str) -> int:
     return n
 
 
+def _check_seconds(flag: str, value: float, *, zero_ok: bool) -> None:
+    """A duration flag is a finite number > 0 (>= 0 with ``zero_ok``): inf or nan would silently
+    turn off the wait or check it bounds."""
+    low_ok = value >= 0 if zero_ok else value > 0
+    if not (math.isfinite(value) and low_ok):
+        raise ValueError(f"{flag} {value!r}: expected a finite number of seconds "
+                         f"{'>= 0' if zero_ok else '> 0'}")
+
+
+def _seconds(text: str) -> float:
+    """argparse type of a duration flag without a LaunchConfig field (accepted for torchrun)."""
+    try:
+        value = float(text)
+        _check_seconds("", value, zero_ok=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of seconds > 0") from None
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a port number 0..65535")
+    return port
+
+
 def _hang(text: str) -> str:
     try:
         return HangTimeout.parse(text).to_text()
@@ -60,13 +93,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     both("--node-rank", type=int, default=0, help="this node's rank (0..nnodes-1)")
     both("--rdzv-endpoint", default="", help="host:port of node 0's store (required for nnodes > 1)")
     both("--rdzv-backend", default="c10d", choices=["c10d", "static"], help="rendezvous backend")
-    both("--rdzv-id", default="", help="job id shared by all nodes")
+    both("--rdzv-id", default="", help="job id shared by all nodes; its checkpoints go to "
+         "<checkpoint-dir>/<id>/ (without an id: <checkpoint-dir>/ itself)")
     both("--rdzv-conf", default="", help="accepted for compatibility; ignored")
     both("--max-restarts", type=int, default=3,
          help="restarts before giving up (torchrun's default is 0; jitckpt's is 3)")
-    both("--monitor-interval", type=float, default=0.2, help="accepted; the launcher is event driven")
+    both("--monitor-interval", type=_seconds, default=0.2, help="accepted; the launcher is event driven")
     both("--master-addr", default="", help="with --nnodes 1: address for MASTER_ADDR")
-    both("--master-port", type=int, default=0, help="ignored: a fresh port is chosen per restart")
+    both("--master-port", type=_port, default=0, help="ignored: a fresh port is chosen per restart")
     g.add_argument("--standalone", action="store_true", help="single node, local rendezvous (default)")
     both("--no-python", action="store_true", help="run the program directly, not with python")
     g.add_argument("-m", "--module", action="store_true", help="run the script as a module")
@@ -117,6 +151,19 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("script_args", nargs=argparse.REMAINDER)
 
 
+def check_writable_dir(path: str, flag: str) -> None:
+    """Create ``path`` and write a file in it, so an unusable directory is refused at start, not
+    at the first failure (when the JIT checkpoints that would save the job go there)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".jitckpt-write-test-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: not a writable directory ({e.strerror or e}); "
+                         f"give a directory this user can create files in") from None
+
+
 @dataclass
 class LaunchConfig:
     script: str
@@ -154,17 +201,29 @@ class LaunchConfig:
             raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT of node 0 (same on every node)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes})")
-        if self.max_restarts < 0 or self.periodic_every < 0 or self.save_timeout <= 0:
-            raise ValueError("--max-restarts and --periodic-every must be >= 0, --save-timeout > 0")
+        if self.max_restarts < 0 or self.periodic_every < 0:
+            raise ValueError("--max-restarts and --periodic-every must be >= 0")
+        _check_seconds("--save-timeout", self.save_timeout, zero_ok=False)
+        _check_seconds("--status-interval", self.status_interval, zero_ok=True)
+        _check_seconds("rdzv_timeout", self.rdzv_timeout, zero_ok=False)
         if self.no_python and self.module:
             raise ValueError("--no-python and -m/--module cannot be combined")
         if not self.no_python and not self.module and not os.path.isfile(self.script):
             raise ValueError(f"training script {self.script!r} not found")
-        self.checkpoint_dir = os.path.abspath(self.checkpoint_dir)
-        if not self.run_id:
+        root = os.path.abspath(self.checkpoint_dir)
+        if self.run_id:
+            # A named job's checkpoints are its own: another job in the same directory neither
+            # resumes from them nor prunes them. An unnamed job uses the directory itself.
+            if self.run_id in (".", "..", "runs") or not _RUN_ID_RE.match(self.run_id):
+                raise ValueError(f"--rdzv-id {self.run_id!r}: it names the job's checkpoint directory "
+                                 "<checkpoint-dir>/<id>; use letters, digits, '.', '_' and '-' "
+                                 "(not 'runs')")
+            self.checkpoint_dir = os.path.join(root, self.run_id)
+        else:
+            self.checkpoint_dir = root
             self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
         if not self.run_dir:
-            self.run_dir = os.path.join(self.checkpoint_dir, "runs", self.run_id)
+            self.run_dir = os.path.join(root, "runs", self.run_id)
         if self.preload == "libjit":
             from .native_libs import libjit_path
 

@@ -19,24 +19,38 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint_store import prune
+from .checkpoint_store import prune, prune_finished
 from .control_channel import ENV_FD, ControlChannel, channel_pair
 from .events import EventLog
 from .keeper_supervisor import KeeperSupervisor
 from .exit_codes import EXIT_JIT_SAVED, EXIT_NO_SAVE
-from .launch_config import LaunchConfig
+from .launch_config import LaunchConfig, check_writable_dir
 from .node_coordinator import NodeCoordinator
 from .stage_generations import StageGenerations
 from .status_display import StatusDisplay
+from .watchdog import HangTimeout
 
 log = logging.getLogger("jitckpt.launcher")
 # Exit codes of ranks that ended because of another rank's failure (saved, or gave up saving).
 NOT_A_CULPRIT = (0, EXIT_JIT_SAVED, EXIT_NO_SAVE)
+# SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C): the workers save, then the job stops.
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Longest wait for the workers' JIT saves after a preemption signal (at most --save-timeout):
+# Kubernetes' default grace period and SLURM's KillWait are 30 s, and killing the workers and
+# reporting must fit in it too.
+PREEMPT_SAVE_WAIT = 20.0
+# How long a rank may take to exit after every rank finished (the verdict) before it is killed.
+EXIT_GRACE = 30.0
+
+
+class _StopNow(BaseException):
+    """A second preemption signal: stop at once, without waiting for the saves."""
 
 
 def _death(w: "Worker") -> tuple[str, str]:
@@ -106,6 +120,11 @@ class StandbyPool:
         for proc, ch in self._idle:
             ch.close()  # EOF: the standby exits by itself
             _kill_group(proc)
+        for proc, _ in self._idle:  # reaped: none outlives the launcher
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                log.error("standby pid %d did not die after SIGKILL", proc.pid)
         self._idle.clear()
 
 
@@ -134,6 +153,7 @@ class Worker:
     step: Optional[int] = None
     step_time: Optional[float] = None
     exit_ready: bool = False
+    exit_step: Optional[int] = None
     restored: Optional[dict] = None
     resumed: bool = False
 
@@ -155,6 +175,20 @@ class FailureRecord:
     saved_ranks: list = field(default_factory=list)
     failed_ranks: list = field(default_factory=list)
     detect_s: float = 0.0                # failure -> detection, when known (a hang: its timeout)
+    reporter: Optional[int] = None       # the healthy rank that detected it (a hang, an error)
+    first_kind: Optional[str] = None     # of the failure this one interrupted the recovery from
+    during_recovery: int = 0             # how many failures in a row hit the recovery
+
+    @property
+    def label(self) -> str:
+        """The kind, and for failures during a recovery which one, once (not chained)."""
+        n = self.during_recovery
+        if n == 0:
+            return self.kind
+        if n == 1:
+            return f"{self.kind} during recovery from {self.first_kind}"
+        nth = {2: "2nd", 3: "3rd"}.get(n, f"{n}th")
+        return f"{self.kind}, the {nth} failure during recovery from {self.first_kind}"
 
 
 class Launcher:
@@ -162,8 +196,9 @@ class Launcher:
 
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
+        check_writable_dir(cfg.checkpoint_dir, "--checkpoint-dir")
         self.run_dir = Path(cfg.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Creates run_dir; a full disk there costs the event log (kept in memory), not the job.
         self.events = EventLog(self.run_dir / "events.jsonl")
         self.metrics = None
         if cfg.metrics_port is not None:
@@ -171,7 +206,8 @@ class Launcher:
             self.metrics = JobMetrics(port=cfg.metrics_port, addr=cfg.metrics_addr,
                                       token=os.environ.get("JITCKPT_METRICS_TOKEN") or None)
         self.coord = NodeCoordinator(cfg)
-        self.display = StatusDisplay(enabled=cfg.status_interval > 0, interval=cfg.status_interval)
+        self.display = StatusDisplay(enabled=cfg.status_interval > 0, interval=cfg.status_interval,
+                                     hang_timeout=HangTimeout.parse(cfg.hang_timeout))
         self.pool: Optional[StandbyPool] = None
         self.workers: list[Worker] = []
         self.pending_summary: Optional[FailureRecord] = None
@@ -180,6 +216,8 @@ class Launcher:
         self.gen = 0  # process-group generation; --recovery stage advances it per replacement
         self.stage: Optional[StageGenerations] = None
         self._replacing: dict[int, tuple[str, float, float]] = {}  # rank -> (kind, t_detect, t_start)
+        self.preempt_signal: Optional[int] = None  # the first SIGTERM/SIGINT (see run())
+        self._stopping = False  # a second one arrived: stop at once
         if cfg.recovery == "stage":
             self.stage = StageGenerations(cfg, self.coord)
         if cfg.snapshot_every:
@@ -194,10 +232,57 @@ class Launcher:
 
     # ---- main loop ------------------------------------------------------------------------
     def run(self) -> int:
+        """Run the job; its exit code.
+
+        SIGTERM or SIGINT is a preemption: every live worker is told to save a JIT checkpoint of
+        its current minibatch, the launcher waits for the saves (at most --save-timeout and
+        :data:`PREEMPT_SAVE_WAIT`), kills every process it started, and returns 128 + the signal
+        number (the shell's code for "terminated by that signal"; job_end status "preempted").
+        Running the job again resumes from those checkpoints. A second signal stops at once.
+        """
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            handlers = {s: signal.signal(s, self._on_signal) for s in PREEMPTION_SIGNALS}
+        try:
+            return self._run_job()
+        except _StopNow:
+            for s in handlers:  # the shutdown below is quick and must not be cut short
+                signal.signal(s, signal.SIG_IGN)
+            for w in self.workers:
+                _kill_group(w.proc)
+            if self.pool is not None:
+                self.pool.close()
+            if self.keeper is not None:
+                self.keeper.stop()
+            log.warning("second %s: stopped without waiting for the JIT checkpoints",
+                        signal.Signals(self.preempt_signal).name)
+            return self._end_preempted()
+        finally:
+            for s, previous in handlers.items():
+                signal.signal(s, previous)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        """The first signal only sets a flag: the generation loop acts on it between polls."""
+        if self.preempt_signal is None:
+            self.preempt_signal = signum
+        elif not self._stopping:
+            self._stopping = True
+            raise _StopNow()
+
+    def _end_preempted(self) -> int:
+        code = 128 + int(self.preempt_signal or signal.SIGTERM)
+        name = signal.Signals(self.preempt_signal or signal.SIGTERM).name
+        log.warning("job preempted (%s), exit code %d; run it again to resume from its newest "
+                    "checkpoint", name, code)
+        self.emit("job_end", status="preempted", exit_code=code, restarts=self._restarts_used(),
+                  signal=name)
+        return code
+
+    def _run_job(self) -> int:
         cfg = self.cfg
         self.emit("job_start", nproc=cfg.nproc_per_node, nnodes=cfg.nnodes,
                   world_size=cfg.world_size, script=cfg.script, checkpoint_dir=cfg.checkpoint_dir,
-                  hang_timeout=cfg.hang_timeout, node_rank=cfg.node_rank)
+                  hang_timeout=cfg.hang_timeout, node_rank=cfg.node_rank, run_id=cfg.run_id)
         if not cfg.no_python:
             env = self._base_env()
             if cfg.preload:  # must be in the environment when the standby process starts
@@ -212,13 +297,18 @@ class Launcher:
             while True:
                 self.gen = self.stage.for_launch(gen) if self.stage is not None else gen
                 self.events.gen = self.gen
+                if self.preempt_signal is not None:  # arrived between two generations
+                    return self._end_preempted()
                 if not self._ensure_keeper():
                     self.emit("job_end", status="failed", exit_code=1, restarts=self._restarts_used())
                     return 1
                 ok = self._run_generation(gen)
                 if ok:
+                    self._prune_finished()
                     self.emit("job_end", status="ok", exit_code=0, restarts=self._restarts_used())
                     return 0
+                if self.preempt_signal is not None:
+                    return self._end_preempted()
                 if self._restarts_used() >= cfg.max_restarts:
                     log.error("job failed and --max-restarts=%d is used up", cfg.max_restarts)
                     self.emit("job_end", status="failed", exit_code=1, restarts=self._restarts_used())
@@ -237,6 +327,20 @@ class Launcher:
             self.coord.close()
             if self.metrics is not None:
                 self.metrics.close()
+            self.events.close()
+
+    def _prune_finished(self) -> None:
+        """The job finished: its JIT checkpoints (mid-run states, often several replicas' copies)
+        and dead writers' temporary directories go; periodic checkpoints and flushed snapshots,
+        which the user asked for, stay."""
+        try:
+            removed = prune_finished(self.cfg.checkpoint_dir)
+        except OSError as e:
+            log.warning("could not remove the finished job's JIT checkpoints: %s", e)
+            return
+        if removed:
+            log.info("job finished: removed %d superseded JIT checkpoint/temporary directories from %s",
+                     len(removed), self.cfg.checkpoint_dir)
 
     def _restarts_used(self) -> int:
         """Whole-job restarts plus --recovery stage replacements on any node."""
@@ -379,6 +483,8 @@ class Launcher:
         refilled = False
         pool_ready = False
         verdict_sent = False
+        exit_deadline = 0.0  # after the verdict: ranks still alive then are stuck exiting
+        preempt_deadline: Optional[float] = None  # set once a preemption signal is acted on
         try:
             while True:
                 timeout = 0.2
@@ -386,9 +492,12 @@ class Launcher:
                     w = key.data
                     if w is None:
                         info = self.coord.read_remote_failure(gen)
-                        if info is not None and failure is None:
+                        if info is not None and info["kind"] == "preempted":
+                            self.preempt_signal = self.preempt_signal or signal.SIGTERM
+                        elif info is not None and failure is None:
                             failure = self._on_failure(gen, info["kind"], info.get("rank"),
-                                                       info.get("detail", ""), remote=True)
+                                                       info.get("detail", ""), remote=True,
+                                                       reporter=info.get("reporter"))
                         continue
                     msg = w.channel.recv(timeout=5.0)
                     if msg is None:
@@ -398,7 +507,8 @@ class Launcher:
                         if (failure is not None and w.exit_code not in NOT_A_CULPRIT
                                 and w.rank not in failure.failed_ranks):
                             failure.failed_ranks.append(w.rank)  # the culprit, seen after a peer's report
-                        if w.exit_code not in (0, EXIT_JIT_SAVED) and failure is None:
+                        if (w.exit_code not in (0, EXIT_JIT_SAVED) and failure is None
+                                and not verdict_sent):  # after the verdict: see below
                             if self._replace_worker(gen, w, master, sel):
                                 continue
                             kind, detail = _death(w)
@@ -427,14 +537,28 @@ class Launcher:
                     if seconds is not None:
                         pool_ready = True
                         self.emit("standby_ready", count=self.pool.size, seconds=seconds)
+                if self.preempt_signal is not None:
+                    if preempt_deadline is None:
+                        preempt_deadline = time.monotonic() + min(self.cfg.save_timeout,
+                                                                  PREEMPT_SAVE_WAIT)
+                        if not verdict_sent:  # after it, the workers are merely exiting
+                            failure = self._preempt_workers(gen, failure)
+                    if (all(w.exit_code is not None for w in self.workers)
+                            or time.monotonic() > preempt_deadline):
+                        break
+                    continue
                 if failure is None:
                     if not verdict_sent and self._all_exit_ready(gen):
                         for w in self.workers:
                             w.channel.send("verdict", ok=True)
                         verdict_sent = True
+                        exit_deadline = time.monotonic() + EXIT_GRACE
+                    if verdict_sent and time.monotonic() > exit_deadline:
+                        self._kill_stuck_after_verdict()
                     if all(w.exit_code is not None for w in self.workers):
                         codes = [w.exit_code for w in self.workers]
-                        if all(c == 0 for c in codes):
+                        if verdict_sent or all(c == 0 for c in codes):
+                            self._warn_deaths_after_verdict()
                             self.coord.node_done(gen, ok=True)
                             return True
                         failure = self._on_failure(gen, "exit", None, f"exit codes {codes}")
@@ -444,9 +568,58 @@ class Launcher:
         finally:
             sel.close()
         self._kill_all()
+        if preempt_deadline is not None:
+            self._report_preemption(failure)
+            return verdict_sent  # every rank had finished: the job is done
         failure.t_killed = time.time()
         self._finish_failure(gen, failure)
         return False
+
+    def _preempt_workers(self, gen: int,
+                         failure: Optional[FailureRecord]) -> FailureRecord:
+        """Tell every live worker (and the other nodes) to save a JIT checkpoint now."""
+        name = signal.Signals(self.preempt_signal).name
+        log.warning("%s: every worker saves a JIT checkpoint, then the job stops (send it "
+                    "again to stop at once)", name)
+        if failure is not None:
+            return failure  # a recovery is under way: its workers are saving already
+        detail = f"received {name}"
+        for w in self.workers:
+            if w.exit_code is None and not w.eof:
+                w.channel.send("failure", kind="preempted", rank=None, detail=detail)
+        self.coord.announce_failure(gen, {"kind": "preempted", "rank": None, "detail": detail})
+        return FailureRecord(gen=gen, kind="preempted", rank=None, detail=detail,
+                             t_detect=time.time())
+
+    def _report_preemption(self, failure: Optional[FailureRecord]) -> None:
+        saved = set(failure.saved_ranks) if failure is not None else set()
+        unsaved = sorted(w.rank for w in self.workers if w.rank not in saved)
+        if failure is not None and unsaved:
+            log.warning("preempted: rank(s) %s saved no JIT checkpoint (stopped, hung, or too "
+                        "slow); the next run resumes from the newest complete checkpoint", unsaved)
+
+    def _kill_stuck_after_verdict(self) -> None:
+        """Ranks still alive EXIT_GRACE after the verdict are stuck in their interpreter's teardown
+        (e.g. torch's ProcessGroupGloo destructor joining a thread that waits for the GIL the
+        destructor holds): their work is done, so they are killed rather than waited for."""
+        for w in self.workers:
+            if w.exit_code is None and w.proc.poll() is None:
+                log.warning("rank %d still running %.0f s after every rank finished (stuck exiting); "
+                            "killing it", w.rank, EXIT_GRACE)
+                _kill_group(w.proc)
+                try:
+                    w.exit_code = w.proc.wait(timeout=10.0)
+                except subprocess.TimeoutExpired:
+                    log.error("worker pid %d did not die after SIGKILL", w.proc.pid)
+
+    def _warn_deaths_after_verdict(self) -> None:
+        """Every rank passed the exit barrier, so the job is done: a later death loses nothing."""
+        for w in self.workers:
+            if w.exit_code not in (0, None):
+                kind, detail = _death(w)
+                log.warning("rank %d %s after every rank finished; the job is complete", w.rank,
+                            "was " + detail if kind == "signal" else "exited with " + detail)
+                self.emit("death_after_verdict", rank=w.rank, pid=w.proc.pid, detail=detail)
 
     def _all_exit_ready(self, gen: int) -> bool:
         local = all(w.exit_ready for w in self.workers)
@@ -456,18 +629,29 @@ class Launcher:
     def _on_message(self, gen: int, w: Worker, msg: dict,
                     failure: Optional[FailureRecord]) -> Optional[FailureRecord]:
         t = msg["type"]
-        if t == "status":
-            w.step, w.step_time = msg.get("step"), msg.get("step_time")
-            if msg.get("step_time") is not None and w.rank == 0:
-                self.emit("step", rank=w.rank, step=w.step, step_time=w.step_time)
+        if t == "status":  # every step; step_time only in a sample every ~0.5 s
+            w.step = msg.get("step")
+            if msg.get("step_time") is not None:
+                w.step_time = msg["step_time"]
+                if w.rank == 0:
+                    self.emit("step", rank=w.rank, step=w.step, step_time=w.step_time)
+            if failure is not None and w.step is not None:  # minibatches begun until stopped
+                failure.step_failed = max(failure.step_failed or 0, w.step)
         elif t == "hello":
             if w.step is None:
                 w.step = -1
+        elif t == "failure" and msg.get("kind") == "preempted":
+            # The worker itself got SIGTERM/SIGINT (e.g. SLURM signals every process of a job
+            # step): the whole job is being preempted, not a failure to recover from.
+            self.preempt_signal = self.preempt_signal or signal.SIGTERM
         elif t == "failure":
             if failure is None:
-                failure = self._on_failure(gen, msg.get("kind", "error"), msg.get("rank"),
-                                           msg.get("detail", ""), reporter=w.rank,
-                                           culprit=msg.get("kind") == "exception")
+                # A rank's own exception names itself; a hang or collective error is reported
+                # by a healthy rank that waited on the failed one, which it names when it knows.
+                own = msg.get("kind") == "exception"
+                culprit = msg.get("rank") if own else msg.get("culprit")
+                failure = self._on_failure(gen, msg.get("kind", "error"), culprit,
+                                           msg.get("detail", ""), reporter=w.rank)
             if msg.get("step") is not None:
                 failure.step_failed = max(failure.step_failed or 0, msg["step"])
             if msg.get("detect_s") is not None:
@@ -486,7 +670,12 @@ class Launcher:
             if failure is not None:  # the state saved is at least as far as the failed step
                 failure.step_failed = max(failure.step_failed or 0, msg["step"])
         elif t == "save_failed":
-            self.emit("checkpoint_failed", rank=w.rank, reason=msg.get("reason", ""))
+            self.emit("checkpoint_failed", rank=w.rank, reason=msg.get("reason", ""),
+                      kind=msg.get("kind", "jit"), step=msg.get("step"))
+            if failure is not None and msg.get("kind", "jit") == "jit" and msg.get("step") is not None:
+                failure.step_failed = max(failure.step_failed or 0, msg["step"])
+        elif t == "warning":
+            self.emit("warning", rank=w.rank, reason=msg.get("reason", ""))
         elif t == "restored":
             w.restored = msg
             self.emit("restore", rank=w.rank, step=msg["step"], path=msg["path"],
@@ -499,27 +688,49 @@ class Launcher:
             self._stage_summary(gen, w, msg)
         elif t == "exit_ready":
             w.exit_ready = True
+            w.exit_step = msg.get("step")
             self.coord.report_exit_ready(gen, w.rank)
+            if failure is None and not all(x.exit_ready for x in self.workers):
+                # Peers that then wait for this rank in a collective report its early exit.
+                for x in self.workers:
+                    if not x.exit_ready and x.exit_code is None and not x.eof:
+                        x.channel.send("peer_exit", rank=w.rank, step=w.exit_step)
         return failure
 
     def _on_failure(self, gen: int, kind: str, rank: Optional[int], detail: str, *,
-                    reporter: Optional[int] = None, remote: bool = False,
-                    culprit: bool = True) -> FailureRecord:
+                    reporter: Optional[int] = None, remote: bool = False) -> FailureRecord:
+        """Record a failure of ``rank`` (None: not known yet) and tell every other worker.
+
+        ``reporter`` is the healthy rank that detected it (a hang or a collective error); it is
+        never taken for the failed rank."""
         now = time.time()
         steps = [w.step for w in self.workers if w.step is not None and w.step >= 0]
-        rec = FailureRecord(gen=gen, kind=kind, rank=rank if culprit else None, detail=detail,
-                            t_detect=now, step_failed=max(steps) if steps else None)
-        if rank is not None and culprit:
+        rec = FailureRecord(gen=gen, kind=kind, rank=rank, detail=detail, t_detect=now,
+                            step_failed=max(steps) if steps else None, reporter=reporter)
+        if rank is None and reporter is not None and not all(w.exit_ready for w in self.workers):
+            # Ranks that already left (exit barrier) while the others hang waiting for them.
+            rec.failed_ranks.extend(w.rank for w in self.workers if w.exit_ready)
+        elif rank is not None:
             rec.failed_ranks.append(rank)
-        who = f"rank {rank}" if rank is not None else "unknown rank"
-        log.warning("failure detected (%s) on %s: %s", kind, who, detail)
+        if rank is not None:
+            by = f" (detected by rank {reporter})" if reporter not in (None, rank) else ""
+            log.warning("failure detected (%s) on rank %d%s: %s", kind, rank, by, detail)
+        elif rec.failed_ranks:
+            log.warning("failure detected (%s) by rank %d: %s; rank(s) %s left the job before it "
+                        "finished", kind, reporter, detail, rec.failed_ranks)
+        elif reporter is not None:
+            log.warning("failure detected (%s) by rank %d, failed rank not known yet: %s", kind,
+                        reporter, detail)
+        else:
+            log.warning("failure detected (%s) on unknown rank: %s", kind, detail)
         self.emit("failure_detected", kind=kind, rank=rank, node=self.cfg.node_rank,
                   pid=self._pid_of(rank), detail=detail, reporter=reporter)
         for w in self.workers:
             if w.exit_code is None and not w.eof and w.rank not in rec.failed_ranks:
                 w.channel.send("failure", kind=kind, rank=rank, detail=detail)
         if not remote:
-            self.coord.announce_failure(gen, {"kind": kind, "rank": rank, "detail": detail})
+            self.coord.announce_failure(gen, {"kind": kind, "rank": rank, "detail": detail,
+                                              "reporter": reporter})
         return rec
 
     def _stage_summary(self, launch: int, w: Worker, msg: dict) -> None:
@@ -588,7 +799,8 @@ class Launcher:
             # from the first detection, counting the steps lost since the first failure.
             failure.t_detect = prev.t_detect
             failure.detect_s = max(failure.detect_s, prev.detect_s)
-            failure.kind = f"{failure.kind} during recovery from {prev.kind}"
+            failure.first_kind = prev.first_kind or prev.kind
+            failure.during_recovery = prev.during_recovery + 1
             steps = [s for s in (failure.step_failed, prev.step_failed) if s is not None]
             failure.step_failed = max(steps) if steps else None
             failure.failed_ranks = sorted(set(prev.failed_ranks) | set(failure.failed_ranks))
@@ -599,7 +811,10 @@ class Launcher:
                         w.exit_code == -signal.SIGKILL and failure.kind != "hang"):
                     # Died on its own, or (after a hang) was still silent when killed: a culprit.
                     failure.failed_ranks.append(w.rank)
-        self.display.show_failure(failure)
+        # Said before run() decides, so that nothing announces a restart that does not come.
+        restarting = (self.preempt_signal is None
+                      and self._restarts_used() < self.cfg.max_restarts)
+        self.display.show_failure(failure, restarting=restarting)
 
     def _maybe_emit_summary(self, gen: int) -> None:
         f = self.pending_summary
@@ -607,15 +822,16 @@ class Launcher:
             return
         now = time.time()
         restored = [w.restored for w in self.workers if w.restored]
-        step_resumed = min((r["step"] for r in restored), default=0)
+        # A worker that restored nothing (no checkpoint was left) starts from step 0.
+        step_resumed = min(w.restored["step"] if w.restored else 0 for w in self.workers)
         restore_s = max((r["seconds"] or 0.0 for r in restored), default=0.0)
         detect_s = f.detect_s
         save_s = (f.t_covered - f.t_detect) if f.t_covered else None
         restart_s = now - (f.t_killed or now)
         redone = None
-        if f.step_failed is not None:
+        if f.step_failed is not None:  # the failed minibatch and every one since the restore point
             redone = max(0, f.step_failed - step_resumed) + 1
-        summary = dict(failure_kind=f.kind, failed_ranks=f.failed_ranks, detect_s=detect_s,
+        summary = dict(failure_kind=f.label, failed_ranks=sorted(f.failed_ranks), detect_s=detect_s,
                        save_s=save_s, restart_s=restart_s, restore_s=restore_s,
                        total_s=now - f.t_detect, checkpoint_bytes=f.checkpoint_bytes,
                        step_failed=f.step_failed, step_resumed=step_resumed, steps_redone=redone)

@@ -2,40 +2,61 @@
 from __future__ import annotations
 
 import json
-import random
+import logging
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from .checkpoint_store import CheckpointError
+from .ddp_buffers import rng_state, set_rng_state
+
+log = logging.getLogger("jitckpt.protect")
+
 STATE_FILE = "state.pt"
+STATE_KEYS = ("step", "model", "optimizer", "scheduler", "rng", "extra")
 
 
-def _rng_state() -> dict:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+class UnloadableCheckpoint(CheckpointError):
+    """A checkpoint whose files verify but whose content is not a loadable protect() state."""
+
+
+def _load_error(e: BaseException) -> str:
+    """Why torch.load refused a file, in one line (its weights_only text is mostly boilerplate)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        detail = [ln for ln in lines[1:] if "GLOBAL" in ln or "Unsupported" in ln or "error:" in ln]
+        return ("refused by torch.load(weights_only=True), not unpickled: "
+                + (" ".join(detail) or lines[-1]))
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def read_state(path: str) -> dict:
+    """The state saved by :meth:`Protected.save` in checkpoint directory ``path``, unapplied.
+
+    Raises FileNotFoundError if it holds no ``state.pt`` (not written by protect()), OSError if it
+    cannot be read, and :class:`UnloadableCheckpoint` if the file is not a complete protect()
+    state: garbage with a valid checksum, a pickle that weights_only refuses, missing keys.
+    """
+    file = Path(path) / STATE_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file} not found: this checkpoint was not written by jitckpt.protect(); load it with "
+            "your own function")
     try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)
-    except ImportError:
-        pass
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
+        sd = torch.load(file, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any other failure is the file's content
+        raise UnloadableCheckpoint(_load_error(e)) from e
+    if not isinstance(sd, dict):
+        raise UnloadableCheckpoint(f"{STATE_FILE} holds a {type(sd).__name__}, not a jitckpt.protect() state")
+    missing = [k for k in STATE_KEYS if k not in sd]
+    if missing:
+        raise UnloadableCheckpoint(f"{STATE_FILE} has no {', '.join(missing)} (not a complete "
+                                   "jitckpt.protect() state)")
+    return sd
 
 
 def is_zero(optimizer: Any) -> bool:
@@ -61,10 +82,16 @@ class Protected:
     ``step`` (0-based), i.e. ``for step in range(state.restore(), total_steps)``. A checkpoint taken
     in the middle of minibatch *i* (failure before or during the gradient all-reduce) records the
     state at the *start* of minibatch *i*: parameters and optimizer state are untouched until
-    ``optimizer.step()``, and model buffers (BatchNorm statistics) and RNG states are taken from a
-    snapshot made when minibatch *i*'s first forward began. A failure after the all-reduce (during
-    another rank's optimizer step) lets the healthy ranks finish step *i*; they save at the start of
-    minibatch *i+1*. ``extra`` holds objects with ``state_dict``/``load_state_dict`` (GradScaler,
+    ``optimizer.step()``, and RNG states are taken from a snapshot made when minibatch *i*'s first
+    forward began. A failure after the all-reduce (during another rank's optimizer step) lets the
+    healthy ranks finish step *i*; they save at the start of minibatch *i+1*.
+
+    Model buffers (BatchNorm statistics) are saved as DDP treats them: with its default
+    ``broadcast_buffers`` every rank's forward *i* starts from rank 0's buffers after its forward
+    *i-1*; each rank receives those right after every forward
+    (:class:`~jitckpt.ddp_buffers.BufferTracker`), so any survivor saves them, also when rank 0 is lost. With ``broadcast_buffers=False`` or without DDP
+    buffers are per-rank state, and the resumed job has the loaded replica's (bitwise for rank
+    0's copy only). ``extra`` holds objects with ``state_dict``/``load_state_dict`` (GradScaler,
     a sampler) or plain tensors/numbers/strings, saved under their keys.
 
     ``snapshots`` is the in-memory tier (:class:`~jitckpt.snapshot_tier.SnapshotTier`) when the job
@@ -101,9 +128,8 @@ class Protected:
         self._in_step = False          # optimizer.step() began and has not returned
         self._undo: Any = None         # jitckpt.swift.UpdateUndo under --plugin undo
         self._sched_epoch: Any = None  # scheduler.last_epoch when this minibatch's forward began
-        self._ddp_layout: Optional[dict] = None
-        self._train_forwards = 0
-        self._layout_settled = False     # _ddp_layout is the current minibatch's (snapshots on)
+        self._ddp_layout: Optional[dict] = None  # the layout this minibatch runs on (snapshots on)
+        self._layout_settled = False
         self._snapshots: Any = snapshots     # SnapshotTier (jitckpt run --snapshot-every)
         self._replica: Any = None            # ZeRO: OptimizerReplica of the successor's partition
         self._aor: Any = None                # ZeRO: AorSnapshotter writing both partitions
@@ -111,7 +137,6 @@ class Protected:
         self._resumed_step: Optional[int] = None
         self._handles = [
             model.register_forward_pre_hook(self._on_forward),
-            model.register_forward_hook(self._after_forward),
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._on_step_done),
         ]
@@ -132,32 +157,46 @@ class Protected:
             rt.mark_step(self.step)  # a safe point: may save (failure) or checkpoint (periodic)
         self._stepped = False
         self._sched_epoch = getattr(self.scheduler, "last_epoch", None)
-        self._rng_snapshot = _rng_state()
+        self._rng_snapshot = rng_state()
         if self._has_buffers:
-            self._buffer_snapshot = {k: b.detach().clone() for k, b in self.model.named_buffers()}
+            self._buffer_snapshot = self._shared_next() or {
+                k: b.detach().clone() for k, b in self.model.named_buffers()}
         self._mid_minibatch = True
         if self._snapshots is not None and rt is not None:
             self._settle_ddp_layout()
             # The state at the start of this minibatch; copied while forward/backward run.
             rt.run_snapshot_op(self._snapshot_begin, blocking=True)
 
+    def _shared_next(self) -> Optional[dict]:
+        """Rank 0's buffers after the last training forward, named as in ``model.state_dict()``
+        (shared by the runtime's :class:`~jitckpt.ddp_buffers.BufferTracker`; None: not shared)."""
+        from . import _runtime_or_none
+
+        rt = _runtime_or_none()
+        shared = rt.ddp_buffers.next_of(self.model) if rt is not None else None
+        return None if shared is None else {f"module.{k}": v for k, v in shared.items()}
+
     def _settle_ddp_layout(self) -> None:
         """Make ``_ddp_layout`` the bucket layout this minibatch runs on, before it is snapshotted.
 
-        DDP rebuilds its buckets once, at the start of its second training forward (after this
-        pre-hook): a snapshot begun here would otherwise carry the layout of the previous
-        minibatch, and a job resumed from the step-1 snapshot would sum in another order. So the
-        rebuild DDP is about to do is done now (the same call DDP's own forward and its Join hook
-        make; every rank reaches this hook at the same point, and DDP's own call is then a no-op).
+        The runtime's :class:`~jitckpt.ddp_layout.LayoutTracker` has it: DDP's one-time rebuild
+        is done right after the first backward. Should it still be pending (a backward the
+        runtime did not see), it is done now, as DDP's own forward would (every rank reaches this
+        hook at the same point, and DDP's own call is then a no-op).
         """
-        reducer = getattr(self.model, "reducer", None)
-        if reducer is None or not torch.is_grad_enabled():
-            return
-        from . import ddp_layout
+        from . import _runtime_or_none
 
-        if reducer._rebuild_buckets() or self._ddp_layout is None:
-            self._ddp_layout = ddp_layout.capture(self.model) or self._ddp_layout
-            self._layout_settled = self._ddp_layout is not None
+        reducer = getattr(self.model, "reducer", None)
+        rt = _runtime_or_none()
+        if reducer is None or rt is None or not torch.is_grad_enabled():
+            return
+        layouts = rt.ddp_layouts
+        if reducer._rebuild_buckets():
+            layouts.rebuilt(self.model)
+        elif layouts.layout_of(self.model) is None:
+            layouts.forward_began(self.model)
+        self._ddp_layout = layouts.layout_of(self.model)
+        self._layout_settled = self._ddp_layout is not None
 
     def _snapshot_begin(self) -> None:
         self._snapshots.start(self._snapshot_state, resumed_step=self._resumed_step)
@@ -241,15 +280,6 @@ class Protected:
             else:
                 self._settle_snapshots()
 
-    def _after_forward(self, module: Any, args: Any, output: Any) -> None:
-        # DDP rebuilds its buckets at the start of the second training forward; record the layout
-        # here, on the main thread: at save time the reducer may be locked by a blocked backward.
-        if self._train_forwards < 2 and torch.is_grad_enabled() and hasattr(self.model, "reducer"):
-            from . import ddp_layout
-
-            self._train_forwards += 1
-            self._ddp_layout = ddp_layout.capture(self.model) or self._ddp_layout
-
     def _on_step_done(self, *args: Any, **kwargs: Any) -> None:
         self._in_step = False
         self.step += 1
@@ -265,11 +295,12 @@ class Protected:
     # Save / load ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         model_sd = self.model.state_dict()
-        rng = _rng_state()
+        rng = rng_state()
+        buffers = self._buffer_snapshot if self._mid_minibatch else self._shared_next()
         if self._mid_minibatch:
             rng = self._rng_snapshot or rng
-            if self._buffer_snapshot:
-                model_sd = {**model_sd, **{k: v for k, v in self._buffer_snapshot.items() if k in model_sd}}
+        if buffers:  # between minibatches: the next one's (rank 0's), not this rank's own
+            model_sd = {**model_sd, **{k: v for k, v in buffers.items() if k in model_sd}}
         extra = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in self.extra.items()}
         out = {
             "step": self.step,
@@ -293,19 +324,10 @@ class Protected:
             raise RuntimeError("a ZeroRedundancyOptimizer job has no disk checkpoints: its partitions "
                                "are protected in the snapshot keepers (AOR)")
         torch.save(self.state_dict(), Path(path) / STATE_FILE)
-        if self._ddp_layout is not None:
-            from . import ddp_layout
-
-            ddp_layout.write(self._ddp_layout, path)
 
     def load(self, path: str) -> int:
         """Load a checkpoint directory written by :meth:`save`; return the step to continue from."""
-        file = Path(path) / STATE_FILE
-        if not file.is_file():
-            raise FileNotFoundError(
-                f"{file} not found: this checkpoint was not written by jitckpt.protect(); load it with "
-                "your own function")
-        return self.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+        return self.load_state_dict(read_state(path))
 
     def load_state_dict(self, sd: dict) -> int:
         """Load a state from :meth:`state_dict` (a checkpoint's or a snapshot's); return its step."""
@@ -322,7 +344,7 @@ class Protected:
                 self.extra[k].load_state_dict(v)
             else:
                 self.extra[k] = v
-        _set_rng_state(sd["rng"])
+        set_rng_state(sd["rng"])
         self.step = int(sd["step"])
         self._mid_minibatch = False
         self._resumed_step = self.step
@@ -350,15 +372,72 @@ class Protected:
 
         if self._snapshots is not None:
             return self._restore_tiered(_get_runtime())
-        path = _get_runtime().latest_checkpoint()
-        if path is None:
-            return self.step
+        rt = _get_runtime()
         t0 = time.monotonic()
-        step = self.load(path)
-        rt = _runtime_or_none()
-        if rt is not None:
-            rt.report_restored(path, step, time.monotonic() - t0)
+        found = self._read_loadable(rt)
+        if found is None:
+            return self.step
+        path, sd = found
+        step = self.load_state_dict(sd)
+        rt.report_restored(path, step, time.monotonic() - t0)
         return step
+        from .checkpoint_store import list_candidates, verify_checkpoint
+
+        step = rt.selected_step
+        for c in list_candidates(rt.checkpoint_dir):
+            if c.step != step or c.path == Path(path):
+                continue
+            try:
+                meta = verify_checkpoint(c.path)
+                if (meta.shard_id, meta.num_shards) != (rt.shard_id, rt.num_shards):
+                    continue
+                other = read_state(str(c.path))
+            except (OSError, CheckpointError):
+                continue
+            if other.get("buffers_authoritative", True):
+                return str(c.path), other
+        log.warning("rank %d: resuming step %s with rank-local model buffers (BatchNorm statistics): "
+                    "no saved copy holds the buffers DDP broadcasts (rank 0 was lost before its "
+                    "broadcast at the start of this minibatch reached the others); the buffers, "
+                    "not the parameters, differ from a failure-free run", rt.rank, step)
+        return path, sd
+
+    def _read_loadable(self, rt: Any) -> Optional[tuple[str, dict]]:
+        """The newest complete checkpoint whose state loads, read but not yet applied.
+
+        One that verifies but does not load is quarantined (``bad-<name>``, kept) with the reason
+        logged, and the next choice is tried: another replica's copy of the same step, else the
+        next older complete step. Every data-parallel replica reads the same copy of the same
+        bytes, so all ranks fall back alike. With several shards another shard's ranks may have
+        loaded the newer step already: then this rank stops instead (the job restarts, and every
+        rank chooses from what is left).
+        """
+        path = rt.latest_checkpoint()
+        first = rt.selected_step
+        while path is not None:
+            try:
+                return path, read_state(path)
+            except OSError:
+                if Path(path).is_dir():
+                    raise  # unreadable now (an I/O error): not evidence that the content is bad
+                path = rt.reject_checkpoint(path, "gone")  # another rank quarantined it just now
+                continue
+            except UnloadableCheckpoint as e:
+                reason = str(e)
+            log.warning("rank %d: checkpoint %s cannot be loaded: %s; falling back to the next "
+                        "older complete checkpoint", rt.rank, path, reason)
+            bad = path
+            path = rt.reject_checkpoint(path, reason)
+            if rt.num_shards > 1 and rt.selected_step != first:
+                raise CheckpointError(
+                    f"shard {rt.shard_id}'s checkpoint of step {first} ({bad}) cannot be loaded: "
+                    f"{reason}. It is quarantined; the ranks of the other shards may have loaded step "
+                    f"{first} already, so this rank stops and the restarted job resumes from the "
+                    "newest step every shard can load")
+        if first is not None:
+            log.warning("rank %d: no loadable checkpoint is left in %s: starting from step %d",
+                        rt.rank, rt.checkpoint_dir, self.step)
+        return None
 
     def _restore_tiered(self, rt: Any) -> int:
         point = self._snapshots.resolve()

@@ -250,7 +250,11 @@ def summarize(events: Iterable[dict], run_dir: str = "") -> RunSummary:
 
 
 def load_run(run_dir: str | Path) -> RunSummary:
-    """Summarize ``run_dir`` (or an events.jsonl path); raises FileNotFoundError with a hint."""
+    """Summarize ``run_dir`` (or an events.jsonl path).
+
+    Raises FileNotFoundError (no such log) or ValueError (the file is not an event log), both
+    naming the file and what was expected.
+    """
     p = Path(run_dir)
     path = p / EVENTS_FILE if p.is_dir() else p
     if not path.is_file():
@@ -258,7 +262,16 @@ def load_run(run_dir: str | Path) -> RunSummary:
             f"no event log at {path}: pass the run directory of a job started with `jitckpt run` "
             f"(it holds {EVENTS_FILE})"
         )
-    return summarize(read_events(path), run_dir=str(run_dir))
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    not_a_log = (f"{path} is not a jitckpt event log: expected JSON lines with an \"event\" field, "
+                 f"as `jitckpt run` writes to RUN_DIR/{EVENTS_FILE}")
+    if b"\0" in head:
+        raise ValueError(f"{not_a_log} (this is a binary file)")
+    records = [r for r in read_events(path) if "event" in r]
+    if head.strip() and not records:  # text, but not one event record (torn lines are skipped)
+        raise ValueError(not_a_log)
+    return summarize(records, run_dir=str(run_dir))
 
 
 # ---------------------------------------------------------------- output
@@ -407,7 +420,7 @@ def plot_timeline(s: RunSummary, out: str | Path) -> Path:
 def _run(args: argparse.Namespace) -> int:
     try:
         s = load_run(args.run_dir)
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+    except (FileNotFoundError, IsADirectoryError, PermissionError, ValueError) as exc:
         print(f"jitckpt report: {exc}", file=sys.stderr)
         return 2
     if s.t_start is None:

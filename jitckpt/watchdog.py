@@ -7,6 +7,7 @@ collectives wait for every rank to finish start-up and restore).
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -29,11 +30,13 @@ class HangTimeout:
     warmup: int = 3
 
     def __post_init__(self) -> None:
+        # inf would turn hang detection off and nan compares false everywhere: refuse both.
         for name in ("floor", "multiplier", "startup"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"hang timeout {name} must be > 0, got {getattr(self, name)}")
-        if self.fixed is not None and not self.fixed > 0:
-            raise ValueError(f"hang timeout must be > 0 seconds, got {self.fixed}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"hang timeout {name} must be a finite number > 0, got "
+                                 f"{getattr(self, name)}")
+        if self.fixed is not None and not 0 < self.fixed < math.inf:
+            raise ValueError(f"hang timeout must be a finite number of seconds > 0, got {self.fixed}")
         if self.window < 1 or self.warmup < 1:
             raise ValueError("hang timeout window and warmup must be >= 1")
 
@@ -51,14 +54,18 @@ class HangTimeout:
                     raise ValueError(
                         f"bad hang timeout option {part!r}; use auto:floor=S,mult=X,startup=S")
                 field_name = names[key]
-                kwargs[field_name] = int(val) if field_name in ("window", "warmup") else float(val)
+                try:
+                    kwargs[field_name] = int(val) if field_name in ("window", "warmup") else float(val)
+                except ValueError:
+                    raise ValueError(f"bad hang timeout option {part!r}: {val!r} is not a number") from None
             return cls(**kwargs)
         try:
-            return cls(fixed=float(text))
+            seconds = float(text)
         except ValueError:
             raise ValueError(
                 f"--hang-timeout {text!r}: expected seconds (e.g. 30) or 'auto[:floor=S,mult=X]'"
             ) from None
+        return cls(fixed=seconds)
 
     def to_text(self) -> str:
         if self.fixed is not None:

@@ -19,6 +19,7 @@ import faulthandler
 import itertools
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -26,7 +27,8 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
-from .checkpoint_store import CheckpointError, find_latest, write_checkpoint
+from .checkpoint_store import (CheckpointError, find_latest, quarantine, read_meta,
+                               write_checkpoint)
 from .collective_hooks import CollectiveHooks, is_collective_failure
 from .control_channel import ControlChannel
 from .watchdog import DurationHistory, HangTimeout, Watchdog
@@ -42,9 +44,19 @@ ENV_SAVE_TIMEOUT = "JITCKPT_SAVE_TIMEOUT"
 ENV_PLUGINS = "JITCKPT_PLUGINS"
 
 
+# A rank blocked this long in a collective after a peer reached its exit barrier waits for it in
+# vain (see WorkerRuntime._on_peer_exit).
+PEER_EXIT_GRACE = 5.0
+
+
 def _env_int(name: str, default: int) -> int:
     v = os.environ.get(name)
     return int(v) if v not in (None, "") else default
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 class WorkerRuntime:
@@ -83,14 +95,21 @@ class WorkerRuntime:
         self._save_claimed = False
         self._history = DurationHistory(hang_timeout)
         self._hooks = CollectiveHooks(self)
+        self.ddp_layouts = self._hooks.layouts  # saved with every checkpoint this rank writes
+        self.ddp_buffers = self._hooks.buffers  # what a JIT save records of DDP buffers and RNG
         self._watchdog = Watchdog(oldest=self._oldest_region, history=self._history,
                                   on_hang=self._on_hang)
         self._restored_step: Optional[int] = None
+        self._selected_path: Optional[str] = None  # what get_checkpoint_path() returned
         self._opt_steps = 0
         self._last_step: Optional[int] = None
         self._last_step_t = 0.0
         self._last_status_t = 0.0
         self._resumed_reported = False
+        self._last_opt_t: Optional[float] = None
+        self._warned = False
+        self._peers_left: list[tuple[int, Optional[int], float]] = []  # (rank, step, monotonic t)
+        self._exiting = False  # this rank reached its exit barrier
         self._latest: dict = {}
         self._native = None  # jitckpt._native when libjit.so is preloaded
         self.snapshots = None  # SnapshotTier when jitckpt run --snapshot-every is on
@@ -130,6 +149,18 @@ class WorkerRuntime:
             atexit.register(self._exit_barrier)
             self._chain_excepthook()
         self._attach_native()
+        from . import preemption_signals
+
+        preemption_signals.catch(self._on_preemption_signal)
+
+    def _on_preemption_signal(self, sig: signal.Signals) -> None:
+        """SIGTERM/SIGINT (a scheduler's preemption, torchrun stopping its workers, Ctrl-C):
+        save a JIT checkpoint and exit with EXIT_JIT_SAVED, as after a failure. Runs on a helper
+        thread; the save itself happens where any failure's does (a safe point, or while the
+        main thread is held in a blocking region). Once the job is done there is nothing to save."""
+        if self._failure is not None or getattr(self, "_verdict_ok", False):
+            return
+        self.report_failure("preempted", f"received {sig.name}")
 
     def _chain_excepthook(self) -> None:
         """An uncaught exception in this rank is itself the failure: report it, skip the barrier."""
@@ -137,12 +168,28 @@ class WorkerRuntime:
 
         def hook(etype, value, tb):  # type: ignore[no-untyped-def]
             self._crashed = True
+            self._quarantine_if_unloadable(value, tb)
             if self.channel is not None and self._failure is None:
                 self.channel.send("failure", rank=self.rank, kind="exception",
                                   detail=f"{etype.__name__}: {value}", step=self.current_step())
             previous(etype, value, tb)
 
         sys.excepthook = hook
+
+    def _quarantine_if_unloadable(self, exc: BaseException, tb) -> None:  # type: ignore[no-untyped-def]
+        """``jitckpt.init()`` users load the checkpoint themselves: if torch.load raised on the path
+        get_checkpoint_path() returned, before any step ran, the checkpoint (not the job) is bad.
+        Move it aside so the restart resumes from the next older complete one."""
+        path = self._selected_path
+        if path is None or self._last_step is not None or self._opt_steps or isinstance(exc, OSError):
+            return
+        frames = traceback.extract_tb(tb)
+        if not any(f.filename.replace(os.sep, "/").endswith("torch/serialization.py") for f in frames):
+            return
+        try:
+            quarantine(path, f"{type(exc).__name__}: {_first_line(exc)}")
+        except (OSError, CheckpointError) as e:
+            log.error("rank %d: could not quarantine %s: %s", self.rank, path, e)
 
     def _attach_native(self) -> None:
         """With libjit.so preloaded, NCCL hangs it detects come here too."""
@@ -196,9 +243,26 @@ class WorkerRuntime:
         self._restored_step = step
         return path
 
+    @property
+    def selected_step(self) -> Optional[int]:
+        """The step of latest_checkpoint()'s current choice (None: nothing to resume from)."""
+        found = self._latest.get((self.shard_id, self.num_shards))
+        return None if found is None else found[1]
+
+    def reject_checkpoint(self, path: str, reason: str) -> Optional[str]:
+        """``path`` verified but cannot be loaded: quarantine it and choose again.
+
+        Returns the next choice: another replica's copy of the same step, or an older step.
+        """
+        quarantine(path, reason)  # None: another rank of this job moved it already
+        self._latest.pop((self.shard_id, self.num_shards), None)
+        self._restored_step = None
+        return self.latest_checkpoint()
+
     def select_checkpoint(self) -> Optional[str]:
         """``jitckpt.get_checkpoint_path()``: the newest checkpoint, reported as the restore point."""
         path = self.latest_checkpoint()
+        self._selected_path = path
         if path is not None and self._restored_step is not None:
             self.report_restored(path, self._restored_step, None)
         return path
@@ -207,9 +271,28 @@ class WorkerRuntime:
                         source: str = "disk", decoded: Optional[list] = None,
                         fetched: Optional[list] = None) -> None:
         self._restored_step = step
+        if self.rank == 0:
+            log.warning("%s", self._resume_line(path, step, source))
         if self.channel is not None:
             self.channel.send("restored", rank=self.rank, step=step, path=path, seconds=seconds,
                               source=source, decoded=list(decoded or []), fetched=list(fetched or []))
+
+    def _resume_line(self, path: str, step: int, source: str) -> str:
+        """One loud line: the step resumed, what it comes from, and which job wrote it."""
+        try:
+            meta = read_meta(path)
+        except CheckpointError:
+            return f"resuming from step {step}: {source} state {path}"
+        written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta.created))
+        what = {"jit": "JIT checkpoint", "periodic": "periodic checkpoint",
+                "snapshot": "flushed snapshot"}.get(meta.kind, meta.kind)
+        line = (f"resuming from step {step}: {what} of run {meta.run_id or '(unknown)'} "
+                f"written {written} ({path})")
+        current = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        if current and meta.run_id != current:
+            line += (f"; it is from an earlier job, not this run {current}: to start from scratch "
+                     "use another --checkpoint-dir or --rdzv-id")
+        return line
 
     def run_snapshot_op(self, fn: Callable[[], object], *, blocking: bool) -> object:
         """Run a snapshot call; its failure (keeper gone, a peer gone) is a failure of the job.
@@ -252,14 +335,35 @@ class WorkerRuntime:
             if not self._resumed_reported and prev is not None:
                 self._resumed_reported = True
                 self.channel.send("resumed", rank=self.rank, step=step)
-            if now - self._last_status_t > 0.5:
-                self._last_status_t = now
-                self.channel.send("status", rank=self.rank, step=step,
-                                  step_time=(now - prev_t) if prev is not None else None)
+            self._heartbeat(step, (now - prev_t) if prev is not None else None)
         if (self.periodic_every and step > 0 and step % self.periodic_every == 0
-                and step != self._restored_step and self.save_fn is not None
-                and self.replica_id == 0):
-            self._periodic_save(step)
+                and step != self._restored_step and self.replica_id == 0):
+            if self.save_fn is not None:
+                self._periodic_save(step)
+            else:
+                self._warn_once(f"--periodic-every {self.periodic_every}: no periodic checkpoint is "
+                                "taken: no save function is registered (call jitckpt.init(save_fn) "
+                                "or jitckpt.protect())")
+
+    def _heartbeat(self, step: int, step_time: Optional[float]) -> None:
+        """Tell the launcher every step begun: it needs the step a failure hit even when the ranks
+        die with it. A step time goes along every ~0.5 s (a sample, for the launcher's events)."""
+        assert self.channel is not None
+        now = time.monotonic()
+        if now - self._last_status_t > 0.5:
+            self._last_status_t = now
+        else:
+            step_time = None
+        self.channel.send("status", rank=self.rank, step=step, step_time=step_time)
+
+    def _warn_once(self, reason: str) -> None:
+        """A flag this job cannot honour: said once, on the console and in the event log."""
+        if self._warned:
+            return
+        self._warned = True
+        log.warning("rank %d: %s", self.rank, reason)
+        if self.channel is not None:
+            self.channel.send("warning", rank=self.rank, reason=reason)
 
     # ---- region tracking (called by CollectiveHooks on the calling thread) --------------------
     def _torn(self) -> bool:
@@ -311,6 +415,32 @@ class WorkerRuntime:
         self._in_optimizer = False
         self._native_phase("idle")
         self._opt_steps += 1
+        marked = self._last_step is not None  # mark_step() samples step times, takes periodic saves
+        # Completed steps, the index of the minibatch that comes next: what the launcher needs
+        # if this rank dies before it begins. (A user's step_fn counter is often bumped only
+        # after optimizer.step() returns.)
+        step = self.current_step()
+        if not marked:
+            step = max(step, (self._restored_step or 0) + self._opt_steps)
+        now = time.monotonic()
+        prev_t, self._last_opt_t = self._last_opt_t, now
+        if self.channel is not None:
+            if not self._resumed_reported:  # the first step done after a restart: resumed
+                self._resumed_reported = True
+                self.channel.send("resumed", rank=self.rank, step=step)
+            if marked:
+                self.channel.send("status", rank=self.rank, step=step, step_time=None)
+            else:
+                self._heartbeat(step, (now - prev_t) if prev_t is not None else None)
+        if (not marked and self.periodic_every and self._opt_steps >= self.periodic_every
+                and self.save_fn is not None and self.replica_id == 0):
+            # No safe point is known: after optimizer.step() the user's step counter, scheduler and
+            # data position may not be updated yet, and a save would mix two minibatches.
+            self._warn_once(f"--periodic-every {self.periodic_every}: no periodic checkpoint is taken: "
+                            "this job never calls jitckpt.mark_step(step), so jitckpt knows no point "
+                            "where its state is consistent. Call jitckpt.mark_step(step) at the top "
+                            "of each iteration (or use jitckpt.protect()); JIT checkpoints after a "
+                            "failure are not affected")
 
     def _oldest_region(self) -> Optional[tuple[str, float]]:
         with self._lock:
@@ -325,8 +455,11 @@ class WorkerRuntime:
                             detect_s=age)
 
     def report_failure(self, kind: str, detail: str, *, on_main: bool = False,
-                       from_launcher: bool = False, detect_s: Optional[float] = None) -> None:
-        """Record a failure (first one wins), tell the launcher, and save when it is safe."""
+                       from_launcher: bool = False, detect_s: Optional[float] = None,
+                       culprit: Optional[int] = None) -> None:
+        """Record a failure (first one wins), tell the launcher, and save when it is safe.
+
+        ``culprit``: the failed rank, when this (healthy) rank knows which one it waits for."""
         with self._lock:
             first = self._failure is None
             if first:
@@ -337,7 +470,7 @@ class WorkerRuntime:
             log.warning("rank %d: failure detected (%s): %s", self.rank, kind, detail)
             if self.channel is not None and not from_launcher:
                 self.channel.send("failure", rank=self.rank, kind=kind, detail=detail,
-                                  step=self._failure["step"], detect_s=detect_s)
+                                  step=self._failure["step"], detect_s=detect_s, culprit=culprit)
         if on_main:
             self._save_and_exit(on_main=True)
         threading.Thread(target=self._save_when_blocked, name="jitckpt-saver", daemon=True).start()
@@ -388,7 +521,11 @@ class WorkerRuntime:
             self._native.set_save_thread(True)
         t0 = time.monotonic()
         try:
+            # DDP buffers and RNG as of the start of the minibatch recorded (the process exits next).
+            self.ddp_buffers.rewind_for_save()
             path, meta = self._write("jit", step)
+        except CheckpointError as e:  # e.g. "no space left on <dir>: N bytes needed"
+            self._give_up(f"JIT save failed: {e}")
         except BaseException as e:  # noqa: BLE001 - any save error must end in a clean report
             self._give_up(f"JIT save failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         seconds = time.monotonic() - t0
@@ -431,18 +568,29 @@ class WorkerRuntime:
 
     def _write(self, kind: str, step: int):  # type: ignore[no-untyped-def]
         assert self.save_fn is not None
-        return write_checkpoint(self.checkpoint_dir, self.save_fn, kind=kind, step=step,
+        # DDP's bucket layout goes into every checkpoint, before its files are checksummed.
+        save_fn = self.ddp_layouts.saving(self.save_fn)
+        return write_checkpoint(self.checkpoint_dir, save_fn, kind=kind, step=step,
                                 rank=self.rank, world_size=self.world_size, gen=self.gen,
                                 shard_id=self.shard_id, num_shards=self.num_shards)
 
     # ---- periodic tier ------------------------------------------------------------------
     def _periodic_save(self, step: int) -> None:
-        """Synchronous periodic checkpoint (fallback tier), same format as JIT."""
+        """Synchronous periodic checkpoint (fallback tier), same format as JIT.
+
+        A failed save (a full disk, an error in the save function) costs only this save: it is
+        logged and reported, the older checkpoints stay, and training goes on.
+        """
         t0 = time.monotonic()
         try:
             path, meta = self._write("periodic", step)
-        except (CheckpointError, OSError) as e:
-            log.error("rank %d: periodic checkpoint at step %d failed: %s", self.rank, step, e)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            reason = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+            log.error("rank %d: periodic checkpoint at step %d failed: %s; training goes on",
+                      self.rank, step, reason)
+            if self.channel is not None:
+                self.channel.send("save_failed", rank=self.rank, reason=reason, kind="periodic",
+                                  step=step)
             return
         if self.channel is not None:
             self.channel.send("saved", rank=self.rank, path=str(path), step=step,
@@ -457,12 +605,43 @@ class WorkerRuntime:
             if msg is None:
                 log.error("rank %d: launcher is gone; exiting", self.rank)
                 self._exit(EXIT_LAUNCHER_GONE)
+            if msg["type"] == "failure" and getattr(self, "_verdict_ok", False):
+                continue  # every rank finished: nothing to recover, the job is complete
             if msg["type"] == "failure":
                 self.report_failure(msg.get("kind", "peer"), msg.get("detail", ""),
                                     from_launcher=True)
             elif msg["type"] == "verdict":
                 self._verdict_ok = bool(msg.get("ok"))
                 self._verdict_evt.set()
+            elif msg["type"] == "peer_exit":
+                self._on_peer_exit(msg.get("rank"), msg.get("step"))
+
+    def _on_peer_exit(self, rank: Optional[int], step: Optional[int]) -> None:
+        """Another rank reached its exit barrier: it finished, or left early (``sys.exit(0)``).
+
+        If this rank then stays blocked in a collective for :data:`PEER_EXIT_GRACE` seconds, it
+        waits for a rank that will not come: that rank's exit is the failure, reported now rather
+        than after the hang timeout. A collective the leaver took part in ends within moments.
+        """
+        self._peers_left.append((rank, step, time.monotonic()))
+        if len(self._peers_left) > 1:
+            return  # the watcher runs
+
+        def watch() -> None:
+            while self._failure is None and not self._exiting:
+                with self._lock:
+                    starts = [start for _, start, _ in self._regions.values()]
+                left_rank, left_step, t_left = self._peers_left[0]
+                if starts and time.monotonic() - max(min(starts), t_left) > PEER_EXIT_GRACE:
+                    ranks = ", ".join(str(r) for r, _, _ in self._peers_left)
+                    self.report_failure(
+                        "exit", f"rank {ranks} left the job (exited with code 0 at step "
+                        f"{left_step}) while rank {self.rank} waits for it in a collective",
+                        culprit=left_rank, detect_s=time.monotonic() - t_left)
+                    return
+                time.sleep(0.1)
+
+        threading.Thread(target=watch, name="jitckpt-peer-exit", daemon=True).start()
 
     def _exit_barrier(self) -> None:
         """At normal exit, wait until every rank finished or a failure is known.
@@ -473,6 +652,7 @@ class WorkerRuntime:
         assert self.channel is not None
         if getattr(self, "_crashed", False):
             return
+        self._exiting = True
         self.channel.send("exit_ready", rank=self.rank, step=self.current_step())
         deadline = time.monotonic() + self.save_timeout
         while time.monotonic() < deadline:

@@ -100,3 +100,49 @@ def test_preload_libjit_shortcut(tmp_path, monkeypatch):
     assert parse("--preload", "libjit", str(script)).preload == str(lib)
     with pytest.raises(ValueError, match="no such file"):
         parse("--preload", str(tmp_path / "missing.so"), str(script))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--hang-timeout", "inf"], "hang timeout must be a finite number"),
+    (["--hang-timeout", "nan"], "hang timeout must be a finite number"),
+    (["--hang-timeout", "auto:floor=inf"], "floor must be a finite number"),
+    (["--hang-timeout", "auto:mult=nan"], "multiplier must be a finite number"),
+    (["--hang-timeout", "auto:startup=inf"], "startup must be a finite number"),
+    (["--hang-timeout", "auto:floor=soon"], "'soon' is not a number"),
+    (["--save-timeout", "nan"], "--save-timeout nan: expected a finite number of seconds > 0"),
+    (["--save-timeout", "inf"], "--save-timeout inf: expected a finite number"),
+    (["--save-timeout", "0"], "--save-timeout 0.0: expected a finite number"),
+    (["--status-interval", "inf"], "--status-interval inf: expected a finite number of seconds >= 0"),
+    (["--status-interval", "nan"], "--status-interval nan"),
+    (["--monitor-interval", "nan"], "--monitor-interval"),
+    (["--master-port", "70000"], "--master-port"),
+])
+def test_non_finite_or_out_of_range_numbers_refused(tmp_path, capsys, argv, message):
+    """inf/nan would silently turn off what the flag bounds (hang detection, the exit barrier's
+    and the JIT save's waits): every number flag is checked, with the flag named."""
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with pytest.raises((ValueError, SystemExit)) as info:
+        parse(*argv, str(script))
+    text = str(info.value) if info.type is ValueError else capsys.readouterr().err
+    assert message in text, text
+
+
+def test_unwritable_checkpoint_dir_refused_at_start(tmp_path):
+    """With a separate --run-dir the checkpoint dir used to be first written at the first failure:
+    a job whose JIT checkpoints cannot be written is refused before it starts (exit 2)."""
+    script = tmp_path / "t.py"
+    script.write_text("")
+    (tmp_path / "a-file").write_text("")
+    bad = tmp_path / "a-file" / "ckpt"  # cannot be created, even by root
+    r = subprocess.run([sys.executable, "-m", "jitckpt", "run", "--checkpoint-dir", str(bad),
+                        "--run-dir", str(tmp_path / "run"), "--warm-standby", "0", str(script)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"--checkpoint-dir {bad}: not a writable directory" in r.stderr
+    ok = tmp_path / "new" / "ckpt"
+    r = subprocess.run([sys.executable, "-m", "jitckpt", "run", "--checkpoint-dir", str(ok),
+                        "--run-dir", str(tmp_path / "run2"), "--warm-standby", "0", str(script)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert ok.is_dir() and list(ok.iterdir()) == []  # created, and the probe file removed

@@ -171,3 +171,22 @@ def test_cli_missing_run_dir(tmp_path, capsys):
     args = _parser().parse_args(["report", str(tmp_path / "nope")])
     assert args.func(args) == 2
     assert "no event log" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [
+    bytes(range(256)) * 16,                      # binary: used to die with a raw UnicodeDecodeError
+    b"\xff\xfe\x00garbage\n" * 10,
+    b"just some text\nnot json\n",
+    b'{"step": 3, "loss": 0.5}\n',               # JSON lines, but a training log, not events
+])
+def test_cli_file_that_is_not_an_event_log(tmp_path, capsys, content):
+    bad = tmp_path / "model.bin"
+    bad.write_bytes(content)
+    args = _parser().parse_args(["report", str(bad)])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert f"{bad} is not a jitckpt event log" in err and "events.jsonl" in err
+    from jitckpt.cli import main
+
+    assert main(["analyze", "--from-run", str(bad)]) == 2
+    assert f"{bad} is not a jitckpt event log" in capsys.readouterr().err

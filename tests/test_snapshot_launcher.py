@@ -152,8 +152,9 @@ def test_one_node_loses_its_keeper_resumes_from_flushed_snapshot(one_node_refere
     is empty after the restart, so the newest snapshot flushed to disk is the resume point."""
     inject = ["--inject", f"0:0:{KILL_AT}:node", "--inject", f"0:1:{KILL_AT}:kill"]
     _, (ev,) = run_nodes(tmp_path, "fail", "none", ONE_NODE_ARGS + inject, **ONE_NODE)
-    gen0 = sorted((tmp_path / "fail-ckpt").glob("snapshot-g0000-*"), key=lambda p: int(p.name.rsplit("-s", 1)[1]))
-    assert gen0, list((tmp_path / "fail-ckpt").iterdir())
+    ckpt = tmp_path / "fail-ckpt" / "fail"  # --rdzv-id fail: the job's own checkpoint directory
+    gen0 = sorted(ckpt.glob("snapshot-g0000-*"), key=lambda p: int(p.name.rsplit("-s", 1)[1]))
+    assert gen0, list(ckpt.iterdir())
     restores = [e for e in ev if e["event"] == "restore"]
     assert [e["source"] for e in restores] == ["disk", "disk"], restores
     assert {(e["path"], e["step"]) for e in restores} == {(str(gen0[-1]), int(gen0[-1].name.rsplit("-s", 1)[1]))}

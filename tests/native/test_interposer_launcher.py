@@ -109,13 +109,16 @@ def test_launcher_resumes_from_libjit_detected_jit_checkpoint(jobs, tmp_path: Pa
     assert rc == 0, log
     # libjit.so's watchdog saw the all-reduce of step 5 not completing on the device.
     assert "ncclAllReduce (seq 6, step 5" in log and "not complete on the device" in log
-    saved = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("jit-g0000-"))
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    # The finished job deleted its JIT checkpoints: which ranks saved is in the event log.
+    saved = sorted(Path(e["path"]).name for e in events
+                   if e["event"] == "checkpoint_saved" and e["kind"] == "jit" and e["gen"] == 0)
     survivors = [r for r in range(WORLD) if mode == "hang" or r != FAIL_RANK]
     assert saved == [f"jit-g0000-r{r:05d}-s5" for r in survivors], saved
+    assert not list(ckpt.glob("jit-*")), "a finished job leaves no JIT checkpoints behind"
     assert all(f"rank {r}: resumed at step 5" in log for r in range(WORLD)), log
     for r in range(WORLD):
         assert (tmp_path / f"final{r}.bin").read_bytes() == reference, f"rank {r} differs from the failure-free run"
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
     detected = [e for e in events if e["event"] == "failure_detected"]
     # A hang is first known through libjit.so; a crash (SIGKILL) is seen by the launcher first, while
     # the survivors' libjit.so still detects their hung all-reduce (log check above) and saves.

@@ -1,0 +1,87 @@
+"""Issue 13 item 9: what the launcher says about a failure is right: the steps redone when no
+rank saved, the failed rank of a hang (never the rank that reported it), failures during a
+recovery, and no "restarting" when no restart follows."""
+from __future__ import annotations
+
+import re
+import types
+
+from jobs import run_job
+
+from jitckpt.launcher import FailureRecord, Launcher
+from jitckpt.report import load_run
+
+HANG = ["--hang-timeout", "auto:floor=3,mult=10,startup=60,warmup=3"]
+
+
+def test_no_rank_saved_counts_every_minibatch_redone(tmp_path):
+    """Both ranks die at minibatch 12: nobody saves, the job resumes from the periodic checkpoint
+    of step 10 and redoes minibatches 10, 11 and 12 (the step at failure used to be the stale
+    heartbeat's, 0, giving "0 -> 10, redone 1")."""
+    res = run_job(tmp_path, nproc=2, script_args=["--steps", "16", "--inject", "0:0:12:kill",
+                                                  "--inject", "0:1:12:kill"],
+                  launcher_args=["--periodic-every", "5"], timeout=240)
+    assert res.rc == 0, res.out[-4000:]
+    assert not [e for e in res.ev("checkpoint_saved") if e["kind"] == "jit"]
+    s = res.ev("recovery_summary")[0]
+    assert (s["step_failed"], s["step_resumed"], s["steps_redone"]) == (12, 10, 3), s
+    assert s["failed_ranks"] == [0, 1]
+    assert "12 → 10" in res.out
+
+
+def test_hang_names_the_hung_rank_not_the_reporter(tmp_path):
+    res = run_job(tmp_path, nproc=3, script_args=["--steps", "12", "--inject", "0:1:6:stop"],
+                  launcher_args=HANG, timeout=240)
+    assert res.rc == 0, res.out[-4000:]
+    (f,) = res.ev("failure_detected")
+    assert f["kind"] == "hang" and f["rank"] is None and f["reporter"] in (0, 2), f
+    assert f"by rank {f['reporter']}, failed rank not known yet" in res.out
+    assert "on rank 0" not in res.out and "on rank 2" not in res.out and "rank=None" not in res.out
+    assert "failure (hang) of rank 1, detected by rank" in res.out
+    assert res.ev("recovery_summary")[0]["failed_ranks"] == [1]
+    assert [r.failed_ranks for r in load_run(res.workdir / "run").recoveries] == [[1]]
+
+
+def test_failure_during_recovery_without_restarts_left(tmp_path):
+    """The second failure hits the recovery and --max-restarts is used up: the failure line says
+    so instead of "restarting", and the kinds are not chained into "X during recovery from X
+    during recovery from ..."."""
+    res = run_job(tmp_path, nproc=2, script_args=["--steps", "12", "--inject", "0:1:5:kill",
+                                                  "--inject", "1:1:0:restore"],
+                  launcher_args=["--max-restarts", "1"], timeout=240)
+    assert res.rc == 1, res.out[-4000:]
+    lines = [line for line in res.out.splitlines() if line.startswith("[jitckpt] failure (")]
+    assert len(lines) == 2, res.out[-4000:]
+    # The death is seen as the signal, or first as the survivor's collective error.
+    assert re.match(r"\[jitckpt\] failure \((signal|error)\) of rank 1", lines[0]), lines
+    assert re.match(r"\[jitckpt\] failure \((signal|error) during recovery from (signal|error)\) "
+                    r"of rank 1", lines[1]), lines
+    tail = res.out[res.out.index(lines[1]):]
+    assert "no restart" in tail and "restarting" not in tail, tail
+    assert tail.index("no restart") < tail.index("--max-restarts=1 is used up")
+
+
+def _finish(pending, failure, restarts_left=True):
+    """Launcher._finish_failure on a stub launcher (no processes): the record it leaves."""
+    shown = []
+    stub = types.SimpleNamespace(
+        pending_summary=pending, workers=[], preempt_signal=None,
+        cfg=types.SimpleNamespace(max_restarts=3), _restarts_used=lambda: 1 if restarts_left else 3,
+        display=types.SimpleNamespace(show_failure=lambda f, restarting: shown.append(restarting)))
+    Launcher._finish_failure(stub, 0, failure)
+    return stub.pending_summary, shown[0]
+
+
+def test_failures_during_recovery_are_counted_not_chained():
+    rec = FailureRecord(gen=0, kind="signal", rank=1, detail="", t_detect=1.0, failed_ranks=[1])
+    rec, restarting = _finish(None, rec)
+    assert (rec.label, restarting) == ("signal", True)
+    for gen, nth in ((1, None), (2, "2nd"), (3, "3rd"), (4, "4th")):
+        rec, restarting = _finish(rec, FailureRecord(gen=gen, kind="exit", rank=0, detail="",
+                                                     t_detect=gen + 1.0, failed_ranks=[0]),
+                                  restarts_left=gen < 4)
+        expected = ("exit during recovery from signal" if nth is None
+                    else f"exit, the {nth} failure during recovery from signal")
+        assert rec.label == expected and rec.t_detect == 1.0
+        assert restarting == (gen < 4)
+    assert rec.kind == "exit" and sorted(rec.failed_ranks) == [0, 1]
