@@ -32,11 +32,12 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import psutil
 import torch
 
+from full_disk import small_fs
 from jobs import ROOT, kill_tree
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_matrix.py"
@@ -135,22 +136,6 @@ def fs_bytes(directory: Path) -> int:
         if p.is_file():
             total += -(-p.stat().st_size // PAGE) * PAGE
     return total
-
-
-@contextlib.contextmanager
-def small_fs(mountpoint: Path, size: int) -> Iterator[Path]:
-    """A tmpfs of ``size`` bytes on ``mountpoint``: a disk that really fills up (ENOSPC)."""
-    import pytest
-
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)],
-                       capture_output=True, text=True, timeout=30)
-    if p.returncode != 0:
-        pytest.skip(f"disk-full case needs a small tmpfs (mount as root): {p.stderr.strip() or p.returncode}")
-    try:
-        yield mountpoint
-    finally:
-        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, timeout=30)
 
 
 # ---- one launcher run ----------------------------------------------------------------------------
