@@ -156,6 +156,13 @@ class Worker:
     exit_step: Optional[int] = None
     restored: Optional[dict] = None
     resumed: bool = False
+    killed: bool = False  # by this launcher, while still running: not a death of its own
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group, remembering that the launcher did it."""
+        if self.proc.poll() is None:
+            self.killed = True
+            _kill_group(self.proc)
 
 
 @dataclass
@@ -249,7 +256,7 @@ class Launcher:
             for s in handlers:  # the shutdown below is quick and must not be cut short
                 signal.signal(s, signal.SIG_IGN)
             for w in self.workers:
-                _kill_group(w.proc)
+                w.kill()
             if self.pool is not None:
                 self.pool.close()
             if self.keeper is not None:
@@ -319,7 +326,7 @@ class Launcher:
                 self.emit("restart", reason="failure", restart_count=self._restarts_used())
         finally:
             for w in self.workers:
-                _kill_group(w.proc)
+                w.kill()
             if self.pool is not None:
                 self.pool.close()
             if self.keeper is not None:
@@ -606,7 +613,7 @@ class Launcher:
             if w.exit_code is None and w.proc.poll() is None:
                 log.warning("rank %d still running %.0f s after every rank finished (stuck exiting); "
                             "killing it", w.rank, EXIT_GRACE)
-                _kill_group(w.proc)
+                w.kill()
                 try:
                     w.exit_code = w.proc.wait(timeout=10.0)
                 except subprocess.TimeoutExpired:
@@ -778,12 +785,12 @@ class Launcher:
         try:
             w.exit_code = w.proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
-            _kill_group(w.proc)
+            w.kill()
             w.exit_code = w.proc.wait(timeout=5.0)
 
     def _kill_all(self) -> None:
         for w in self.workers:
-            _kill_group(w.proc)
+            w.kill()
         for w in self.workers:
             try:
                 w.exit_code = w.proc.wait(timeout=10.0)
@@ -807,8 +814,7 @@ class Launcher:
         self.pending_summary = failure
         for w in self.workers:
             if w.exit_code not in (*NOT_A_CULPRIT, None) and w.rank not in failure.failed_ranks:
-                if w.rank not in failure.saved_ranks and not (
-                        w.exit_code == -signal.SIGKILL and failure.kind != "hang"):
+                if w.rank not in failure.saved_ranks and (not w.killed or failure.kind == "hang"):
                     # Died on its own, or (after a hang) was still silent when killed: a culprit.
                     failure.failed_ranks.append(w.rank)
         # Said before run() decides, so that nothing announces a restart that does not come.

@@ -4,6 +4,7 @@ recovery, and no "restarting" when no restart follows."""
 from __future__ import annotations
 
 import re
+import signal
 import types
 
 from jobs import run_job
@@ -61,11 +62,11 @@ def test_failure_during_recovery_without_restarts_left(tmp_path):
     assert tail.index("no restart") < tail.index("--max-restarts=1 is used up")
 
 
-def _finish(pending, failure, restarts_left=True):
+def _finish(pending, failure, restarts_left=True, workers=()):
     """Launcher._finish_failure on a stub launcher (no processes): the record it leaves."""
     shown = []
     stub = types.SimpleNamespace(
-        pending_summary=pending, workers=[], preempt_signal=None,
+        pending_summary=pending, workers=list(workers), preempt_signal=None,
         cfg=types.SimpleNamespace(max_restarts=3), _restarts_used=lambda: 1 if restarts_left else 3,
         display=types.SimpleNamespace(show_failure=lambda f, restarting: shown.append(restarting)))
     Launcher._finish_failure(stub, 0, failure)
@@ -85,3 +86,16 @@ def test_failures_during_recovery_are_counted_not_chained():
         assert rec.label == expected and rec.t_detect == 1.0
         assert restarting == (gen < 4)
     assert rec.kind == "exit" and sorted(rec.failed_ranks) == [0, 1]
+
+
+def test_a_rank_that_killed_itself_is_failed_one_the_launcher_killed_is_not():
+    """CI saw failed_ranks [0] for two ranks that both SIGKILLed themselves: the launcher found
+    rank 1's exit by poll() before reading its EOF, and took every SIGKILL for its own."""
+    def worker(rank, killed):
+        return types.SimpleNamespace(rank=rank, exit_code=-signal.SIGKILL, killed=killed)
+
+    for kind, expected in (("signal", [0, 1]), ("hang", [0, 1, 2])):
+        rec = FailureRecord(gen=0, kind=kind, rank=0, detail="", t_detect=1.0, failed_ranks=[0])
+        rec, _ = _finish(None, rec, workers=[worker(1, killed=False), worker(2, killed=True)])
+        # After a hang, a rank still silent when killed is a culprit too.
+        assert sorted(rec.failed_ranks) == expected, kind
