@@ -195,8 +195,7 @@ class LaunchConfig:
     omp_num_threads: int = 1
 
     def __post_init__(self) -> None:
-        if self.hang_timeout in (None, "auto"):
-            self.hang_timeout = HangTimeout(fixed=None, floor=30.0, startup=120.0).to_text()
+        self.hang_timeout = HangTimeout.parse(self.hang_timeout or "auto").to_text()
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT of node 0 (same on every node)")
         if not 0 <= self.node_rank < self.nnodes:

@@ -19,13 +19,15 @@ class HangTimeout:
     """Hang timeout policy. ``fixed`` seconds, or adaptive when ``fixed`` is None.
 
     Adaptive: ``max(floor, multiplier * max(last `window` durations))`` once ``warmup`` samples
-    exist, ``max(floor, startup)`` before that. All values in seconds.
+    exist, ``max(floor, startup)`` before that. All values in seconds. The default, ``"auto"``, is
+    the one default everywhere (launcher, workers, libjit.so): floor 30 s, 10x, 120 s at start.
+    libjit.so parses the same text (interposer/src/hang_timeout.h).
     """
 
-    fixed: Optional[float] = 300.0
-    floor: float = 5.0
+    fixed: Optional[float] = None
+    floor: float = 30.0
     multiplier: float = 10.0
-    startup: float = 60.0
+    startup: float = 120.0
     window: int = 64
     warmup: int = 3
 
@@ -68,10 +70,11 @@ class HangTimeout:
         return cls(fixed=seconds)
 
     def to_text(self) -> str:
+        """The text :meth:`parse` reads back; libjit.so writes the same (``%.12g`` numbers)."""
         if self.fixed is not None:
-            return repr(self.fixed)
-        return (f"auto:floor={self.floor},mult={self.multiplier},startup={self.startup},"
-                f"window={self.window},warmup={self.warmup}")
+            return f"{self.fixed:.12g}"
+        return (f"auto:floor={self.floor:.12g},mult={self.multiplier:.12g},"
+                f"startup={self.startup:.12g},window={self.window},warmup={self.warmup}")
 
 
 class DurationHistory:

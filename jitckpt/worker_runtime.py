@@ -121,7 +121,7 @@ class WorkerRuntime:
         world = _env_int("WORLD_SIZE", 1)
         gen = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
         ckpt = os.environ.get(ENV_CHECKPOINT_DIR) or os.path.abspath("jitckpt-checkpoints")
-        ht = HangTimeout.parse(os.environ.get(ENV_HANG_TIMEOUT, "300"))
+        ht = HangTimeout.parse(os.environ.get(ENV_HANG_TIMEOUT, "auto"))
         return cls(rank=rank, world_size=world, gen=gen, checkpoint_dir=ckpt, hang_timeout=ht,
                    channel=channel if channel is not None else ControlChannel.from_env(),
                    periodic_every=_env_int(ENV_PERIODIC_EVERY, 0),
@@ -205,15 +205,9 @@ class WorkerRuntime:
             log.warning("rank %d: libjit.so hang detection not attached: %s", self.rank, e)
             return
         self._native = _native
-        self._native_timeout = None
-        self._sync_native_timeout()
-
-    def _sync_native_timeout(self) -> None:
-        """libjit.so watches NCCL collectives with one timeout: keep it at the current policy's."""
-        t = self._history.timeout_for("backward")
-        if self._native_timeout is None or abs(t - self._native_timeout) > 0.1 * self._native_timeout:
-            self._native.configure(hang_timeout=t)
-            self._native_timeout = t
+        # The same policy; libjit.so adapts it to the NCCL collectives it sees, as the watchdog
+        # here does to the regions it sees.
+        _native.configure(hang_timeout=self._history.policy.to_text())
 
     def _native_phase(self, phase: str) -> None:
         if self._native is not None:
@@ -327,7 +321,6 @@ class WorkerRuntime:
         if self._native is not None:
             self._native.mark_minibatch(step)
             self._native.set_phase("forward")
-            self._sync_native_timeout()
         now = time.monotonic()
         prev_t, prev = self._last_step_t, self._last_step
         self._last_step, self._last_step_t = step, now

@@ -79,6 +79,19 @@ def test_hang_timeout_parsing():
             HangTimeout.parse(bad)
 
 
+def test_one_hang_timeout_default_typed_or_not(tmp_path):
+    """No --hang-timeout and `--hang-timeout auto` are the documented policy (was a 5 s floor when
+    typed); the worker runtime's and the watchdog's defaults are the same."""
+    documented = "auto:floor=30,mult=10,startup=120,window=64,warmup=3"
+    script = tmp_path / "t.py"
+    script.write_text("")
+    for extra in ([], ["--hang-timeout", "auto"]):
+        cfg = parse("--nproc-per-node", "1", *extra, str(script))
+        assert cfg.hang_timeout == documented, extra
+    assert HangTimeout().to_text() == HangTimeout.parse("auto").to_text() == documented
+    assert HangTimeout.parse("30").to_text() == "30"
+
+
 def test_adaptive_timeout_follows_recent_maximum():
     h = DurationHistory(HangTimeout(fixed=None, floor=1.0, multiplier=10, startup=60, warmup=3, window=4))
     assert h.timeout_for("backward") == 60          # not warmed up yet

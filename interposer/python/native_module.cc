@@ -11,6 +11,7 @@
 #include <string>
 
 #include "gil_handoff.h"
+#include "hang_timeout.h"
 #include "jitckpt/jit_abi.h"
 
 namespace py = pybind11;
@@ -129,18 +130,18 @@ bool preloaded() { return NativeState::instance().api() != nullptr; }
 
 bool configure(const std::string& mode, py::object hang_timeout) {
   if (mode != "observe") throw py::value_error("unknown mode '" + mode + "': only mode='observe' is supported");
-  double timeout = 0;
+  std::string text;
   if (!hang_timeout.is_none()) {
-    timeout = hang_timeout.cast<double>();
-    if (!std::isfinite(timeout) || timeout <= 0)
-      throw py::value_error("hang_timeout must be a positive number of seconds, got " +
-                            std::string(py::str(hang_timeout)));
+    // A number means fixed seconds; a string is the policy grammar, parsed by libjit.so's own parser.
+    text = py::isinstance<py::str>(hang_timeout) ? hang_timeout.cast<std::string>()
+                                                 : std::string(py::str(py::float_(hang_timeout)));
+    std::string error;
+    if (!jitckpt::HangTimeoutPolicy::parse(text, &error)) throw py::value_error(error);
   }
   const jitckpt_api* api = NativeState::instance().api();
   if (api == nullptr) return false;
-  if (hang_timeout.is_none()) return true;
   char err[256] = {0};
-  if (api->configure(mode.c_str(), timeout, err, sizeof err) != 0) throw py::value_error(err);
+  if (api->configure(mode.c_str(), text.c_str(), err, sizeof err) != 0) throw py::value_error(err);
   return true;
 }
 
@@ -235,8 +236,9 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "Native side of jitckpt: control and status of the LD_PRELOADed libjit.so (observe mode).";
   m.def("preloaded", &preloaded, "True if libjit.so is loaded in this process (LD_PRELOAD).");
   m.def("configure", &configure, py::kw_only(), py::arg("mode") = "observe", py::arg("hang_timeout") = py::none(),
-        "Validate and apply settings: mode ('observe') and the hang timeout in seconds (None keeps the "
-        "current one, default 300 s or $JITCKPT_HANG_TIMEOUT). Returns False if libjit.so is not loaded.");
+        "Validate and apply settings: mode ('observe') and the hang timeout: seconds, or the policy text "
+        "'auto[:floor=S,mult=X,startup=S,window=N,warmup=N]' (None keeps the current one: "
+        "$JITCKPT_HANG_TIMEOUT, else auto). Returns False if libjit.so is not loaded.");
   m.def("mark_minibatch", &mark_minibatch, py::arg("step"),
         "Record the minibatch (step) now running; shown in status() and failure reports.");
   m.def("set_phase", &set_phase, py::arg("phase"),

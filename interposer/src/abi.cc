@@ -10,9 +10,9 @@ using jitckpt::Registry;
 
 namespace {
 
-int configure(const char* mode, double hang_timeout_s, char* err, size_t err_len) {
+int configure(const char* mode, const char* hang_timeout, char* err, size_t err_len) {
   std::string error;
-  if (Registry::instance().configure(mode ? mode : "", hang_timeout_s, &error)) return 0;
+  if (Registry::instance().configure(mode ? mode : "", hang_timeout ? hang_timeout : "", &error)) return 0;
   if (err != nullptr && err_len > 0) {
     std::strncpy(err, error.c_str(), err_len - 1);
     err[err_len - 1] = '\0';

@@ -14,27 +14,26 @@ namespace jitckpt {
 
 Registry::Registry() {
   if (const char* env = std::getenv("JITCKPT_HANG_TIMEOUT")) {
-    char* end = nullptr;
-    double v = std::strtod(env, &end);
-    if (end != env && *end == '\0' && std::isfinite(v) && v > 0) {
-      hang_timeout_s_.store(v);
+    std::string error;
+    if (auto policy = HangTimeoutPolicy::parse(env, &error)) {
+      hang_timeout_.set(*policy);
     } else {
-      log_always("ignoring JITCKPT_HANG_TIMEOUT=%s: expected a positive number of seconds", env);
+      log_always("ignoring JITCKPT_HANG_TIMEOUT=%s (%s); using %s", env, error.c_str(),
+                 hang_timeout_.policy().text().c_str());
     }
   }
   pthread_atfork(nullptr, nullptr, [] { Registry::instance().forked_child_.store(true); });
 }
 
-bool Registry::configure(const std::string& mode, double hang_timeout_s, std::string* error) {
+bool Registry::configure(const std::string& mode, const std::string& hang_timeout, std::string* error) {
   if (mode != "observe") {
     *error = "unknown mode '" + mode + "': libjit.so supports only mode='observe'";
     return false;
   }
-  if (!std::isfinite(hang_timeout_s) || hang_timeout_s <= 0) {
-    *error = "hang_timeout must be a positive number of seconds, got " + std::to_string(hang_timeout_s);
-    return false;
-  }
-  hang_timeout_s_.store(hang_timeout_s);
+  if (hang_timeout.empty()) return true;  // keep the current policy
+  auto policy = HangTimeoutPolicy::parse(hang_timeout, error);
+  if (!policy) return false;
+  hang_timeout_.set(*policy);
   return true;
 }
 
@@ -84,6 +83,7 @@ std::string Registry::status_json() {
   w.key("preloaded").value(true);
   w.key("mode").value("observe");
   w.key("hang_timeout").value(hang_timeout());
+  w.key("hang_timeout_policy").value(hang_timeout_.policy().text());
   w.key("step").value(step());
   w.key("phase").value(phase());
   w.key("watchdog_running").value(watchdog_.running());

@@ -11,6 +11,7 @@
 
 #include "collective_tracker.h"
 #include "failure_latch.h"
+#include "hang_timeout.h"
 #include "jitckpt/jit_abi.h"
 #include "log_context.h"
 #include "recv_replay.h"
@@ -41,8 +42,10 @@ class Registry {
   // mutexes may be locked, so NCCL calls there pass through untracked.
   bool tracking() const { return !forked_child_.load(std::memory_order_relaxed); }
 
-  bool configure(const std::string& mode, double hang_timeout_s, std::string* error);
-  double hang_timeout() const { return hang_timeout_s_.load(std::memory_order_relaxed); }
+  // hang_timeout: the policy's text (see hang_timeout.h); empty keeps the current one.
+  bool configure(const std::string& mode, const std::string& hang_timeout, std::string* error);
+  double hang_timeout() const { return hang_timeout_.current(); }
+  HangTimeout& hang_timeouts() { return hang_timeout_; }
 
   void mark_minibatch(int64_t step) { step_.store(step, std::memory_order_relaxed); }
   int64_t step() const { return step_.load(std::memory_order_relaxed); }
@@ -77,7 +80,7 @@ class Registry {
   SendLog send_log_;
   RecvReplay recv_replay_;
 
-  std::atomic<double> hang_timeout_s_{300.0};
+  HangTimeout hang_timeout_;
   std::atomic<int64_t> step_{-1};
   std::atomic<bool> forked_child_{false};
   std::atomic<bool> saving_{false};

@@ -58,6 +58,8 @@ void Watchdog::poll() {
       cudaError_t st = query(r.sentinel);  // our event: nobody destroys it concurrently
       if (st == cudaSuccess) {
         done.push_back(r.seq);
+        // Seen complete within a poll interval of its end: what the adaptive timeout learns from.
+        registry_.hang_timeouts().record(std::chrono::duration<double>(now - r.since).count());
         continue;
       }
       if (st != cudaErrorNotReady) {

@@ -100,8 +100,11 @@ def test_native_module_without_preload_reports_and_validates() -> None:
     assert _native.configure(mode="observe", hang_timeout=5.0) is False  # valid, nothing to apply
     with pytest.raises(ValueError, match="only mode='observe'"):
         _native.configure(mode="transparent")
-    with pytest.raises(ValueError, match="positive number of seconds"):
+    with pytest.raises(ValueError, match="finite number of seconds > 0"):
         _native.configure(hang_timeout=0)
+    with pytest.raises(ValueError, match="bad hang timeout option 'mult=x'"):
+        _native.configure(hang_timeout="auto:floor=3,mult=x")
+    assert _native.configure(hang_timeout="auto:floor=3,startup=9") is False  # the grammar parses
     with pytest.raises(ValueError, match="unknown phase 'fwd'.*forward"):
         _native.set_phase("fwd")
     with pytest.raises(ValueError, match="step must be >= 0"):
@@ -151,11 +154,49 @@ def test_native_module_preloaded_status_markers_and_callback() -> None:
     assert after["watchdog_running"] is True
 
 
-def test_hang_timeout_from_environment_and_bad_value_reported() -> None:
+DOCUMENTED_AUTO = "auto:floor=30,mult=10,startup=120,window=64,warmup=3"
+
+
+@pytest.mark.parametrize("value,policy,now", [
+    (None, DOCUMENTED_AUTO, 120.0),  # unset: the one default, auto
+    ("1.5", "1.5", 1.5),
+    ("auto", DOCUMENTED_AUTO, 120.0),
+    ("auto:floor=3,mult=10,startup=60,warmup=3", "auto:floor=3,mult=10,startup=60,window=64,warmup=3", 60.0),
+    ("soon", DOCUMENTED_AUTO, 120.0),  # refused, with a word on stderr
+])
+def test_hang_timeout_from_environment(value, policy, now) -> None:
+    """libjit.so reads the launcher's grammar: `auto:...` was once ignored (300 s) in every worker."""
     need(LIBJIT)
-    script = "from jitckpt import _native; print(_native.status()['hang_timeout'])"
-    good = run([sys.executable, "-c", script], clean_env(LD_PRELOAD=str(LIBJIT), JITCKPT_HANG_TIMEOUT="1.5"))
-    assert good.returncode == 0 and good.stdout.strip() == "1.5", good.stderr
-    bad = run([sys.executable, "-c", script], clean_env(LD_PRELOAD=str(LIBJIT), JITCKPT_HANG_TIMEOUT="soon"))
-    assert bad.returncode == 0 and bad.stdout.strip() == "300"
-    assert "ignoring JITCKPT_HANG_TIMEOUT=soon" in bad.stderr
+    script = "import json; from jitckpt import _native; s = _native.status(); " \
+             "print(json.dumps([s['hang_timeout_policy'], s['hang_timeout']]))"
+    env = clean_env(LD_PRELOAD=str(LIBJIT), **({} if value is None else {"JITCKPT_HANG_TIMEOUT": value}))
+    proc = run([sys.executable, "-c", script], env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [policy, now]
+    assert ("ignoring JITCKPT_HANG_TIMEOUT=soon" in proc.stderr) == (value == "soon"), proc.stderr
+
+
+@pytest.mark.parametrize("flag", [[], ["--hang-timeout", "auto"]], ids=["default", "explicit-auto"])
+def test_launcher_hang_timeout_reaches_libjit_as_documented(tmp_path, flag) -> None:
+    """`jitckpt run --preload-libjit` with no --hang-timeout, and with `auto` typed: every worker's
+    libjit.so runs the documented policy (floor 30 s, 10x, 120 s at start)."""
+    need(LIBJIT)
+    script = tmp_path / "show.py"
+    out = tmp_path / "policy"
+    script.write_text(textwrap.dedent(f"""
+        import json, os
+        import jitckpt
+        jitckpt.init(lambda path: None)
+        from jitckpt import _native
+        s = _native.status()
+        with open({str(out)!r} + os.environ["RANK"], "w") as f:
+            json.dump([s["hang_timeout_policy"], s["hang_timeout"]], f)
+    """))
+    proc = subprocess.run([sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", "2",
+                           "--preload", "libjit", *flag, "--run-dir", str(tmp_path / "run"),
+                           "--checkpoint-dir", str(tmp_path / "ckpt"), str(script)],
+                          env=clean_env(), capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ignoring JITCKPT_HANG_TIMEOUT" not in proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"policy{rank}").read_text()) == [DOCUMENTED_AUTO, 120.0]

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define JITCKPT_ABI_VERSION 3u
+#define JITCKPT_ABI_VERSION 4u
 
 // Called on the watchdog thread, once per detected failure, while device copies are redirected to a
 // fresh stream. `kind` is one of "hang", "nccl_error", "nccl_async_error", "cuda_error", "manual".
@@ -19,8 +19,10 @@ typedef int (*jitckpt_failure_handler)(const char* kind, const char* detail, voi
 
 typedef struct jitckpt_api {
   unsigned abi_version;  // JITCKPT_ABI_VERSION
-  // mode: "observe" (the only mode so far). hang_timeout_s > 0. Returns 0, or -1 with a message in err.
-  int (*configure)(const char* mode, double hang_timeout_s, char* err, size_t err_len);
+  // mode: "observe" (the only mode so far). hang_timeout: "S" seconds or "auto[:floor=S,mult=X,
+  // startup=S,window=N,warmup=N]" as $JITCKPT_HANG_TIMEOUT (v4; was a double); NULL or "" keeps the
+  // current policy. Returns 0, or -1 with a message in err.
+  int (*configure)(const char* mode, const char* hang_timeout, char* err, size_t err_len);
   void (*mark_minibatch)(int64_t step);
   void (*set_phase)(const char* phase);
   // Writes a JSON object (NUL-terminated, truncated to cap) and returns its full length.
