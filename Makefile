@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 NCCL_SPEC  ?= nvidia-nccl-cu13==2.30.7
 JOBS      ?= 2
 
-.PHONY: all venv native test test-slow demo bench clean wheel
+.PHONY: all venv sysdeps native test test-slow demo bench sanitize clean wheel
 
 all: native
 
@@ -20,7 +20,16 @@ $(VENV)/.stamp: pyproject.toml Makefile
 	    grpcio protobuf
 	touch $@
 
-native: venv
+# Debian packages beyond this machine kind's image: GoogleTest for the C++ unit tests.
+sysdeps:
+	@if [ ! -f /usr/include/gtest/gtest.h ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing libgtest-dev (GoogleTest) with apt-get"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev) >/dev/null; \
+	  else echo "GoogleTest is missing: sudo apt-get install libgtest-dev"; exit 1; fi; \
+	fi
+
+native: venv sysdeps
 	mkdir -p build
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython_EXECUTABLE=$(abspath $(VPY)) \
 	    -Dpybind11_DIR=$$($(VPY) -m pybind11 --cmakedir) > $(BUILD).configure.log 2>&1 \
@@ -28,6 +37,7 @@ native: venv
 	cmake --build $(BUILD) -j$(JOBS)
 
 test: native
+	ctest --test-dir $(BUILD) --output-on-failure -j$(JOBS)
 	$(VPY) -m pytest -q -ra
 
 test-slow: native
@@ -37,10 +47,21 @@ demo: native
 	$(VPY) -m jitckpt.demo
 
 bench: native
-	$(VPY) bench/run_all.py
+	$(VPY) bench/run_all.py $(BENCH_ARGS)
+
+# The C++ unit tests under AddressSanitizer (+UBSan) and ThreadSanitizer, each in its own build tree.
+sanitize: venv sysdeps
+	for san in address thread; do \
+	  cmake -S . -B build/sanitize-$$san -DCMAKE_BUILD_TYPE=Debug -DJITCKPT_SANITIZE=$$san \
+	      -DPython_EXECUTABLE=$(abspath $(VPY)) -Dpybind11_DIR=$$($(VPY) -m pybind11 --cmakedir) \
+	      > build/sanitize-$$san.configure.log 2>&1 || { cat build/sanitize-$$san.configure.log; exit 1; }; \
+	  cmake --build build/sanitize-$$san -j$(JOBS) --target interposer_unit_tests || exit 1; \
+	  ctest --test-dir build/sanitize-$$san --output-on-failure -j$(JOBS) || exit 1; \
+	done
 
 wheel: venv
 	$(VPY) -m pip wheel --no-deps -w dist .
 
 clean:
-	rm -rf build dist runs
+	rm -rf build dist runs jitckpt/_native*.so .pytest_cache
+	find . -path ./.venv -prune -o -name __pycache__ -type d -exec rm -rf {} +

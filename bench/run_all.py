@@ -1,0 +1,145 @@
+"""`make bench`: every benchmark in quick mode, then one table of ratios, each with its target.
+
+Each benchmark runs as its own process and writes its JSON into a scratch directory (the committed
+numbers in bench/results/ come from full runs and are not overwritten); the table reads those
+files. Quick mode has fewer repetitions: its ratios are noisier than the committed ones, and a
+"no" here on this shared 2-core machine is a prompt to run that benchmark in full, not a verdict.
+
+Usage: python bench/run_all.py [--only NAME ...] [--keep DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+BENCH = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """One row: a number read from a benchmark's JSON and the target it is held to."""
+
+    what: str
+    read: Callable[[dict], float]
+    fmt: str                      # e.g. "{:.2f}x" or "{:+.2%}"
+    target: str                   # as the README/issue states it
+    meets: Optional[Callable[[float], bool]] = None
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    argv: Callable[[Path], list]  # output file -> command line
+    ratios: tuple
+    stdout_json: bool = False     # the benchmark prints its JSON instead of writing a file
+    timeout: float = 900.0
+
+
+def _aor_overhead(d: dict) -> float:
+    return statistics.median(r["step_overhead_pct"] for r in d["ranks"]) / 100
+
+
+BENCHES = [
+    Bench("recovery", lambda out: [sys.executable, str(BENCH / "bench_recovery.py"), "--quick",
+                                   "--out", str(out)],
+          (Ratio("recovery: torchrun + save every 10 / jitckpt (time to the failed step redone)",
+                 lambda d: d["recovery"]["speedup"], "{:.2f}x", "> 1x", lambda v: v > 1),
+           Ratio("recovery: minibatches redone by jitckpt", lambda d: d["recovery"]["jitckpt"]["minibatches_redone"],
+                 "{:.0f}", "<= 1", lambda v: v <= 1),
+           Ratio("steady state: jitckpt hook cost / step", lambda d: d["overhead"]["hook_cost_fraction"],
+                 "{:.3%}", "< 1 %", lambda v: v < 0.01),
+           Ratio("JIT checkpoint write / raw write+fsync bandwidth", lambda d: d["write"]["fraction_of_raw"],
+                 "{:.0%}", "(none stated)"))),
+    Bench("pipeline_logging", lambda out: [sys.executable, str(BENCH / "bench_pipeline_logging.py"), "--quick",
+                                           "--out", str(out)],
+          (Ratio("SWIFT logging: throughput loss", lambda d: d["throughput"]["loss_fraction"], "{:+.2%}",
+                 "< 2 %", lambda v: v < 0.02),
+           Ratio("SWIFT logging: stage recovery / restart of all stages",
+                 lambda d: d["recovery"]["logging_over_restart"], "{:.2f}x", "< 0.5x", lambda v: v < 0.5))),
+    Bench("snapshot", lambda out: [sys.executable, str(BENCH / "bench_snapshot.py"), "--quick", "--out", str(out)],
+          (Ratio("snapshot every step: step overhead", lambda d: d["overhead_fraction"], "{:+.2%}", "< 1 %",
+                 lambda v: v < 0.01),
+           Ratio("restore from memory vs cold torch.load", lambda d: d["restore_speedup_vs_disk_cold"], "{:.2f}x",
+                 ">= 10x", lambda v: v >= 10),
+           Ratio("  ceiling: one memcpy vs cold torch.load (same run)",
+                 lambda d: d["restore_ceiling_one_copy"]["max_speedup_of_a_one_copy_restore"], "{:.2f}x",
+                 "(physical limit)"))),
+    Bench("aor", lambda out: [sys.executable, str(BENCH / "bench_aor.py"), "--steps", "25", "--out", str(out)],
+          (Ratio("AOR replica: step overhead (median of ranks)", _aor_overhead, "{:+.1%}", "(none stated)"),)),
+    Bench("interposer", lambda out: [sys.executable, str(BENCH / "bench_interposer.py"), "--backend", "real",
+                                     "--iters", "50000", "--rounds", "3", "--json"],
+          (Ratio("libjit.so pass-through: worst extra ns per call (real libcudart, no GPU)",
+                 lambda d: max(c["overhead"] for c in d["calls"].values()), "{:+.1f} ns", "< 20 ns", lambda v: v < 20),),
+          stdout_json=True),
+]
+
+
+def run(bench: Bench, scratch: Path, console: Console) -> tuple[Optional[dict], str]:
+    out = scratch / f"{bench.name}.json"
+    t0 = time.monotonic()
+    console.print(f"[bold]-- {bench.name}[/bold] (quick)")
+    try:
+        proc = subprocess.run(bench.argv(out), capture_output=True, text=True, timeout=bench.timeout,
+                              cwd=BENCH.parent)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {bench.timeout:.0f} s"
+    (scratch / f"{bench.name}.log").write_text(proc.stdout + proc.stderr)
+    console.print(f"   {time.monotonic() - t0:.0f} s, exit {proc.returncode}")
+    if proc.returncode != 0:
+        return None, f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"
+    try:
+        text = proc.stdout if bench.stdout_json else out.read_text()
+        return json.loads(text), ""
+    except (OSError, ValueError) as e:
+        return None, f"no result: {e}"
+
+
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", choices=[b.name for b in BENCHES], help="run only these")
+    ap.add_argument("--keep", default="", help="directory for the JSON and logs (default: a temp dir)")
+    args = ap.parse_args(argv)
+    console = Console()
+    benches = [b for b in BENCHES if not args.only or b.name in args.only]
+    scratch_ctx = tempfile.TemporaryDirectory(prefix="jitckpt-bench-") if not args.keep else None
+    scratch = Path(args.keep or scratch_ctx.name)
+    scratch.mkdir(parents=True, exist_ok=True)
+    table = Table(title="jitckpt benchmarks (quick mode, this machine, one run each)")
+    for col in ("benchmark", "ratio", "measured", "target", "met"):
+        table.add_column(col)
+    failed = 0
+    for bench in benches:
+        data, error = run(bench, scratch, console)
+        for r in bench.ratios:
+            if data is None:
+                table.add_row(bench.name, r.what, "-", r.target, f"[red]{error}[/red]")
+                continue
+            try:
+                value = float(r.read(data))
+            except (KeyError, TypeError, ValueError, IndexError) as e:
+                table.add_row(bench.name, r.what, "-", r.target, f"[red]missing {e}[/red]")
+                continue
+            met = "-" if r.meets is None else ("yes" if r.meets(value) else "[yellow]no[/yellow]")
+            table.add_row(bench.name, r.what, r.fmt.format(value), r.target, met)
+        failed += data is None
+    console.print(table)
+    if args.keep:
+        console.print(f"JSON and logs in {scratch}")
+    elif scratch_ctx is not None:
+        scratch_ctx.cleanup()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
