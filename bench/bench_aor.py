@@ -35,7 +35,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from jitckpt.snapshot_aor import OptimizerReplica, successor_peer
+    from jitckpt.snapshot.aor import OptimizerReplica, successor_peer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))

@@ -58,8 +58,8 @@ def in_process_cost(model: dict, iterations: int = 30) -> dict:
     """Logging CPU per iteration of a middle stage vs its compute (both timed in-process)."""
     import torch
 
-    from jitckpt.swift.logging_records import ACTIVATION, GRADIENT, MessageKey
-    from jitckpt.swift.logging_sender import SendLogger
+    from jitckpt.swift.pipeline.logging_records import ACTIVATION, GRADIENT, MessageKey
+    from jitckpt.swift.pipeline.logging_sender import SendLogger
 
     torch.set_num_threads(1)
     h, layers, mbs, m = (model["hidden"], model["layers_per_stage"],

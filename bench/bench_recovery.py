@@ -91,14 +91,15 @@ def bench_hook_cost(step_time: float, iters: int = 20000) -> dict:
     import torch
 
     import jitckpt
-    from jitckpt.worker_runtime import WorkerRuntime
-    from jitckpt.watchdog import HangTimeout
+    from jitckpt.runtime.current import install_runtime
+    from jitckpt.runtime.worker_runtime import WorkerRuntime
+    from jitckpt.runtime.watchdog import HangTimeout
 
     with tempfile.TemporaryDirectory() as d:
         rt = WorkerRuntime(rank=0, world_size=2, gen=0, checkpoint_dir=d,
                            hang_timeout=HangTimeout(fixed=60), channel=None)
         rt.start()
-        jitckpt._install_runtime(rt)
+        install_runtime(rt)
         model = torch.nn.Linear(4, 4)
         opt = torch.optim.Adam(model.parameters())
         state = jitckpt.protect(model, opt)
@@ -173,7 +174,7 @@ def bench_write(work: Path) -> dict:
 
     import jitckpt
     from jitckpt.checkpoint_store import write_checkpoint
-    from jitckpt.protected_state import Protected
+    from jitckpt.runtime.protected_state import Protected
 
     sys.argv = [str(TRAIN), *MODEL]
     torch.manual_seed(0)

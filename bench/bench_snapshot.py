@@ -54,8 +54,8 @@ import torch.nn as nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jitckpt.snapshot_client import SnapshotTaker  # noqa: E402
-from jitckpt.snapshot_restore import restore  # noqa: E402
+from jitckpt.snapshot.client import SnapshotTaker  # noqa: E402
+from jitckpt.snapshot.restore import restore  # noqa: E402
 
 
 def build(hidden: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -72,7 +72,7 @@ def state_of(step: int, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 
 def start_keeper(sock: str) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot_keeper", "--socket", sock,
+    p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot.keeper", "--socket", sock,
                           "--max-lifetime", "600"], stdout=subprocess.PIPE, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     line = p.stdout.readline()

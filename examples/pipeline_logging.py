@@ -42,18 +42,18 @@ import torch  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  (use_deterministic_algorithms imports it: ~4 s per process)
 import torch.distributed as dist  # noqa: E402
 
-from jitckpt.swift.logging_determinism import (apply_determinism, check_determinism,  # noqa: E402
+from jitckpt.swift.pipeline.logging_determinism import (apply_determinism, check_determinism,  # noqa: E402
                                                read_manifest, write_manifest)
-from jitckpt.swift.logging_replay import LogIndex  # noqa: E402
-from jitckpt.swift.logging_sender import SendLogger  # noqa: E402
-from jitckpt.swift.pipeline_channel import PeerFailure, PipelineChannel, WorkWaiter  # noqa: E402
-from jitckpt.swift.pipeline_failure import FailureFlag, announce_key, failure_key  # noqa: E402
-from jitckpt.swift.pipeline_recovery import (catch_up_peers, checkpoint_path,  # noqa: E402
+from jitckpt.swift.pipeline.logging_replay import LogIndex  # noqa: E402
+from jitckpt.swift.pipeline.logging_sender import SendLogger  # noqa: E402
+from jitckpt.swift.pipeline.channel import PeerFailure, PipelineChannel, WorkWaiter  # noqa: E402
+from jitckpt.swift.pipeline.failure_flag import FailureFlag, announce_key, failure_key  # noqa: E402
+from jitckpt.swift.pipeline.recovery import (catch_up_peers, checkpoint_path,  # noqa: E402
                                              latest_global_checkpoint, recovery_targets,
                                              save_stage_checkpoint)
-from jitckpt.swift.pipeline_stage import PipelineStage  # noqa: E402
-from jitckpt.swift.pipeline_store import StoreServer  # noqa: E402
-from jitckpt.swift.stage_membership import StageMembership  # noqa: E402
+from jitckpt.swift.pipeline.stage import PipelineStage  # noqa: E402
+from jitckpt.swift.pipeline.store import StoreServer  # noqa: E402
+from jitckpt.swift.pipeline.stage_membership import StageMembership  # noqa: E402
 
 FAILED = "failure_time"
 

@@ -210,7 +210,7 @@ def main():
         t0 = time.perf_counter()
         x, y = batch_for(step, rank, args)
         if step in (mine.get("node"), mine.get("keeper")):
-            from jitckpt.snapshot_keeper_client import KeeperClient
+            from jitckpt.snapshot.keeper_client import KeeperClient
 
             keeper = KeeperClient()
             keeper_pid = keeper.ping()["pid"]

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from jitckpt.snapshot_client import SnapshotTaker
-from jitckpt.snapshot_restore import restore
+from jitckpt.snapshot.client import SnapshotTaker
+from jitckpt.snapshot.restore import restore
 
 
 def parse():

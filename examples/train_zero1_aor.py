@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from jitckpt.snapshot_aor import OptimizerReplica, successor_peer
-from jitckpt.snapshot_aor_store import AorSnapshotter, restore_with_aor
-from jitckpt.snapshot_client import SnapshotTaker
+from jitckpt.snapshot.aor import OptimizerReplica, successor_peer
+from jitckpt.snapshot.aor_store import AorSnapshotter, restore_with_aor
+from jitckpt.snapshot.client import SnapshotTaker
 from train_snapshot import backward_averaged, make_model  # same directory: on sys.path
 
 

@@ -19,51 +19,24 @@ code 75, for the scheduler to restart it.
 from __future__ import annotations
 
 import os
-import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .exit_codes import EXIT_JIT_SAVED, EXIT_NO_SAVE
+from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED, EXIT_NO_SAVE
+from jitckpt.runtime.current import get_runtime as _get_runtime
 
 if TYPE_CHECKING:  # torch is imported only by workers, not by the launcher
-    from .protected_state import Protected
-    from .worker_runtime import WorkerRuntime
+    from jitckpt.runtime.protected_state import Protected
+    from jitckpt.runtime.worker_runtime import WorkerRuntime
 
 __version__ = "0.1.0"
 __all__ = ["init", "get_checkpoint_path", "protect", "mark_step", "blocking_region", "Protected", "EXIT_JIT_SAVED",
            "EXIT_NO_SAVE"]
 
-_runtime: Optional["WorkerRuntime"] = None
-_runtime_lock = threading.Lock()
-
-
 def __getattr__(name: str) -> Any:
     if name == "Protected":
-        from .protected_state import Protected
+        from jitckpt.runtime.protected_state import Protected
         return Protected
     raise AttributeError(f"module 'jitckpt' has no attribute {name!r}")
-
-
-def _runtime_or_none() -> Optional["WorkerRuntime"]:
-    return _runtime
-
-
-def _get_runtime() -> "WorkerRuntime":
-    global _runtime
-    with _runtime_lock:
-        if _runtime is None:
-            from .worker_runtime import WorkerRuntime
-
-            rt = WorkerRuntime.from_env()
-            rt.start()
-            _runtime = rt
-        return _runtime
-
-
-def _install_runtime(rt: "WorkerRuntime") -> None:
-    """Used by the warm standby process, which starts the runtime before the user's script."""
-    global _runtime
-    with _runtime_lock:
-        _runtime = rt
 
 
 def init(save_fn: Callable[[str], None], *, step_fn: Optional[Callable[[], int]] = None,
@@ -154,7 +127,7 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     update-undo before the JIT save, so the survivors still save the start of that minibatch;
     an optimizer without an exact inverse is refused here (:class:`jitckpt.swift.UpdateUndo`).
     """
-    from .protected_state import Protected, is_zero
+    from jitckpt.runtime.protected_state import Protected, is_zero
 
     rt = _get_runtime()
     if rt.snapshots is not None and num_shards != 1:
@@ -173,9 +146,8 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     else:
         init(state.save, step_fn=lambda: state.step, shard_id=shard_id, num_shards=num_shards)
     rt.consistency_check = state.consistent_now
-    if "undo" in rt.plugins:
-        state.enable_undo()
-        rt.roll_back = state.roll_back
+    for plugin in rt.plugins:
+        plugin.on_protect(state, rt)
     return state
 
 

@@ -7,8 +7,8 @@ from typing import Optional
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .launch_config import LaunchConfig
-    from .launcher import run
+    from jitckpt.launcher.config import LaunchConfig
+    from jitckpt.launcher.supervisor import run
 
     try:
         cfg = LaunchConfig.from_args(args)
@@ -19,7 +19,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .launch_config import add_run_arguments
+    from jitckpt.launcher.config import add_run_arguments
 
     parser = argparse.ArgumentParser(prog="jitckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -27,12 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
                            allow_abbrev=False)
     add_run_arguments(p_run)
     p_run.set_defaults(func=_cmd_run)
-    for mod in ("analyze_cli", "report"):
-        try:
-            module = __import__(f"jitckpt.{mod}", fromlist=["register"])
-        except ImportError:
-            continue
-        module.register(sub)
+    from jitckpt.observability import analyze_cli, report
+
+    analyze_cli.register(sub)
+    report.register(sub)
     return parser
 
 

@@ -6,7 +6,7 @@ import os
 import signal
 from typing import Callable
 
-from jitckpt.swift.pipeline_store import StoreServer
+from jitckpt.swift.pipeline.store import StoreServer
 
 
 def run_two_ranks(target: Callable[..., None], *extra: object, timeout: float = 60.0) -> list:

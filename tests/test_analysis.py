@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jitckpt import analysis as a
+from jitckpt.observability import analysis as a
 
 DAY = 86400.0
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from jitckpt import analyze_cli
-from jitckpt.analysis import SECONDS_PER_DAY
+from jitckpt.observability import analyze_cli
+from jitckpt.observability.analysis import SECONDS_PER_DAY
 from tests.test_report import write_two_failure_job
 
 

@@ -132,7 +132,7 @@ def _restore_as(ckpt: Path, rank: int) -> dict:
 def test_a_shard_that_cannot_load_its_copy_stops_rather_than_resume_elsewhere(tmp_path):
     """Shard 1's copy of step 4 is garbage. Shard 0 loads step 4; shard 1 must not resume at
     step 2 beside it: it stops (the job restarts), and after that every shard chooses step 2."""
-    from jitckpt.protected_state import Protected
+    from jitckpt.runtime.protected_state import Protected
 
     ckpt = tmp_path / "ckpt"
     model = torch.nn.Linear(4, 4)

@@ -1,27 +1,32 @@
-"""Control channel framing: several messages arriving in one socket read are all delivered."""
+"""The control channel: typed messages (issue 14), framing of several messages per socket read,
+and lines that are no message of the protocol refused by name."""
 from __future__ import annotations
 
 import json
 import selectors
+import socket
 
-from jitckpt.control_channel import ControlChannel, channel_pair
+import pytest
+
+from jitckpt.protocol.control_channel import ControlChannel, channel_pair
+from jitckpt.protocol.control_messages import (TO_LAUNCHER, TO_WORKER, ExitReady, ProtocolError, Saved,
+                                               SaveNow, Status, Verdict, decode)
 
 
 def test_messages_read_together_stay_available_after_select_goes_quiet() -> None:
     launcher, child = channel_pair()
-    worker = ControlChannel(child)
+    worker = ControlChannel(child, incoming=TO_WORKER)
     try:
         # Two lines in one write, as a worker's last status and exit_ready often arrive.
-        child.sendall((json.dumps({"type": "status", "step": 11}) + "\n"
-                       + json.dumps({"type": "exit_ready", "rank": 0}) + "\n").encode())
+        child.sendall(Status(rank=0, step=11).encode() + ExitReady(rank=0, step=12).encode())
         sel = selectors.DefaultSelector()
         sel.register(launcher.fileno(), selectors.EVENT_READ)
         assert sel.select(1.0)
-        assert launcher.recv(timeout=1.0) == {"type": "status", "step": 11}
+        assert launcher.recv(timeout=1.0) == Status(rank=0, step=11)
         # The socket is drained: select reports nothing, yet the second message is buffered.
         assert sel.select(0) == []
         assert launcher.buffered()
-        assert launcher.recv(timeout=0) == {"type": "exit_ready", "rank": 0}
+        assert launcher.recv(timeout=0) == ExitReady(rank=0, step=12)
         assert not launcher.buffered()
         sel.close()
     finally:
@@ -32,11 +37,43 @@ def test_messages_read_together_stay_available_after_select_goes_quiet() -> None
 def test_partial_line_is_not_reported_as_buffered() -> None:
     launcher, child = channel_pair()
     try:
-        child.sendall(b'{"type": "hello"}\n{"type": "sta')
-        assert launcher.recv(timeout=1.0) == {"type": "hello"}
+        child.sendall(b'{"type": "hello", "rank": 1, "pid": 7, "gen": 0}\n{"type": "sta')
+        assert launcher.recv(timeout=1.0).pid == 7
         assert not launcher.buffered()
-        child.sendall(b'tus"}\n')
-        assert launcher.recv(timeout=1.0) == {"type": "status"}
+        child.sendall(b'tus", "rank": 1, "step": 3}\n')
+        assert launcher.recv(timeout=1.0) == Status(rank=1, step=3)
     finally:
         launcher.close()
         child.close()
+
+
+def test_each_end_decodes_its_own_direction() -> None:
+    """'failure' is a report to the launcher and an order to save to a worker: one type name, two
+    classes, chosen by the end that reads it."""
+    a, b = socket.socketpair()
+    worker = ControlChannel(b, incoming=TO_WORKER)
+    try:
+        a.sendall(SaveNow(kind="signal", rank=2, detail="killed").encode() + Verdict(ok=True).encode())
+        assert worker.recv(timeout=1.0) == SaveNow(kind="signal", rank=2, detail="killed")
+        assert worker.recv(timeout=1.0) == Verdict(ok=True)
+    finally:
+        a.close()
+        worker.close()
+
+
+@pytest.mark.parametrize("line,message", [
+    (b"not json", "not a JSON object with a type"),
+    (b'{"step": 1}', "not a JSON object with a type"),
+    (b'{"type": "stauts", "rank": 0}', "unknown control message type 'stauts'"),
+    (b'{"type": "status", "rank": 0, "step": 1, "stpe_time": 2}', r"unknown field\(s\) \['stpe_time'\]"),
+    (b'{"type": "saved", "rank": 0}', "'saved'.*missing"),
+])
+def test_lines_outside_the_protocol_are_named(line, message) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        decode(line, TO_LAUNCHER)
+
+
+def test_a_message_round_trips_with_its_defaults() -> None:
+    msg = Saved(rank=1, path="/c", step=5, bytes=10, seconds=0.5)
+    assert json.loads(msg.encode())["type"] == "saved"
+    assert decode(msg.encode(), TO_LAUNCHER) == msg

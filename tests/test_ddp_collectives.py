@@ -149,7 +149,7 @@ class _Model:  # stands for a DDP model (weakly referenced by the tracker)
 
 def test_layout_is_written_into_every_checkpoint_before_its_checksums(tmp_path):
     """The runtime wraps any save function so the layout file is in the checkpoint's metadata."""
-    from jitckpt import ddp_layout
+    from jitckpt.runtime import ddp_layout
     from jitckpt.checkpoint_store import verify_checkpoint, write_checkpoint
 
     tracker = ddp_layout.LayoutTracker()
@@ -167,9 +167,9 @@ def test_layout_is_written_into_every_checkpoint_before_its_checksums(tmp_path):
 
 
 def test_status_line_never_ok_for_a_rank_without_progress(monkeypatch):
-    from jitckpt import status_display
-    from jitckpt.status_display import StatusDisplay
-    from jitckpt.watchdog import HangTimeout
+    from jitckpt.observability import status_display
+    from jitckpt.observability.status_display import StatusDisplay
+    from jitckpt.runtime.watchdog import HangTimeout
 
     clock = [1000.0]
     monkeypatch.setattr(status_display.time, "monotonic", lambda: clock[0])

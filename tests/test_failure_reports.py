@@ -9,8 +9,8 @@ import types
 
 from jobs import run_job
 
-from jitckpt.launcher import FailureRecord, Launcher
-from jitckpt.report import load_run
+from jitckpt.launcher.supervisor import FailureRecord, Launcher
+from jitckpt.observability.report import load_run
 
 HANG = ["--hang-timeout", "auto:floor=3,mult=10,startup=60,warmup=3"]
 

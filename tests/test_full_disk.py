@@ -11,7 +11,7 @@ import torch
 
 from full_disk import PAGE, fill, small_fs
 from jitckpt.checkpoint_store import CheckpointError, find_latest, list_candidates, write_checkpoint
-from jitckpt.events import EventLog, read_events
+from jitckpt.observability.events import EventLog, read_events
 
 
 def tensor_saver(numel: int):

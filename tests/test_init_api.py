@@ -7,7 +7,7 @@ from pathlib import Path
 
 from jobs import run_job
 
-from jitckpt.report import load_run
+from jitckpt.observability.report import load_run
 
 INIT_SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_init.py"
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from jitckpt.cli import build_parser
-from jitckpt.launch_config import LaunchConfig
-from jitckpt.watchdog import DurationHistory, HangTimeout
+from jitckpt.launcher.config import LaunchConfig
+from jitckpt.runtime.watchdog import DurationHistory, HangTimeout
 
 
 def parse(*argv):

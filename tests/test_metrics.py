@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jitckpt.metrics import JobMetrics, is_loopback
+from jitckpt.observability.metrics import JobMetrics, is_loopback
 
 TOKEN = "s3cret-token-0123456789"
 

@@ -304,7 +304,7 @@ def test_sigterm_to_torchrun_saves_and_resumes_bitwise(reference, tmp_path):
 
 CATCH = """
 import os, signal, sys, threading
-from jitckpt import preemption_signals
+from jitckpt.runtime import preemption_signals
 got = threading.Event()
 def on_signal(sig):
     print(sig.name, threading.current_thread() is threading.main_thread(), flush=True)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from jitckpt.protected_state import Protected
+from jitckpt.runtime.protected_state import Protected
 from jobs import ROOT
 
 
@@ -26,7 +26,7 @@ def test_wrong_types_are_refused():
 ZERO = r'''
 import tempfile, torch, torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from jitckpt.protected_state import Protected
+from jitckpt.runtime.protected_state import Protected
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 model = torch.nn.Linear(2, 2)
 zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.1)

@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from jitckpt import events
-from jitckpt.events import EventLog
-from jitckpt.report import load_run, register, summarize
+from jitckpt.observability import events
+from jitckpt.observability.events import EventLog
+from jitckpt.observability.report import load_run, register, summarize
 
 T0 = 1_000.0
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jitckpt.swift.selective_logging import plan_groups
+from jitckpt.swift.pipeline.selective_logging import plan_groups
 
 
 def test_fits_budget_without_merging():
@@ -124,7 +124,7 @@ def test_properties(rb, interval, budget):
 
 
 def test_logged_peers_follow_the_group_boundaries():
-    from jitckpt.swift.selective_logging import logged_peers
+    from jitckpt.swift.pipeline.selective_logging import logged_peers
     plan = plan_groups(compute_times=[4, 1, 1, 4], boundary_bytes=[10, 10, 10], bandwidth=10,
                        checkpoint_interval=2, storage_budget=40)  # [[0], [1, 2], [3]]
     assert [logged_peers(plan, m) for m in range(4)] == [{1}, {0}, {3}, {2}]

@@ -55,7 +55,7 @@ def _train_and_compare(name: str, rank: int, world: int) -> dict:
     some steps; then the replica against the peer's real partition state, tensor by tensor."""
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from jitckpt.snapshot_aor import OptimizerReplica, successor_peer
+    from jitckpt.snapshot.aor import OptimizerReplica, successor_peer
 
     cls, kw = REPLICA_CONFIGS[name]
     model = _model()
@@ -120,7 +120,7 @@ def _refusal(fn) -> str:
 
 def scenario_refusals(rank: int, world: int) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from jitckpt.snapshot_aor import OptimizerReplica
+    from jitckpt.snapshot.aor import OptimizerReplica
 
     class MyAdam(torch.optim.Adam):
         pass

@@ -187,7 +187,7 @@ def test_keeper_death_is_a_failure_recovered_by_jit(one_node_reference, tmp_path
 
 def _cfg(tmp_path, *argv):
     from jitckpt.cli import build_parser
-    from jitckpt.launch_config import LaunchConfig
+    from jitckpt.launcher.config import LaunchConfig
 
     script = tmp_path / "t.py"
     script.write_text("")
@@ -210,8 +210,8 @@ def test_snapshot_flags_defaults_and_errors(tmp_path):
 
 
 def test_keeper_supervisor_replaces_a_dead_keeper_and_stops_it(tmp_path):
-    from jitckpt.keeper_supervisor import KeeperSupervisor
-    from jitckpt.snapshot_keeper_client import KeeperClient
+    from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
+    from jitckpt.snapshot.keeper_client import KeeperClient
 
     deep = tmp_path / ("d" * 60) / ("e" * 60)   # too long for a Unix socket path: falls back
     deep.mkdir(parents=True)
@@ -239,7 +239,7 @@ def test_keeper_supervisor_replaces_a_dead_keeper_and_stops_it(tmp_path):
 
 
 def test_keeper_socket_lives_in_the_run_dir_named_per_node(tmp_path):
-    from jitckpt.keeper_supervisor import KeeperSupervisor
+    from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
 
     short = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))
     try:

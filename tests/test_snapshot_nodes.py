@@ -65,7 +65,7 @@ class SimCluster:
         return str(self.dir / f"k{node}.sock")
 
     def start_keeper(self, node: int) -> None:
-        p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot_keeper", "--socket", self.sock(node),
+        p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot.keeper", "--socket", self.sock(node),
                               "--node", str(node), "--max-lifetime", str(self.keeper_lifetime_s)],
                              stdout=subprocess.PIPE,
                              text=True, env=self.env, cwd=ROOT)

@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jitckpt.checkpoint_store import find_latest, write_checkpoint
-from jitckpt.snapshot_checksum import DEFAULT_ALGORITHM, checksum_of, copy_verified
-from jitckpt.snapshot_client import META_KEY, STATE_FILE, SnapshotTaker, meta_blob
-from jitckpt.snapshot_keeper_client import KeeperClient, KeeperError
-from jitckpt.snapshot_layout import FlatState, rebuild
-from jitckpt.snapshot_protection import ProtectionPlan
-from jitckpt.snapshot_restore import find_latest_in_memory, reject_snapshot, restore
+from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, checksum_of, copy_verified
+from jitckpt.snapshot.client import META_KEY, STATE_FILE, SnapshotTaker, meta_blob
+from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
+from jitckpt.snapshot.layout import FlatState, rebuild
+from jitckpt.snapshot.protection import ProtectionPlan
+from jitckpt.snapshot.restore import find_latest_in_memory, reject_snapshot, restore
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -201,7 +201,7 @@ def test_plan_validates_configuration() -> None:
 @pytest.fixture
 def keeper(tmp_path):
     sock = str(tmp_path / "k.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot_keeper", "--socket", sock,
+    proc = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot.keeper", "--socket", sock,
                              "--max-lifetime", "120"], stdout=subprocess.PIPE, text=True,
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -219,7 +219,7 @@ def test_keeper_exits_when_its_launcher_is_killed(tmp_path) -> None:
     launcher = subprocess.Popen(
         [sys.executable, "-c",
          "import subprocess, sys, time\n"
-         f"k = subprocess.Popen([sys.executable, '-m', 'jitckpt.snapshot_keeper', '--socket', {sock!r}],"
+         f"k = subprocess.Popen([sys.executable, '-m', 'jitckpt.snapshot.keeper', '--socket', {sock!r}],"
          " stdout=subprocess.PIPE, text=True)\n"
          "print(k.stdout.readline().split()[1], flush=True)\n"
          "time.sleep(120)\n"],
@@ -418,7 +418,7 @@ def test_find_latest_in_memory_decodes_a_lost_keeper_without_a_process_group(tmp
     try:
         for n in range(3):
             socks[n] = str(tmp_path / f"k{n}.sock")
-            p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot_keeper", "--socket", socks[n],
+            p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot.keeper", "--socket", socks[n],
                                   "--max-lifetime", "120"], stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
             procs.append(p)

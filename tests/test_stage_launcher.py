@@ -221,8 +221,8 @@ def test_no_restarts_left_ends_the_job_with_an_error(tmp_path):
 def test_membership_from_environment(monkeypatch):
     import torch.distributed as dist
 
-    from jitckpt.swift.pipeline_failure import announce_key
-    from jitckpt.swift.stage_membership import StageMembership
+    from jitckpt.swift.pipeline.failure_flag import announce_key
+    from jitckpt.swift.pipeline.stage_membership import StageMembership
 
     monkeypatch.delenv("JITCKPT_RECOVERY", raising=False)
     assert StageMembership.from_env() is None  # not under --recovery stage

@@ -57,8 +57,8 @@ SCENARIO = r'''
 import json, socket, sys
 import psutil
 from jitckpt.cli import build_parser
-from jitckpt.launch_config import LaunchConfig
-from jitckpt.node_coordinator import NodeCoordinator
+from jitckpt.launcher.config import LaunchConfig
+from jitckpt.launcher.node_coordinator import NodeCoordinator
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]

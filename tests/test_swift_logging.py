@@ -11,16 +11,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from jitckpt.swift.logging_determinism import (DeterminismMismatchError, apply_determinism,
+from jitckpt.swift.pipeline.logging_determinism import (DeterminismMismatchError, apply_determinism,
                                                check_determinism, current_determinism,
                                                read_manifest, write_manifest)
-from jitckpt.swift.logging_records import (ACTIVATION, GRADIENT, MessageKey, digest_matches,
+from jitckpt.swift.pipeline.logging_records import (ACTIVATION, GRADIENT, MessageKey, digest_matches,
                                            iter_chunks, tensor_digest)
-from jitckpt.swift.logging_replay import LogIndex, MissingLogError, ReplayDivergenceError
-from jitckpt.swift.logging_sender import SendLogger
-from jitckpt.swift.pipeline_recovery import (catch_up_peers, partition_micro_batches,
+from jitckpt.swift.pipeline.logging_replay import LogIndex, MissingLogError, ReplayDivergenceError
+from jitckpt.swift.pipeline.logging_sender import SendLogger
+from jitckpt.swift.pipeline.recovery import (catch_up_peers, partition_micro_batches,
                                              recovery_targets)
-from jitckpt.swift.pipeline_schedule import pipeline_schedule
+from jitckpt.swift.pipeline.schedule import pipeline_schedule
 
 from forked_ranks import run_two_ranks
 
@@ -136,7 +136,7 @@ def test_chunks_and_garbage_collection(tmp_path):
 
 
 def test_chunk_roundtrip_keeps_dtype_shape_and_bits(tmp_path):
-    from jitckpt.swift.logging_records import LogRecord, read_chunk, write_chunk
+    from jitckpt.swift.pipeline.logging_records import LogRecord, read_chunk, write_chunk
     ts = [torch.randn(2, 3, dtype=torch.bfloat16), torch.tensor(3.5, dtype=torch.float64),
           None, torch.empty(0, 4), torch.arange(6, dtype=torch.int64).reshape(3, 2)]
     recs = [LogRecord(key=_key(1, i), seq=i, generation=0, kind="send" if t is not None

@@ -45,11 +45,11 @@ ex = _example()
 
 def _worker(rank: int, port: int, run_dir: str) -> None:
     try:
-        from jitckpt.swift.logging_determinism import apply_determinism
-        from jitckpt.swift.logging_replay import LogIndex
-        from jitckpt.swift.pipeline_channel import PipelineChannel
-        from jitckpt.swift.pipeline_parallel_recovery import parallel_replay_iteration
-        from jitckpt.swift.pipeline_recovery import checkpoint_path
+        from jitckpt.swift.pipeline.logging_determinism import apply_determinism
+        from jitckpt.swift.pipeline.logging_replay import LogIndex
+        from jitckpt.swift.pipeline.channel import PipelineChannel
+        from jitckpt.swift.pipeline.parallel_recovery import parallel_replay_iteration
+        from jitckpt.swift.pipeline.recovery import checkpoint_path
 
         apply_determinism(num_threads=1)
         cfg = ex.PipelineRun(run_dir=run_dir, iterations=ITERS, checkpoint_every=CKPT)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jitckpt.swift.logging_records import MessageKey
+from jitckpt.swift.pipeline.logging_records import MessageKey
 
 ROOT = Path(__file__).resolve().parent.parent
 ITERS, CKPT, FAIL_IT = 8, 4, 6
@@ -63,7 +63,7 @@ def _assert_bitwise(got, want):
 
 
 def _ops(stage: int) -> list:
-    from jitckpt.swift.pipeline_schedule import pipeline_schedule
+    from jitckpt.swift.pipeline.schedule import pipeline_schedule
     return pipeline_schedule(stage=stage, num_stages=4, num_micro_batches=4)
 
 
@@ -127,7 +127,7 @@ def test_selective_logging_group_recovers_together(tmp_path, reference):
         assert st[s]["loaded_checkpoint"] is None and not st[s].get("rolled_back")
         assert st[s]["completed_log"] == list(range(1, ITERS + 1))
     # nothing crosses the unlogged boundary in the logs
-    from jitckpt.swift.logging_replay import LogIndex
+    from jitckpt.swift.pipeline.logging_replay import LogIndex
     index = LogIndex([tmp_path / "group" / "logs" / f"stage{s}" for s in range(4)])
     assert not any(index.has_input(MessageKey(iteration=it, micro_batch=mb, payload=p,
                                               src=a, dst=b))

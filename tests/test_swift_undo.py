@@ -1,6 +1,6 @@
 """Update-undo (jitckpt.swift.UpdateUndo): accuracy bounds, marks, refusals, schedulers.
 
-The bounds checked here are the ones stated in jitckpt/swift/undo.py's docstring.
+The bounds checked here are the ones stated in jitckpt/swift/undo/update_undo.py's docstring.
 """
 from __future__ import annotations
 

@@ -192,7 +192,7 @@ class _Procs:
     so a worker starts in milliseconds); killed by PID on exit."""
 
     def __init__(self, tmp: Path, kind: str) -> None:
-        from jitckpt.swift.pipeline_store import StoreServer
+        from jitckpt.swift.pipeline.store import StoreServer
 
         self.tmp, self.kind = tmp, kind
         # The store's server thread lives in its own process: forking next to it can hang a child.

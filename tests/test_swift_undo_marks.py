@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from jitckpt.swift import Lamb, NotInvertibleError, UndoError, UpdateUndo
-import jitckpt.swift.lamb as lamb_mod
+import jitckpt.swift.undo.lamb_optimizer as lamb_mod
 
 
 class Injected(RuntimeError):

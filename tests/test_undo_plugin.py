@@ -7,7 +7,7 @@ SWIFT does: each parameter is updated as soon as its own all-reduce completes. T
 2 parameters when its wait for the third fails inside ``optimizer.step()``. Real processes, gloo.
 
 Bound: bitwise equality is not expected after an undo. The undo itself is within the stated
-UpdateUndo bound (a few float32 ulp, jitckpt/swift/undo.py; checked in tests/test_swift_undo.py
+UpdateUndo bound (a few float32 ulp, jitckpt/swift/undo/update_undo.py; checked in tests/test_swift_undo.py
 and, against the failure-free run, in tests/test_swift_undo_dp.py); here every loss from the
 failed step on is within LOSS_REL_BOUND = 1e-5 relative of the failure-free run's, and every final
 parameter within PARAM_REL_BOUND * (1 + |p|), PARAM_REL_BOUND = 1e-5: the same empirical margin as

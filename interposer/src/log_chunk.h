@@ -1,4 +1,4 @@
-// SWIFT log chunk files, as jitckpt/swift/logging_records.py defines them:
+// SWIFT log chunk files, as jitckpt/swift/pipeline/logging_records.py defines them:
 // chunk-g<gen>-<number>-it<lo>-<hi>.log = 8-byte little-endian header length, a JSON header
 // {"records": [[iteration, micro_batch, payload, src, dst, seq, generation, kind, digest], ...],
 //  "tensors": [{"dtype", "shape", "offset", "nbytes"} | null, ...]}, then the tensor bytes.

@@ -3,7 +3,7 @@
 // the send in stream order, so the copy holds exactly the bytes sent whatever the application
 // writes into the buffer later, and the calling thread never waits for it. A writer thread waits
 // for each copy's event and writes the records in chunk files of the format the Python side
-// reads (jitckpt/swift/logging_records.py: kind "send", (iteration, micro-batch, payload, src,
+// reads (jitckpt/swift/pipeline/logging_records.py: kind "send", (iteration, micro-batch, payload, src,
 // dst, seq, generation)), so a replacement stage replays NCCL-logged inputs with the same tools.
 //
 // Off unless $JITCKPT_SEND_LOG_DIR is set. What a send carries comes from LogContext.

@@ -12,19 +12,19 @@ workers, and ``plan_groups`` is the selective-logging grouping of SWIFT §5.3.
 ``StageMembership`` is a worker's rank, generation, role and job store under
 ``jitckpt run --plugin logging`` (= ``--recovery stage``: the launcher replaces a dead stage alone).
 """
-from .errors import NotInvertibleError, UndoError
-from .lamb import Lamb
-from .logging_determinism import DeterminismMismatchError, apply_determinism, check_determinism
-from .logging_records import MessageKey
-from .logging_replay import LogIndex, MissingLogError, ReplayDivergenceError
-from .logging_sender import SendLogger
-from .pipeline_channel import PeerFailure, PipelineChannel
-from .pipeline_parallel_recovery import parallel_replay_iteration
-from .pipeline_recovery import partition_micro_batches
-from .pipeline_stage import PipelineStage
-from .selective_logging import GroupPlan, logged_peers, plan_groups
-from .stage_membership import StageMembership
-from .undo import UpdateUndo
+from jitckpt.swift.undo.errors import NotInvertibleError, UndoError
+from jitckpt.swift.undo.lamb_optimizer import Lamb
+from jitckpt.swift.pipeline.logging_determinism import DeterminismMismatchError, apply_determinism, check_determinism
+from jitckpt.swift.pipeline.logging_records import MessageKey
+from jitckpt.swift.pipeline.logging_replay import LogIndex, MissingLogError, ReplayDivergenceError
+from jitckpt.swift.pipeline.logging_sender import SendLogger
+from jitckpt.swift.pipeline.channel import PeerFailure, PipelineChannel
+from jitckpt.swift.pipeline.parallel_recovery import parallel_replay_iteration
+from jitckpt.swift.pipeline.recovery import partition_micro_batches
+from jitckpt.swift.pipeline.stage import PipelineStage
+from jitckpt.swift.pipeline.selective_logging import GroupPlan, logged_peers, plan_groups
+from jitckpt.swift.pipeline.stage_membership import StageMembership
+from jitckpt.swift.undo.update_undo import UpdateUndo
 
 __all__ = ["UpdateUndo", "Lamb", "NotInvertibleError", "UndoError",
            "SendLogger", "LogIndex", "MessageKey", "ReplayDivergenceError", "MissingLogError",

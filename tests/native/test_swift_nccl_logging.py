@@ -6,7 +6,7 @@ NVIDIA's libnccl.so.2) exchange activations and gradients with ncclSend/ncclRecv
 LD_PRELOAD=libjit.so with $JITCKPT_SEND_LOG_DIR set per stage. Each stage overwrites its send
 buffer right after ncclSend, so a log that copied the buffer at any other point in stream order
 would hold the wrong bytes. The logs are read back with the Python reader of the SWIFT log format
-(jitckpt.swift.logging_records / LogIndex), the same one a replacement stage replays from, and
+(jitckpt.swift.pipeline.logging_records / LogIndex), the same one a replacement stage replays from, and
 by libjit.so's own receive replay: a replacement stage's ncclRecv served from the logs while a
 survivor goes on without rolling back.
 """
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dp_build import LIBJIT
-from jitckpt.swift.logging_records import ACTIVATION, GRADIENT, MessageKey, iter_chunks, read_chunk
-from jitckpt.swift.logging_replay import LogIndex
+from jitckpt.swift.pipeline.logging_records import ACTIVATION, GRADIENT, MessageKey, iter_chunks, read_chunk
+from jitckpt.swift.pipeline.logging_replay import LogIndex
 from simcuda_progs.simcuda_harness import REPO, Program, RankGroup, build_program
 
 pytestmark = pytest.mark.native

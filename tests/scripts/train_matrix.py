@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import jitckpt
+from jitckpt.runtime.current import runtime_or_none
 
 IN, HIDDEN, OUT, BATCH = 32, 64, 8, 16
 
@@ -109,7 +110,7 @@ def arm_exit_fault(mode: str) -> None:
 
     # atexit runs last-registered first: ``die`` must be registered before the runtime's barrier,
     # which the warm standby registered before this script started.
-    rt = jitckpt._runtime_or_none()
+    rt = runtime_or_none()
     barrier = getattr(rt, "_exit_barrier", None)
     if barrier is not None:
         atexit.unregister(barrier)

@@ -1,0 +1,311 @@
+"""Command-line flags of `jitckpt run` (torchrun's, plus jitckpt's own) and their validation."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from jitckpt.plugins import LoggingPlugin
+from jitckpt.plugins import get as get_plugins
+from jitckpt.runtime.watchdog import HangTimeout
+
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+# Same names as snapshot_protection.SCHEMES (not imported: the launcher does not import torch).
+SNAPSHOT_PROTECTIONS = ("aec", "arc", "none")
+RECOVERY_MODES = ("jit", "stage")
+
+
+def _nnodes(text: str) -> int:
+    lo, _, hi = text.partition(":")
+    if hi and hi != lo:
+        raise argparse.ArgumentTypeError(
+            f"--nnodes {text}: elastic ranges are not supported; give a fixed node count like 2")
+    n = int(lo)
+    if n < 1:
+        raise argparse.ArgumentTypeError("--nnodes must be >= 1")
+    return n
+
+
+def _nproc(text: str) -> int:
+    if text in ("auto", "cpu"):
+        return os.cpu_count() or 1
+    if text == "gpu":
+        raise argparse.ArgumentTypeError("--nproc-per-node gpu: give a number (no GPU detection here)")
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("--nproc-per-node must be >= 1")
+    return n
+
+
+def _check_seconds(flag: str, value: float, *, zero_ok: bool) -> None:
+    """A duration flag is a finite number > 0 (>= 0 with ``zero_ok``): inf or nan would silently
+    turn off the wait or check it bounds."""
+    low_ok = value >= 0 if zero_ok else value > 0
+    if not (math.isfinite(value) and low_ok):
+        raise ValueError(f"{flag} {value!r}: expected a finite number of seconds "
+                         f"{'>= 0' if zero_ok else '> 0'}")
+
+
+def _seconds(text: str) -> float:
+    """argparse type of a duration flag without a LaunchConfig field (accepted for torchrun)."""
+    try:
+        value = float(text)
+        _check_seconds("", value, zero_ok=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of seconds > 0") from None
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a port number 0..65535")
+    return port
+
+
+def _hang(text: str) -> str:
+    try:
+        return HangTimeout.parse(text).to_text()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """torchrun-compatible flags (both dash and underscore spellings) plus jitckpt's own."""
+    def both(*names: str, **kw) -> None:
+        flags = []
+        for n in names:
+            flags.append(n)
+            if "-" in n[2:]:
+                flags.append("--" + n[2:].replace("-", "_"))
+        p.add_argument(*flags, **kw)
+
+    g = p.add_argument_group("torchrun-compatible")
+    both("--nnodes", type=_nnodes, default=1, help="number of nodes (fixed)")
+    both("--nproc-per-node", type=_nproc, default=1, help="workers per node")
+    both("--node-rank", type=int, default=0, help="this node's rank (0..nnodes-1)")
+    both("--rdzv-endpoint", default="", help="host:port of node 0's store (required for nnodes > 1)")
+    both("--rdzv-backend", default="c10d", choices=["c10d", "static"], help="rendezvous backend")
+    both("--rdzv-id", default="", help="job id shared by all nodes; its checkpoints go to "
+         "<checkpoint-dir>/<id>/ (without an id: <checkpoint-dir>/ itself)")
+    both("--rdzv-conf", default="", help="accepted for compatibility; ignored")
+    both("--max-restarts", type=int, default=3,
+         help="restarts before giving up (torchrun's default is 0; jitckpt's is 3)")
+    both("--monitor-interval", type=_seconds, default=0.2, help="accepted; the launcher is event driven")
+    both("--master-addr", default="", help="with --nnodes 1: address for MASTER_ADDR")
+    both("--master-port", type=_port, default=0, help="ignored: a fresh port is chosen per restart")
+    g.add_argument("--standalone", action="store_true", help="single node, local rendezvous (default)")
+    both("--no-python", action="store_true", help="run the program directly, not with python")
+    g.add_argument("-m", "--module", action="store_true", help="run the script as a module")
+    both("--log-dir", default="", help="accepted; worker output goes to this console")
+    both("--start-method", default="spawn", help="accepted; workers are always fresh processes")
+    g = p.add_argument_group("jitckpt")
+    g.add_argument("--checkpoint-dir", default="jitckpt-checkpoints", help="where checkpoints go")
+    g.add_argument("--run-dir", default="", help="event log and run files (default: <checkpoint-dir>/runs/<run id>)")
+    g.add_argument("--hang-timeout", type=_hang, default=None,
+                   help="seconds a collective may block, or 'auto[:floor=S,mult=X,startup=S]' (adaptive: "
+                        "a multiple of the recent maximum; default auto = floor 30 s, 10x, 120 s at start)")
+    g.add_argument("--periodic-every", type=int, default=0,
+                   help="also take a periodic checkpoint every N steps (fallback tier; 0 = off)")
+    g.add_argument("--save-timeout", type=float, default=120.0,
+                   help="seconds to wait for JIT checkpoints after a failure")
+    g.add_argument("--warm-standby", type=int, default=1, choices=[0, 1, 2],
+                   help="warm standby processes per local rank (0 = start cold)")
+    g.add_argument("--status-interval", type=float, default=10.0, help="seconds between status lines (0 = off)")
+    g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    g.add_argument("--metrics-addr", default="127.0.0.1",
+                   help="metrics bind address (loopback default; any other needs $JITCKPT_METRICS_TOKEN, "
+                        "sent by scrapers as a bearer token)")
+    g.add_argument("--preload", default="",
+                   help="LD_PRELOAD for the workers; 'libjit' = jitckpt's CUDA/NCCL interposer (GPU hang "
+                        "detection), or a path")
+    g.add_argument("--recovery", default=None, choices=list(RECOVERY_MODES),
+                   help="jit: on a failure save JIT checkpoints from the survivors and restart every "
+                        "rank (default); stage: keep the survivors running and start one replacement "
+                        "for the dead rank, which replays its inputs from its neighbours' SWIFT logs "
+                        "(pipeline stages; the default with --plugin logging; see "
+                        "jitckpt.swift.StageMembership)")
+    g.add_argument("--plugin", default="",
+                   help="SWIFT recovery plugins, comma-separated, run in-process (the device proxy they "
+                        "are meant for is not built). undo: a failure that tears the optimizer step "
+                        "(jitckpt.protect's optimizer) is undone on the survivors before their JIT save, "
+                        "so they still save the start of the failed minibatch. logging: pipeline stages "
+                        "log the messages they send (jitckpt.swift.SendLogger) and a dead stage is "
+                        "replaced alone (--recovery stage)")
+    g.add_argument("--snapshot-every", type=int, default=0,
+                   help="in-memory snapshot (REFT tier) of jitckpt.protect()'s state every N steps, kept by "
+                        "a per-node keeper process that outlives the trainers (0 = off)")
+    g.add_argument("--snapshot-protection", default=None, choices=list(SNAPSHOT_PROTECTIONS),
+                   help="redundancy across nodes for snapshots: aec (XOR parity), arc (copy on the "
+                        "predecessor node), none (default: aec with >= 2 nodes, none on one node)")
+    g.add_argument("--snapshot-flush-every", type=int, default=0,
+                   help="also write every K-th snapshot to --checkpoint-dir (0 = never)")
+    p.add_argument("script", help="training script (or module with -m, or program with --no-python)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """Create ``path`` and write a file in it, so an unusable directory is refused at start, not
+    at the first failure (when the JIT checkpoints that would save the job go there)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".jitckpt-write-test-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: not a writable directory ({e.strerror or e}); "
+                         f"give a directory this user can create files in") from None
+
+
+@dataclass
+class LaunchConfig:
+    script: str
+    script_args: list = field(default_factory=list)
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    run_id: str = ""
+    max_restarts: int = 3
+    module: bool = False
+    no_python: bool = False
+    checkpoint_dir: str = "jitckpt-checkpoints"
+    run_dir: str = ""
+    hang_timeout: Optional[str] = None
+    periodic_every: int = 0
+    save_timeout: float = 120.0
+    warm_standby: int = 1
+    status_interval: float = 10.0
+    metrics_port: Optional[int] = None
+    metrics_addr: str = "127.0.0.1"
+    preload: str = ""
+    plugins: tuple = ()
+    recovery: Optional[str] = None  # None: "stage" with --plugin logging, else "jit"
+    snapshot_every: int = 0
+    snapshot_protection: Optional[str] = None
+    snapshot_flush_every: int = 0
+    rdzv_timeout: float = 300.0
+    omp_num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        self.hang_timeout = HangTimeout.parse(self.hang_timeout or "auto").to_text()
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT of node 0 (same on every node)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes})")
+        if self.max_restarts < 0 or self.periodic_every < 0:
+            raise ValueError("--max-restarts and --periodic-every must be >= 0")
+        _check_seconds("--save-timeout", self.save_timeout, zero_ok=False)
+        _check_seconds("--status-interval", self.status_interval, zero_ok=True)
+        _check_seconds("rdzv_timeout", self.rdzv_timeout, zero_ok=False)
+        if self.no_python and self.module:
+            raise ValueError("--no-python and -m/--module cannot be combined")
+        if not self.no_python and not self.module and not os.path.isfile(self.script):
+            raise ValueError(f"training script {self.script!r} not found")
+        root = os.path.abspath(self.checkpoint_dir)
+        if self.run_id:
+            # A named job's checkpoints are its own: another job in the same directory neither
+            # resumes from them nor prunes them. An unnamed job uses the directory itself.
+            if self.run_id in (".", "..", "runs") or not _RUN_ID_RE.match(self.run_id):
+                raise ValueError(f"--rdzv-id {self.run_id!r}: it names the job's checkpoint directory "
+                                 "<checkpoint-dir>/<id>; use letters, digits, '.', '_' and '-' "
+                                 "(not 'runs')")
+            self.checkpoint_dir = os.path.join(root, self.run_id)
+        else:
+            self.checkpoint_dir = root
+            self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        if not self.run_dir:
+            self.run_dir = os.path.join(root, "runs", self.run_id)
+        if self.preload == "libjit":
+            from jitckpt.native_libs import libjit_path
+
+            try:
+                self.preload = str(libjit_path())
+            except FileNotFoundError as e:
+                raise ValueError(str(e)) from None
+        elif self.preload and not os.path.isfile(self.preload):
+            raise ValueError(f"--preload {self.preload!r}: no such file")
+        self._check_snapshot_flags()
+        self._resolve_recovery()
+
+    def _resolve_recovery(self) -> None:
+        """Settle --recovery and --plugin. The logging plugin and --recovery stage are one recovery
+        (a dead stage replaced alone, replaying from its neighbours' logs); undo and in-memory
+        snapshots serve the other (every rank restarts from a JIT save or a snapshot)."""
+        plugins = get_plugins(self.plugins)  # unknown names: ValueError
+        modes = {p.recovery for p in plugins}
+        if len(modes) > 1:
+            raise ValueError(f"--plugin {','.join(self.plugins)}: the plugins serve different recoveries. "
+                             + "; ".join(p.why for p in plugins) + ". Keep one")
+        if self.recovery is None:
+            self.recovery = modes.pop() if modes else "jit"
+        if self.recovery not in RECOVERY_MODES:
+            raise ValueError(f"--recovery {self.recovery!r}: choose one of {', '.join(RECOVERY_MODES)}")
+        for p in plugins:
+            if p.recovery != self.recovery:
+                raise ValueError(f"--plugin {p.name} serves --recovery {p.recovery} ({p.why}), not "
+                                 f"--recovery {self.recovery}: drop one of the two")
+        if self.recovery == "stage" and LoggingPlugin() not in plugins:
+            self.plugins = (*self.plugins, LoggingPlugin.name)  # stage recovery is the logging recovery
+        if self.recovery == "stage" and self.snapshot_every:
+            raise ValueError("--recovery stage keeps the survivors' state in memory and replaces only the "
+                             "dead rank; in-memory snapshots (--snapshot-every) serve --recovery jit. "
+                             "Drop one of the two flags")
+
+    def _check_snapshot_flags(self) -> None:
+        if self.snapshot_every < 0 or self.snapshot_flush_every < 0:
+            raise ValueError("--snapshot-every and --snapshot-flush-every must be >= 0 (0 = off)")
+        if self.snapshot_protection is None:
+            self.snapshot_protection = "aec" if self.nnodes >= 2 else "none"
+        if self.snapshot_protection not in SNAPSHOT_PROTECTIONS:
+            raise ValueError(f"--snapshot-protection {self.snapshot_protection!r}: choose one of "
+                             f"{', '.join(SNAPSHOT_PROTECTIONS)}")
+        if not self.snapshot_every:
+            if self.snapshot_flush_every:
+                raise ValueError("--snapshot-flush-every needs --snapshot-every N > 0 (snapshots are off)")
+            return
+        if self.snapshot_protection != "none" and self.nnodes < 2:
+            raise ValueError(f"--snapshot-protection {self.snapshot_protection} keeps a lost node's "
+                             "snapshot on another node and needs --nnodes >= 2; on one node use "
+                             "--snapshot-protection none")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def rdzv_host(self) -> str:
+        return self.rdzv_endpoint.rpartition(":")[0] or "127.0.0.1"
+
+    @property
+    def rdzv_port(self) -> int:
+        port = self.rdzv_endpoint.rpartition(":")[2]
+        if not port.isdigit():
+            raise ValueError(f"--rdzv-endpoint {self.rdzv_endpoint!r}: expected HOST:PORT")
+        return int(port)
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> "LaunchConfig":
+        script_args = list(a.script_args)
+        if script_args and script_args[0] == "--":
+            script_args = script_args[1:]
+        return cls(script=a.script, script_args=script_args, nnodes=a.nnodes,
+                   nproc_per_node=a.nproc_per_node, node_rank=a.node_rank,
+                   rdzv_endpoint=a.rdzv_endpoint, run_id=a.rdzv_id, max_restarts=a.max_restarts,
+                   module=a.module, no_python=a.no_python, checkpoint_dir=a.checkpoint_dir,
+                   run_dir=a.run_dir, hang_timeout=a.hang_timeout, periodic_every=a.periodic_every,
+                   save_timeout=a.save_timeout, warm_standby=a.warm_standby,
+                   status_interval=a.status_interval, metrics_port=a.metrics_port,
+                   metrics_addr=a.metrics_addr, preload=a.preload,
+                   plugins=tuple(filter(None, a.plugin.split(","))), recovery=a.recovery,
+                   snapshot_every=a.snapshot_every, snapshot_protection=a.snapshot_protection,
+                   snapshot_flush_every=a.snapshot_flush_every)

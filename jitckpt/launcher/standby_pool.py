@@ -1,0 +1,93 @@
+"""Warm standbys: processes that have imported torch and wait for a rank assignment.
+
+A restart then costs rendezvous and checkpoint load, not interpreter start and ``import torch``
+(seconds on a loaded node). Each standby runs :mod:`jitckpt.runtime.standby` in its own session,
+so :func:`kill_group` takes whatever it started with it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import subprocess
+import time
+from typing import Optional
+
+from jitckpt.protocol.control_channel import ENV_FD, ControlChannel, channel_pair
+from jitckpt.protocol.control_messages import Ready
+
+log = logging.getLogger("jitckpt.launcher.standby_pool")
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads (its own session), unless it already exited."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+
+
+class StandbyPool:
+    """Processes that have imported torch and wait for a rank assignment."""
+
+    def __init__(self, *, size: int, env: dict, python: str) -> None:
+        self.size, self.env, self.python = size, env, python
+        self._idle: list[tuple[subprocess.Popen, ControlChannel]] = []
+        self._ready: set = set()
+        self._t_fill = time.monotonic()
+
+    def _spawn(self) -> tuple[subprocess.Popen, ControlChannel]:
+        parent, child = channel_pair()
+        env = dict(self.env)
+        env[ENV_FD] = str(child.fileno())
+        proc = subprocess.Popen([self.python, "-m", "jitckpt.runtime.standby"], env=env,
+                                pass_fds=(child.fileno(),), start_new_session=True)
+        child.close()
+        return proc, parent
+
+    def fill(self, extra: int = 0) -> None:
+        """Start standbys until ``size`` (plus ``extra``, taken at once by the first generation)."""
+        while len(self._idle) < self.size + extra:
+            self._idle.append(self._spawn())
+        self._ready: set = set()
+        self._t_fill = time.monotonic()
+
+    def ready_after(self) -> Optional[float]:
+        """Seconds from the last fill until every idle standby finished importing, once it has."""
+        pending = [(p, ch) for p, ch in self._idle if p.pid not in self._ready]
+        if pending:
+            readable, _, _ = select.select([ch.fileno() for _, ch in pending], [], [], 0)
+            for p, ch in pending:
+                if ch.fileno() in readable:
+                    msg = ch.recv(timeout=1.0)
+                    if isinstance(msg, Ready):
+                        self._ready.add(p.pid)
+        if len(self._ready) < len(self._idle):
+            return None
+        return time.monotonic() - self._t_fill
+
+    def take(self) -> tuple[subprocess.Popen, ControlChannel, bool]:
+        while self._idle:
+            proc, ch = self._idle.pop(0)
+            if proc.poll() is None:
+                return proc, ch, True
+            ch.close()
+        proc, ch = self._spawn()
+        return proc, ch, False
+
+    def close(self) -> None:
+        for proc, ch in self._idle:
+            ch.close()  # EOF: the standby exits by itself
+            kill_group(proc)
+        for proc, _ in self._idle:  # reaped: none outlives the launcher
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                log.error("standby pid %d did not die after SIGKILL", proc.pid)
+        self._idle.clear()

@@ -1,0 +1,189 @@
+"""The messages of the launcher <-> worker control channel, one frozen class each.
+
+On the wire a message is one JSON line: its fields plus ``"type"`` (the class's :attr:`TYPE`).
+:func:`decode` turns a line back into its class, refusing unknown types and fields by name, so a
+typo on either side fails loudly instead of being read as a missing field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+
+@dataclass(frozen=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+    def encode(self) -> bytes:
+        return (json.dumps({"type": self.TYPE, **dataclasses.asdict(self)}, default=str) + "\n").encode()
+
+
+# ---- worker -> launcher ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ready(Message):
+    """A standby finished importing torch and waits for its assignment."""
+    TYPE: ClassVar[str] = "ready"
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    TYPE: ClassVar[str] = "hello"
+    rank: int
+    pid: int
+    gen: int
+
+
+@dataclass(frozen=True)
+class Status(Message):
+    """A step begun or an optimizer step done; ``step_time`` in a sample every ~0.5 s."""
+    TYPE: ClassVar[str] = "status"
+    rank: int
+    step: Optional[int]
+    step_time: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class FailureReport(Message):
+    """A failure this rank detected: its own exception, a hang, a collective error, a preemption.
+    ``culprit``: the failed rank when the reporter knows it."""
+    TYPE: ClassVar[str] = "failure"
+    rank: int
+    kind: str
+    detail: str = ""
+    step: Optional[int] = None
+    detect_s: Optional[float] = None
+    culprit: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Saved(Message):
+    TYPE: ClassVar[str] = "saved"
+    rank: int
+    path: str
+    step: int
+    bytes: int
+    seconds: float
+    shard_id: int = 0
+    num_shards: int = 1
+    kind: str = "jit"             # or "periodic"
+    undone: Optional[int] = None  # parameters a SWIFT undo rolled back before the save
+
+
+@dataclass(frozen=True)
+class SaveFailed(Message):
+    TYPE: ClassVar[str] = "save_failed"
+    rank: int
+    reason: str
+    kind: str = "jit"
+    step: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Restored(Message):
+    TYPE: ClassVar[str] = "restored"
+    rank: int
+    step: int
+    path: str
+    seconds: Optional[float]
+    source: str = "disk"          # or "memory"
+    decoded: list = field(default_factory=list)
+    fetched: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Resumed(Message):
+    """The first optimizer step after a restart is done."""
+    TYPE: ClassVar[str] = "resumed"
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True)
+class WorkerWarning(Message):
+    TYPE: ClassVar[str] = "warning"
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ExitReady(Message):
+    """This rank reached its exit barrier."""
+    TYPE: ClassVar[str] = "exit_ready"
+    rank: int
+    step: Optional[int]
+
+
+@dataclass(frozen=True)
+class StageCaughtUp(Message):
+    """A replacement stage (``--recovery stage``) replayed up to the survivors."""
+    TYPE: ClassVar[str] = "stage_caught_up"
+    rank: int
+    generation: int
+    checkpoint: int
+    replayed: int
+
+
+# ---- launcher -> worker ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Assign(Message):
+    """Standby only: become this rank (environment, argv, working directory, ``-m`` module)."""
+    TYPE: ClassVar[str] = "assign"
+    env: dict
+    argv: list
+    cwd: str
+    module: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class SaveNow(Message):
+    """Another rank failed (``rank`` None: not known yet), or the job is preempted: save."""
+    TYPE: ClassVar[str] = "failure"
+    kind: str
+    rank: Optional[int]
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Verdict(Message):
+    """Every rank reached its exit barrier (ok) or not: the barrier's outcome."""
+    TYPE: ClassVar[str] = "verdict"
+    ok: bool
+
+
+@dataclass(frozen=True)
+class PeerExit(Message):
+    """That rank reached its exit barrier: a peer waiting for it in a collective will hang."""
+    TYPE: ClassVar[str] = "peer_exit"
+    rank: int
+    step: Optional[int]
+
+
+TO_LAUNCHER = {m.TYPE: m for m in (Ready, Hello, Status, FailureReport, Saved, SaveFailed, Restored,
+                                   Resumed, WorkerWarning, ExitReady, StageCaughtUp)}
+TO_WORKER = {m.TYPE: m for m in (Assign, SaveNow, Verdict, PeerExit)}
+
+
+class ProtocolError(ValueError):
+    """A control message that is not one of the protocol's."""
+
+
+def decode(line: bytes, table: dict[str, type]) -> Any:
+    """The message class of ``table`` (:data:`TO_LAUNCHER` or :data:`TO_WORKER`) that ``line`` holds."""
+    try:
+        raw = json.loads(line)
+        kind = raw.pop("type")
+    except (ValueError, KeyError, AttributeError, TypeError) as e:
+        raise ProtocolError(f"control message is not a JSON object with a type: {line[:200]!r} ({e})") from None
+    cls = table.get(kind)
+    if cls is None:
+        raise ProtocolError(f"unknown control message type {kind!r}; expected one of {sorted(table)}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = sorted(set(raw) - names)
+    if extra:
+        raise ProtocolError(f"control message {kind!r} has unknown field(s) {extra}")
+    try:
+        return cls(**raw)
+    except TypeError as e:
+        raise ProtocolError(f"control message {kind!r}: {e}") from None

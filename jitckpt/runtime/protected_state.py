@@ -1,0 +1,462 @@
+"""``jitckpt.protect``: a correct save/restore for plain torch training objects in two lines."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from jitckpt.checkpoint_store import CheckpointError
+from jitckpt.runtime.current import get_runtime, runtime_or_none
+from jitckpt.runtime.ddp_buffers import rng_state, set_rng_state
+
+log = logging.getLogger("jitckpt.protect")
+
+STATE_FILE = "state.pt"
+STATE_KEYS = ("step", "model", "optimizer", "scheduler", "rng", "extra")
+
+
+class UnloadableCheckpoint(CheckpointError):
+    """A checkpoint whose files verify but whose content is not a loadable protect() state."""
+
+
+def _load_error(e: BaseException) -> str:
+    """Why torch.load refused a file, in one line (its weights_only text is mostly boilerplate)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        detail = [ln for ln in lines[1:] if "GLOBAL" in ln or "Unsupported" in ln or "error:" in ln]
+        return ("refused by torch.load(weights_only=True), not unpickled: "
+                + (" ".join(detail) or lines[-1]))
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def read_state(path: str) -> dict:
+    """The state saved by :meth:`Protected.save` in checkpoint directory ``path``, unapplied.
+
+    Raises FileNotFoundError if it holds no ``state.pt`` (not written by protect()), OSError if it
+    cannot be read, and :class:`UnloadableCheckpoint` if the file is not a complete protect()
+    state: garbage with a valid checksum, a pickle that weights_only refuses, missing keys.
+    """
+    file = Path(path) / STATE_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file} not found: this checkpoint was not written by jitckpt.protect(); load it with "
+            "your own function")
+    try:
+        sd = torch.load(file, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any other failure is the file's content
+        raise UnloadableCheckpoint(_load_error(e)) from e
+    if not isinstance(sd, dict):
+        raise UnloadableCheckpoint(f"{STATE_FILE} holds a {type(sd).__name__}, not a jitckpt.protect() state")
+    missing = [k for k in STATE_KEYS if k not in sd]
+    if missing:
+        raise UnloadableCheckpoint(f"{STATE_FILE} has no {', '.join(missing)} (not a complete "
+                                   "jitckpt.protect() state)")
+    return sd
+
+
+def is_zero(optimizer: Any) -> bool:
+    # By name: importing torch.distributed.optim for an isinstance check costs every job its
+    # import (and torch.jit deprecation warnings); subclasses are caught through the MRO.
+    return any(c.__name__ == "ZeroRedundancyOptimizer" and c.__module__.startswith("torch.distributed")
+               for c in type(optimizer).__mro__)
+
+
+ZERO_NEEDS_SNAPSHOTS = (
+    "protect(optimizer=ZeroRedundancyOptimizer) needs jitckpt run --snapshot-every N on >= 2 nodes. "
+    "With ZeRO each rank holds the only copy of its optimizer partition and ZeRO's state_dict() is a "
+    "collective, so the survivors of a failure cannot JIT-save a lost rank's partition; with "
+    "in-memory snapshots each node also keeps a replica of the next node's partitions (AOR, "
+    "docs/aor.md) and a lost node's come back from there. Alternatives: a plain torch.optim "
+    "optimizer with DDP, or jitckpt.init(save_fn) with your own per-rank save plus --periodic-every")
+
+
+class Protected:
+    """Model, optimizer, optional scheduler and extra state, saved and restored consistently.
+
+    ``step`` counts completed ``optimizer.step()`` calls; a resumed job continues with minibatch
+    ``step`` (0-based), i.e. ``for step in range(state.restore(), total_steps)``. A checkpoint taken
+    in the middle of minibatch *i* (failure before or during the gradient all-reduce) records the
+    state at the *start* of minibatch *i*: parameters and optimizer state are untouched until
+    ``optimizer.step()``, and RNG states are taken from a snapshot made when minibatch *i*'s first
+    forward began. A failure after the all-reduce (during another rank's optimizer step) lets the
+    healthy ranks finish step *i*; they save at the start of minibatch *i+1*.
+
+    Model buffers (BatchNorm statistics) are saved as DDP treats them: with its default
+    ``broadcast_buffers`` every rank's forward *i* starts from rank 0's buffers after its forward
+    *i-1*; each rank receives those right after every forward
+    (:class:`~jitckpt.runtime.ddp_buffers.BufferTracker`), so any survivor saves them, also when rank 0 is lost. With ``broadcast_buffers=False`` or without DDP
+    buffers are per-rank state, and the resumed job has the loaded replica's (bitwise for rank
+    0's copy only). ``extra`` holds objects with ``state_dict``/``load_state_dict`` (GradScaler,
+    a sampler) or plain tensors/numbers/strings, saved under their keys.
+
+    ``snapshots`` is the in-memory tier (:class:`~jitckpt.snapshot.tier.SnapshotTier`) when the job
+    runs with ``--snapshot-every``. A ``ZeroRedundancyOptimizer`` needs it: its partitions are
+    snapshotted through AOR (each rank also recomputes its successor node's partition) and restored
+    from the keepers; such a job takes no JIT or periodic checkpoints.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any = None, *, extra: Optional[dict] = None,
+                 snapshots: Any = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"protect(model=...): expected a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"protect(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self._zero = is_zero(optimizer)
+        if self._zero and (snapshots is None or snapshots.peer() is None):
+            raise TypeError(ZERO_NEEDS_SNAPSHOTS)
+        if self._zero and optimizer.world_size != torch.distributed.get_world_size():
+            raise TypeError(f"protect(optimizer=ZeroRedundancyOptimizer): its process group has "
+                            f"{optimizer.world_size} ranks, the job {torch.distributed.get_world_size()}; "
+                            "AOR protects a ZeRO group spanning the whole job only (no hybrid parallelism)")
+        if scheduler is not None and not hasattr(scheduler, "state_dict"):
+            raise TypeError("protect(scheduler=...): the scheduler needs state_dict()/load_state_dict()")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.extra = dict(extra or {})
+        self.step = 0
+        self._mid_minibatch = False
+        self._rng_snapshot: Optional[dict] = None
+        self._buffer_snapshot: Optional[dict] = None
+        self._has_buffers = any(True for _ in model.buffers())
+        self._stepped = False          # optimizer.step() ran since this minibatch's forward
+        self._in_step = False          # optimizer.step() began and has not returned
+        self._undo: Any = None         # jitckpt.swift.UpdateUndo under --plugin undo
+        self._sched_epoch: Any = None  # scheduler.last_epoch when this minibatch's forward began
+        self._ddp_layout: Optional[dict] = None  # the layout this minibatch runs on (snapshots on)
+        self._layout_settled = False
+        self._snapshots: Any = snapshots     # SnapshotTier (jitckpt run --snapshot-every)
+        self._replica: Any = None            # ZeRO: OptimizerReplica of the successor's partition
+        self._aor: Any = None                # ZeRO: AorSnapshotter writing both partitions
+        self._peer_state: Optional[dict] = None  # ZeRO: the successor's partition, restored
+        self._resumed_step: Optional[int] = None
+        self._handles = [
+            model.register_forward_pre_hook(self._on_forward),
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._on_step_done),
+        ]
+
+    @property
+    def uses_aor(self) -> bool:
+        """True for a ZeroRedundancyOptimizer: partitions protected by AOR, no disk checkpoints."""
+        return self._zero
+
+    # Hooks -------------------------------------------------------------------------------------
+    def _on_forward(self, module: Any, args: Any) -> None:
+        if self._mid_minibatch:
+            return  # gradient accumulation or a second forward: the snapshot is already taken
+        rt = runtime_or_none()
+        if rt is not None:
+            rt.mark_step(self.step)  # a safe point: may save (failure) or checkpoint (periodic)
+        self._stepped = False
+        self._sched_epoch = getattr(self.scheduler, "last_epoch", None)
+        self._rng_snapshot = rng_state()
+        if self._has_buffers:
+            self._buffer_snapshot = self._shared_next() or {
+                k: b.detach().clone() for k, b in self.model.named_buffers()}
+        self._mid_minibatch = True
+        if self._snapshots is not None and rt is not None:
+            self._settle_ddp_layout()
+            # The state at the start of this minibatch; copied while forward/backward run.
+            rt.run_snapshot_op(self._snapshot_begin, blocking=True)
+
+    def _shared_next(self) -> Optional[dict]:
+        """Rank 0's buffers after the last training forward, named as in ``model.state_dict()``
+        (shared by the runtime's :class:`~jitckpt.runtime.ddp_buffers.BufferTracker`; None: not shared)."""
+        rt = runtime_or_none()
+        shared = rt.ddp_buffers.next_of(self.model) if rt is not None else None
+        return None if shared is None else {f"module.{k}": v for k, v in shared.items()}
+
+    def _settle_ddp_layout(self) -> None:
+        """Make ``_ddp_layout`` the bucket layout this minibatch runs on, before it is snapshotted.
+
+        The runtime's :class:`~jitckpt.runtime.ddp_layout.LayoutTracker` has it: DDP's one-time rebuild
+        is done right after the first backward. Should it still be pending (a backward the
+        runtime did not see), it is done now, as DDP's own forward would (every rank reaches this
+        hook at the same point, and DDP's own call is then a no-op).
+        """
+        reducer = getattr(self.model, "reducer", None)
+        rt = runtime_or_none()
+        if reducer is None or rt is None or not torch.is_grad_enabled():
+            return
+        layouts = rt.ddp_layouts
+        if reducer._rebuild_buckets():
+            layouts.rebuilt(self.model)
+        elif layouts.layout_of(self.model) is None:
+            layouts.forward_began(self.model)
+        self._ddp_layout = layouts.layout_of(self.model)
+        self._layout_settled = self._ddp_layout is not None
+
+    def _snapshot_begin(self) -> None:
+        self._snapshots.start(self._snapshot_state, resumed_step=self._resumed_step)
+        if self._zero and self._replica is None:
+            self._start_aor()
+        if self._snapshots.begin(self.step) and self._aor is not None:
+            self._aor.begin(self.step)  # the partitions of the same step, on the replica's worker
+
+    def _start_aor(self) -> None:
+        """ZeRO: the replica of the successor's partition (from the restored state if any)."""
+        from jitckpt.snapshot.aor import OptimizerReplica
+        from jitckpt.snapshot.aor_store import AorSnapshotter
+
+        self._replica = OptimizerReplica(zero=self.optimizer, peer=self._snapshots.peer(),
+                                         start_step=self.step)
+        if self._peer_state is not None:
+            self._replica.load_state_dict(self._peer_state)  # after the parameters were loaded
+            self._peer_state = None
+        self._aor = AorSnapshotter(replica=self._replica, socket_path=self._snapshots.socket_path)
+
+    def _settle_snapshots(self) -> None:
+        """Before optimizer.step(): the snapshot of this minibatch is written (partitions first:
+        the taker's every-rank-committed check then covers them) and, with ZeRO, the replica has
+        the gradients of this step."""
+        if self._aor is not None:
+            self._aor.wait()
+        self._snapshots.wait()
+        if self._replica is not None:
+            self._replica.capture()
+
+    def _snapshot_state(self) -> dict:
+        sd = self.state_dict()
+        if self._ddp_layout is not None and self._layout_settled:  # the one this minibatch uses
+            from jitckpt.snapshot.tier import LAYOUT_KEY
+
+            sd[LAYOUT_KEY] = json.dumps(self._ddp_layout)
+        return sd
+
+    def enable_undo(self) -> None:
+        """``jitckpt run --plugin undo``: make a torn state recoverable by SWIFT update-undo.
+
+        Raises :class:`jitckpt.swift.NotInvertibleError` (naming the fix) for an optimizer or
+        configuration that has no exact inverse; the hooks it installs run after this object's."""
+        if self._zero:
+            raise TypeError("--plugin undo: a ZeroRedundancyOptimizer step is not undone (its partitions "
+                            "are protected by AOR snapshots); drop --plugin undo")
+        from jitckpt.swift import NotInvertibleError, UpdateUndo
+
+        try:
+            self._undo = UpdateUndo(self.optimizer, self.scheduler)
+        except NotInvertibleError as e:
+            raise NotInvertibleError(f"jitckpt run --plugin undo: {e} (or drop --plugin undo)") from None
+
+    def torn(self) -> bool:
+        """True inside ``optimizer.step()`` and between it and the scheduler's step."""
+        return self._in_step or not self.consistent_now()
+
+    def roll_back(self) -> int:
+        """Undo the torn step (``enable_undo`` first): the state is again the one at the start of
+        this minibatch, as if the failure had come before ``optimizer.step()``. Returns the number
+        of parameters undone; raises :class:`jitckpt.swift.UndoError` if the step's gradients are
+        gone (``zero_grad()`` ran after the step), leaving the state untouched."""
+        if self._undo is None:
+            raise RuntimeError("roll_back() needs enable_undo() (jitckpt run --plugin undo)")
+        undone = self._undo.undo_last_step()
+        if not self._in_step:  # the step had completed and been counted
+            self.step -= 1
+        self._in_step = self._stepped = False
+        self._mid_minibatch = True  # RNG and buffers are saved from the minibatch's start again
+        return undone
+
+    def _before_step(self, *args: Any, **kwargs: Any) -> None:
+        self._in_step = True
+        # The snapshot reads parameters and optimizer state: done before they change.
+        if self._snapshots is not None and self._snapshots.taker is not None:
+            rt = runtime_or_none()
+            if rt is not None:
+                rt.run_snapshot_op(self._settle_snapshots, blocking=False)
+            else:
+                self._settle_snapshots()
+
+    def _on_step_done(self, *args: Any, **kwargs: Any) -> None:
+        self._in_step = False
+        self.step += 1
+        self._mid_minibatch = False
+        self._stepped = True
+
+    def consistent_now(self) -> bool:
+        """False between optimizer.step() and the scheduler's step of the same minibatch."""
+        if not self._stepped or self.scheduler is None:
+            return True
+        return getattr(self.scheduler, "last_epoch", None) != self._sched_epoch
+
+    # Save / load ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        model_sd = self.model.state_dict()
+        rng = rng_state()
+        buffers = self._buffer_snapshot if self._mid_minibatch else self._shared_next()
+        if self._mid_minibatch:
+            rng = self._rng_snapshot or rng
+        if buffers:  # between minibatches: the next one's (rank 0's), not this rank's own
+            model_sd = {**model_sd, **{k: v for k, v in buffers.items() if k in model_sd}}
+        extra = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in self.extra.items()}
+        out = {
+            "step": self.step,
+            "model": model_sd,
+            # ZeRO: the partitions go through AOR (its state_dict() would be a collective).
+            "optimizer": None if self._zero else self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rng": rng,
+            "extra": extra,
+        }
+        if self._zero:
+            # The wrapper's hyperparameters are what its step syncs into the local optimizer: a
+            # scheduler changes them there, and scheduler.load_state_dict() does not set them.
+            out["zero_param_groups"] = [{k: v for k, v in g.items() if k != "params"}
+                                        for g in self.optimizer.param_groups]
+        return out
+
+    def save(self, path: str) -> None:
+        """Save into directory ``path`` (the save_fn given to ``jitckpt.init``)."""
+        if self._zero:
+            raise RuntimeError("a ZeroRedundancyOptimizer job has no disk checkpoints: its partitions "
+                               "are protected in the snapshot keepers (AOR)")
+        torch.save(self.state_dict(), Path(path) / STATE_FILE)
+
+    def load(self, path: str) -> int:
+        """Load a checkpoint directory written by :meth:`save`; return the step to continue from."""
+        return self.load_state_dict(read_state(path))
+
+    def load_state_dict(self, sd: dict) -> int:
+        """Load a state from :meth:`state_dict` (a checkpoint's or a snapshot's); return its step."""
+        self.model.load_state_dict(sd["model"])
+        if sd["optimizer"] is not None:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        elif not self._zero:
+            raise ValueError("this state has no optimizer state (it is from a ZeroRedundancyOptimizer "
+                             "job) but the optimizer is a plain one")
+        if self.scheduler is not None and sd["scheduler"] is not None:
+            self.scheduler.load_state_dict(sd["scheduler"])
+        for k, v in sd["extra"].items():
+            if k in self.extra and hasattr(self.extra[k], "load_state_dict"):
+                self.extra[k].load_state_dict(v)
+            else:
+                self.extra[k] = v
+        set_rng_state(sd["rng"])
+        self.step = int(sd["step"])
+        self._mid_minibatch = False
+        self._resumed_step = self.step
+        return self.step
+
+    def _load_zero_hyperparameters(self, sd: dict) -> None:
+        """ZeRO, after its partitions are loaded: the wrapper's hyperparameters as they were. The
+        partition loader copies the local optimizer's, which a scheduler step after the last
+        ``zero.step()`` has made stale."""
+        groups = sd.get("zero_param_groups")
+        if groups is None or len(groups) != len(self.optimizer.param_groups):
+            raise ValueError("this ZeroRedundancyOptimizer state has no hyperparameters for its "
+                             f"{len(self.optimizer.param_groups)} parameter group(s) (written by an "
+                             "older jitckpt?); resume it from scratch")
+        for g, saved in zip(self.optimizer.param_groups, groups):
+            g.update(saved)
+
+    def restore(self) -> int:
+        """Load the newest complete checkpoint if there is one; return the step to continue from.
+
+        With in-memory snapshots on (``jitckpt run --snapshot-every``) this is collective (every
+        rank calls it) and also considers the snapshots held by the nodes' keepers.
+        """
+        if self._snapshots is not None:
+            return self._restore_tiered(get_runtime())
+        rt = get_runtime()
+        t0 = time.monotonic()
+        found = self._read_loadable(rt)
+        if found is None:
+            return self.step
+        path, sd = found
+        step = self.load_state_dict(sd)
+        rt.report_restored(path, step, time.monotonic() - t0)
+        return step
+        from jitckpt.checkpoint_store import list_candidates, verify_checkpoint
+
+        step = rt.selected_step
+        for c in list_candidates(rt.checkpoint_dir):
+            if c.step != step or c.path == Path(path):
+                continue
+            try:
+                meta = verify_checkpoint(c.path)
+                if (meta.shard_id, meta.num_shards) != (rt.shard_id, rt.num_shards):
+                    continue
+                other = read_state(str(c.path))
+            except (OSError, CheckpointError):
+                continue
+            if other.get("buffers_authoritative", True):
+                return str(c.path), other
+        log.warning("rank %d: resuming step %s with rank-local model buffers (BatchNorm statistics): "
+                    "no saved copy holds the buffers DDP broadcasts (rank 0 was lost before its "
+                    "broadcast at the start of this minibatch reached the others); the buffers, "
+                    "not the parameters, differ from a failure-free run", rt.rank, step)
+        return path, sd
+
+    def _read_loadable(self, rt: Any) -> Optional[tuple[str, dict]]:
+        """The newest complete checkpoint whose state loads, read but not yet applied.
+
+        One that verifies but does not load is quarantined (``bad-<name>``, kept) with the reason
+        logged, and the next choice is tried: another replica's copy of the same step, else the
+        next older complete step. Every data-parallel replica reads the same copy of the same
+        bytes, so all ranks fall back alike. With several shards another shard's ranks may have
+        loaded the newer step already: then this rank stops instead (the job restarts, and every
+        rank chooses from what is left).
+        """
+        path = rt.latest_checkpoint()
+        first = rt.selected_step
+        while path is not None:
+            try:
+                return path, read_state(path)
+            except OSError:
+                if Path(path).is_dir():
+                    raise  # unreadable now (an I/O error): not evidence that the content is bad
+                path = rt.reject_checkpoint(path, "gone")  # another rank quarantined it just now
+                continue
+            except UnloadableCheckpoint as e:
+                reason = str(e)
+            log.warning("rank %d: checkpoint %s cannot be loaded: %s; falling back to the next "
+                        "older complete checkpoint", rt.rank, path, reason)
+            bad = path
+            path = rt.reject_checkpoint(path, reason)
+            if rt.num_shards > 1 and rt.selected_step != first:
+                raise CheckpointError(
+                    f"shard {rt.shard_id}'s checkpoint of step {first} ({bad}) cannot be loaded: "
+                    f"{reason}. It is quarantined; the ranks of the other shards may have loaded step "
+                    f"{first} already, so this rank stops and the restarted job resumes from the "
+                    "newest step every shard can load")
+        if first is not None:
+            log.warning("rank %d: no loadable checkpoint is left in %s: starting from step %d",
+                        rt.rank, rt.checkpoint_dir, self.step)
+        return None
+
+    def _restore_tiered(self, rt: Any) -> int:
+        point = self._snapshots.resolve()
+        if point is None:
+            return self.step
+        t0 = time.monotonic()
+        if self._zero and point.aor is None and point.step != 0:  # step 0: nothing to lose
+            raise RuntimeError(f"resume: a ZeroRedundancyOptimizer job found a {point.source} state of "
+                               f"step {point.step} without its optimizer partitions; it cannot resume "
+                               "from it (ZeRO jobs resume from in-memory snapshots only)")
+        step = self.load_state_dict(point.state)
+        fetched: list = []
+        if self._zero and point.aor is not None:
+            loaded = self._snapshots.load_zero_partitions(self.optimizer, point)
+            self._peer_state, fetched = loaded.peer_state, loaded.remote
+            self._load_zero_hyperparameters(point.state)
+        path = point.path or f"memory:step{point.step}"
+        rt.report_restored(path, step, point.seconds + time.monotonic() - t0, source=point.source,
+                           decoded=point.decoded, fetched=fetched)
+        return step
+
+    def close(self) -> None:
+        """Remove the hooks; finish and stop in-memory snapshotting."""
+        for h in self._handles:
+            h.remove()
+        if self._aor is not None:
+            self._aor.close()
+        if self._replica is not None:
+            self._replica.close()
+        if self._snapshots is not None:
+            self._snapshots.close()

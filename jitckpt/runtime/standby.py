@@ -1,0 +1,55 @@
+"""Warm standby worker: a Python process that has already imported torch, waiting for a rank.
+
+The launcher keeps a pool of these so a restart costs rendezvous and checkpoint load, not
+interpreter start-up and ``import torch`` (seconds). On ``assign`` it takes the rank's environment
+and argv, starts the jitckpt worker runtime, and runs the user's script as ``__main__``.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import socket
+import sys
+
+
+def main() -> None:
+    from jitckpt.protocol.control_channel import ENV_FD, ControlChannel
+    from jitckpt.protocol.control_messages import TO_WORKER, Assign, Ready
+
+    channel = ControlChannel(socket.socket(fileno=int(os.environ[ENV_FD])), incoming=TO_WORKER)
+    # The expensive part, done while idle: torch itself, and torch._dynamo, which DDP's
+    # constructor imports lazily (seconds on its own).
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+    import torch.optim  # noqa: F401
+
+    from jitckpt.runtime.current import install_runtime
+    from jitckpt.runtime.worker_runtime import WorkerRuntime
+
+    channel.send(Ready())
+    msg = channel.recv()
+    if not isinstance(msg, Assign):
+        os._exit(0)  # launcher shut the pool down
+    os.environ.update(msg.env)
+    os.chdir(msg.cwd)
+    argv = list(msg.argv)
+    from jitckpt.runtime.generation_store import host_if_rank0
+
+    store = host_if_rank0()  # noqa: F841 - serves the process group's store while this rank lives
+    rt = WorkerRuntime.from_env(channel)
+    rt.start()
+    install_runtime(rt)
+    if msg.module:
+        sys.argv = argv
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    else:
+        script = argv[0]
+        sys.argv = argv
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

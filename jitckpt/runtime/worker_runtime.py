@@ -1,0 +1,663 @@
+"""The in-worker side of jitckpt: failure detection, the consistent-state save, the exit barrier.
+
+One :class:`WorkerRuntime` per training process. It learns of a failure in four ways: a wrapped
+collective (or backward) raises a transport error; the watchdog sees a blocking region outlive the
+hang timeout; the launcher reports that another worker died; or the native interposer (libjit.so)
+reports a hung NCCL collective. It then saves a just-in-time checkpoint from a consistent state and
+exits with :data:`EXIT_JIT_SAVED`.
+
+Consistency rule: parameters and optimizer state change only inside ``optimizer.step()``. The save
+runs either on the main thread at a safe point (entering or leaving a collective or backward, the
+optimizer pre-step hook, a step boundary, interpreter exit), or on a helper thread while the main
+thread is blocked inside a collective or backward (it is then held there: a region that ends after
+a failure parks instead of returning). It never runs during the optimizer phase.
+"""
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import itertools
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Callable, Optional
+
+from jitckpt.checkpoint_store import (CheckpointError, find_latest, quarantine, read_meta,
+                               write_checkpoint)
+from jitckpt.runtime.collective_hooks import CollectiveHooks
+from jitckpt.runtime.peer_failure import is_collective_failure
+from jitckpt.protocol.control_channel import ControlChannel
+from jitckpt.protocol.control_messages import (ExitReady, FailureReport, Hello, PeerExit, Restored, Resumed,
+                                               Saved, SaveFailed, SaveNow, Status, Verdict, WorkerWarning)
+from jitckpt.plugins import get as get_plugins
+from jitckpt.torch_compat import warn_if_untested
+from jitckpt.runtime.watchdog import DurationHistory, HangTimeout, Watchdog
+
+log = logging.getLogger("jitckpt.worker")
+
+from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED, EXIT_LAUNCHER_GONE, EXIT_NO_SAVE
+
+ENV_CHECKPOINT_DIR = "JITCKPT_CHECKPOINT_DIR"
+ENV_HANG_TIMEOUT = "JITCKPT_HANG_TIMEOUT"
+ENV_PERIODIC_EVERY = "JITCKPT_PERIODIC_EVERY"
+ENV_SAVE_TIMEOUT = "JITCKPT_SAVE_TIMEOUT"
+ENV_PLUGINS = "JITCKPT_PLUGINS"
+
+
+# A rank blocked this long in a collective after a peer reached its exit barrier waits for it in
+# vain (see WorkerRuntime._on_peer_exit).
+PEER_EXIT_GRACE = 5.0
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else default
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+class WorkerRuntime:
+    """Failure handling for one worker process (created by ``jitckpt.init`` or the standby)."""
+
+    def __init__(self, *, rank: int, world_size: int, gen: int, checkpoint_dir: str,
+                 hang_timeout: HangTimeout, channel: Optional[ControlChannel],
+                 periodic_every: int = 0, save_timeout: float = 120.0,
+                 plugins: tuple[str, ...] = ()) -> None:
+        if periodic_every < 0:
+            raise ValueError(f"periodic_every must be >= 0, got {periodic_every}")
+        self.rank, self.world_size, self.gen = rank, world_size, gen
+        self.checkpoint_dir = checkpoint_dir
+        self.channel = channel
+        self.periodic_every = periodic_every
+        self.save_timeout = save_timeout
+        self.plugins = get_plugins(plugins)  # jitckpt run --plugin: their hooks run at protect()
+        # A region blocked this long after a failure is taken as stuck: save while it is held.
+        self.blocked_grace = 2.0
+        self.save_fn: Optional[Callable[[str], None]] = None
+        self.no_save_reason: Optional[str] = None  # why this job registers no save function
+        self.step_fn: Optional[Callable[[], int]] = None
+        self.consistency_check: Optional[Callable[[], bool]] = None
+        # --plugin undo: puts a torn state (interrupted optimizer step, or its minibatch unfinished)
+        # back to the start of the minibatch; returns the number of parameters undone.
+        self.roll_back: Optional[Callable[[], int]] = None
+        self.shard_id, self.num_shards, self.replica_id = 0, 1, rank
+
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._regions: dict[int, tuple[str, float, bool]] = {}  # kind, start, on the main thread
+        self._in_optimizer = False
+        self._failure: Optional[dict] = None
+        self._failure_evt = threading.Event()
+        self._verdict_evt = threading.Event()
+        self._save_claimed = False
+        self._history = DurationHistory(hang_timeout)
+        self._hooks = CollectiveHooks(self)
+        self.ddp_layouts = self._hooks.layouts  # saved with every checkpoint this rank writes
+        self.ddp_buffers = self._hooks.buffers  # what a JIT save records of DDP buffers and RNG
+        self._watchdog = Watchdog(oldest=self._oldest_region, history=self._history,
+                                  on_hang=self._on_hang)
+        self._restored_step: Optional[int] = None
+        self._selected_path: Optional[str] = None  # what get_checkpoint_path() returned
+        self._opt_steps = 0
+        self._last_step: Optional[int] = None
+        self._last_step_t = 0.0
+        self._last_status_t = 0.0
+        self._resumed_reported = False
+        self._last_opt_t: Optional[float] = None
+        self._warned = False
+        self._peers_left: list[tuple[int, Optional[int], float]] = []  # (rank, step, monotonic t)
+        self._exiting = False  # this rank reached its exit barrier
+        self._latest: dict = {}
+        self._native = None  # jitckpt._native when libjit.so is preloaded
+        self.snapshots = None  # SnapshotTier when jitckpt run --snapshot-every is on
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, channel: Optional[ControlChannel] = None) -> "WorkerRuntime":
+        rank = _env_int("RANK", 0)
+        world = _env_int("WORLD_SIZE", 1)
+        gen = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+        ckpt = os.environ.get(ENV_CHECKPOINT_DIR) or os.path.abspath("jitckpt-checkpoints")
+        ht = HangTimeout.parse(os.environ.get(ENV_HANG_TIMEOUT, "auto"))
+        return cls(rank=rank, world_size=world, gen=gen, checkpoint_dir=ckpt, hang_timeout=ht,
+                   channel=channel if channel is not None else ControlChannel.from_env(),
+                   periodic_every=_env_int(ENV_PERIODIC_EVERY, 0),
+                   save_timeout=float(os.environ.get(ENV_SAVE_TIMEOUT, "120")),
+                   plugins=tuple(filter(None, os.environ.get(ENV_PLUGINS, "").split(","))))
+
+    def start(self) -> None:
+        # A fatal signal (a segfault, or SIGABRT from a C++ std::terminate in a library) then
+        # prints every thread's Python stack into the launcher's output: where it died.
+        faulthandler.enable()
+        warn_if_untested()
+        self._hooks.install()
+        from jitckpt.runtime import ddp_layout
+        from jitckpt.snapshot.tier import SnapshotTier
+
+        self.snapshots = SnapshotTier.from_env(checkpoint_dir=self.checkpoint_dir, gen=self.gen)
+        if self.snapshots is not None:
+            # The resume point may be an in-memory snapshot: DDP's layout comes from it.
+            ddp_layout.install_pinning(self.snapshots.ddp_layout)
+        else:
+            ddp_layout.install_pinning(lambda: ddp_layout.load(self.latest_checkpoint()))
+        self._watchdog.start()
+        if self.channel is not None:
+            self.channel.send(Hello(rank=self.rank, pid=os.getpid(), gen=self.gen))
+            threading.Thread(target=self._listen, name="jitckpt-control", daemon=True).start()
+            atexit.register(self._exit_barrier)
+            self._chain_excepthook()
+        self._attach_native()
+        from jitckpt.runtime import preemption_signals
+
+        preemption_signals.catch(self._on_preemption_signal)
+
+    def _on_preemption_signal(self, sig: signal.Signals) -> None:
+        """SIGTERM/SIGINT (a scheduler's preemption, torchrun stopping its workers, Ctrl-C):
+        save a JIT checkpoint and exit with EXIT_JIT_SAVED, as after a failure. Runs on a helper
+        thread; the save itself happens where any failure's does (a safe point, or while the
+        main thread is held in a blocking region). Once the job is done there is nothing to save."""
+        if self._failure is not None or getattr(self, "_verdict_ok", False):
+            return
+        self.report_failure("preempted", f"received {sig.name}")
+
+    def _chain_excepthook(self) -> None:
+        """An uncaught exception in this rank is itself the failure: report it, skip the barrier."""
+        previous = sys.excepthook
+
+        def hook(etype, value, tb):  # type: ignore[no-untyped-def]
+            self._crashed = True
+            self._quarantine_if_unloadable(value, tb)
+            if self.channel is not None and self._failure is None:
+                self.channel.send(FailureReport(rank=self.rank, kind="exception",
+                                  detail=f"{etype.__name__}: {value}", step=self.current_step()))
+            previous(etype, value, tb)
+
+        sys.excepthook = hook
+
+    def _quarantine_if_unloadable(self, exc: BaseException, tb) -> None:  # type: ignore[no-untyped-def]
+        """``jitckpt.init()`` users load the checkpoint themselves: if torch.load raised on the path
+        get_checkpoint_path() returned, before any step ran, the checkpoint (not the job) is bad.
+        Move it aside so the restart resumes from the next older complete one."""
+        path = self._selected_path
+        if path is None or self._last_step is not None or self._opt_steps or isinstance(exc, OSError):
+            return
+        frames = traceback.extract_tb(tb)
+        if not any(f.filename.replace(os.sep, "/").endswith("torch/serialization.py") for f in frames):
+            return
+        try:
+            quarantine(path, f"{type(exc).__name__}: {_first_line(exc)}")
+        except (OSError, CheckpointError) as e:
+            log.error("rank %d: could not quarantine %s: %s", self.rank, path, e)
+
+    def _attach_native(self) -> None:
+        """With libjit.so preloaded, NCCL hangs it detects come here too."""
+        try:
+            from jitckpt import _native  # type: ignore[attr-defined]
+        except ImportError:
+            return
+        if not _native.preloaded():
+            return
+        try:
+            _native.set_failure_callback(lambda kind, detail: self.report_failure(kind, detail))
+        except RuntimeError as e:  # the signal libjit uses to take the GIL is already in use
+            log.warning("rank %d: libjit.so hang detection not attached: %s", self.rank, e)
+            return
+        self._native = _native
+        # The same policy; libjit.so adapts it to the NCCL collectives it sees, as the watchdog
+        # here does to the regions it sees.
+        _native.configure(hang_timeout=self._history.policy.to_text())
+
+    def _native_phase(self, phase: str) -> None:
+        if self._native is not None:
+            self._native.set_phase(phase)
+
+    # ---- the user-facing pieces -------------------------------------------------------------
+    def set_save_fn(self, save_fn: Callable[[str], None], *, step_fn=None, shard_id: int = 0,
+                    num_shards: int = 1, replica_id: Optional[int] = None) -> None:
+        if not callable(save_fn):
+            raise TypeError("jitckpt.init(save_fn): save_fn must be callable as save_fn(path: str)")
+        if not 0 <= shard_id < num_shards:
+            raise ValueError(f"shard_id {shard_id} must be in [0, num_shards={num_shards})")
+        self.save_fn, self.step_fn = save_fn, step_fn
+        self.shard_id, self.num_shards = shard_id, num_shards
+        self.replica_id = self.rank // num_shards if replica_id is None else replica_id
+
+    def latest_checkpoint(self) -> Optional[str]:
+        """The newest complete checkpoint, chosen once per process so every caller agrees."""
+        key = (self.shard_id, self.num_shards)
+        if key not in self._latest:
+            found = find_latest(self.checkpoint_dir, shard_id=self.shard_id,
+                                num_shards=self.num_shards)
+            self._latest[key] = None if found is None else (str(found[0]), found[1].step)
+        if self._latest[key] is None:
+            return None
+        path, step = self._latest[key]
+        self._restored_step = step
+        return path
+
+    @property
+    def selected_step(self) -> Optional[int]:
+        """The step of latest_checkpoint()'s current choice (None: nothing to resume from)."""
+        found = self._latest.get((self.shard_id, self.num_shards))
+        return None if found is None else found[1]
+
+    def reject_checkpoint(self, path: str, reason: str) -> Optional[str]:
+        """``path`` verified but cannot be loaded: quarantine it and choose again.
+
+        Returns the next choice: another replica's copy of the same step, or an older step.
+        """
+        quarantine(path, reason)  # None: another rank of this job moved it already
+        self._latest.pop((self.shard_id, self.num_shards), None)
+        self._restored_step = None
+        return self.latest_checkpoint()
+
+    def select_checkpoint(self) -> Optional[str]:
+        """``jitckpt.get_checkpoint_path()``: the newest checkpoint, reported as the restore point."""
+        path = self.latest_checkpoint()
+        self._selected_path = path
+        if path is not None and self._restored_step is not None:
+            self.report_restored(path, self._restored_step, None)
+        return path
+
+    def report_restored(self, path: str, step: int, seconds: Optional[float], *,
+                        source: str = "disk", decoded: Optional[list] = None,
+                        fetched: Optional[list] = None) -> None:
+        self._restored_step = step
+        if self.rank == 0:
+            log.warning("%s", self._resume_line(path, step, source))
+        if self.channel is not None:
+            self.channel.send(Restored(rank=self.rank, step=step, path=path, seconds=seconds,
+                              source=source, decoded=list(decoded or []), fetched=list(fetched or [])))
+
+    def _resume_line(self, path: str, step: int, source: str) -> str:
+        """One loud line: the step resumed, what it comes from, and which job wrote it."""
+        try:
+            meta = read_meta(path)
+        except CheckpointError:
+            return f"resuming from step {step}: {source} state {path}"
+        written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta.created))
+        what = {"jit": "JIT checkpoint", "periodic": "periodic checkpoint",
+                "snapshot": "flushed snapshot"}.get(meta.kind, meta.kind)
+        line = (f"resuming from step {step}: {what} of run {meta.run_id or '(unknown)'} "
+                f"written {written} ({path})")
+        current = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        if current and meta.run_id != current:
+            line += (f"; it is from an earlier job, not this run {current}: to start from scratch "
+                     "use another --checkpoint-dir or --rdzv-id")
+        return line
+
+    def run_snapshot_op(self, fn: Callable[[], object], *, blocking: bool) -> object:
+        """Run a snapshot call; its failure (keeper gone, a peer gone) is a failure of the job.
+
+        Called at points where the protected state is consistent (start of a minibatch, before
+        optimizer.step()): on an error this rank reports it, JIT-saves and exits. ``blocking``
+        calls may wait on other ranks, so they run as a region (hang detection, save while held).
+        """
+        tok = self.region_enter("collective") if blocking else None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - reported as this job's failure
+            if tok is not None:
+                self.region_exit(tok, e)
+            self.report_failure("snapshot", f"snapshot failed: {type(e).__name__}: {e}")
+            self._save_and_exit(on_main=True)
+        if tok is not None:
+            self.region_exit(tok, None)
+        return result
+
+    def current_step(self) -> int:
+        if self.step_fn is not None:
+            return int(self.step_fn())
+        if self._last_step is not None:
+            return self._last_step
+        return (self._restored_step or 0) + self._opt_steps
+
+    def mark_step(self, step: int) -> None:
+        """A minibatch boundary: a safe point, the status heartbeat and the periodic tier."""
+        if self._failure_evt.is_set():
+            self._save_and_exit(on_main=True)
+        if self._native is not None:
+            self._native.mark_minibatch(step)
+            self._native.set_phase("forward")
+        now = time.monotonic()
+        prev_t, prev = self._last_step_t, self._last_step
+        self._last_step, self._last_step_t = step, now
+        if self.channel is not None:
+            if not self._resumed_reported and prev is not None:
+                self._resumed_reported = True
+                self.channel.send(Resumed(rank=self.rank, step=step))
+            self._heartbeat(step, (now - prev_t) if prev is not None else None)
+        if (self.periodic_every and step > 0 and step % self.periodic_every == 0
+                and step != self._restored_step and self.replica_id == 0):
+            if self.save_fn is not None:
+                self._periodic_save(step)
+            else:
+                self._warn_once(f"--periodic-every {self.periodic_every}: no periodic checkpoint is "
+                                "taken: no save function is registered (call jitckpt.init(save_fn) "
+                                "or jitckpt.protect())")
+
+    def _heartbeat(self, step: int, step_time: Optional[float]) -> None:
+        """Tell the launcher every step begun: it needs the step a failure hit even when the ranks
+        die with it. A step time goes along every ~0.5 s (a sample, for the launcher's events)."""
+        assert self.channel is not None
+        now = time.monotonic()
+        if now - self._last_status_t > 0.5:
+            self._last_status_t = now
+        else:
+            step_time = None
+        self.channel.send(Status(rank=self.rank, step=step, step_time=step_time))
+
+    def _warn_once(self, reason: str) -> None:
+        """A flag this job cannot honour: said once, on the console and in the event log."""
+        if self._warned:
+            return
+        self._warned = True
+        log.warning("rank %d: %s", self.rank, reason)
+        if self.channel is not None:
+            self.channel.send(WorkerWarning(rank=self.rank, reason=reason))
+
+    # ---- region tracking (called by CollectiveHooks on the calling thread) --------------------
+    def _torn(self) -> bool:
+        """Whether the state is mid-update now (``protect`` knows; else only inside a step)."""
+        return self._in_optimizer or (self.consistency_check is not None and not self.consistency_check())
+
+    def _consistent(self) -> bool:
+        """Whether this thread may save now: the state is not torn, or --plugin undo will roll it
+        back first and this is the main thread (the one that mutates it, so it is not mid-update)."""
+        if not self._torn():
+            return True
+        return self.roll_back is not None and threading.current_thread() is threading.main_thread()
+
+    def region_enter(self, kind: str) -> int:
+        if self._failure_evt.is_set() and self._consistent():
+            self._save_and_exit(on_main=True)
+        tok = next(self._ids)
+        with self._lock:
+            self._regions[tok] = (kind, time.monotonic(), threading.current_thread() is threading.main_thread())
+        self._native_phase("backward" if kind == "backward" else "allreduce")
+        return tok
+
+    def region_exit(self, token: int, exc: Optional[BaseException]) -> None:
+        with self._lock:
+            kind, start, _ = self._regions.pop(token, ("?", time.monotonic(), False))
+            held = self._save_claimed  # another thread is saving: stay inside, params untouched
+        if held:
+            self._park()
+        if exc is not None and is_collective_failure(exc):
+            # Between optimizer.step() and the end of the minibatch (e.g. a scheduler step still
+            # pending) the state is torn: report, but let the error reach the user's code.
+            self.report_failure("error", f"{kind} raised {type(exc).__name__}: {exc}",
+                                on_main=self._consistent())
+        if exc is None:
+            # A collective that completed had every rank's input: its result is valid, so after
+            # a failure elsewhere the main thread may still finish this minibatch and save at the
+            # next safe point, losing less work.
+            self._history.add(kind, time.monotonic() - start)
+
+    def optimizer_pre_step(self) -> None:
+        with self._lock:
+            held = self._save_claimed
+        if held:
+            self._park()
+        self._in_optimizer = True
+        self._native_phase("optimizer")
+
+    def optimizer_post_step(self) -> None:
+        self._in_optimizer = False
+        self._native_phase("idle")
+        self._opt_steps += 1
+        marked = self._last_step is not None  # mark_step() samples step times, takes periodic saves
+        # Completed steps, the index of the minibatch that comes next: what the launcher needs
+        # if this rank dies before it begins. (A user's step_fn counter is often bumped only
+        # after optimizer.step() returns.)
+        step = self.current_step()
+        if not marked:
+            step = max(step, (self._restored_step or 0) + self._opt_steps)
+        now = time.monotonic()
+        prev_t, self._last_opt_t = self._last_opt_t, now
+        if self.channel is not None:
+            if not self._resumed_reported:  # the first step done after a restart: resumed
+                self._resumed_reported = True
+                self.channel.send(Resumed(rank=self.rank, step=step))
+            if marked:
+                self.channel.send(Status(rank=self.rank, step=step, step_time=None))
+            else:
+                self._heartbeat(step, (now - prev_t) if prev_t is not None else None)
+        if (not marked and self.periodic_every and self._opt_steps >= self.periodic_every
+                and self.save_fn is not None and self.replica_id == 0):
+            # No safe point is known: after optimizer.step() the user's step counter, scheduler and
+            # data position may not be updated yet, and a save would mix two minibatches.
+            self._warn_once(f"--periodic-every {self.periodic_every}: no periodic checkpoint is taken: "
+                            "this job never calls jitckpt.mark_step(step), so jitckpt knows no point "
+                            "where its state is consistent. Call jitckpt.mark_step(step) at the top "
+                            "of each iteration (or use jitckpt.protect()); JIT checkpoints after a "
+                            "failure are not affected")
+
+    def _oldest_region(self) -> Optional[tuple[str, float]]:
+        with self._lock:
+            if not self._regions:
+                return None
+            kind, start, _ = min(self._regions.values(), key=lambda r: r[1])
+        return kind, time.monotonic() - start
+
+    # ---- failure handling ---------------------------------------------------------------
+    def _on_hang(self, kind: str, age: float, limit: float) -> None:
+        self.report_failure("hang", f"{kind} blocked for {age:.1f}s (timeout {limit:.1f}s)",
+                            detect_s=age)
+
+    def report_failure(self, kind: str, detail: str, *, on_main: bool = False,
+                       from_launcher: bool = False, detect_s: Optional[float] = None,
+                       culprit: Optional[int] = None) -> None:
+        """Record a failure (first one wins), tell the launcher, and save when it is safe.
+
+        ``culprit``: the failed rank, when this (healthy) rank knows which one it waits for."""
+        with self._lock:
+            first = self._failure is None
+            if first:
+                self._failure = {"kind": kind, "detail": detail, "rank": self.rank,
+                                 "t": time.time(), "step": self.current_step()}
+        if first:
+            self._failure_evt.set()
+            log.warning("rank %d: failure detected (%s): %s", self.rank, kind, detail)
+            if self.channel is not None and not from_launcher:
+                self.channel.send(FailureReport(rank=self.rank, kind=kind, detail=detail,
+                                  step=self._failure["step"], detect_s=detect_s, culprit=culprit))
+        if on_main:
+            self._save_and_exit(on_main=True)
+        threading.Thread(target=self._save_when_blocked, name="jitckpt-saver", daemon=True).start()
+
+    def _save_when_blocked(self) -> None:
+        """Save from this thread once the main thread is stuck in a blocking region.
+
+        If the region completes instead, the main thread reaches a safe point and saves itself.
+        Without a save function there is nothing to wait for: give up at once.
+        """
+        if self.save_fn is None:
+            self._give_up(self.no_save_reason or "no save function registered (call jitckpt.init(save_fn))")
+        deadline = time.monotonic() + self.save_timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._save_claimed:
+                    return
+                blocked = [on_main for _, start, on_main in self._regions.values()
+                           if time.monotonic() - start > self.blocked_grace]
+                # A torn state is rolled back only while the main thread, which mutates it, waits.
+                claim = bool(blocked) and (not self._torn() or (self.roll_back is not None and any(blocked)))
+                if claim:
+                    self._save_claimed = True
+            if claim:
+                self._do_save_and_exit()
+            time.sleep(0.02)
+        self._give_up(f"main thread reached no safe point within {self.save_timeout}s")
+
+    def _save_and_exit(self, *, on_main: bool) -> None:
+        with self._lock:
+            claim = not self._save_claimed
+            self._save_claimed = True
+        if claim:
+            self._do_save_and_exit()
+        self._park()
+
+    @staticmethod
+    def _park() -> None:
+        while True:  # another thread is saving; it ends the process
+            time.sleep(3600)
+
+    def _do_save_and_exit(self) -> None:
+        if self.save_fn is None:
+            self._give_up(self.no_save_reason or "no save function registered (call jitckpt.init(save_fn))")
+        undone = self._roll_back_if_torn()
+        step = self.current_step()
+        if self._native is not None:  # this thread's device copies go to libjit.so's save stream
+            self._native.set_save_thread(True)
+        t0 = time.monotonic()
+        try:
+            # DDP buffers and RNG as of the start of the minibatch recorded (the process exits next).
+            self.ddp_buffers.rewind_for_save()
+            path, meta = self._write("jit", step)
+        except CheckpointError as e:  # e.g. "no space left on <dir>: N bytes needed"
+            self._give_up(f"JIT save failed: {e}")
+        except BaseException as e:  # noqa: BLE001 - any save error must end in a clean report
+            self._give_up(f"JIT save failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        seconds = time.monotonic() - t0
+        log.warning("rank %d: JIT checkpoint of step %d saved to %s (%.3fs)", self.rank, step,
+                    path, seconds)
+        if self.channel is not None:
+            self.channel.send(Saved(rank=self.rank, path=str(path), step=step,
+                              bytes=meta.total_bytes, seconds=seconds, shard_id=self.shard_id,
+                              num_shards=self.num_shards, kind="jit", undone=undone))
+        self._exit(EXIT_JIT_SAVED)
+
+    def _roll_back_if_torn(self) -> Optional[int]:
+        """--plugin undo: undo the torn step before saving; the number of parameters undone."""
+        if self.roll_back is None or not self._torn():
+            return None
+        try:
+            undone = self.roll_back()
+        except Exception as e:  # noqa: BLE001 - e.g. UndoError: zero_grad() ran after the step
+            self._give_up(f"--plugin undo could not undo the interrupted optimizer step, so this rank "
+                          f"has no consistent state to save: {type(e).__name__}: {e}")
+        self._in_optimizer = False
+        log.warning("rank %d: --plugin undo rolled back the torn optimizer step (%d parameters) "
+                    "before the JIT save", self.rank, undone)
+        return undone
+
+    def _give_up(self, reason: str) -> None:
+        log.error("rank %d: %s", self.rank, reason)
+        if self.channel is not None:
+            self.channel.send(SaveFailed(rank=self.rank, reason=reason))
+        self._exit(EXIT_NO_SAVE)
+
+    @staticmethod
+    def _exit(code: int) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+    def _write(self, kind: str, step: int):  # type: ignore[no-untyped-def]
+        assert self.save_fn is not None
+        # DDP's bucket layout goes into every checkpoint, before its files are checksummed.
+        save_fn = self.ddp_layouts.saving(self.save_fn)
+        return write_checkpoint(self.checkpoint_dir, save_fn, kind=kind, step=step,
+                                rank=self.rank, world_size=self.world_size, gen=self.gen,
+                                shard_id=self.shard_id, num_shards=self.num_shards)
+
+    # ---- periodic tier ------------------------------------------------------------------
+    def _periodic_save(self, step: int) -> None:
+        """Synchronous periodic checkpoint (fallback tier), same format as JIT.
+
+        A failed save (a full disk, an error in the save function) costs only this save: it is
+        logged and reported, the older checkpoints stay, and training goes on.
+        """
+        t0 = time.monotonic()
+        try:
+            path, meta = self._write("periodic", step)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            reason = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+            log.error("rank %d: periodic checkpoint at step %d failed: %s; training goes on",
+                      self.rank, step, reason)
+            if self.channel is not None:
+                self.channel.send(SaveFailed(rank=self.rank, reason=reason, kind="periodic",
+                                  step=step))
+            return
+        if self.channel is not None:
+            self.channel.send(Saved(rank=self.rank, path=str(path), step=step,
+                              bytes=meta.total_bytes, seconds=time.monotonic() - t0,
+                              shard_id=self.shard_id, kind="periodic"))
+
+    # ---- launcher messages and the exit barrier -----------------------------------------
+    def _listen(self) -> None:
+        assert self.channel is not None
+        while True:
+            msg = self.channel.recv()
+            if msg is None:
+                log.error("rank %d: launcher is gone; exiting", self.rank)
+                self._exit(EXIT_LAUNCHER_GONE)
+            if isinstance(msg, SaveNow) and getattr(self, "_verdict_ok", False):
+                continue  # every rank finished: nothing to recover, the job is complete
+            if isinstance(msg, SaveNow):
+                self.report_failure(msg.kind, msg.detail, from_launcher=True)
+            elif isinstance(msg, Verdict):
+                self._verdict_ok = bool(msg.ok)
+                self._verdict_evt.set()
+            elif isinstance(msg, PeerExit):
+                self._on_peer_exit(msg.rank, msg.step)
+
+    def _on_peer_exit(self, rank: Optional[int], step: Optional[int]) -> None:
+        """Another rank reached its exit barrier: it finished, or left early (``sys.exit(0)``).
+
+        If this rank then stays blocked in a collective for :data:`PEER_EXIT_GRACE` seconds, it
+        waits for a rank that will not come: that rank's exit is the failure, reported now rather
+        than after the hang timeout. A collective the leaver took part in ends within moments.
+        """
+        self._peers_left.append((rank, step, time.monotonic()))
+        if len(self._peers_left) > 1:
+            return  # the watcher runs
+
+        def watch() -> None:
+            while self._failure is None and not self._exiting:
+                with self._lock:
+                    starts = [start for _, start, _ in self._regions.values()]
+                left_rank, left_step, t_left = self._peers_left[0]
+                if starts and time.monotonic() - max(min(starts), t_left) > PEER_EXIT_GRACE:
+                    ranks = ", ".join(str(r) for r, _, _ in self._peers_left)
+                    self.report_failure(
+                        "exit", f"rank {ranks} left the job (exited with code 0 at step "
+                        f"{left_step}) while rank {self.rank} waits for it in a collective",
+                        culprit=left_rank, detect_s=time.monotonic() - t_left)
+                    return
+                time.sleep(0.1)
+
+        threading.Thread(target=watch, name="jitckpt-peer-exit", daemon=True).start()
+
+    def _exit_barrier(self) -> None:
+        """At normal exit, wait until every rank finished or a failure is known.
+
+        A failure in another rank's last optimizer step leaves no later collective to hang in;
+        without this barrier the healthy ranks would exit and their state would be lost.
+        """
+        assert self.channel is not None
+        if getattr(self, "_crashed", False):
+            return
+        self._exiting = True
+        self.channel.send(ExitReady(rank=self.rank, step=self.current_step()))
+        deadline = time.monotonic() + self.save_timeout
+        while time.monotonic() < deadline:
+            if self._failure_evt.is_set():
+                self._save_and_exit(on_main=True)
+            if self._verdict_evt.wait(0.05):
+                if getattr(self, "_verdict_ok", False):
+                    return
+                self._failure_evt.wait(5.0)
+                self._save_and_exit(on_main=True)
+        log.error("rank %d: no verdict from the launcher at exit", self.rank)

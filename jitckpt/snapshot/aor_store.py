@@ -1,0 +1,350 @@
+"""ZeRO-1 optimizer partitions in the snapshot keepers (AOR storage) and their restore.
+
+For snapshot step ``s`` each rank ``r`` writes two keeper objects on its node: ``aor.z{r}``, its
+own partition state (``zero.optim.state_dict()``), and ``aor.z{p}``, its :class:`OptimizerReplica`
+of peer ``p``'s partition. Both are the state at the *start* of step ``s`` (after ``s`` updates),
+serialized with ``torch.save`` (read back with ``weights_only=True``) and checksummed by the
+writer. Every partition therefore lives on two nodes. The parameters are replicated and go
+through :class:`SnapshotTaker` as usual (``state_fn`` returning ``{"step", "model"}``).
+
+Order in the training loop (one rank)::
+
+    due = snap.begin(step)          # SnapshotTaker: parameters
+    if due:
+        aor.begin(step)             # queued on the replica's worker, after the pending update
+    ... forward, backward, all-reduce ...
+    aor.wait()                      # before snap.wait(): SnapshotTaker's "every rank committed
+    snap.wait()                     #   step s" check then covers the AOR objects of s too
+    replica.capture()
+    zero.step()
+
+After a failure every rank calls :func:`restore_with_aor`, which picks the newest step whose
+parameters *and* every partition survive, loads this rank's partition into ``zero`` (from its own
+node, or from the node of the rank that kept a replica) and returns the peer's state for a new
+replica.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from jitckpt.snapshot.aor import OptimizerReplica
+from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, Checksum, checksum_of
+from jitckpt.snapshot.client import Topology
+from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
+from jitckpt.snapshot.restore import gather_json, restore
+
+log = logging.getLogger("jitckpt.snapshot")
+
+PREFIX = "aor.z"
+FORMAT = 1
+
+
+def partition_key(rank: int) -> str:
+    """Keeper object key of ZeRO group rank ``rank``'s optimizer partition."""
+    return f"{PREFIX}{rank}"
+
+
+def _encode(*, owner: int, world: int, step: int, zero: ZeroRedundancyOptimizer, state: dict) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, "owner": owner, "world": world, "step": step,
+                "optimizer": type(zero.optim).__name__, "state_dict": state}, buf)
+    return buf.getvalue()
+
+
+def _decode(data: bytes, *, owner: int, world: int, step: int, zero: ZeroRedundancyOptimizer) -> dict:
+    obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    want = {"format": FORMAT, "owner": owner, "world": world, "step": step,
+            "optimizer": type(zero.optim).__name__}
+    got = {k: obj.get(k) for k in want}
+    if got != want:
+        raise ValueError(f"AOR object {partition_key(owner)} is for {got}, this job needs {want} "
+                         "(different job, world size or optimizer)")
+    return obj["state_dict"]
+
+
+class AorSnapshotter:
+    """Writes this rank's ZeRO partition and its peer replica into the node keeper, per snapshot.
+
+    The write runs on the replica's worker thread (after its pending update). :meth:`wait` must
+    come before ``SnapshotTaker.wait()`` and the replica's :meth:`~OptimizerReplica.capture`
+    (which also waits for it, so ``zero.step()`` never changes the state being written).
+    """
+
+    def __init__(self, *, replica: OptimizerReplica, socket_path: Optional[str] = None,
+                 wait_timeout: float = 120.0) -> None:
+        if not isinstance(replica, OptimizerReplica):
+            raise TypeError(f"replica must be an OptimizerReplica, got {type(replica).__name__}")
+        if wait_timeout <= 0:
+            raise ValueError(f"wait_timeout must be > 0, got {wait_timeout}")
+        self.replica, self.zero, self.wait_timeout = replica, replica.zero, wait_timeout
+        self.keeper = KeeperClient(socket_path)
+        self._job: Optional[tuple[int, concurrent.futures.Future]] = None
+        self.bytes_written, self.write_seconds = 0, 0.0  # on the worker thread
+
+    def begin(self, step: int) -> None:
+        """Queue the write of the state at the start of ``step`` (call when the parameter
+        snapshot of ``step`` was started, i.e. ``SnapshotTaker.begin(step)`` returned True)."""
+        if self._job is not None:
+            raise RuntimeError("AorSnapshotter.begin: the previous write was not waited for")
+        if step != self.replica.step:
+            raise ValueError(f"AOR snapshot of step {step}, but the replica has applied "
+                             f"{self.replica.step} updates: call replica.capture() once per "
+                             "optimizer step, before zero.step()")
+        self._job = (step, self.replica.after_updates(lambda peer_state: self._write(step, peer_state)))
+
+    def wait(self) -> Optional[int]:
+        """Block until the running write is committed; the step, or None if none was running."""
+        if self._job is None:
+            return None
+        (step, fut), self._job = self._job, None
+        try:
+            fut.result(timeout=self.wait_timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"AOR snapshot of step {step} not written after {self.wait_timeout} s") from None
+        return step
+
+    def close(self) -> None:
+        """Finish a running write and drop the keeper connection."""
+        try:
+            self.wait()
+        finally:
+            self.keeper.close()
+
+    def _write(self, step: int, peer_state: dict) -> None:
+        t0 = time.perf_counter()
+        world, me = self.zero.world_size, self.zero.rank
+        blobs = [(partition_key(me), _encode(owner=me, world=world, step=step, zero=self.zero,
+                                             state=self.zero.optim.state_dict())),
+                 (partition_key(self.replica.peer),
+                  _encode(owner=self.replica.peer, world=world, step=step, zero=self.zero, state=peer_state))]
+        items = []
+        for key, blob in blobs:
+            m = self.keeper.begin(key, step, len(blob))
+            m[:len(blob)] = blob
+            h = Checksum(DEFAULT_ALGORITHM)
+            h.update(blob)
+            items.append({"key": key, "step": step, "checksum": h.value(), "algo": h.algorithm})
+            self.bytes_written += len(blob)
+        self.keeper.commit(items)
+        self.write_seconds += time.perf_counter() - t0
+
+
+# Restore ---------------------------------------------------------------------------------------
+
+@dataclass
+class AorRestore:
+    """What :func:`restore_with_aor` did. ``state`` is the parameter snapshot (``{"step", "model"}``)
+    or None when no step survived whole; ``peer_state`` goes to ``OptimizerReplica.load_state_dict``."""
+
+    source: str                       # "memory" | "none"
+    step: Optional[int]
+    state: Any
+    peer_state: Optional[dict]
+    own_from: Optional[int] = None    # rank whose keeper held this rank's partition
+    remote: list = field(default_factory=list)    # keys fetched from another node
+    decoded: list = field(default_factory=list)   # parameter parts rebuilt from parity
+    skipped: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _local_partitions(keeper: KeeperClient, topo: Topology) -> list[dict]:
+    """This rank's share of the node keeper's AOR objects, checksum-verified."""
+    out = []
+    entries = [e for e in keeper.listing() if e["key"].startswith(PREFIX)]
+    for i, e in enumerate(entries):
+        if i % topo.ranks_per_node != topo.local_rank:
+            continue
+        try:
+            m, info = keeper.open(e["key"], e["step"])
+        except KeeperError:
+            continue
+        if checksum_of(memoryview(m)[:e["size"]], info["algo"]) != info["checksum"]:
+            log.warning("AOR object %s step %s fails its checksum; not used", e["key"], e["step"])
+            continue
+        out.append({**e, "rank": topo.rank})
+    return out
+
+
+def _holders(catalogues: list) -> dict:
+    """(key, step) -> {rank: entry}."""
+    out: dict = {}
+    for cat in catalogues:
+        for e in cat:
+            out.setdefault((e["key"], int(e["step"])), {})[e["rank"]] = e
+    return out
+
+
+def load_zero_partition(zero: ZeroRedundancyOptimizer, state: dict) -> None:
+    """Load a partition state (a ``zero.optim.state_dict()``) into this rank's ZeRO optimizer,
+    after checking that it fits the partition tensor by tensor."""
+    groups = zero.optim.param_groups
+    if len(state["param_groups"]) != len(groups) or any(
+            len(sg["params"]) != len(g["params"]) for sg, g in zip(state["param_groups"], groups)):
+        raise ValueError("AOR partition state does not match this rank's ZeRO partition (different "
+                         "model, world size or parameter groups)")
+    params = [p for g in groups for p in g["params"]]
+    for index, per_param in state["state"].items():
+        for name, value in per_param.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
+                raise ValueError(f"AOR partition state {name} of parameter {index} has shape "
+                                 f"{tuple(value.shape)}, the parameter {tuple(params[index].shape)}")
+    zero.optim.load_state_dict(state)
+    # ZeRO copies its global groups' hyperparameters into the local optimizer before each step,
+    # so the partition's are those of the last step taken: a scheduler that stepped after it
+    # (the usual order) changed the global ones since. This copy is only a fallback; a caller
+    # that saved the global groups (jitckpt.protect() does) puts them back after this call.
+    for g, lg in zip(zero.param_groups, zero.optim.param_groups):
+        g.update({k: v for k, v in lg.items() if k != "params"})
+
+
+def _fetch_partitions(keeper: KeeperClient, topo: Topology, step: int, holders: dict,
+                      peers: list) -> tuple[dict, int, list]:
+    """Collective: every rank gets its own partition object and its peer's (bytes by key), from
+    its node's keeper if that holds them, else from the lowest rank that does (point to point).
+    Returns (objects, rank the own partition came from, keys fetched from another node)."""
+    me, rpn = topo.rank, topo.ranks_per_node
+    plan = []  # (receiver, key, sender, catalogue entry); the same on every rank
+    for r in range(topo.world):
+        for key in (partition_key(r), partition_key(peers[r])):
+            have = holders[(key, step)]
+            local = [h for h in have if h // rpn == r // rpn]  # verified by a rank of r's node
+            src = min(local or have)
+            plan.append((r, key, r if local else src, have[src]))
+    received: dict[str, bytes] = {}
+    works, sending, receiving = [], [], {}
+    for tag, (dst, key, src, entry) in enumerate(plan):
+        if src == dst == me:
+            m, _ = keeper.open(key, step)
+            received[key] = bytes(m[:entry["size"]])
+        elif src == me:
+            m, _ = keeper.open(key, step)
+            sending.append(torch.frombuffer(m, dtype=torch.uint8, count=entry["size"]))
+            works.append(dist.isend(sending[-1], dst=dst, tag=tag))
+        elif dst == me:
+            receiving[key] = (torch.empty(entry["size"], dtype=torch.uint8), entry)
+            works.append(dist.irecv(receiving[key][0], src=src, tag=tag))
+    for w in works:
+        w.wait()
+    remote = []
+    for key, (t, entry) in receiving.items():
+        data = t.numpy().tobytes()
+        if checksum_of(data, entry["algo"]) != entry["checksum"]:
+            raise ValueError(f"AOR object {key} step {step} from rank {entry['rank']} changed in transit")
+        received[key] = data
+        if entry["rank"] // topo.ranks_per_node != topo.node:
+            remote.append(key)
+    own_from = next(e["rank"] for dst, key, _, e in plan if dst == me and key == partition_key(me))
+    return received, own_from, sorted(remote)
+
+
+@dataclass(frozen=True)
+class AorCatalogue:
+    """Which AOR objects survive in the keepers (the same on every rank): ``holders`` maps
+    (key, step) to {rank: verified entry}, ``peers[r]`` is the peer rank ``r`` protects, and
+    ``complete`` the steps at which every partition survives somewhere, newest first."""
+
+    holders: dict
+    peers: list
+    complete: list
+
+    @property
+    def present(self) -> bool:
+        """Whether any keeper holds AOR objects at all (the job protects ZeRO partitions)."""
+        return bool(self.holders)
+
+
+def survey_partitions(*, peer: int, socket_path: Optional[str] = None,
+                      ranks_per_node: Optional[int] = None) -> AorCatalogue:
+    """Collective: gather every keeper's verified AOR objects; when some step has every
+    partition, discard newer (incomplete) steps from the keepers so the parameter restore that
+    follows cannot pick one of them."""
+    topo = Topology.detect(ranks_per_node)
+    keeper = KeeperClient(socket_path)
+    try:
+        # JSON bytes, not all_gather_object (which unpickles what peers send).
+        gathered = gather_json({"peer": peer, "objects": _local_partitions(keeper, topo)}, topo, None)
+        holders = _holders(g["objects"] for g in gathered)
+        complete = sorted({s for (_, s) in holders
+                           if all((partition_key(r), s) in holders for r in range(topo.world))},
+                          reverse=True)
+        if complete and topo.local_rank == 0:
+            keeper.discard_newer(complete[0])  # newer steps lack a partition: not restorable
+        dist.barrier()
+        return AorCatalogue(holders, [g["peer"] for g in gathered], complete)
+    finally:
+        keeper.close()
+
+
+@dataclass(frozen=True)
+class LoadedPartitions:
+    """This rank's partitions after :func:`load_partitions`: its own is in ``zero`` already."""
+
+    peer_state: dict
+    own_from: int
+    remote: list
+
+
+def load_partitions(*, zero: ZeroRedundancyOptimizer, peer: int, step: int, catalogue: AorCatalogue,
+                    socket_path: Optional[str] = None,
+                    ranks_per_node: Optional[int] = None) -> LoadedPartitions:
+    """Collective: load this rank's partition of ``step`` into ``zero`` (from its node's keeper,
+    or sent by a rank that holds it, checksum re-verified) and return the peer's partition state
+    for :meth:`OptimizerReplica.load_state_dict`."""
+    if step not in catalogue.complete:
+        raise ValueError(f"step {step} does not have every ZeRO partition in the keepers "
+                         f"(complete steps: {catalogue.complete})")
+    topo = Topology.detect(ranks_per_node)
+    world, me = topo.world, topo.rank
+    keeper = KeeperClient(socket_path)
+    try:
+        received, own_from, remote = _fetch_partitions(keeper, topo, step, catalogue.holders,
+                                                       catalogue.peers)
+    finally:
+        keeper.close()
+    own = _decode(received[partition_key(me)], owner=me, world=world, step=step, zero=zero)
+    peer_state = _decode(received[partition_key(peer)], owner=peer, world=world, step=step, zero=zero)
+    load_zero_partition(zero, own)
+    return LoadedPartitions(peer_state, own_from, remote)
+
+
+def restore_with_aor(*, zero: ZeroRedundancyOptimizer, peer: int, socket_path: Optional[str] = None,
+                     ranks_per_node: Optional[int] = None) -> AorRestore:
+    """Collective (every rank): restore parameters and every ZeRO-1 partition from the keepers.
+
+    Picks the newest step whose parameter snapshot can be rebuilt and whose every partition object
+    survives on some node; discards newer, incomplete steps; loads this rank's partition into
+    ``zero``; returns the parameter state and the peer's partition state (``peer`` as given to
+    :class:`OptimizerReplica`).
+    """
+    t0 = time.monotonic()
+    if not dist.is_initialized() or zero.world_size != dist.get_world_size():
+        raise ValueError("restore_with_aor needs torch.distributed initialized and the ZeRO group to be "
+                         "the whole world (hybrid parallel groups are not supported yet)")
+    topo = Topology.detect(ranks_per_node)
+    world, me = topo.world, topo.rank
+    if not 0 <= peer < world or peer == me:
+        raise ValueError(f"peer must be another rank (0..{world - 1}, not {me}), got {peer}")
+    cat = survey_partitions(peer=peer, socket_path=socket_path, ranks_per_node=ranks_per_node)
+    if not cat.complete:
+        return AorRestore("none", None, None, None, skipped=[("memory tier", "no step with every "
+                                                              "ZeRO partition")],
+                          seconds=time.monotonic() - t0)
+    res = restore(socket_path=socket_path, ranks_per_node=ranks_per_node)
+    skipped = list(res.skipped)
+    if res.source != "memory" or res.step not in cat.complete:
+        skipped.append((f"memory step {res.step}", "parameters and partitions survive at no common step"))
+        return AorRestore("none", None, None, None, skipped=skipped, seconds=time.monotonic() - t0)
+    loaded = load_partitions(zero=zero, peer=peer, step=res.step, catalogue=cat,
+                             socket_path=socket_path, ranks_per_node=ranks_per_node)
+    return AorRestore("memory", res.step, res.state, loaded.peer_state, own_from=loaded.own_from,
+                      remote=loaded.remote, decoded=res.decoded, skipped=skipped,
+                      seconds=time.monotonic() - t0)

@@ -1,0 +1,345 @@
+"""Restore from the newest usable tier: in-memory snapshot (REFT-load) or an on-disk checkpoint.
+
+Collective: every rank of the job calls :func:`restore` after ``init_process_group``.
+
+1. Steps are tried newest first (the keeper holds two versions; the older one is hashed only if
+   the newer one is unusable): each node's ranks verify their keeper's objects of that step
+   (checksums, split among the node's ranks) and all-gather a catalogue of what survived.
+2. :func:`latest_memory_step` decides whether the whole state can be rebuilt from that step:
+   every data part present on some node, or (AEC) decodable from parity, or (ARC) present on the
+   successor. The newest verified on-disk checkpoint (:func:`checkpoint_store.find_latest`, all
+   kinds: jit, periodic, flushed snapshots) is compared with it and the newer one wins; at equal
+   steps memory wins (faster).
+3. Objects are broadcast from a node that holds them (gloo), missing parts are decoded from XOR
+   parity, and the state is rebuilt bit for bit.
+4. A state with NaN/Inf in a floating tensor, or one whose load fails anywhere, is not used: its
+   step is rejected in every keeper (never offered again, so a restart cannot loop on it) and the
+   next tier is tried once. :func:`reject_snapshot` does the same when the trainer finds a NaN loss
+   right after resuming.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from jitckpt.checkpoint_store import find_latest
+from jitckpt.snapshot.checksum import checksum_of, copy_verified
+from jitckpt.snapshot.client import META_KEY, STATE_FILE, Topology, parse_meta
+from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
+from jitckpt.snapshot.layout import rebuild
+from jitckpt.snapshot.protection import ProtectionPlan
+
+log = logging.getLogger("jitckpt.snapshot")
+
+
+@dataclass
+class RestoreResult:
+    """What :func:`restore` loaded: ``state`` is None when no tier had a usable checkpoint.
+
+    The state's tensors own their memory (never the keeper's): ``Optimizer.load_state_dict``
+    keeps the tensors it is given, and the keeper's buffers are rewritten by later snapshots.
+    """
+
+    source: str                 # "memory" | "disk" | "none"
+    step: Optional[int]
+    state: Any
+    seconds: float
+    decoded: list = field(default_factory=list)    # data parts rebuilt from parity
+    remote: list = field(default_factory=list)     # objects fetched from another node
+    skipped: list = field(default_factory=list)    # (tier/step, reason)
+    path: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """The newest in-memory step that can be rebuilt, and where each needed object lives."""
+
+    step: int
+    plan: ProtectionPlan
+    holders: dict       # key -> (rank, size)
+    decoded: list
+
+
+def _is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tuple] = None,
+                    keep: Optional[dict] = None, steps: Optional[set] = None,
+                    listing: Optional[list] = None) -> list[dict]:
+    """This rank's share of its keeper's complete objects, checksum-verified.
+
+    ``share=(i, n)`` verifies every n-th object starting at i (default: split among the node's
+    ranks, which all call this on the same keeper). With ``keep`` (a dict), data objects are
+    verified while being copied into private memory (:func:`copy_verified`) and the verified
+    copies are kept there by (key, step), so a restore reads each byte from the keeper once. ``steps``
+    limits the catalogue to those steps; ``listing`` is the keeper's listing if already fetched.
+    """
+    index, count = share or (topo.local_rank, topo.ranks_per_node)
+    entries = [e for e in (keeper.listing() if listing is None else listing)
+               if steps is None or e["step"] in steps]
+    out = []
+    for i, e in enumerate(entries):
+        if i % count != index:
+            continue
+        try:
+            m, info = keeper.open(e["key"], e["step"])
+        except KeeperError:
+            continue  # dropped since the listing (a newer snapshot reused the buffer)
+        copy = keep is not None and e["key"] != META_KEY
+        if copy:
+            data, value = copy_verified(torch.frombuffer(m, dtype=torch.uint8, count=e["size"]), info["algo"])
+        else:
+            value = checksum_of(memoryview(m)[:e["size"]], info["algo"])
+        if value != info["checksum"]:
+            log.warning("in-memory snapshot object %s step %s fails its checksum; not used",
+                        e["key"], e["step"])
+            continue
+        if copy:
+            keep[(e["key"], e["step"])] = data
+        entry = {**e, "rank": topo.rank, "node": topo.node}
+        if e["key"] == META_KEY:
+            try:
+                entry["plan"] = parse_meta(m[:e["size"]])["plan"]
+            except ValueError as err:
+                log.warning("in-memory snapshot step %s: %s; not used", e["step"], err)
+                continue
+        out.append(entry)
+    return out
+
+
+def latest_memory_step(catalogues: list, topo: Topology, skipped: Optional[list] = None) -> Optional[MemoryChoice]:
+    """Newest step rebuildable from the gathered catalogues for this job's topology, or None."""
+    by_step: dict[int, dict] = {}
+    for cat in catalogues:
+        for e in cat:
+            slot = by_step.setdefault(int(e["step"]), {})
+            if e["key"] not in slot or e["rank"] < slot[e["key"]]["rank"]:
+                slot[e["key"]] = e
+    for step in sorted(by_step, reverse=True):
+        objs = by_step[step]
+        meta = objs.get(META_KEY)
+        if meta is None:
+            _skip(skipped, f"memory step {step}", "no surviving metadata object")
+            continue
+        p = meta["plan"]
+        if (p["num_nodes"], p["ranks_per_node"]) != (topo.num_nodes, topo.ranks_per_node):
+            _skip(skipped, f"memory step {step}",
+                  f"taken on {p['num_nodes']} nodes x {p['ranks_per_node']} ranks, this job has "
+                  f"{topo.num_nodes} x {topo.ranks_per_node}")
+            continue
+        plan = ProtectionPlan(**p)
+        need = plan.fetch_list(set(objs))
+        if need is None:
+            _skip(skipped, f"memory step {step}", "more objects lost than the protection scheme covers")
+            continue
+        holders = {k: (objs[k]["rank"], objs[k]["size"]) for k in need + [META_KEY]}
+        decoded = sorted(f"x{k}.{l}" for k in range(plan.m) for l in range(plan.r)
+                         if f"x{k}.{l}" not in objs)
+        return MemoryChoice(step, plan, holders, decoded)
+    return None
+
+
+def _skip(skipped: Optional[list], what: str, why: str) -> None:
+    log.info("restore: skipping %s: %s", what, why)
+    if skipped is not None:
+        skipped.append((what, why))
+
+
+def _all_true(flag: bool, group: Any) -> bool:
+    if not _is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
+def _finite(state: Any) -> bool:
+    if isinstance(state, torch.Tensor):
+        if not state.is_floating_point() or state.numel() == 0:
+            return True
+        # A NaN or Inf element makes the sum non-finite; the sum is one fast pass with no
+        # tensor-sized temporary. Only a non-finite sum (possibly overflow) needs the exact check.
+        if bool(torch.isfinite(state.sum())):
+            return True
+        return bool(torch.isfinite(state).all())
+    if isinstance(state, dict):
+        return all(_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(_finite(v) for v in state)
+    return True
+
+
+def _load_memory(choice: MemoryChoice, keeper: KeeperClient, topo: Topology, group: Any,
+                 remote: list, kept: Optional[dict] = None) -> Any:
+    objects: dict[str, torch.Tensor] = {}
+    for key in sorted(choice.holders):
+        holder, size = choice.holders[key]
+        if kept and (key, choice.step) in kept:
+            t = kept[(key, choice.step)]  # verified private copy: the state views it
+        elif holder == topo.rank:
+            m, _ = keeper.open(key, choice.step)
+            t = torch.frombuffer(m, dtype=torch.uint8, count=size)
+        else:
+            t = torch.empty(size, dtype=torch.uint8)
+            if holder // topo.ranks_per_node != topo.node:
+                remote.append(key)
+        if topo.world > 1:
+            dist.broadcast(t, src=dist.get_global_rank(group, holder) if group is not None else holder,
+                           group=group)
+        objects[key] = t
+    meta = parse_meta(objects.pop(META_KEY).numpy())
+    flat = choice.plan.assemble(objects)
+    return rebuild(meta["layout"], flat.numpy())
+
+
+def gather_json(obj: Any, topo: Topology, group: Any) -> list:
+    """Every rank's JSON-able ``obj`` (as JSON bytes: all_gather_object would unpickle them)."""
+    if topo.world == 1:
+        return [obj]
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(topo.world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+    longest = max(int(n) for n in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    buf[:data.numel()] = data
+    outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(topo.world)]
+    dist.all_gather(outs, buf, group=group)
+    return [json.loads(o[:int(n)].numpy().tobytes()) for o, n in zip(outs, sizes)]
+
+
+def _newest_memory_step(keeper: Optional[KeeperClient], topo: Topology, group: Any,
+                        skipped: list, kept: Optional[dict]) -> Optional[MemoryChoice]:
+    """Collective: verify and agree on steps newest first, so older copies (the keeper holds
+    two versions) are hashed only when every newer step is unusable."""
+    try:
+        listing = keeper.listing() if keeper is not None else []
+    except KeeperError as e:
+        _skip(skipped, "memory tier", str(e))
+        listing = []
+    listed = {int(e["step"]) for e in listing}
+    steps = sorted(set().union(*gather_json(sorted(listed), topo, group)), reverse=True)
+    for step in steps:  # the same sequence on every rank: one gather per step tried
+        mine: list = []
+        if keeper is not None and step in listed:
+            try:
+                mine = local_catalogue(keeper, topo, keep=kept, steps={step}, listing=listing)
+            except (KeeperError, ValueError) as e:
+                _skip(skipped, f"memory step {step}", str(e))
+        choice = latest_memory_step(gather_json(mine, topo, group), topo, skipped)
+        if choice is not None:
+            return choice
+    return None
+
+
+def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] = None,
+            checkpoint_dir: Optional[str] = None, group: Any = None,
+            check_finite: bool = True) -> RestoreResult:
+    """Load the newest usable state (memory or disk tier); see the module docstring."""
+    t0 = time.monotonic()
+    topo = Topology.detect(ranks_per_node, group)
+    skipped: list = []
+    keeper: Optional[KeeperClient] = None
+    kept: Optional[dict] = {} if topo.world == 1 else None
+    try:
+        keeper = KeeperClient(socket_path)
+    except (KeeperError, ValueError) as e:
+        _skip(skipped, "memory tier", str(e))
+    # One rank: the whole state is one object; it is verified while copied out (one pass).
+    choice = _newest_memory_step(keeper, topo, group, skipped, kept)
+    disk = find_latest(checkpoint_dir) if checkpoint_dir else None
+    disk_step = disk[1].step if disk else None
+    try:
+        if choice is not None and (disk_step is None or choice.step >= disk_step):
+            remote: list = []
+            state, ok = None, False
+            try:
+                state = _load_memory(choice, keeper, topo, group, remote, kept)
+                ok = not check_finite or _finite(state)
+                if not ok:
+                    _skip(skipped, f"memory step {choice.step}", "restored state has NaN/Inf")
+            except (KeeperError, ValueError, KeyError) as e:
+                _skip(skipped, f"memory step {choice.step}", f"load failed: {e}")
+            if keeper is not None and topo.local_rank == 0:
+                # Stale partial versions of later steps go now, before the agreement collective:
+                # after it, the node's other ranks may already be writing the next snapshot.
+                keeper.discard_newer(choice.step)
+            if _all_true(ok, group):
+                return RestoreResult("memory", choice.step, state, time.monotonic() - t0,
+                                     decoded=choice.decoded, remote=remote, skipped=skipped)
+            if keeper is not None and topo.local_rank == 0:
+                keeper.reject(choice.step)
+            _skip(skipped, f"memory step {choice.step}", "rejected; falling back to disk")
+        if disk is not None:
+            path, meta = disk
+            state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+            ok = not check_finite or _finite(state)
+            if keeper is not None and topo.local_rank == 0:
+                keeper.discard_newer(meta.step)
+            if _all_true(ok, group):
+                return RestoreResult("disk", meta.step, state, time.monotonic() - t0, skipped=skipped,
+                                     path=str(path))
+            _skip(skipped, f"disk {path}", "restored state has NaN/Inf")
+        return RestoreResult("none", None, None, time.monotonic() - t0, skipped=skipped)
+    finally:
+        if keeper is not None:
+            keeper.close()  # restored tensors hold private memory, not the keeper's
+
+
+def find_latest_in_memory(keepers: Mapping[int, str], *, num_nodes: int, ranks_per_node: int,
+                          skipped: Optional[list] = None) -> Optional[tuple[int, Any]]:
+    """Non-collective discovery for a process that can reach the keepers' sockets (a controller,
+    a launcher, a test): (step, state) of the newest rebuildable snapshot, or None.
+
+    ``keepers`` maps node index -> keeper socket; unreachable keepers count as lost nodes. Same
+    selection rule as :func:`restore`, so its step can be compared with ``find_latest`` on disk.
+    """
+    topo = Topology(0, num_nodes * ranks_per_node, ranks_per_node)
+    clients: dict[int, KeeperClient] = {}
+    catalogues = []
+    try:
+        for node, path in sorted(keepers.items()):
+            if not 0 <= node < num_nodes:
+                raise ValueError(f"keeper for node {node}: nodes are 0..{num_nodes - 1}")
+            try:
+                clients[node] = KeeperClient(path)
+            except KeeperError as e:
+                _skip(skipped, f"node {node}", str(e))
+                continue
+            node_topo = Topology(node * ranks_per_node, topo.world, ranks_per_node)
+            catalogues.append(local_catalogue(clients[node], node_topo, share=(0, 1)))
+        choice = latest_memory_step(catalogues, topo, skipped)
+        if choice is None:
+            return None
+        objects = {}
+        for key, (holder, size) in choice.holders.items():
+            m, _ = clients[holder // ranks_per_node].open(key, choice.step)
+            objects[key] = torch.frombuffer(m, dtype=torch.uint8, count=size)
+        meta = parse_meta(objects.pop(META_KEY).numpy())
+        flat = choice.plan.assemble(objects)
+        if flat is objects.get("x0.0"):
+            flat = flat.clone()  # one part is the state: never hand out views of keeper memory
+        return choice.step, rebuild(meta["layout"], flat.numpy())
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def reject_snapshot(step: int, *, socket_path: Optional[str] = None) -> None:
+    """Never offer in-memory step ``step`` again (e.g. training diverged right after restoring it).
+
+    Call it on every node (any rank; it is idempotent): with parity, the copies left on the other
+    nodes could otherwise rebuild the step again.
+    """
+    k = KeeperClient(socket_path)
+    try:
+        k.reject(step)
+    finally:
+        k.close()

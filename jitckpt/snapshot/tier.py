@@ -1,0 +1,220 @@
+"""The in-memory snapshot tier inside a ``jitckpt run`` worker, as ``jitckpt.protect()`` uses it.
+
+``jitckpt run --snapshot-every N`` starts a keeper per node and sets ``$JITCKPT_SNAPSHOT_*``;
+:meth:`SnapshotTier.from_env` reads them. ``protect()`` then snapshots the same state it saves
+(:meth:`Protected.state_dict`) at the start of every N-th minibatch (from the model's forward
+pre-hook; the copy overlaps the forward and backward) and waits for it in an optimizer step
+pre-hook, before parameters change (see :mod:`snapshot_client`).
+
+Resume (:meth:`SnapshotTier.resolve`, collective, once per process): every rank calls
+:func:`snapshot_restore.restore`, which compares the newest in-memory step that can be rebuilt
+(decoding a lost node's part from parity/replicas) with the newest complete on-disk checkpoint of
+any kind (jit, periodic, flushed snapshot). One rule: the newest complete step wins; at equal
+steps memory wins (the same state as a JIT checkpoint of that step, without reading the disk).
+The first caller is DDP's constructor (the bucket-layout pinning of :mod:`ddp_layout` needs the
+restore point) or ``state.restore()``; both run on every rank in the same order.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("jitckpt.snapshot")
+
+ENV_SOCKET = "JITCKPT_SNAPSHOT_SOCKET"
+ENV_EVERY = "JITCKPT_SNAPSHOT_EVERY"
+ENV_PROTECTION = "JITCKPT_SNAPSHOT_PROTECTION"
+ENV_FLUSH_EVERY = "JITCKPT_SNAPSHOT_FLUSH_EVERY"
+ENV_RANKS_PER_NODE = "JITCKPT_SNAPSHOT_RANKS_PER_NODE"
+LAYOUT_KEY = "ddp_layout"   # the DDP bucket layout, as JSON text, stored with each snapshot
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed worker continues from: ``state`` is the full protected state dict."""
+
+    source: str              # "memory" | "disk"
+    step: int
+    state: Any
+    path: Optional[str]      # the checkpoint directory (disk tier)
+    seconds: float
+    decoded: list            # data parts rebuilt from parity (memory tier)
+    aor: Any = None          # AorCatalogue when the keepers hold ZeRO partitions (AOR)
+
+
+class SnapshotTier:
+    """Snapshots and the tiered resume for one worker (created from ``jitckpt run``'s env)."""
+
+    def __init__(self, *, socket_path: str, every: int, protection: str, flush_every: int,
+                 ranks_per_node: int, checkpoint_dir: str, gen: int) -> None:
+        if every < 1 or flush_every < 0 or ranks_per_node < 1:
+            raise ValueError(f"snapshot tier: every={every} must be >= 1, flush_every={flush_every} "
+                             f">= 0, ranks_per_node={ranks_per_node} >= 1")
+        self.socket_path, self.every, self.protection = socket_path, every, protection
+        self.flush_every, self.ranks_per_node = flush_every, ranks_per_node
+        self.checkpoint_dir, self.gen = checkpoint_dir, gen
+        self.taker: Any = None
+        self._resolved = False
+        self._resume: Optional[ResumePoint] = None
+
+    @classmethod
+    def from_env(cls, *, checkpoint_dir: str, gen: int) -> Optional["SnapshotTier"]:
+        """The tier configured by ``jitckpt run --snapshot-every``, or None when it is off."""
+        every = int(os.environ.get(ENV_EVERY) or 0)
+        if every <= 0:
+            return None
+        socket_path = os.environ.get(ENV_SOCKET)
+        if not socket_path:
+            raise ValueError(f"${ENV_EVERY}={every} but ${ENV_SOCKET} is not set; start the job with "
+                             "jitckpt run --snapshot-every N (it starts the node's keeper)")
+        return cls(socket_path=socket_path, every=every,
+                   protection=os.environ.get(ENV_PROTECTION) or "aec",
+                   flush_every=int(os.environ.get(ENV_FLUSH_EVERY) or 0),
+                   ranks_per_node=int(os.environ.get(ENV_RANKS_PER_NODE)
+                                      or os.environ.get("LOCAL_WORLD_SIZE") or 1),
+                   checkpoint_dir=checkpoint_dir, gen=gen)
+
+    @staticmethod
+    def _check_group() -> None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("jitckpt snapshots (--snapshot-every) need torch.distributed: call "
+                               "dist.init_process_group() before state.restore() and the first forward")
+
+    # Resume -------------------------------------------------------------------------------------
+    def resolve(self) -> Optional[ResumePoint]:
+        """The newest usable state over all tiers (collective on the first call; cached)."""
+        if self._resolved:
+            return self._resume
+        self._check_group()
+        from jitckpt.snapshot.restore import restore
+
+        aor = self._survey_partitions()
+        zero_job = aor is not None and aor.present
+        if zero_job and not aor.complete:
+            raise RuntimeError("resume: the snapshot keepers hold ZeRO optimizer partitions but no step "
+                               "has all of them (more than one node of a protection pair was lost), so "
+                               "this job cannot resume consistently; restart it from scratch with a new "
+                               "--rdzv-id (fresh keepers)")
+        # A ZeRO job's partitions exist only in the keepers: the disk tier cannot resume it.
+        res = restore(socket_path=self.socket_path, ranks_per_node=self.ranks_per_node,
+                      checkpoint_dir=None if zero_job else self.checkpoint_dir)
+        self._resolved = True
+        for what, why in res.skipped:
+            log.warning("resume: skipped %s: %s", what, why)
+        if zero_job and (res.state is None or res.step not in aor.complete):
+            raise RuntimeError(f"resume: ZeRO optimizer partitions survive for steps {aor.complete} but "
+                               f"the parameters for none of them (memory tier: {res.source} step "
+                               f"{res.step}); this job cannot resume consistently")
+        if res.state is not None:
+            state = res.state
+            if res.source == "memory" and dist.is_initialized() and dist.get_world_size() == 1:
+                # One rank: the tensors view the keeper's buffers, which later snapshots reuse.
+                state = _clone(state)
+            self._resume = ResumePoint(res.source, int(res.step), state, res.path, res.seconds,
+                                       list(res.decoded), aor if zero_job else None)
+            log.warning("resume from %s step %d (%.3fs)%s", res.source, res.step, res.seconds,
+                        f"; decoded {res.decoded} from parity" if res.decoded else "")
+        return self._resume
+
+    def peer(self) -> Optional[int]:
+        """The rank whose ZeRO partition this rank replicates (AOR), or None with one node."""
+        from jitckpt.snapshot.aor import successor_peer
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        try:
+            return successor_peer(rank, world, self.ranks_per_node)
+        except ValueError:
+            return None
+
+    def _survey_partitions(self) -> Any:
+        """Collective: the keepers' AOR objects (None when AOR cannot apply: fewer than 2 nodes)."""
+        peer = self.peer()
+        if peer is None:
+            return None
+        from jitckpt.snapshot.aor_store import survey_partitions
+
+        return survey_partitions(peer=peer, socket_path=self.socket_path,
+                                 ranks_per_node=self.ranks_per_node)
+
+    def load_zero_partitions(self, zero: Any, point: ResumePoint) -> Any:
+        """Collective: load this rank's ZeRO partition of ``point`` into ``zero``; return the
+        :class:`~snapshot_aor_store.LoadedPartitions` (the peer's state, for the replica)."""
+        from jitckpt.snapshot.aor_store import load_partitions
+
+        return load_partitions(zero=zero, peer=self.peer(), step=point.step, catalogue=point.aor,
+                               socket_path=self.socket_path, ranks_per_node=self.ranks_per_node)
+
+    def ddp_layout(self) -> Optional[dict]:
+        """The DDP bucket layout of the resume point (for :func:`ddp_layout.install_pinning`)."""
+        rp = self.resolve()
+        if rp is None:
+            return None
+        if rp.source == "disk":
+            from jitckpt.runtime import ddp_layout
+
+            return ddp_layout.load(rp.path)
+        text = rp.state.get(LAYOUT_KEY) if isinstance(rp.state, dict) else None
+        return json.loads(text) if text else None
+
+    # Snapshots ----------------------------------------------------------------------------------
+    def start(self, state_fn: Callable[[], Any], *, resumed_step: Optional[int]) -> None:
+        """Create the snapshot taker (collective: a side process group); once, on every rank.
+
+        ``resumed_step`` is the step the state was loaded from (None: training starts afresh,
+        so whatever the keepers hold is stale and is dropped; a keeper refuses to begin a step
+        it holds complete).
+        """
+        if self.taker is not None:
+            return
+        self._check_group()
+        from jitckpt.snapshot.client import SnapshotTaker, Topology
+        from jitckpt.snapshot.keeper_client import KeeperClient
+
+        if resumed_step is None:
+            if Topology.detect(self.ranks_per_node).local_rank == 0:
+                keeper = KeeperClient(self.socket_path)
+                try:
+                    keeper.discard_newer(-1)
+                finally:
+                    keeper.close()
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.barrier()  # no rank begins before its node's keeper is cleared
+        self.taker = SnapshotTaker(state_fn=state_fn, socket_path=self.socket_path,
+                                   scheme=self.protection, every=self.every,
+                                   ranks_per_node=self.ranks_per_node,
+                                   flush_dir=self.checkpoint_dir if self.flush_every else None,
+                                   flush_every=self.flush_every, gen=self.gen)
+        if resumed_step is not None:
+            # In the keepers already (memory), or a keeper may hold a complete copy of it (disk
+            # won at this step): never begun twice.
+            self.taker.skip(resumed_step)
+
+    def begin(self, step: int) -> bool:
+        return bool(self.taker.begin(step))
+
+    def wait(self) -> Optional[int]:
+        return self.taker.wait()
+
+    def close(self) -> None:
+        if self.taker is not None:
+            self.taker.close()
+            self.taker = None
+
+
+def _clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone(v) for v in obj)
+    return obj

@@ -1,0 +1,9 @@
+"""SWIFT logging-based recovery of pipeline-parallel training.
+
+Logging: :mod:`.logging_sender` (upstream backup of each stage's sends), :mod:`.logging_records`
+(the chunk format), :mod:`.logging_replay` (serving logged inputs in order), with
+:mod:`.logging_determinism` and :mod:`.selective_logging`. Running a stage: :mod:`.schedule`,
+:mod:`.channel` (live peers or logs), :mod:`.stage`. Recovery: :mod:`.recovery`,
+:mod:`.parallel_recovery`, :mod:`.failure_flag`, :mod:`.store`, and :mod:`.stage_membership` (a
+worker's place in a ``jitckpt run --recovery stage`` job).
+"""
