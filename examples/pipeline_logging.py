@@ -522,7 +522,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0,
                     help="bound on every wait (store, process group, the whole run)")
     args = ap.parse_args(argv)
-    member = StageMembership.from_env(timeout=args.timeout)
+    member = StageMembership.from_launcher(timeout=args.timeout)
     cfg_kw = dict(run_dir=args.run_dir, iterations=args.iterations,
                   checkpoint_every=args.checkpoint_every, fail_stage=args.fail_stage,
                   fail_iteration=args.fail_iter, fail_op=args.fail_op, recovery=args.recovery,

@@ -210,9 +210,10 @@ def main():
         t0 = time.perf_counter()
         x, y = batch_for(step, rank, args)
         if step in (mine.get("node"), mine.get("keeper")):
+            from jitckpt.runtime.current import get_runtime
             from jitckpt.snapshot.keeper_client import KeeperClient
 
-            keeper = KeeperClient()
+            keeper = KeeperClient(get_runtime().snapshots.socket_path)  # this node's keeper
             keeper_pid = keeper.ping()["pid"]
             keeper.close()
             os.kill(keeper_pid, signal.SIGKILL)

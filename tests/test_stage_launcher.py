@@ -224,14 +224,15 @@ def test_membership_from_environment(monkeypatch):
     from jitckpt.swift.pipeline.failure_flag import announce_key
     from jitckpt.swift.pipeline.stage_membership import StageMembership
 
-    monkeypatch.delenv("JITCKPT_RECOVERY", raising=False)
-    assert StageMembership.from_env() is None  # not under --recovery stage
-    monkeypatch.setenv("JITCKPT_RECOVERY", "stage")
-    monkeypatch.setenv("JITCKPT_STAGE_STORE", "no-port")
+    from jitckpt.protocol.worker_spec import StageSpec
+    from jitckpt.runtime import current
+
+    monkeypatch.setattr(current, "_runtime", None)
+    assert StageMembership.from_launcher() is None  # not under --recovery stage
     with pytest.raises(ValueError, match="HOST:PORT"):
-        StageMembership.from_env()
+        StageSpec(store="no-port")
     store = dist.HashStore()
-    with pytest.raises(ValueError, match="JITCKPT_ROLE='survivor'"):
+    with pytest.raises(ValueError, match="role 'survivor'"):
         StageMembership(rank=0, world_size=4, generation=0, role="survivor", store=store)
     with pytest.raises(ValueError, match="RANK=4"):
         StageMembership(rank=4, world_size=4, generation=0, role="initial", store=store)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 from typing import Any, Optional
 
+from jitckpt.protocol.worker_spec import StageSpec
 from jitckpt.launcher.config import LaunchConfig
 
 
@@ -47,10 +48,9 @@ class StageGenerations:
             self.store = dist.PrefixStore("stage", coord.store)
             self.endpoint = cfg.rdzv_endpoint
 
-    def worker_env(self, role: str) -> dict:
-        """What :meth:`StageMembership.from_env` reads."""
-        return {"JITCKPT_RECOVERY": "stage", "JITCKPT_ROLE": role,
-                "JITCKPT_STAGE_STORE": self.endpoint, "JITCKPT_STAGE_PREFIX": self.prefix}
+    def worker_spec(self, role: str) -> StageSpec:
+        """A worker's part of the job (:meth:`StageMembership.from_launcher` reads it)."""
+        return StageSpec(store=self.endpoint, prefix=self.prefix, role=role)
 
     def for_launch(self, launch: int) -> int:
         """The generation the workers of whole-job launch ``launch`` start in (all nodes agree)."""

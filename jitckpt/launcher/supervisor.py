@@ -26,6 +26,7 @@ from typing import Optional
 
 from jitckpt.checkpoint_store import prune, prune_finished
 from jitckpt.protocol.control_channel import ENV_FD, ControlChannel, channel_pair
+from jitckpt.protocol.worker_spec import SnapshotSpec, WorkerSpec
 from jitckpt.protocol.control_messages import (Assign, ExitReady, FailureReport, Hello, Message, PeerExit,
                                                Restored, Resumed, Saved, SaveFailed, SaveNow, StageCaughtUp,
                                                Status, Verdict, WorkerWarning)
@@ -301,7 +302,9 @@ class Launcher:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         return env
 
-    def _rank_env(self, gen: int, local_rank: int, master: tuple[str, int], role: str) -> dict:
+    def _rank_env(self, gen: int, local_rank: int, master: tuple[str, int]) -> dict:
+        """torchrun's variables for the rank, as torchrun sets them (scripts and
+        ``init_process_group`` read them); jitckpt's own settings go in the :class:`WorkerSpec`."""
         cfg = self.cfg
         rank = cfg.node_rank * cfg.nproc_per_node + local_rank
         env = {
@@ -314,23 +317,28 @@ class Launcher:
             # Python workers: rank 0's process serves the store on MASTER_ADDR only (every rank a
             # client), not torch's server on every interface (jitckpt.runtime.generation_store).
             "TORCHELASTIC_USE_AGENT_STORE": str(not cfg.no_python),
-            "JITCKPT_HOST_STORE": "0" if cfg.no_python else "1",
-            "JITCKPT_CHECKPOINT_DIR": cfg.checkpoint_dir, "JITCKPT_RUN_DIR": str(self.run_dir),
-            "JITCKPT_HANG_TIMEOUT": cfg.hang_timeout, "JITCKPT_PERIODIC_EVERY": str(cfg.periodic_every),
-            "JITCKPT_SAVE_TIMEOUT": str(cfg.save_timeout), "JITCKPT_GEN": str(gen),
-            "JITCKPT_PLUGINS": ",".join(cfg.plugins),
         }
         if cfg.preload:
             env["LD_PRELOAD"] = cfg.preload
-        if self.stage is not None:
-            env.update(self.stage.worker_env(role))
-        if self.keeper is not None:
-            env.update({"JITCKPT_SNAPSHOT_SOCKET": self.keeper.socket_path,
-                        "JITCKPT_SNAPSHOT_EVERY": str(cfg.snapshot_every),
-                        "JITCKPT_SNAPSHOT_PROTECTION": str(cfg.snapshot_protection),
-                        "JITCKPT_SNAPSHOT_FLUSH_EVERY": str(cfg.snapshot_flush_every),
-                        "JITCKPT_SNAPSHOT_RANKS_PER_NODE": str(cfg.nproc_per_node)})
         return env
+
+    def _worker_spec(self, gen: int, local_rank: int, role: str) -> WorkerSpec:
+        """What this launcher tells the rank, once, validated."""
+        cfg = self.cfg
+        snapshot = stage = None
+        if self.keeper is not None:
+            snapshot = SnapshotSpec(socket=self.keeper.socket_path, every=cfg.snapshot_every,
+                                    protection=str(cfg.snapshot_protection),
+                                    flush_every=cfg.snapshot_flush_every,
+                                    ranks_per_node=cfg.nproc_per_node)
+        if self.stage is not None:
+            stage = self.stage.worker_spec(role)
+        return WorkerSpec(rank=cfg.node_rank * cfg.nproc_per_node + local_rank,
+                          world_size=cfg.world_size, gen=gen, checkpoint_dir=cfg.checkpoint_dir,
+                          run_dir=str(self.run_dir), hang_timeout=cfg.hang_timeout,
+                          periodic_every=cfg.periodic_every, save_timeout=cfg.save_timeout,
+                          plugins=cfg.plugins, host_store=not cfg.no_python, snapshot=snapshot,
+                          stage=stage)
 
     def _start_workers(self, launch: int, master: tuple[str, int]) -> None:
         role = "initial" if launch == 0 else "restart"
@@ -340,11 +348,12 @@ class Launcher:
     def _start_worker(self, gen: int, local_rank: int, master: tuple[str, int],
                       role: str) -> Worker:
         cfg = self.cfg
-        env = self._rank_env(gen, local_rank, master, role)
-        rank = int(env["RANK"])
-        if cfg.no_python:
+        env = self._rank_env(gen, local_rank, master)
+        spec = self._worker_spec(gen, local_rank, role)
+        rank = spec.rank
+        if cfg.no_python:  # no Python to send the spec to: libjit.so reads the environment
             parent, child = channel_pair()
-            full_env = {**self._base_env(), **env, ENV_FD: str(child.fileno())}
+            full_env = {**self._base_env(), **env, **spec.to_env(), ENV_FD: str(child.fileno())}
             proc = subprocess.Popen([cfg.script, *cfg.script_args], env=full_env,
                                     pass_fds=(child.fileno(),), start_new_session=True)
             child.close()
@@ -353,7 +362,8 @@ class Launcher:
             assert self.pool is not None
             proc, ch, warm = self.pool.take()
             argv = [cfg.script, *cfg.script_args]
-            ch.send(Assign(env=env, argv=argv, cwd=os.getcwd(), module=cfg.module))
+            ch.send(Assign(env=env, argv=argv, cwd=os.getcwd(), module=cfg.module,
+                           spec=spec.to_dict()))
             w = Worker(rank, local_rank, proc, ch, warm=warm)
         self.emit("worker_start", rank=rank, pid=proc.pid, warm=w.warm, role=role)
         return w

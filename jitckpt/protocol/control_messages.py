@@ -128,12 +128,14 @@ class StageCaughtUp(Message):
 # ---- launcher -> worker ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Assign(Message):
-    """Standby only: become this rank (environment, argv, working directory, ``-m`` module)."""
+    """Standby only: become this rank (environment, argv, working directory, ``-m`` module, and
+    jitckpt's settings for it: the worker spec)."""
     TYPE: ClassVar[str] = "assign"
-    env: dict
+    env: dict                   # torchrun's variables for the rank
     argv: list
     cwd: str
     module: Optional[str] = None
+    spec: dict = field(default_factory=dict)  # jitckpt.protocol.worker_spec.WorkerSpec.to_dict()
 
 
 @dataclass(frozen=True)

@@ -12,20 +12,20 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-ENV_HOST = "JITCKPT_HOST_STORE"
+if TYPE_CHECKING:
+    from jitckpt.protocol.worker_spec import WorkerSpec
 
 
-def host_if_rank0(env: Optional[dict] = None) -> Optional[Any]:
+def host_if_rank0(spec: "WorkerSpec") -> Optional[Any]:
     """Start the generation's store server when this process is rank 0 of a ``jitckpt run``
-    worker set that asked for it (``$JITCKPT_HOST_STORE=1``); return it (keep it alive), or None."""
-    env = os.environ if env is None else env
-    if env.get(ENV_HOST) != "1" or env.get("RANK") != "0":
+    worker set that asked for it (``spec.host_store``); return it (keep it alive), or None."""
+    if not spec.host_store or spec.rank != 0:
         return None
     import torch.distributed as dist
 
-    host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     # The server listens on this very descriptor for the rest of the process: hand it over.
     return dist.TCPStore(host, port, world_size=None, is_master=True,
                          timeout=datetime.timedelta(seconds=300), wait_for_workers=False,

@@ -2,7 +2,8 @@
 
 The launcher keeps a pool of these so a restart costs rendezvous and checkpoint load, not
 interpreter start-up and ``import torch`` (seconds). On ``assign`` it takes the rank's environment
-and argv, starts the jitckpt worker runtime, and runs the user's script as ``__main__``.
+and argv and the worker spec, starts the jitckpt worker runtime from the spec, and runs the
+user's script as ``__main__``.
 """
 from __future__ import annotations
 
@@ -35,10 +36,12 @@ def main() -> None:
     os.environ.update(msg.env)
     os.chdir(msg.cwd)
     argv = list(msg.argv)
+    from jitckpt.protocol.worker_spec import WorkerSpec
     from jitckpt.runtime.generation_store import host_if_rank0
 
-    store = host_if_rank0()  # noqa: F841 - serves the process group's store while this rank lives
-    rt = WorkerRuntime.from_env(channel)
+    spec = WorkerSpec.from_dict(msg.spec)
+    store = host_if_rank0(spec)  # noqa: F841 - serves the process group's store while this rank lives
+    rt = WorkerRuntime.from_spec(spec, channel)
     rt.start()
     install_runtime(rt)
     if msg.module:

@@ -39,23 +39,14 @@ from jitckpt.runtime.watchdog import DurationHistory, HangTimeout, Watchdog
 
 log = logging.getLogger("jitckpt.worker")
 
+from jitckpt.protocol.worker_spec import WorkerSpec
 from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED, EXIT_LAUNCHER_GONE, EXIT_NO_SAVE
 
-ENV_CHECKPOINT_DIR = "JITCKPT_CHECKPOINT_DIR"
-ENV_HANG_TIMEOUT = "JITCKPT_HANG_TIMEOUT"
-ENV_PERIODIC_EVERY = "JITCKPT_PERIODIC_EVERY"
-ENV_SAVE_TIMEOUT = "JITCKPT_SAVE_TIMEOUT"
-ENV_PLUGINS = "JITCKPT_PLUGINS"
 
 
 # A rank blocked this long in a collective after a peer reached its exit barrier waits for it in
 # vain (see WorkerRuntime._on_peer_exit).
 PEER_EXIT_GRACE = 5.0
-
-
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return int(v) if v not in (None, "") else default
 
 
 def _first_line(exc: BaseException) -> str:
@@ -117,20 +108,24 @@ class WorkerRuntime:
         self._latest: dict = {}
         self._native = None  # jitckpt._native when libjit.so is preloaded
         self.snapshots = None  # SnapshotTier when jitckpt run --snapshot-every is on
+        self.spec: Optional[WorkerSpec] = None  # what the launcher (or the environment) said
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_env(cls, channel: Optional[ControlChannel] = None) -> "WorkerRuntime":
-        rank = _env_int("RANK", 0)
-        world = _env_int("WORLD_SIZE", 1)
-        gen = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
-        ckpt = os.environ.get(ENV_CHECKPOINT_DIR) or os.path.abspath("jitckpt-checkpoints")
-        ht = HangTimeout.parse(os.environ.get(ENV_HANG_TIMEOUT, "auto"))
-        return cls(rank=rank, world_size=world, gen=gen, checkpoint_dir=ckpt, hang_timeout=ht,
-                   channel=channel if channel is not None else ControlChannel.from_env(),
-                   periodic_every=_env_int(ENV_PERIODIC_EVERY, 0),
-                   save_timeout=float(os.environ.get(ENV_SAVE_TIMEOUT, "120")),
-                   plugins=tuple(filter(None, os.environ.get(ENV_PLUGINS, "").split(","))))
+    def from_spec(cls, spec: WorkerSpec, channel: Optional[ControlChannel]) -> "WorkerRuntime":
+        """The runtime ``jitckpt run`` configured (the spec came with the rank's assignment)."""
+        rt = cls(rank=spec.rank, world_size=spec.world_size, gen=spec.gen,
+                 checkpoint_dir=spec.checkpoint_dir, hang_timeout=HangTimeout.parse(spec.hang_timeout),
+                 channel=channel, periodic_every=spec.periodic_every, save_timeout=spec.save_timeout,
+                 plugins=spec.plugins)
+        rt.spec = spec
+        return rt
+
+    @classmethod
+    def from_env(cls) -> "WorkerRuntime":
+        """A process the launcher did not start (torchrun, plain python): settings from the
+        environment (:data:`jitckpt.protocol.worker_spec.ENVIRONMENT`)."""
+        return cls.from_spec(WorkerSpec.from_env(os.environ), ControlChannel.from_env())
 
     def start(self) -> None:
         # A fatal signal (a segfault, or SIGABRT from a C++ std::terminate in a library) then
@@ -141,7 +136,8 @@ class WorkerRuntime:
         from jitckpt.runtime import ddp_layout
         from jitckpt.snapshot.tier import SnapshotTier
 
-        self.snapshots = SnapshotTier.from_env(checkpoint_dir=self.checkpoint_dir, gen=self.gen)
+        snapshot = self.spec.snapshot if self.spec is not None else None
+        self.snapshots = SnapshotTier.from_spec(snapshot, checkpoint_dir=self.checkpoint_dir, gen=self.gen)
         if self.snapshots is not None:
             # The resume point may be an in-memory snapshot: DDP's layout comes from it.
             ddp_layout.install_pinning(self.snapshots.ddp_layout)

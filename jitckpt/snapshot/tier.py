@@ -1,7 +1,7 @@
 """The in-memory snapshot tier inside a ``jitckpt run`` worker, as ``jitckpt.protect()`` uses it.
 
-``jitckpt run --snapshot-every N`` starts a keeper per node and sets ``$JITCKPT_SNAPSHOT_*``;
-:meth:`SnapshotTier.from_env` reads them. ``protect()`` then snapshots the same state it saves
+``jitckpt run --snapshot-every N`` starts a keeper per node and puts it in each worker's spec
+(:class:`~jitckpt.protocol.worker_spec.SnapshotSpec`); :meth:`SnapshotTier.from_spec` reads it. ``protect()`` then snapshots the same state it saves
 (:meth:`Protected.state_dict`) at the start of every N-th minibatch (from the model's forward
 pre-hook; the copy overlaps the forward and backward) and waits for it in an optimizer step
 pre-hook, before parameters change (see :mod:`snapshot_client`).
@@ -20,18 +20,16 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from jitckpt.protocol.worker_spec import SnapshotSpec
+
 log = logging.getLogger("jitckpt.snapshot")
 
-ENV_SOCKET = "JITCKPT_SNAPSHOT_SOCKET"
-ENV_EVERY = "JITCKPT_SNAPSHOT_EVERY"
-ENV_PROTECTION = "JITCKPT_SNAPSHOT_PROTECTION"
-ENV_FLUSH_EVERY = "JITCKPT_SNAPSHOT_FLUSH_EVERY"
-ENV_RANKS_PER_NODE = "JITCKPT_SNAPSHOT_RANKS_PER_NODE"
 LAYOUT_KEY = "ddp_layout"   # the DDP bucket layout, as JSON text, stored with each snapshot
 
 
@@ -64,20 +62,13 @@ class SnapshotTier:
         self._resume: Optional[ResumePoint] = None
 
     @classmethod
-    def from_env(cls, *, checkpoint_dir: str, gen: int) -> Optional["SnapshotTier"]:
-        """The tier configured by ``jitckpt run --snapshot-every``, or None when it is off."""
-        every = int(os.environ.get(ENV_EVERY) or 0)
-        if every <= 0:
+    def from_spec(cls, spec: Optional["SnapshotSpec"], *, checkpoint_dir: str,
+                  gen: int) -> Optional["SnapshotTier"]:
+        """The tier ``jitckpt run --snapshot-every`` configured, or None when it is off."""
+        if spec is None:
             return None
-        socket_path = os.environ.get(ENV_SOCKET)
-        if not socket_path:
-            raise ValueError(f"${ENV_EVERY}={every} but ${ENV_SOCKET} is not set; start the job with "
-                             "jitckpt run --snapshot-every N (it starts the node's keeper)")
-        return cls(socket_path=socket_path, every=every,
-                   protection=os.environ.get(ENV_PROTECTION) or "aec",
-                   flush_every=int(os.environ.get(ENV_FLUSH_EVERY) or 0),
-                   ranks_per_node=int(os.environ.get(ENV_RANKS_PER_NODE)
-                                      or os.environ.get("LOCAL_WORLD_SIZE") or 1),
+        return cls(socket_path=spec.socket, every=spec.every, protection=spec.protection,
+                   flush_every=spec.flush_every, ranks_per_node=spec.ranks_per_node,
                    checkpoint_dir=checkpoint_dir, gen=gen)
 
     @staticmethod

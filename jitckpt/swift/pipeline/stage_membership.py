@@ -2,13 +2,13 @@
 
 With ``--recovery stage`` the launcher does not end the job when a worker dies: the survivors
 keep running and keep their state, and the launcher starts one replacement for the dead rank.
-It tells the workers what they need through the environment and a job-wide TCPStore that the
+It tells each worker what it needs in the worker spec sent with its rank
+(:class:`~jitckpt.protocol.worker_spec.StageSpec`), and keeps a job-wide TCPStore that the
 launcher hosts (so the store outlives any worker, rank 0 included):
 
-* ``JITCKPT_RECOVERY=stage``, ``JITCKPT_STAGE_STORE=host:port`` (and ``JITCKPT_STAGE_PREFIX``,
-  the job's key prefix when the store is the rendezvous store of several nodes);
-* ``JITCKPT_GEN``: the process-group generation this process starts in;
-* ``JITCKPT_ROLE``: ``initial`` (first start), ``replacement`` (a dead rank's successor: load the
+* ``store`` (``host:port``) and ``prefix`` (the job's key prefix when the store is the rendezvous
+  store of several nodes); the spec's ``gen``: the process-group generation this process starts in;
+* ``role``: ``initial`` (first start), ``replacement`` (a dead rank's successor: load the
   last global checkpoint and replay from the neighbours' logs) or ``restart`` (the launcher fell
   back to restarting every rank from the global checkpoint).
 
@@ -36,7 +36,7 @@ ROLES = ("initial", "replacement", "restart")
 class StageMembership:
     """Rank, generation and role of this worker, and the launcher's job store.
 
-    ``StageMembership.from_env()`` returns ``None`` outside ``jitckpt run --recovery stage``.
+    ``StageMembership.from_launcher()`` returns ``None`` outside ``jitckpt run --recovery stage``.
     ``failure_flag(g)`` is the job-wide failure flag of generation ``g``;
     ``failed_rank(g)`` waits (bounded by the store timeout) until the launcher names the rank
     whose replacement starts generation ``g`` and returns it. A replacement calls
@@ -55,29 +55,28 @@ class StageMembership:
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise ValueError(f"JITCKPT_ROLE={self.role!r}: expected one of {', '.join(ROLES)}")
+            raise ValueError(f"role {self.role!r}: expected one of {', '.join(ROLES)}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"RANK={self.rank} outside 0..{self.world_size - 1}")
         if self.generation < 0:
-            raise ValueError(f"JITCKPT_GEN={self.generation} must be >= 0")
+            raise ValueError(f"generation {self.generation} must be >= 0")
 
     @classmethod
-    def from_env(cls, *, timeout: float = 300.0) -> Optional["StageMembership"]:
-        if os.environ.get("JITCKPT_RECOVERY") != "stage":
+    def from_launcher(cls, *, timeout: float = 300.0) -> Optional["StageMembership"]:
+        """This worker's membership, from the worker spec ``jitckpt run --recovery stage`` sent
+        with its rank; None in any other process."""
+        from jitckpt.runtime.current import runtime_or_none
+
+        rt = runtime_or_none()  # under jitckpt run, the standby started it from the spec
+        spec = rt.spec if rt is not None else None
+        if spec is None or spec.stage is None:
             return None
-        endpoint = os.environ.get("JITCKPT_STAGE_STORE", "")
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"JITCKPT_STAGE_STORE={endpoint!r}: expected HOST:PORT "
-                             "(set by jitckpt run --recovery stage)")
-        store = dist.TCPStore(host, int(port), is_master=False,
-                              timeout=timedelta(seconds=timeout))
-        prefix = os.environ.get("JITCKPT_STAGE_PREFIX", "")
-        if prefix:  # several nodes: the rendezvous store, under the job's prefix
-            store = dist.PrefixStore(prefix, store)
-        return cls(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                   generation=int(os.environ.get("JITCKPT_GEN", "0")),
-                   role=os.environ.get("JITCKPT_ROLE", "initial"), store=store)
+        host, _, port = spec.stage.store.rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+        if spec.stage.prefix:  # several nodes: the rendezvous store, under the job's prefix
+            store = dist.PrefixStore(spec.stage.prefix, store)
+        return cls(rank=spec.rank, world_size=spec.world_size, generation=spec.gen,
+                   role=spec.stage.role, store=store)
 
     def failure_flag(self, generation: int) -> FailureFlag:
         """The failure flag of ``generation`` (cheap to poll while waiting on a peer)."""
