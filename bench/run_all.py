@@ -110,7 +110,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--only", nargs="*", choices=[b.name for b in BENCHES], help="run only these")
     ap.add_argument("--keep", default="", help="directory for the JSON and logs (default: a temp dir)")
     args = ap.parse_args(argv)
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=150)  # a log keeps whole rows
     benches = [b for b in BENCHES if not args.only or b.name in args.only]
     scratch_ctx = tempfile.TemporaryDirectory(prefix="jitckpt-bench-") if not args.keep else None
     scratch = Path(args.keep or scratch_ctx.name)

@@ -1,6 +1,6 @@
 """The launcher's handle on its node's snapshot keeper: start it, replace it if it died, stop it.
 
-The keeper (:mod:`snapshot_keeper`) holds the node's in-memory snapshots, so it must outlive the
+The keeper (:mod:`jitckpt.snapshot.keeper`) holds the node's in-memory snapshots, so it must outlive the
 trainers: one keeper per node for the whole job, kept across restarts. A keeper found dead at the
 start of a generation (its node was lost, or it crashed) is replaced by a fresh, empty one; the
 lost snapshot data is then rebuilt from the other nodes' replicas or parity.

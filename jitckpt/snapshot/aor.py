@@ -7,7 +7,7 @@ every rank holds bit-identical gradients for *every* partition. :class:`Optimize
 them to keep, in host memory, a replica of one peer's partition state: after each step it applies
 the same ``torch.optim`` rule (same class, same hyperparameters, same implementation path) to a
 shadow copy of the peer partition's parameters. No bytes cross nodes while training; a lost
-node's partition comes back from the replica (see :mod:`snapshot_aor_store`).
+node's partition comes back from the replica (see :mod:`jitckpt.snapshot.aor_store`).
 
 Race rule (why gradients are copied): the recompute runs on a worker thread while training goes
 on, and the next backward overwrites (or ``zero_grad`` frees) the gradients. :meth:`capture`

@@ -16,11 +16,11 @@ Hierarchical asynchronous snapshotting (REFT section 4.1) mapped to CPU: the cop
 on a background thread; chunks go first into announced idle windows (layer 1), then, unless
 ``idle_only``, alongside compute (layer 2); whatever is left when :meth:`wait` is reached is
 copied while the trainer blocks (the fallback). Each rank copies only its share of the state
-plus its protection object (see :mod:`snapshot_protection`), hashes it, and commits it to the
+plus its protection object (see :mod:`jitckpt.snapshot.protection`), hashes it, and commits it to the
 node's keeper. A snapshot is overwritten only after every rank committed the one after it
 (checked with an asynchronous all-reduce on a side gloo group), so some complete step always
 survives. Every ``flush_every``-th snapshot, global rank 0 also writes it to disk through
-:mod:`checkpoint_store` (kind ``snapshot``) from a separate thread.
+:mod:`jitckpt.checkpoint_store` (kind ``snapshot``) from a separate thread.
 """
 from __future__ import annotations
 

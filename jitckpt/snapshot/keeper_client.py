@@ -1,4 +1,4 @@
-"""A rank's connection to its node's snapshot keeper (see :mod:`snapshot_keeper`)."""
+"""A rank's connection to its node's snapshot keeper (see :mod:`jitckpt.snapshot.keeper`)."""
 from __future__ import annotations
 
 import json

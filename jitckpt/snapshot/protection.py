@@ -1,6 +1,6 @@
 """Which bytes each rank snapshots, and how a lost node's bytes come back (REFT's ARC and AEC).
 
-The flat state (see :mod:`snapshot_layout`) is cut into one *node shard* ``X_k`` of ``S`` bytes per
+The flat state (see :mod:`jitckpt.snapshot.layout`) is cut into one *node shard* ``X_k`` of ``S`` bytes per
 node ``k`` (zero padded), and each node shard into one *part* per local rank, so every rank copies
 only its share: rank ``l`` of node ``k`` writes object ``x{k}.{l}``. Data-parallel replicas hold
 the whole state, so redundancy is made from local memory, with no traffic between nodes while

@@ -7,7 +7,7 @@ Collective: every rank of the job calls :func:`restore` after ``init_process_gro
    (checksums, split among the node's ranks) and all-gather a catalogue of what survived.
 2. :func:`latest_memory_step` decides whether the whole state can be rebuilt from that step:
    every data part present on some node, or (AEC) decodable from parity, or (ARC) present on the
-   successor. The newest verified on-disk checkpoint (:func:`checkpoint_store.find_latest`, all
+   successor. The newest verified on-disk checkpoint (:func:`jitckpt.checkpoint_store.find_latest`, all
    kinds: jit, periodic, flushed snapshots) is compared with it and the newer one wins; at equal
    steps memory wins (faster).
 3. Objects are broadcast from a node that holds them (gloo), missing parts are decoded from XOR

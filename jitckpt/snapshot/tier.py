@@ -4,14 +4,14 @@
 (:class:`~jitckpt.protocol.worker_spec.SnapshotSpec`); :meth:`SnapshotTier.from_spec` reads it. ``protect()`` then snapshots the same state it saves
 (:meth:`Protected.state_dict`) at the start of every N-th minibatch (from the model's forward
 pre-hook; the copy overlaps the forward and backward) and waits for it in an optimizer step
-pre-hook, before parameters change (see :mod:`snapshot_client`).
+pre-hook, before parameters change (see :mod:`jitckpt.snapshot.client`).
 
 Resume (:meth:`SnapshotTier.resolve`, collective, once per process): every rank calls
-:func:`snapshot_restore.restore`, which compares the newest in-memory step that can be rebuilt
+:func:`jitckpt.snapshot.restore.restore`, which compares the newest in-memory step that can be rebuilt
 (decoding a lost node's part from parity/replicas) with the newest complete on-disk checkpoint of
 any kind (jit, periodic, flushed snapshot). One rule: the newest complete step wins; at equal
 steps memory wins (the same state as a JIT checkpoint of that step, without reading the disk).
-The first caller is DDP's constructor (the bucket-layout pinning of :mod:`ddp_layout` needs the
+The first caller is DDP's constructor (the bucket-layout pinning of :mod:`jitckpt.runtime.ddp_layout` needs the
 restore point) or ``state.restore()``; both run on every rank in the same order.
 """
 from __future__ import annotations
@@ -136,14 +136,14 @@ class SnapshotTier:
 
     def load_zero_partitions(self, zero: Any, point: ResumePoint) -> Any:
         """Collective: load this rank's ZeRO partition of ``point`` into ``zero``; return the
-        :class:`~snapshot_aor_store.LoadedPartitions` (the peer's state, for the replica)."""
+        :class:`~jitckpt.snapshot.aor_store.LoadedPartitions` (the peer's state, for the replica)."""
         from jitckpt.snapshot.aor_store import load_partitions
 
         return load_partitions(zero=zero, peer=self.peer(), step=point.step, catalogue=point.aor,
                                socket_path=self.socket_path, ranks_per_node=self.ranks_per_node)
 
     def ddp_layout(self) -> Optional[dict]:
-        """The DDP bucket layout of the resume point (for :func:`ddp_layout.install_pinning`)."""
+        """The DDP bucket layout of the resume point (for :func:`jitckpt.runtime.ddp_layout.install_pinning`)."""
         rp = self.resolve()
         if rp is None:
             return None
