@@ -93,7 +93,7 @@ def bench_hook_cost(step_time: float, iters: int = 20000) -> dict:
     import jitckpt
     from jitckpt.runtime.current import install_runtime
     from jitckpt.runtime.worker_runtime import WorkerRuntime
-    from jitckpt.runtime.watchdog import HangTimeout
+    from jitckpt.hang_timeout import HangTimeout
 
     with tempfile.TemporaryDirectory() as d:
         rt = WorkerRuntime(rank=0, world_size=2, gen=0, checkpoint_dir=d,

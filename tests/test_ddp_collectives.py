@@ -169,7 +169,7 @@ def test_layout_is_written_into_every_checkpoint_before_its_checksums(tmp_path):
 def test_status_line_never_ok_for_a_rank_without_progress(monkeypatch):
     from jitckpt.observability import status_display
     from jitckpt.observability.status_display import StatusDisplay
-    from jitckpt.runtime.watchdog import HangTimeout
+    from jitckpt.hang_timeout import HangTimeout
 
     clock = [1000.0]
     monkeypatch.setattr(status_display.time, "monotonic", lambda: clock[0])

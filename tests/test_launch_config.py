@@ -8,7 +8,8 @@ import pytest
 
 from jitckpt.cli import build_parser
 from jitckpt.launcher.config import LaunchConfig
-from jitckpt.runtime.watchdog import DurationHistory, HangTimeout
+from jitckpt.hang_timeout import HangTimeout
+from jitckpt.runtime.watchdog import DurationHistory
 
 
 def parse(*argv):

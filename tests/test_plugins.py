@@ -21,7 +21,7 @@ def test_protect_calls_each_plugins_hook(monkeypatch):
     import jitckpt
     from jitckpt.runtime import current
     from jitckpt.runtime.worker_runtime import WorkerRuntime
-    from jitckpt.runtime.watchdog import HangTimeout
+    from jitckpt.hang_timeout import HangTimeout
 
     seen = []
 

@@ -1,7 +1,7 @@
 // How long a collective may run before it counts as hung: fixed seconds, or adaptive ("auto"), a
 // multiple of the longest recent collective, never below a floor, with a start-up value until
 // `warmup` collectives have completed (the first ones wait for every rank's start-up and restore).
-// Grammar and defaults are those of jitckpt.runtime.watchdog.HangTimeout, so `jitckpt run
+// Grammar and defaults are those of jitckpt.hang_timeout.HangTimeout, so `jitckpt run
 // --hang-timeout X` and JITCKPT_HANG_TIMEOUT=X mean the same in Python and here.
 #pragma once
 

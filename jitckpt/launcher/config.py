@@ -13,7 +13,7 @@ from typing import Optional
 
 from jitckpt.plugins import LoggingPlugin
 from jitckpt.plugins import get as get_plugins
-from jitckpt.runtime.watchdog import HangTimeout
+from jitckpt.hang_timeout import HangTimeout
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 # Same names as snapshot_protection.SCHEMES (not imported: the launcher does not import torch).

@@ -38,7 +38,7 @@ from jitckpt.launcher.node_coordinator import NodeCoordinator
 from jitckpt.launcher.standby_pool import StandbyPool, kill_group
 from jitckpt.launcher.stage_generations import StageGenerations
 from jitckpt.observability.status_display import StatusDisplay
-from jitckpt.runtime.watchdog import HangTimeout
+from jitckpt.hang_timeout import HangTimeout
 
 log = logging.getLogger("jitckpt.launcher.supervisor")
 # Exit codes of ranks that ended because of another rank's failure (saved, or gave up saving).
@@ -302,11 +302,11 @@ class Launcher:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         return env
 
-    def _rank_env(self, gen: int, local_rank: int, master: tuple[str, int]) -> dict:
+    def _rank_env(self, spec: WorkerSpec, local_rank: int, master: tuple[str, int]) -> dict:
         """torchrun's variables for the rank, as torchrun sets them (scripts and
-        ``init_process_group`` read them); jitckpt's own settings go in the :class:`WorkerSpec`."""
+        ``init_process_group`` read them); jitckpt's own settings are in ``spec``."""
         cfg = self.cfg
-        rank = cfg.node_rank * cfg.nproc_per_node + local_rank
+        rank, gen = spec.rank, spec.gen
         env = {
             "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(cfg.world_size),
             "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node), "GROUP_RANK": str(cfg.node_rank),
@@ -348,8 +348,8 @@ class Launcher:
     def _start_worker(self, gen: int, local_rank: int, master: tuple[str, int],
                       role: str) -> Worker:
         cfg = self.cfg
-        env = self._rank_env(gen, local_rank, master)
         spec = self._worker_spec(gen, local_rank, role)
+        env = self._rank_env(spec, local_rank, master)
         rank = spec.rank
         if cfg.no_python:  # no Python to send the spec to: libjit.so reads the environment
             parent, child = channel_pair()

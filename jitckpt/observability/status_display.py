@@ -8,7 +8,7 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
-from jitckpt.runtime.watchdog import HangTimeout
+from jitckpt.hang_timeout import HangTimeout
 
 
 def _or_unknown(v: Any) -> str:

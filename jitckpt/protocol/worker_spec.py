@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from jitckpt.runtime.watchdog import HangTimeout
+from jitckpt.hang_timeout import HangTimeout
 
 # The variables a process without the launcher may set, and what they mean (docs: recovery.md).
 ENVIRONMENT = {
@@ -125,8 +126,6 @@ class WorkerSpec:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerSpec":
         """The spec of a process the launcher did not start (torchrun, plain python)."""
-        import os
-
         def number(name: str, default: str, kind=int):
             text = env.get(name) or default
             try:

@@ -35,7 +35,8 @@ from jitckpt.protocol.control_messages import (ExitReady, FailureReport, Hello, 
                                                Saved, SaveFailed, SaveNow, Status, Verdict, WorkerWarning)
 from jitckpt.plugins import get as get_plugins
 from jitckpt.torch_compat import warn_if_untested
-from jitckpt.runtime.watchdog import DurationHistory, HangTimeout, Watchdog
+from jitckpt.hang_timeout import HangTimeout
+from jitckpt.runtime.watchdog import DurationHistory, Watchdog
 
 log = logging.getLogger("jitckpt.worker")
 
