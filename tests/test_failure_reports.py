@@ -9,7 +9,7 @@ import types
 
 from jobs import run_job
 
-from jitckpt.launcher.supervisor import FailureRecord, Launcher
+from jitckpt.launcher.jit_recovery import FailureRecord, JitRecovery
 from jitckpt.observability.report import load_run
 
 HANG = ["--hang-timeout", "auto:floor=3,mult=10,startup=60,warmup=3"]
@@ -63,14 +63,14 @@ def test_failure_during_recovery_without_restarts_left(tmp_path):
 
 
 def _finish(pending, failure, restarts_left=True, workers=()):
-    """Launcher._finish_failure on a stub launcher (no processes): the record it leaves."""
+    """JitRecovery.finish without processes: the record it leaves and whether it said restarting."""
     shown = []
-    stub = types.SimpleNamespace(
-        pending_summary=pending, workers=list(workers), preempt_signal=None,
-        cfg=types.SimpleNamespace(max_restarts=3), _restarts_used=lambda: 1 if restarts_left else 3,
-        display=types.SimpleNamespace(show_failure=lambda f, restarting: shown.append(restarting)))
-    Launcher._finish_failure(stub, 0, failure)
-    return stub.pending_summary, shown[0]
+    jit = JitRecovery(cfg=types.SimpleNamespace(), coord=None, emit=None,
+                      display=types.SimpleNamespace(
+                          show_failure=lambda f, restarting: shown.append(restarting)))
+    jit.pending = pending
+    jit.finish(list(workers), failure, restarting=restarts_left)
+    return jit.pending, shown[0]
 
 
 def test_failures_during_recovery_are_counted_not_chained():

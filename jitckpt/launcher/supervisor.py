@@ -1,11 +1,13 @@
-"""`jitckpt run`: start and watch the workers of one node, recover the job after a failure.
+"""`jitckpt run`: start and watch the workers of one node; hand a failure to a recovery strategy.
 
 Per generation (restart attempt) the launcher hands each local rank to a warm standby process,
 then watches the workers' control channels. A worker that dies closes its channel, so death is
-seen at once; a worker that detects a hang or a collective error reports it. On the first failure
-the launcher tells every other worker to save a just-in-time checkpoint, waits (bounded) until at
-least one data-parallel replica of every shard has saved one, kills what is left, and starts the
-next generation, whose workers resume from that checkpoint.
+seen at once; a worker that detects a hang or a collective error reports it. What follows is a
+strategy's: :mod:`jitckpt.launcher.jit_recovery` (every survivor saves a just-in-time
+checkpoint, the whole job restarts from it) or, with ``--recovery stage``,
+:mod:`jitckpt.launcher.stage_replacement` (one dead pipeline stage is replaced alone, falling
+back to the JIT recovery when it cannot be). This module owns the processes, the control
+messages, preemption (SIGTERM/SIGINT) and the end of the job.
 
 With several nodes, one launcher runs per node; they coordinate through a c10d TCPStore served
 by node 0 at ``--rdzv-endpoint`` (see :mod:`jitckpt.launcher.node_coordinator`).
@@ -20,29 +22,29 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from jitckpt.checkpoint_store import prune, prune_finished
-from jitckpt.protocol.control_channel import ENV_FD, ControlChannel, channel_pair
+from jitckpt.checkpoint_store import prune_finished
+from jitckpt.protocol.control_channel import ENV_FD, channel_pair
 from jitckpt.protocol.worker_spec import SnapshotSpec, WorkerSpec
 from jitckpt.protocol.control_messages import (Assign, ExitReady, FailureReport, Hello, Message, PeerExit,
                                                Restored, Resumed, Saved, SaveFailed, SaveNow, StageCaughtUp,
                                                Status, Verdict, WorkerWarning)
 from jitckpt.observability.events import EventLog
 from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
-from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED, EXIT_NO_SAVE
+from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED
 from jitckpt.launcher.config import LaunchConfig, check_writable_dir
 from jitckpt.launcher.node_coordinator import NodeCoordinator
-from jitckpt.launcher.standby_pool import StandbyPool, kill_group
+from jitckpt.launcher.standby_pool import StandbyPool
+from jitckpt.launcher.jit_recovery import NOT_A_CULPRIT, FailureRecord, JitRecovery
+from jitckpt.launcher.stage_replacement import StageReplacement
+from jitckpt.launcher.worker_handle import Worker
 from jitckpt.launcher.stage_generations import StageGenerations
 from jitckpt.observability.status_display import StatusDisplay
 from jitckpt.hang_timeout import HangTimeout
 
 log = logging.getLogger("jitckpt.launcher.supervisor")
-# Exit codes of ranks that ended because of another rank's failure (saved, or gave up saving).
-NOT_A_CULPRIT = (0, EXIT_JIT_SAVED, EXIT_NO_SAVE)
 # SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C): the workers save, then the job stops.
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Longest wait for the workers' JIT saves after a preemption signal (at most --save-timeout):
@@ -55,71 +57,6 @@ EXIT_GRACE = 30.0
 
 class _StopNow(BaseException):
     """A second preemption signal: stop at once, without waiting for the saves."""
-
-
-def _death(w: "Worker") -> tuple[str, str]:
-    """How a worker that exited on its own died: (failure kind, detail)."""
-    if (w.exit_code or 0) < 0:
-        return "signal", f"killed by {signal.Signals(-w.exit_code).name}"
-    return "exit", f"exit code {w.exit_code}"
-
-
-@dataclass
-class Worker:
-    rank: int
-    local_rank: int
-    proc: subprocess.Popen
-    channel: ControlChannel
-    warm: bool
-    started: float = field(default_factory=time.monotonic)
-    exit_code: Optional[int] = None
-    eof: bool = False
-    step: Optional[int] = None
-    step_time: Optional[float] = None
-    exit_ready: bool = False
-    exit_step: Optional[int] = None
-    restored: Optional[Restored] = None
-    resumed: bool = False
-    killed: bool = False  # by this launcher, while still running: not a death of its own
-
-    def kill(self) -> None:
-        """SIGKILL the worker's process group, remembering that the launcher did it."""
-        if self.proc.poll() is None:
-            self.killed = True
-            kill_group(self.proc)
-
-
-@dataclass
-class FailureRecord:
-    """What the launcher knows about one failure and the recovery from it."""
-
-    gen: int
-    kind: str
-    rank: Optional[int]
-    detail: str
-    t_detect: float                      # time.time() when the launcher learned of it
-    step_failed: Optional[int] = None    # highest step any rank had reached
-    t_covered: Optional[float] = None    # every shard had a saved JIT checkpoint
-    t_killed: Optional[float] = None     # old workers gone
-    checkpoint_bytes: int = 0
-    save_s: Optional[float] = None
-    saved_ranks: list = field(default_factory=list)
-    failed_ranks: list = field(default_factory=list)
-    detect_s: float = 0.0                # failure -> detection, when known (a hang: its timeout)
-    reporter: Optional[int] = None       # the healthy rank that detected it (a hang, an error)
-    first_kind: Optional[str] = None     # of the failure this one interrupted the recovery from
-    during_recovery: int = 0             # how many failures in a row hit the recovery
-
-    @property
-    def label(self) -> str:
-        """The kind, and for failures during a recovery which one, once (not chained)."""
-        n = self.during_recovery
-        if n == 0:
-            return self.kind
-        if n == 1:
-            return f"{self.kind} during recovery from {self.first_kind}"
-        nth = {2: "2nd", 3: "3rd"}.get(n, f"{n}th")
-        return f"{self.kind}, the {nth} failure during recovery from {self.first_kind}"
 
 
 class Launcher:
@@ -141,16 +78,19 @@ class Launcher:
                                      hang_timeout=HangTimeout.parse(cfg.hang_timeout))
         self.pool: Optional[StandbyPool] = None
         self.workers: list[Worker] = []
-        self.pending_summary: Optional[FailureRecord] = None
+        self.jit = JitRecovery(cfg=cfg, coord=self.coord, emit=self.emit, display=self.display)
         self.restart_count = 0
         self.keeper: Optional[KeeperSupervisor] = None
         self.gen = 0  # process-group generation; --recovery stage advances it per replacement
         self.stage: Optional[StageGenerations] = None
-        self._replacing: dict[int, tuple[str, float, float]] = {}  # rank -> (kind, t_detect, t_start)
+        self.replacement: Optional[StageReplacement] = None  # --recovery stage
         self.preempt_signal: Optional[int] = None  # the first SIGTERM/SIGINT (see run())
         self._stopping = False  # a second one arrived: stop at once
         if cfg.recovery == "stage":
             self.stage = StageGenerations(cfg, self.coord)
+            self.replacement = StageReplacement(generations=self.stage, node_rank=cfg.node_rank,
+                                                emit=self.emit,
+                                                show_summary=self.display.show_summary)
         if cfg.snapshot_every:
             self.keeper = KeeperSupervisor(run_dir=str(self.run_dir), node=cfg.node_rank,
                                            python=sys.executable, env=self._base_env())
@@ -241,7 +181,8 @@ class Launcher:
                     return 1
                 self.restart_count += 1
                 gen += 1
-                self._replacing.clear()  # killed with the rest; launch ``gen`` counts afresh
+                if self.replacement is not None:  # killed with the rest; launch ``gen`` counts afresh
+                    self.replacement.reset()
                 self.emit("restart", reason="failure", restart_count=self._restarts_used())
         finally:
             self._stop_processes()
@@ -370,34 +311,18 @@ class Launcher:
 
     def _replace_worker(self, launch: int, old: Worker, master: tuple[str, int],
                         sel: selectors.BaseSelector) -> bool:
-        """--recovery stage: start a replacement for the dead ``old`` and keep the survivors.
-
-        Refused (the caller falls back to the whole-job recovery) when restarts are used up, a
-        rank already stands at the exit barrier (it no longer takes part in a recovery), or
-        a replacement (another stage's, or ``old`` itself) is still catching up: the survivors
-        wait for it in a process group that cannot form (see :class:`StageGenerations`).
-        """
-        if (self.stage is None or self._restarts_used() >= self.cfg.max_restarts
-                or any(w.exit_ready for w in self.workers)):
+        """--recovery stage: start a replacement for the dead ``old`` and keep the survivors;
+        False when :meth:`StageReplacement.begin` refuses (the caller recovers the whole job)."""
+        if self.replacement is None:
             return False
-        kind, detail = _death(old)
-        gen = self.stage.replace(old.rank, launch)
+        gen = self.replacement.begin(launch, old, self.workers,
+                                     restarts_left=self._restarts_used() < self.cfg.max_restarts)
         if gen is None:
-            log.warning("rank %d died (%s) while another stage's replacement is still catching up "
-                        "from the logs; restarting every rank from the global checkpoint",
-                        old.rank, detail)
             return False
-        log.warning("rank %d died (%s); replacing it alone (--recovery stage)", old.rank, detail)
-        t_detect = time.time()
-        self.emit("failure_detected", kind=kind, rank=old.rank, node=self.cfg.node_rank,
-                  pid=old.proc.pid, detail=detail, reporter=None)
         self.gen = gen
         self.events.gen = self.gen
         new = self._start_worker(self.gen, old.local_rank, master, "replacement")
-        self.stage.announce(self.gen, old.rank)
-        self.emit("stage_replaced", rank=old.rank, generation=self.gen,
-                  restart_count=self._restarts_used())
-        self._replacing[old.rank] = (kind, t_detect, time.time())
+        self.replacement.started(self.gen, old.rank, restart_count=self._restarts_used())
         old.channel.close()
         self.workers[self.workers.index(old)] = new
         sel.register(new.channel.fileno(), selectors.EVENT_READ, new)
@@ -410,8 +335,8 @@ class Launcher:
         master = self.coord.begin_generation(gen)
         t_start = time.time()
         self._start_workers(gen, master)
-        if self.pending_summary is not None:
-            self.pending_summary.t_killed = self.pending_summary.t_killed or t_start
+        if self.jit.pending is not None:
+            self.jit.pending.t_killed = self.jit.pending.t_killed or t_start
         sel = selectors.DefaultSelector()
         for w in self.workers:
             sel.register(w.channel.fileno(), selectors.EVENT_READ, w)
@@ -434,9 +359,9 @@ class Launcher:
                         if info is not None and info["kind"] == "preempted":
                             self.preempt_signal = self.preempt_signal or signal.SIGTERM
                         elif info is not None and failure is None:
-                            failure = self._on_failure(gen, info["kind"], info.get("rank"),
-                                                       info.get("detail", ""), remote=True,
-                                                       reporter=info.get("reporter"))
+                            failure = self.jit.on_failure(gen, self.workers, info["kind"],
+                                                          info.get("rank"), info.get("detail", ""),
+                                                          remote=True, reporter=info.get("reporter"))
                         continue
                     msg = w.channel.recv(timeout=5.0)
                     if msg is None:
@@ -450,14 +375,10 @@ class Launcher:
                                 and not verdict_sent):  # after the verdict: see below
                             if self._replace_worker(gen, w, master, sel):
                                 continue
-                            kind, detail = _death(w)
-                            failure = self._on_failure(gen, kind, w.rank, detail)
-                            for rank, (_, t_detect, _) in self._replacing.items():
-                                # --recovery stage fell back: a death still being replaced is
-                                # part of this failure (and was detected first).
-                                if rank not in failure.failed_ranks:
-                                    failure.failed_ranks.append(rank)
-                                failure.t_detect = min(failure.t_detect, t_detect)
+                            kind, detail = w.death()
+                            failure = self.jit.on_failure(gen, self.workers, kind, w.rank, detail)
+                            if self.replacement is not None:  # --recovery stage fell back
+                                self.replacement.fold_into(failure)
                         continue
                     failure = self._on_message(gen, w, msg, failure)
                     while w.channel.buffered():  # one socket read can carry several messages
@@ -500,9 +421,10 @@ class Launcher:
                             self._warn_deaths_after_verdict()
                             self.coord.node_done(gen, ok=True)
                             return True
-                        failure = self._on_failure(gen, "exit", None, f"exit codes {codes}")
+                        failure = self.jit.on_failure(gen, self.workers, "exit", None,
+                                                      f"exit codes {codes}")
                     continue
-                if self._recovery_can_proceed(gen, failure):
+                if self.jit.can_proceed(gen, self.workers, failure):
                     break
         finally:
             sel.close()
@@ -511,7 +433,10 @@ class Launcher:
             self._report_preemption(failure)
             return verdict_sent  # every rank had finished: the job is done
         failure.t_killed = time.time()
-        self._finish_failure(gen, failure)
+        # Said before run() decides, so that nothing announces a restart that does not come.
+        restarting = (self.preempt_signal is None
+                      and self._restarts_used() < self.cfg.max_restarts)
+        self.jit.finish(self.workers, failure, restarting=restarting)
         return False
 
     def _preempt_workers(self, gen: int,
@@ -524,7 +449,7 @@ class Launcher:
             return failure  # a recovery is under way: its workers are saving already
         detail = f"received {name}"
         for w in self.workers:
-            if w.exit_code is None and not w.eof:
+            if w.live:
                 w.channel.send(SaveNow(kind="preempted", rank=None, detail=detail))
         self.coord.announce_failure(gen, {"kind": "preempted", "rank": None, "detail": detail})
         return FailureRecord(gen=gen, kind="preempted", rank=None, detail=detail,
@@ -555,7 +480,7 @@ class Launcher:
         """Every rank passed the exit barrier, so the job is done: a later death loses nothing."""
         for w in self.workers:
             if w.exit_code not in (0, None):
-                kind, detail = _death(w)
+                kind, detail = w.death()
                 log.warning("rank %d %s after every rank finished; the job is complete", w.rank,
                             "was " + detail if kind == "signal" else "exited with " + detail)
                 self.emit("death_after_verdict", rank=w.rank, pid=w.proc.pid, detail=detail)
@@ -573,8 +498,8 @@ class Launcher:
                 w.step_time = msg.step_time
                 if w.rank == 0:
                     self.emit("step", rank=w.rank, step=w.step, step_time=w.step_time)
-            if failure is not None and w.step is not None:  # minibatches begun until stopped
-                failure.step_failed = max(failure.step_failed or 0, w.step)
+            if failure is not None:  # minibatches begun until stopped
+                failure.saw_step(w.step)
         elif isinstance(msg, Hello):
             if w.step is None:
                 w.step = -1
@@ -587,9 +512,9 @@ class Launcher:
                 # A rank's own exception names itself; a hang or collective error is reported
                 # by a healthy rank that waited on the failed one, which it names when it knows.
                 culprit = msg.rank if msg.kind == "exception" else msg.culprit
-                failure = self._on_failure(gen, msg.kind, culprit, msg.detail, reporter=w.rank)
-            if msg.step is not None:
-                failure.step_failed = max(failure.step_failed or 0, msg.step)
+                failure = self.jit.on_failure(gen, self.workers, msg.kind, culprit, msg.detail,
+                                              reporter=w.rank)
+            failure.saw_step(msg.step)
             if msg.detect_s is not None:
                 failure.detect_s = max(failure.detect_s, float(msg.detect_s))
         elif isinstance(msg, Saved):
@@ -602,11 +527,11 @@ class Launcher:
                     failure.checkpoint_bytes = max(failure.checkpoint_bytes, msg.bytes)
                     failure.save_s = max(failure.save_s or 0.0, msg.seconds)
             if failure is not None:  # the state saved is at least as far as the failed step
-                failure.step_failed = max(failure.step_failed or 0, msg.step)
+                failure.saw_step(msg.step)
         elif isinstance(msg, SaveFailed):
             self.emit("checkpoint_failed", rank=w.rank, reason=msg.reason, kind=msg.kind, step=msg.step)
-            if failure is not None and msg.kind == "jit" and msg.step is not None:
-                failure.step_failed = max(failure.step_failed or 0, msg.step)
+            if failure is not None and msg.kind == "jit":
+                failure.saw_step(msg.step)
         elif isinstance(msg, WorkerWarning):
             self.emit("warning", rank=w.rank, reason=msg.reason)
         elif isinstance(msg, Restored):
@@ -615,9 +540,10 @@ class Launcher:
                       source=msg.source, decoded=msg.decoded, fetched=msg.fetched)
         elif isinstance(msg, Resumed):
             w.resumed = True
-            self._maybe_emit_summary(gen)
+            self.jit.maybe_summarize(self.workers)
         elif isinstance(msg, StageCaughtUp):
-            self._stage_summary(gen, w, msg)
+            if self.replacement is not None:
+                self.replacement.caught_up(gen, w, msg)
         elif isinstance(msg, ExitReady):
             w.exit_ready = True
             w.exit_step = msg.step
@@ -625,86 +551,9 @@ class Launcher:
             if failure is None and not all(x.exit_ready for x in self.workers):
                 # Peers that then wait for this rank in a collective report its early exit.
                 for x in self.workers:
-                    if not x.exit_ready and x.exit_code is None and not x.eof:
+                    if not x.exit_ready and x.live:
                         x.channel.send(PeerExit(rank=w.rank, step=w.exit_step))
         return failure
-
-    def _on_failure(self, gen: int, kind: str, rank: Optional[int], detail: str, *,
-                    reporter: Optional[int] = None, remote: bool = False) -> FailureRecord:
-        """Record a failure of ``rank`` (None: not known yet) and tell every other worker.
-
-        ``reporter`` is the healthy rank that detected it (a hang or a collective error); it is
-        never taken for the failed rank."""
-        now = time.time()
-        steps = [w.step for w in self.workers if w.step is not None and w.step >= 0]
-        rec = FailureRecord(gen=gen, kind=kind, rank=rank, detail=detail, t_detect=now,
-                            step_failed=max(steps) if steps else None, reporter=reporter)
-        if rank is None and reporter is not None and not all(w.exit_ready for w in self.workers):
-            # Ranks that already left (exit barrier) while the others hang waiting for them.
-            rec.failed_ranks.extend(w.rank for w in self.workers if w.exit_ready)
-        elif rank is not None:
-            rec.failed_ranks.append(rank)
-        if rank is not None:
-            by = f" (detected by rank {reporter})" if reporter not in (None, rank) else ""
-            log.warning("failure detected (%s) on rank %d%s: %s", kind, rank, by, detail)
-        elif rec.failed_ranks:
-            log.warning("failure detected (%s) by rank %d: %s; rank(s) %s left the job before it "
-                        "finished", kind, reporter, detail, rec.failed_ranks)
-        elif reporter is not None:
-            log.warning("failure detected (%s) by rank %d, failed rank not known yet: %s", kind,
-                        reporter, detail)
-        else:
-            log.warning("failure detected (%s) on unknown rank: %s", kind, detail)
-        self.emit("failure_detected", kind=kind, rank=rank, node=self.cfg.node_rank,
-                  pid=self._pid_of(rank), detail=detail, reporter=reporter)
-        for w in self.workers:
-            if w.exit_code is None and not w.eof and w.rank not in rec.failed_ranks:
-                w.channel.send(SaveNow(kind=kind, rank=rank, detail=detail))
-        if not remote:
-            self.coord.announce_failure(gen, {"kind": kind, "rank": rank, "detail": detail,
-                                              "reporter": reporter})
-        return rec
-
-    def _stage_summary(self, launch: int, w: Worker, msg: dict) -> None:
-        """A replacement replayed up to the survivors: log its recovery (one rank redid steps)."""
-        pending = self._replacing.pop(w.rank, None)
-        if pending is None:
-            return
-        self.stage.caught_up(launch)
-        kind, t_detect, t_start = pending
-        now = time.time()
-        summary = dict(failure_kind=kind, failed_ranks=[w.rank], detect_s=0.0, save_s=0.0,
-                       restart_s=t_start - t_detect, restore_s=now - t_start,
-                       total_s=now - t_detect, checkpoint_bytes=0, step_failed=None,
-                       step_resumed=msg.checkpoint, steps_redone=msg.replayed,
-                       scope="stage")
-        self.emit("recovery_summary", **summary)
-        self.display.show_summary(summary)
-
-    def _pid_of(self, rank: Optional[int]) -> Optional[int]:
-        for w in self.workers:
-            if w.rank == rank:
-                return w.proc.pid
-        return None
-
-    def _recovery_can_proceed(self, gen: int, failure: FailureRecord) -> bool:
-        """All local workers gone, or every shard covered plus a short grace for more replicas."""
-        now = time.time()
-        if all(w.exit_code is not None for w in self.workers):
-            if failure.t_covered is None and self.coord.shards_covered(gen):
-                failure.t_covered = now
-            return self.coord.node_done(gen, ok=False, wait=True)
-        if failure.t_covered is None and self.coord.shards_covered(gen):
-            failure.t_covered = now
-        if failure.t_covered is not None:
-            grace = max(1.0, failure.save_s or 0.0)
-            if now - failure.t_covered > grace:
-                return True
-        if now - failure.t_detect > self.cfg.save_timeout:
-            log.error("no complete JIT checkpoint from every shard within %.0fs; restarting from "
-                      "the newest complete checkpoint", self.cfg.save_timeout)
-            return True
-        return False
 
     def _reap(self, w: Worker) -> None:
         try:
@@ -722,60 +571,6 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 log.error("worker pid %d did not die after SIGKILL", w.proc.pid)
             w.channel.close()
-
-    # ---- recovery summary -----------------------------------------------------------------
-    def _finish_failure(self, gen: int, failure: FailureRecord) -> None:
-        prev = self.pending_summary
-        if prev is not None:
-            # A failure during the recovery from an earlier one: report them as one recovery,
-            # from the first detection, counting the steps lost since the first failure.
-            failure.t_detect = prev.t_detect
-            failure.detect_s = max(failure.detect_s, prev.detect_s)
-            failure.first_kind = prev.first_kind or prev.kind
-            failure.during_recovery = prev.during_recovery + 1
-            steps = [s for s in (failure.step_failed, prev.step_failed) if s is not None]
-            failure.step_failed = max(steps) if steps else None
-            failure.failed_ranks = sorted(set(prev.failed_ranks) | set(failure.failed_ranks))
-        self.pending_summary = failure
-        for w in self.workers:
-            if w.exit_code not in (*NOT_A_CULPRIT, None) and w.rank not in failure.failed_ranks:
-                if w.rank not in failure.saved_ranks and (not w.killed or failure.kind == "hang"):
-                    # Died on its own, or (after a hang) was still silent when killed: a culprit.
-                    failure.failed_ranks.append(w.rank)
-        # Said before run() decides, so that nothing announces a restart that does not come.
-        restarting = (self.preempt_signal is None
-                      and self._restarts_used() < self.cfg.max_restarts)
-        self.display.show_failure(failure, restarting=restarting)
-
-    def _maybe_emit_summary(self, gen: int) -> None:
-        f = self.pending_summary
-        if f is None or not all(w.resumed for w in self.workers):
-            return
-        now = time.time()
-        restored = [w.restored for w in self.workers if w.restored is not None]
-        # A worker that restored nothing (no checkpoint was left) starts from step 0.
-        step_resumed = min(w.restored.step if w.restored is not None else 0 for w in self.workers)
-        restore_s = max((r.seconds or 0.0 for r in restored), default=0.0)
-        detect_s = f.detect_s
-        save_s = (f.t_covered - f.t_detect) if f.t_covered else None
-        restart_s = now - (f.t_killed or now)
-        redone = None
-        if f.step_failed is not None:  # the failed minibatch and every one since the restore point
-            redone = max(0, f.step_failed - step_resumed) + 1
-        summary = dict(failure_kind=f.label, failed_ranks=sorted(f.failed_ranks), detect_s=detect_s,
-                       save_s=save_s, restart_s=restart_s, restore_s=restore_s,
-                       total_s=now - f.t_detect, checkpoint_bytes=f.checkpoint_bytes,
-                       step_failed=f.step_failed, step_resumed=step_resumed, steps_redone=redone)
-        self.emit("resumed", step=step_resumed, steps_redone=redone)
-        self.emit("recovery_summary", **summary)
-        self.display.show_summary(summary)
-        self.pending_summary = None
-        if self.cfg.node_rank != 0:
-            return
-        try:
-            prune(self.cfg.checkpoint_dir, older_than_step=step_resumed)
-        except OSError as e:
-            log.warning("could not prune old checkpoints: %s", e)
 
 
 def run(cfg: LaunchConfig) -> int:

@@ -1,0 +1,184 @@
+"""The just-in-time recovery strategy (the default): save from the survivors, restart the job.
+
+On the first failure every other worker is told to save a JIT checkpoint of its current
+minibatch; the launcher waits (bounded by ``--save-timeout``) until at least one data-parallel
+replica of every shard has saved, plus a short grace for more replicas, then the supervisor
+kills what is left and starts the next whole-job generation, which resumes from those
+checkpoints. This module owns that decision and the recovery summary it reports; the
+supervisor owns the processes (:mod:`jitckpt.launcher.supervisor`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from jitckpt.checkpoint_store import prune
+from jitckpt.launcher.config import LaunchConfig
+from jitckpt.launcher.worker_handle import Worker, pid_of
+from jitckpt.protocol.control_messages import SaveNow
+from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED, EXIT_NO_SAVE
+
+log = logging.getLogger("jitckpt.launcher.jit_recovery")
+# Exit codes of ranks that ended because of another rank's failure (saved, or gave up saving).
+NOT_A_CULPRIT = (0, EXIT_JIT_SAVED, EXIT_NO_SAVE)
+
+
+@dataclass
+class FailureRecord:
+    """What the launcher knows about one failure and the recovery from it."""
+
+    gen: int
+    kind: str
+    rank: Optional[int]
+    detail: str
+    t_detect: float                      # time.time() when the launcher learned of it
+    step_failed: Optional[int] = None    # highest step any rank had reached
+    t_covered: Optional[float] = None    # every shard had a saved JIT checkpoint
+    t_killed: Optional[float] = None     # old workers gone
+    checkpoint_bytes: int = 0
+    save_s: Optional[float] = None
+    saved_ranks: list = field(default_factory=list)
+    failed_ranks: list = field(default_factory=list)
+    detect_s: float = 0.0                # failure -> detection, when known (a hang: its timeout)
+    reporter: Optional[int] = None       # the healthy rank that detected it (a hang, an error)
+    first_kind: Optional[str] = None     # of the failure this one interrupted the recovery from
+    during_recovery: int = 0             # how many failures in a row hit the recovery
+
+    @property
+    def label(self) -> str:
+        """The kind, and for failures during a recovery which one, once (not chained)."""
+        n = self.during_recovery
+        if n == 0:
+            return self.kind
+        if n == 1:
+            return f"{self.kind} during recovery from {self.first_kind}"
+        nth = {2: "2nd", 3: "3rd"}.get(n, f"{n}th")
+        return f"{self.kind}, the {nth} failure during recovery from {self.first_kind}"
+
+    def saw_step(self, step: Optional[int]) -> None:
+        """A rank began (or saved) minibatch ``step`` before it stopped."""
+        if step is not None:
+            self.step_failed = max(self.step_failed or 0, step)
+
+
+class JitRecovery:
+    """Drives one node's JIT recoveries: who saves, when to restart, what to report.
+
+    ``coord`` is the :class:`~jitckpt.launcher.node_coordinator.NodeCoordinator` (failures and
+    saved shards across nodes), ``emit`` writes an event, ``display`` shows the console lines.
+    """
+
+    def __init__(self, *, cfg: LaunchConfig, coord: Any, emit: Callable[..., None],
+                 display: Any) -> None:
+        self.cfg, self.coord, self.emit, self.display = cfg, coord, emit, display
+        # The failure whose recovery has not yet been summarized (the workers did not resume).
+        self.pending: Optional[FailureRecord] = None
+
+    def on_failure(self, gen: int, workers: list[Worker], kind: str, rank: Optional[int],
+                   detail: str, *, reporter: Optional[int] = None,
+                   remote: bool = False) -> FailureRecord:
+        """Record a failure of ``rank`` (None: not known yet) and tell every other worker to save.
+
+        ``reporter`` is the healthy rank that detected it (a hang or a collective error); it is
+        never taken for the failed rank. ``remote``: another node announced it already."""
+        steps = [w.step for w in workers if w.step is not None and w.step >= 0]
+        rec = FailureRecord(gen=gen, kind=kind, rank=rank, detail=detail, t_detect=time.time(),
+                            step_failed=max(steps) if steps else None, reporter=reporter)
+        if rank is None and reporter is not None and not all(w.exit_ready for w in workers):
+            # Ranks that already left (exit barrier) while the others hang waiting for them.
+            rec.failed_ranks.extend(w.rank for w in workers if w.exit_ready)
+        elif rank is not None:
+            rec.failed_ranks.append(rank)
+        if rank is not None:
+            by = f" (detected by rank {reporter})" if reporter not in (None, rank) else ""
+            log.warning("failure detected (%s) on rank %d%s: %s", kind, rank, by, detail)
+        elif rec.failed_ranks:
+            log.warning("failure detected (%s) by rank %d: %s; rank(s) %s left the job before it "
+                        "finished", kind, reporter, detail, rec.failed_ranks)
+        elif reporter is not None:
+            log.warning("failure detected (%s) by rank %d, failed rank not known yet: %s", kind,
+                        reporter, detail)
+        else:
+            log.warning("failure detected (%s) on unknown rank: %s", kind, detail)
+        self.emit("failure_detected", kind=kind, rank=rank, node=self.cfg.node_rank,
+                  pid=pid_of(workers, rank), detail=detail, reporter=reporter)
+        for w in workers:
+            if w.live and w.rank not in rec.failed_ranks:
+                w.channel.send(SaveNow(kind=kind, rank=rank, detail=detail))
+        if not remote:
+            self.coord.announce_failure(gen, {"kind": kind, "rank": rank, "detail": detail,
+                                              "reporter": reporter})
+        return rec
+
+    def can_proceed(self, gen: int, workers: list[Worker], failure: FailureRecord) -> bool:
+        """All local workers gone, or every shard covered plus a short grace for more replicas."""
+        now = time.time()
+        if all(w.exit_code is not None for w in workers):
+            if failure.t_covered is None and self.coord.shards_covered(gen):
+                failure.t_covered = now
+            return self.coord.node_done(gen, ok=False, wait=True)
+        if failure.t_covered is None and self.coord.shards_covered(gen):
+            failure.t_covered = now
+        if failure.t_covered is not None:
+            grace = max(1.0, failure.save_s or 0.0)
+            if now - failure.t_covered > grace:
+                return True
+        if now - failure.t_detect > self.cfg.save_timeout:
+            log.error("no complete JIT checkpoint from every shard within %.0fs; restarting from "
+                      "the newest complete checkpoint", self.cfg.save_timeout)
+            return True
+        return False
+
+    def finish(self, workers: list[Worker], failure: FailureRecord, *, restarting: bool) -> None:
+        """The old workers are gone: settle who failed and say so (``restarting``: a restart
+        follows). A failure during the recovery from an earlier one is reported as one
+        recovery, from the first detection, counting the steps lost since the first failure."""
+        prev = self.pending
+        if prev is not None:
+            failure.t_detect = prev.t_detect
+            failure.detect_s = max(failure.detect_s, prev.detect_s)
+            failure.first_kind = prev.first_kind or prev.kind
+            failure.during_recovery = prev.during_recovery + 1
+            steps = [s for s in (failure.step_failed, prev.step_failed) if s is not None]
+            failure.step_failed = max(steps) if steps else None
+            failure.failed_ranks = sorted(set(prev.failed_ranks) | set(failure.failed_ranks))
+        self.pending = failure
+        for w in workers:
+            if w.exit_code not in (*NOT_A_CULPRIT, None) and w.rank not in failure.failed_ranks:
+                if w.rank not in failure.saved_ranks and (not w.killed or failure.kind == "hang"):
+                    # Died on its own, or (after a hang) was still silent when killed: a culprit.
+                    failure.failed_ranks.append(w.rank)
+        self.display.show_failure(failure, restarting=restarting)
+
+    def maybe_summarize(self, workers: list[Worker]) -> None:
+        """Once every worker of the new generation resumed: report the recovery, prune the
+        checkpoints older than the one resumed from (node 0)."""
+        f = self.pending
+        if f is None or not all(w.resumed for w in workers):
+            return
+        now = time.time()
+        restored = [w.restored for w in workers if w.restored is not None]
+        # A worker that restored nothing (no checkpoint was left) starts from step 0.
+        step_resumed = min(w.restored.step if w.restored is not None else 0 for w in workers)
+        restore_s = max((r.seconds or 0.0 for r in restored), default=0.0)
+        save_s = (f.t_covered - f.t_detect) if f.t_covered else None
+        restart_s = now - (f.t_killed or now)
+        redone = None
+        if f.step_failed is not None:  # the failed minibatch and every one since the restore point
+            redone = max(0, f.step_failed - step_resumed) + 1
+        summary = dict(failure_kind=f.label, failed_ranks=sorted(f.failed_ranks), detect_s=f.detect_s,
+                       save_s=save_s, restart_s=restart_s, restore_s=restore_s,
+                       total_s=now - f.t_detect, checkpoint_bytes=f.checkpoint_bytes,
+                       step_failed=f.step_failed, step_resumed=step_resumed, steps_redone=redone)
+        self.emit("resumed", step=step_resumed, steps_redone=redone)
+        self.emit("recovery_summary", **summary)
+        self.display.show_summary(summary)
+        self.pending = None
+        if self.cfg.node_rank != 0:
+            return
+        try:
+            prune(self.cfg.checkpoint_dir, older_than_step=step_resumed)
+        except OSError as e:
+            log.warning("could not prune old checkpoints: %s", e)

@@ -1,0 +1,55 @@
+"""What the launcher knows of one worker process: its rank, process, channel and progress."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from jitckpt.launcher.standby_pool import kill_group
+from jitckpt.protocol.control_channel import ControlChannel
+from jitckpt.protocol.control_messages import Restored
+
+
+@dataclass
+class Worker:
+    """One rank's process as the launcher sees it; updated from its control messages."""
+
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen
+    channel: ControlChannel
+    warm: bool
+    started: float = field(default_factory=time.monotonic)
+    exit_code: Optional[int] = None
+    eof: bool = False
+    step: Optional[int] = None
+    step_time: Optional[float] = None
+    exit_ready: bool = False
+    exit_step: Optional[int] = None
+    restored: Optional[Restored] = None
+    resumed: bool = False
+    killed: bool = False  # by this launcher, while still running: not a death of its own
+
+    @property
+    def live(self) -> bool:
+        """Not known to have exited and its channel still open: it can be told things."""
+        return self.exit_code is None and not self.eof
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group, remembering that the launcher did it."""
+        if self.proc.poll() is None:
+            self.killed = True
+            kill_group(self.proc)
+
+    def death(self) -> tuple[str, str]:
+        """How a worker that exited on its own died: (failure kind, detail)."""
+        if (self.exit_code or 0) < 0:
+            return "signal", f"killed by {signal.Signals(-self.exit_code).name}"
+        return "exit", f"exit code {self.exit_code}"
+
+
+def pid_of(workers: list[Worker], rank: Optional[int]) -> Optional[int]:
+    """The process id of ``rank`` among ``workers`` (None if not one of them)."""
+    return next((w.proc.pid for w in workers if w.rank == rank), None)
