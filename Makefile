@@ -49,15 +49,10 @@ demo: native
 bench: native
 	$(VPY) bench/run_all.py $(BENCH_ARGS)
 
-# The C++ unit tests under AddressSanitizer (+UBSan) and ThreadSanitizer, each in its own build tree.
+# Native code under AddressSanitizer (+UBSan) and ThreadSanitizer: the C++ unit tests and the
+# nvcc-built CUDA/NCCL programs on sanitized simcuda and libjit.so (tests/native/run_sanitized.sh).
 sanitize: venv sysdeps
-	for san in address thread; do \
-	  cmake -S . -B build/sanitize-$$san -DCMAKE_BUILD_TYPE=Debug -DJITCKPT_SANITIZE=$$san \
-	      -DPython_EXECUTABLE=$(abspath $(VPY)) -Dpybind11_DIR=$$($(VPY) -m pybind11 --cmakedir) \
-	      > build/sanitize-$$san.configure.log 2>&1 || { cat build/sanitize-$$san.configure.log; exit 1; }; \
-	  cmake --build build/sanitize-$$san -j$(JOBS) --target interposer_unit_tests || exit 1; \
-	  ctest --test-dir build/sanitize-$$san --output-on-failure -j$(JOBS) || exit 1; \
-	done
+	VPY=$(VPY) JOBS=$(JOBS) tests/native/run_sanitized.sh
 
 wheel: venv
 	$(VPY) -m pip wheel --no-deps -w dist .

@@ -27,6 +27,9 @@ SIMCUDA_LIBS = BUILD / "lib" / "simcuda"
 CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 NVCC = CUDA_HOME / "bin" / "nvcc"
 COMPILE_TIMEOUT_S = 180
+# `make sanitize` runs these programs on an ASan or TSan build of simcuda and libjit.so: the
+# sanitizer's runtime must be loaded first, before the uninstrumented program's libraries.
+SANITIZER_RUNTIME = os.environ.get("JITCKPT_SANITIZER_RUNTIME", "")
 
 
 def nccl_wheel_dir() -> Path:
@@ -59,6 +62,8 @@ class Program:
         if self.kernel_lib:
             env["SIMCUDA_KERNEL_LIB"] = str(self.kernel_lib)
         env.update(extra)
+        if SANITIZER_RUNTIME:
+            env["LD_PRELOAD"] = ":".join(filter(None, (SANITIZER_RUNTIME, env.get("LD_PRELOAD"))))
         return env
 
 

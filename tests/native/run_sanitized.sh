@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# make sanitize: the native code under AddressSanitizer (+UBSan) and ThreadSanitizer.
+# Per sanitizer, its own build tree of everything native (simcuda, libjit.so, the C++ unit tests),
+# then: the GoogleTest unit tests, and the nvcc-built CUDA/NCCL programs of tests/native (real
+# streams, cross-process NCCL, hangs, libjit.so's send logging and replay) run on the sanitized
+# simcuda and libjit.so. Any sanitizer report fails the run, also in tests that expect a program
+# to fail. Python is not run under a sanitizer (its own libraries are not built for one).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${VPY:-.venv/bin/python}
+JOBS=${JOBS:-2}
+CXX_BIN=${CXX:-c++}
+for san in ${SANITIZERS:-address thread}; do
+  build=build/sanitize-$san
+  case $san in
+    address) runtime=$($CXX_BIN -print-file-name=libasan.so)
+             # use_tls=0: GCC 12's LeakSanitizer misreads glibc's dynamic-TLS vector of
+             # simcuda's threads and crashes in its tracer; the heap is still scanned.
+             export ASAN_OPTIONS="log_path=$PWD/$build/reports/asan" LSAN_OPTIONS=use_tls=0 ;;
+    thread)  runtime=$($CXX_BIN -print-file-name=libtsan.so)
+             export TSAN_OPTIONS="log_path=$PWD/$build/reports/tsan" ;;
+    *) echo "unknown sanitizer $san (address or thread)" >&2; exit 2 ;;
+  esac
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Debug -DJITCKPT_SANITIZE="$san" \
+      -DPython_EXECUTABLE="$(realpath "$PY")" -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" \
+      > "$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
+  cmake --build "$build" -j"$JOBS"
+  rm -rf "$build/reports"; mkdir -p "$build/reports"
+  status=0
+  ctest --test-dir "$build" --output-on-failure -j"$JOBS" || status=$?
+  JITCKPT_BUILD_DIR="$PWD/$build" JITCKPT_SANITIZER_RUNTIME="$runtime" \
+    "$PY" -m pytest -q -p no:cacheprovider tests/native/test_simcuda_runtime.py \
+      tests/native/test_simcuda_nccl.py tests/native/test_swift_nccl_logging.py \
+      --deselect tests/native/test_swift_nccl_logging.py::test_python_api || status=$?
+  if compgen -G "$build/reports/*" > /dev/null; then
+    cat "$build"/reports/*; echo "$san sanitizer reports above ($build/reports)" >&2; exit 1
+  fi
+  [ "$status" = 0 ] || { echo "$san: tests failed" >&2; exit "$status"; }
+  echo "== $san: unit tests and CUDA/NCCL programs clean"
+  unset ASAN_OPTIONS LSAN_OPTIONS TSAN_OPTIONS
+done
