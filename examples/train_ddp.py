@@ -214,7 +214,7 @@ def main():
             from jitckpt.snapshot.keeper_client import KeeperClient
 
             keeper = KeeperClient(get_runtime().snapshots.socket_path)  # this node's keeper
-            keeper_pid = keeper.ping()["pid"]
+            keeper_pid = keeper.ping().pid
             keeper.close()
             os.kill(keeper_pid, signal.SIGKILL)
             wait_gone(keeper_pid)

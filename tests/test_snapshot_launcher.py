@@ -211,6 +211,7 @@ def test_snapshot_flags_defaults_and_errors(tmp_path):
 
 def test_keeper_supervisor_replaces_a_dead_keeper_and_stops_it(tmp_path):
     from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
+    from jitckpt.protocol.keeper_messages import Pong
     from jitckpt.snapshot.keeper_client import KeeperClient
 
     deep = tmp_path / ("d" * 60) / ("e" * 60)   # too long for a Unix socket path: falls back
@@ -222,7 +223,7 @@ def test_keeper_supervisor_replaces_a_dead_keeper_and_stops_it(tmp_path):
         assert sup.ensure_running() is True
         first = sup.pid
         k = KeeperClient(sup.socket_path)
-        assert k.ping() == {"ok": True, "pid": first, "node": 3}
+        assert k.ping() == Pong(pid=first, node=3)
         k.close()
         assert sup.ensure_running() is False and sup.pid == first   # alive: kept
         os.kill(first, 9)

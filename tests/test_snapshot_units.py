@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import signal
 import subprocess
@@ -256,7 +257,7 @@ def test_keeper_keeps_one_complete_and_one_in_progress_and_outlives_its_writer(k
     c.close()  # the writer goes away; memory stays with the keeper
     c = KeeperClient(sock)
     m, info = c.open("x0.0", 2)
-    assert m[:16] == b"\xff" * 16 and info["checksum"] == 8
+    assert m[:16] == b"\xff" * 16 and info.checksum == 8
     with pytest.raises(KeeperError, match="no begin"):
         c.commit([{"key": "x0.0", "step": 9, "checksum": 0, "algo": "crc32"}])
     c.reject(2)
@@ -269,6 +270,25 @@ def test_keeper_keeps_one_complete_and_one_in_progress_and_outlives_its_writer(k
     proc.wait(timeout=10)
     with pytest.raises(KeeperError, match="cannot connect"):
         KeeperClient(sock)
+
+
+def test_keeper_refuses_what_is_not_its_protocol_by_name(keeper) -> None:
+    """Typed keeper messages: an unknown type or field is refused, naming it; the keeper serves on."""
+    from jitckpt.protocol.keeper_messages import Begin, Ping
+
+    sock, proc = keeper
+    c = KeeperClient(sock)
+    for raw, match in ((b'{"type": "shutdown"}', "unknown snapshot keeper message type 'shutdown'"),
+                       (b'{"type": "begin", "key": "x", "step": 1, "size": 4, "sise": 4}',
+                        r"unknown field\(s\) \['sise'\]"),
+                       (b"not json", "not a JSON object with a type")):
+        c._sock.send(raw)
+        reply = json.loads(c._sock.recv(1 << 16))
+        assert reply["type"] == "refused" and re.search(match, reply["error"]), reply
+    with pytest.raises(KeeperError, match="refused begin: .*size must be > 0"):
+        c.request(Begin(key="x", step=1, size=0))
+    assert c.request(Ping())[0].pid == proc.pid
+    c.close()
 
 
 def test_keeper_client_names_the_missing_socket() -> None:

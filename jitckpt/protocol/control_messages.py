@@ -1,23 +1,16 @@
 """The messages of the launcher <-> worker control channel, one frozen class each.
 
-On the wire a message is one JSON line: its fields plus ``"type"`` (the class's :attr:`TYPE`).
-:func:`decode` turns a line back into its class, refusing unknown types and fields by name, so a
-typo on either side fails loudly instead of being read as a missing field.
+On the wire a message is one JSON line (:mod:`jitckpt.protocol.wire`): its fields plus
+``"type"`` (the class's :attr:`TYPE`); each end decodes with its table, :data:`TO_LAUNCHER` or
+:data:`TO_WORKER`.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import ClassVar, Optional
 
-
-@dataclass(frozen=True)
-class Message:
-    TYPE: ClassVar[str] = ""
-
-    def encode(self) -> bytes:
-        return (json.dumps({"type": self.TYPE, **dataclasses.asdict(self)}, default=str) + "\n").encode()
+# Message, ProtocolError and decode are this channel's API too (re-exported).
+from jitckpt.protocol.wire import Message, ProtocolError, decode, table  # noqa: F401
 
 
 # ---- worker -> launcher ------------------------------------------------------------------------
@@ -162,30 +155,6 @@ class PeerExit(Message):
     step: Optional[int]
 
 
-TO_LAUNCHER = {m.TYPE: m for m in (Ready, Hello, Status, FailureReport, Saved, SaveFailed, Restored,
-                                   Resumed, WorkerWarning, ExitReady, StageCaughtUp)}
-TO_WORKER = {m.TYPE: m for m in (Assign, SaveNow, Verdict, PeerExit)}
-
-
-class ProtocolError(ValueError):
-    """A control message that is not one of the protocol's."""
-
-
-def decode(line: bytes, table: dict[str, type]) -> Any:
-    """The message class of ``table`` (:data:`TO_LAUNCHER` or :data:`TO_WORKER`) that ``line`` holds."""
-    try:
-        raw = json.loads(line)
-        kind = raw.pop("type")
-    except (ValueError, KeyError, AttributeError, TypeError) as e:
-        raise ProtocolError(f"control message is not a JSON object with a type: {line[:200]!r} ({e})") from None
-    cls = table.get(kind)
-    if cls is None:
-        raise ProtocolError(f"unknown control message type {kind!r}; expected one of {sorted(table)}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    extra = sorted(set(raw) - names)
-    if extra:
-        raise ProtocolError(f"control message {kind!r} has unknown field(s) {extra}")
-    try:
-        return cls(**raw)
-    except TypeError as e:
-        raise ProtocolError(f"control message {kind!r}: {e}") from None
+TO_LAUNCHER = table(Ready, Hello, Status, FailureReport, Saved, SaveFailed, Restored, Resumed,
+                    WorkerWarning, ExitReady, StageCaughtUp)
+TO_WORKER = table(Assign, SaveNow, Verdict, PeerExit)

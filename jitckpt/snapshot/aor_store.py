@@ -167,7 +167,7 @@ def _local_partitions(keeper: KeeperClient, topo: Topology) -> list[dict]:
             m, info = keeper.open(e["key"], e["step"])
         except KeeperError:
             continue
-        if checksum_of(memoryview(m)[:e["size"]], info["algo"]) != info["checksum"]:
+        if checksum_of(memoryview(m)[:e["size"]], info.algo) != info.checksum:
             log.warning("AOR object %s step %s fails its checksum; not used", e["key"], e["step"])
             continue
         out.append({**e, "rank": topo.rank})

@@ -2,7 +2,7 @@
 
 Run one per node: ``python -m jitckpt.snapshot.keeper --socket PATH --node N``. It prints
 ``ready <pid>`` once it accepts connections. Local ranks talk to it over a Unix ``SOCK_SEQPACKET``
-socket (one JSON message per request and reply); buffers are anonymous ``memfd`` files whose file
+socket (one typed message per request and reply: :mod:`jitckpt.protocol.keeper_messages`); buffers are anonymous ``memfd`` files whose file
 descriptors travel with the reply (SCM_RIGHTS), so ranks write snapshots straight into the
 keeper's memory with no copy through the socket. The memory belongs to the keeper: it survives a
 crash of the trainers and goes away with the keeper (a lost node loses its snapshots, as it would).
@@ -11,14 +11,13 @@ Per object key at most two buffers: while a rank writes version ``t+1`` the prev
 stays readable, and it is the one reused by the next ``begin`` (REFT: one completed, one ongoing).
 The keeper never hashes data (the writer does, off the training critical path); readers verify.
 
-Requests: ``begin(key, step, size)`` -> fd; ``commit(items)``; ``list``; ``open(key, step)`` -> fd;
-``reject(step)`` (a restore from it failed: free it, never offer it again); ``discard_newer(step)``;
-``ping``; ``shutdown``.
+Requests: ``Begin(key, step, size)`` -> fd; ``Commit(items)``; ``ListObjects``; ``Open(key, step)``
+-> fd; ``Reject(step)`` (a restore from it failed: free it, never offer it again);
+``DiscardNewer(step)``; ``Ping``. The keeper stops on SIGTERM.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -28,7 +27,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-MAX_MSG = 1 << 20
+from jitckpt.protocol.keeper_messages import (CHANNEL, MAX_PACKET, TO_KEEPER, Begin, Commit, DiscardNewer,
+                                              Done, Freed, Granted, ListObjects, Objects, Open, Ping, Pong,
+                                              Refused, Reject)
+from jitckpt.protocol.wire import Message, ProtocolError, decode
 
 
 @dataclass
@@ -130,54 +132,47 @@ class SnapshotKeeper:
         return n
 
     # Request dispatch --------------------------------------------------------------------------
-    def handle(self, req: dict) -> tuple[dict, Optional[int]]:
-        op = req.get("op")
-        if op == "begin":
-            b = self.begin(str(req["key"]), int(req["step"]), int(req["size"]))
-            return {"ok": True, "buf_id": b.buf_id, "size": b.size}, b.fd
-        if op == "commit":
-            self.commit(list(req["items"]))
-            return {"ok": True}, None
-        if op == "list":
-            return {"ok": True, "objects": self.listing(), "node": self.node}, None
-        if op == "open":
-            b = self.find(str(req["key"]), int(req["step"]))
-            return {"ok": True, "buf_id": b.buf_id, "size": b.size, "checksum": b.checksum,
-                    "algo": b.algo}, b.fd
-        if op == "reject":
-            return {"ok": True, "rejected": self.reject(int(req["step"]))}, None
-        if op == "discard_newer":
-            return {"ok": True, "discarded": self.discard_newer(int(req["step"]))}, None
-        if op == "ping":
-            return {"ok": True, "pid": os.getpid(), "node": self.node}, None
-        raise ValueError(f"unknown keeper request op {op!r}")
+    def handle(self, req: Message) -> tuple[Message, Optional[int]]:
+        """The reply to one request, and the file descriptor that travels with it."""
+        if isinstance(req, Begin):
+            b = self.begin(req.key, int(req.step), int(req.size))
+            return Granted(buf_id=b.buf_id, size=b.size), b.fd
+        if isinstance(req, Commit):
+            self.commit(list(req.items))
+            return Done(), None
+        if isinstance(req, ListObjects):
+            return Objects(objects=self.listing(), node=self.node), None
+        if isinstance(req, Open):
+            b = self.find(req.key, int(req.step))
+            return Granted(buf_id=b.buf_id, size=b.size, checksum=b.checksum, algo=b.algo), b.fd
+        if isinstance(req, Reject):
+            return Freed(count=self.reject(int(req.step))), None
+        if isinstance(req, DiscardNewer):
+            return Freed(count=self.discard_newer(int(req.step))), None
+        if isinstance(req, Ping):
+            return Pong(pid=os.getpid(), node=self.node), None
+        raise ProtocolError(f"no handler for {type(req).__name__}")
 
 
 def _serve_connection(keeper: SnapshotKeeper, conn: socket.socket, stop: threading.Event) -> None:
     with conn:
         while not stop.is_set():
             try:
-                data = conn.recv(MAX_MSG)
+                data = conn.recv(MAX_PACKET)
             except OSError:
                 return
             if not data:
                 return
             fd = None
             try:
-                req = json.loads(data)
-                if req.get("op") == "shutdown":
-                    conn.send(json.dumps({"ok": True}).encode())
-                    stop.set()
-                    return
-                reply, fd = keeper.handle(req)
-            except (ValueError, KeyError, TypeError) as e:
-                reply = {"ok": False, "error": str(e)}
-            payload = json.dumps(reply).encode()
+                reply, fd = keeper.handle(decode(data, TO_KEEPER, channel=CHANNEL))
+            except (ValueError, KeyError, TypeError) as e:  # ProtocolError is a ValueError
+                reply = Refused(error=str(e))
             try:
                 if fd is not None:
-                    socket.send_fds(conn, [payload], [fd])
+                    socket.send_fds(conn, [reply.encode()], [fd])
                 else:
-                    conn.send(payload)
+                    conn.send(reply.encode())
             except OSError:
                 return
 

@@ -1,14 +1,15 @@
 """A rank's connection to its node's snapshot keeper (see :mod:`jitckpt.snapshot.keeper`)."""
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import socket
 import threading
-from typing import Any, Optional
+from typing import Optional
 
-from jitckpt.snapshot.keeper import MAX_MSG
+from jitckpt.protocol.keeper_messages import (CHANNEL, MAX_PACKET, TO_RANK, Begin, Commit, DiscardNewer,
+                                              Granted, ListObjects, Open, Ping, Pong, Refused, Reject)
+from jitckpt.protocol.wire import Message, ProtocolError, decode
 
 ENV_SOCKET = "JITCKPT_SNAPSHOT_SOCKET"
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -37,61 +38,74 @@ class KeeperClient:
         self._lock = threading.Lock()
         self._maps: dict[tuple[str, int], mmap.mmap] = {}
 
-    def request(self, op: str, **fields: Any) -> tuple[dict, Optional[int]]:
+    def request(self, req: Message) -> tuple[Message, Optional[int]]:
+        """Send one request; its reply and the file descriptor that came with it (if any).
+        :class:`KeeperError` when the keeper refuses or cannot be reached."""
         with self._lock:
             try:
-                self._sock.send(json.dumps({"op": op, **fields}).encode())
-                data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MSG, 1)
+                self._sock.send(req.encode())
+                data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_PACKET, 1)
             except OSError as e:
-                raise KeeperError(f"snapshot keeper at {self.path}: {op} failed: {e}") from None
-        if not data:
-            raise KeeperError(f"snapshot keeper at {self.path} closed the connection during {op}")
-        reply = json.loads(data)
+                raise KeeperError(f"snapshot keeper at {self.path}: {req.TYPE} failed: {e}") from None
         fd = fds[0] if fds else None
-        if not reply.get("ok"):
+        try:
+            if not data:
+                raise KeeperError(f"snapshot keeper at {self.path} closed the connection during {req.TYPE}")
+            try:
+                reply = decode(data, TO_RANK, channel=CHANNEL)
+            except ProtocolError as e:
+                raise KeeperError(f"snapshot keeper at {self.path}: {e}") from None
+            if isinstance(reply, Refused):
+                raise KeeperError(f"snapshot keeper refused {req.TYPE}: {reply.error}")
+        except KeeperError:
             if fd is not None:
                 os.close(fd)
-            raise KeeperError(f"snapshot keeper refused {op}: {reply.get('error')}")
+            raise
         return reply, fd
 
-    def _map(self, key: str, reply: dict, fd: Optional[int]) -> mmap.mmap:
-        if fd is None:
-            raise KeeperError(f"snapshot keeper sent no buffer for {key}")
+    def _map(self, key: str, reply: Message, fd: Optional[int]) -> mmap.mmap:
         try:
-            cache_key = (key, int(reply["buf_id"]))
+            if fd is None or not isinstance(reply, Granted):
+                raise KeeperError(f"snapshot keeper sent no buffer for {key}")
+            cache_key = (key, reply.buf_id)
             m = self._maps.get(cache_key)
-            if m is None or len(m) != reply["size"]:
+            if m is None or len(m) != reply.size:
                 # MAP_POPULATE: fault the pages in now, in one go, not one by one during the copy.
-                m = mmap.mmap(fd, int(reply["size"]), flags=mmap.MAP_SHARED | _POPULATE)
+                m = mmap.mmap(fd, reply.size, flags=mmap.MAP_SHARED | _POPULATE)
                 self._maps[cache_key] = m
             return m
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
     def begin(self, key: str, step: int, size: int) -> mmap.mmap:
         """A writable mapping of the buffer for (key, step)."""
-        reply, fd = self.request("begin", key=key, step=step, size=size)
-        return self._map(key, reply, fd)
+        return self._map(key, *self.request(Begin(key=key, step=step, size=size)))
 
     def commit(self, items: list[dict]) -> None:
-        self.request("commit", items=items)
+        """Mark the begun buffers of ``items`` ({key, step, checksum, algo}) complete."""
+        self.request(Commit(items=items))
 
     def listing(self) -> list[dict]:
-        return self.request("list")[0]["objects"]
+        """Every complete object version: {key, step, size, checksum, algo}."""
+        return self.request(ListObjects())[0].objects
 
-    def open(self, key: str, step: int) -> tuple[mmap.mmap, dict]:
+    def open(self, key: str, step: int) -> tuple[mmap.mmap, Granted]:
         """A mapping of the complete object (key, step) and its metadata (checksum, algo)."""
-        reply, fd = self.request("open", key=key, step=step)
+        reply, fd = self.request(Open(key=key, step=step))
         return self._map(key, reply, fd), reply
 
     def reject(self, step: int) -> None:
-        self.request("reject", step=step)
+        """A restore from ``step`` failed: the keeper frees it and never offers it again."""
+        self.request(Reject(step=step))
 
     def discard_newer(self, step: int) -> int:
-        return int(self.request("discard_newer", step=step)[0]["discarded"])
+        """Free every version newer than ``step``; how many buffers were freed."""
+        return self.request(DiscardNewer(step=step))[0].count
 
-    def ping(self) -> dict:
-        return self.request("ping")[0]
+    def ping(self) -> Pong:
+        """The keeper's pid and node."""
+        return self.request(Ping())[0]
 
     def close(self) -> None:
         # Mappings are not closed explicitly: a restored tensor may still view one (torch keeps a

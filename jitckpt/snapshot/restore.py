@@ -95,10 +95,10 @@ def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tup
             continue  # dropped since the listing (a newer snapshot reused the buffer)
         copy = keep is not None and e["key"] != META_KEY
         if copy:
-            data, value = copy_verified(torch.frombuffer(m, dtype=torch.uint8, count=e["size"]), info["algo"])
+            data, value = copy_verified(torch.frombuffer(m, dtype=torch.uint8, count=e["size"]), info.algo)
         else:
-            value = checksum_of(memoryview(m)[:e["size"]], info["algo"])
-        if value != info["checksum"]:
+            value = checksum_of(memoryview(m)[:e["size"]], info.algo)
+        if value != info.checksum:
             log.warning("in-memory snapshot object %s step %s fails its checksum; not used",
                         e["key"], e["step"])
             continue
