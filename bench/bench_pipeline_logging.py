@@ -17,7 +17,6 @@ Usage: python bench/bench_pipeline_logging.py [--quick] [--out bench/results/pip
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -31,14 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def _example():
-    spec = importlib.util.spec_from_file_location("pipeline_logging_example",
-                                                  ROOT / "examples" / "pipeline_logging.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from jitckpt.swift.pipeline.fault_plan import FaultPlan  # noqa: E402
+from jitckpt.swift.pipeline.forked_supervisor import run_pipeline  # noqa: E402
+from jitckpt.swift.pipeline.reference_model import MlpStages  # noqa: E402
+from jitckpt.swift.pipeline.run_config import PipelineRun  # noqa: E402
 
 
 def throughput(res, warmup: int) -> float:
@@ -116,7 +111,6 @@ def main(argv=None) -> int:
     ap.add_argument("--log-root", choices=("shm", "run"), default="shm",
                     help="log store: host memory (/dev/shm tmpfs, default) or the run directory")
     args = ap.parse_args(argv)
-    ex = _example()
 
     shm_dirs: list[str] = []
 
@@ -128,7 +122,10 @@ def main(argv=None) -> int:
     # Run-to-run spread was ~4 % with 4 runs of 8 measured iterations: measure longer runs.
     reps = 2 if args.quick else 6
     rec_reps = 1 if args.quick else 3
-    model = dict(hidden=512, layers_per_stage=8, micro_batches=8, micro_batch_size=8)
+    mlp = MlpStages(hidden=512, layers_per_stage=8, micro_batch_size=8)
+    micro_batches = 8
+    model = dict(hidden=mlp.hidden, layers_per_stage=mlp.layers_per_stage,
+                 micro_batches=micro_batches, micro_batch_size=mlp.micro_batch_size)
     iters, warmup = (8, 2) if args.quick else (40, 4)
     ckpt, fail_it = 8, 15
     tmp = Path(tempfile.mkdtemp(prefix="bench_pipeline_logging_"))
@@ -143,9 +140,10 @@ def main(argv=None) -> int:
         for r in range(reps):
             for mode in (("logging", "no_logging") if r % 2 == 0 else ("no_logging", "logging")):
                 d = tmp / f"tp-{mode}-{r}"
-                res = ex.run_pipeline(ex.PipelineRun(
+                res = run_pipeline(PipelineRun(
                     run_dir=str(d), iterations=iters, checkpoint_every=1000,
-                    logging=(mode == "logging"), timeout=300.0, log_root=log_root(d), **model))
+                    micro_batches=micro_batches, logging=(mode == "logging"), timeout=300.0,
+                    log_root=log_root(d)), build_stage=mlp)
                 assert res.ok
                 tp[mode].append(throughput(res, warmup))
                 iv[mode].extend(intervals(res, warmup))
@@ -171,11 +169,11 @@ def main(argv=None) -> int:
         for r in range(rec_reps):
             for mode in ("logging", "restart") if r % 2 == 0 else ("restart", "logging"):
                 d = tmp / f"rec-{mode}-{r}"
-                res = ex.run_pipeline(ex.PipelineRun(
+                res = run_pipeline(PipelineRun(
                     run_dir=str(d), iterations=fail_it + 1, checkpoint_every=ckpt,
-                    logging=(mode == "logging"), recovery=mode, fail_stage=2,
-                    fail_iteration=fail_it, fail_op=3, timeout=300.0, log_root=log_root(d),
-                    **model))
+                    micro_batches=micro_batches, logging=(mode == "logging"), recovery=mode,
+                    timeout=300.0, log_root=log_root(d)), build_stage=mlp,
+                    faults=FaultPlan(fail_stage=2, fail_iteration=fail_it, fail_op=3))
                 assert res.ok and res.recovery_time is not None
                 rec[mode].append(res.recovery_time)
                 shutil.rmtree(d, ignore_errors=True)

@@ -23,6 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from jitckpt.swift.pipeline.forked_supervisor import run_pipeline
+from jitckpt.swift.pipeline.reference_model import MlpStages
+from jitckpt.swift.pipeline.run_config import PipelineRun
+
 from jobs import _read_jsonl, kill_tree, run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,15 +57,10 @@ def _final(run: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The failure-free run, under the example's own (forked) supervisor."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import pipeline_logging as ex
-    finally:
-        sys.path.pop(0)
+    """The failure-free run, under the library's forked supervisor (the example's model)."""
     run = tmp_path_factory.mktemp("ref") / "run"
-    res = ex.run_pipeline(ex.PipelineRun(run_dir=str(run), iterations=ITERS,
-                                         checkpoint_every=CKPT, timeout=60.0))
+    res = run_pipeline(PipelineRun(run_dir=str(run), iterations=ITERS, checkpoint_every=CKPT,
+                                   timeout=60.0), build_stage=MlpStages())
     assert res.ok
     return _final(run)
 

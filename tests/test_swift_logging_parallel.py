@@ -11,36 +11,22 @@ of a running pipeline that checkpoint, lend themselves and restore (SWIFT Fig. 6
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from jitckpt.swift.pipeline.forked_supervisor import run_pipeline
+from jitckpt.swift.pipeline.reference_model import MlpStages
+from jitckpt.swift.pipeline.run_config import PipelineRun
 
 from forked_ranks import run_two_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
 STAGE, CKPT, ITERS = 2, 4, 6
 PROC_TIMEOUT = 60.0
-
-
-def _example():
-    name = "pipeline_logging_example"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "pipeline_logging.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ex = _example()
 
 
 def _worker(rank: int, port: int, run_dir: str) -> None:
@@ -52,14 +38,14 @@ def _worker(rank: int, port: int, run_dir: str) -> None:
         from jitckpt.swift.pipeline.recovery import checkpoint_path
 
         apply_determinism(num_threads=1)
-        cfg = ex.PipelineRun(run_dir=run_dir, iterations=ITERS, checkpoint_every=CKPT)
+        cfg = PipelineRun(run_dir=run_dir, iterations=ITERS, checkpoint_every=CKPT)
         run = Path(run_dir)
         logs = [run / "logs" / f"stage{p}" for p in (STAGE - 1, STAGE + 1)]
         ckpt = torch.load(checkpoint_path(run / "ckpt", CKPT, STAGE), weights_only=True)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                                 timeout=timedelta(seconds=30))
-        stage = ex._build_stage(cfg, STAGE)
+        stage = MlpStages()(cfg, STAGE)
         stage.load_state_dict(ckpt)
         index = LogIndex(logs, after_iteration=CKPT)
         assigned = {it: parallel_replay_iteration(stage, index, iteration=it,
@@ -70,7 +56,7 @@ def _worker(rank: int, port: int, run_dir: str) -> None:
         torch.save(stage.module.state_dict(), out / f"parallel{rank}.pt")
         (out / f"assigned{rank}.json").write_text(json.dumps(assigned))
         if rank == 0:  # sequential replay of the same iterations, same logs
-            seq = ex._build_stage(cfg, STAGE)
+            seq = MlpStages()(cfg, STAGE)
             seq.load_state_dict(ckpt)
             index = LogIndex(logs, after_iteration=CKPT)
             for it in range(CKPT + 1, ITERS + 1):
@@ -88,8 +74,8 @@ def _worker(rank: int, port: int, run_dir: str) -> None:
 
 def test_parallel_recovery_is_bitwise_identical_to_sequential(tmp_path):
     run_dir = tmp_path / "run"
-    res = ex.run_pipeline(ex.PipelineRun(run_dir=str(run_dir), iterations=ITERS,
-                                         checkpoint_every=CKPT, timeout=60.0))
+    res = run_pipeline(PipelineRun(run_dir=str(run_dir), iterations=ITERS,
+                                   checkpoint_every=CKPT, timeout=60.0), build_stage=MlpStages())
     assert res.ok
     want = torch.load(run_dir / "final" / f"stage{STAGE}.pt", weights_only=True)
     assert run_two_ranks(_worker, str(run_dir), timeout=PROC_TIMEOUT) == [0, 0]

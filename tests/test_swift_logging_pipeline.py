@@ -11,35 +11,34 @@ Every run has a deadline (PipelineRun.timeout) and its processes are killed by P
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
+from jitckpt.swift.pipeline.fault_plan import FaultPlan
+from jitckpt.swift.pipeline.forked_supervisor import run_pipeline
 from jitckpt.swift.pipeline.logging_records import MessageKey
+from jitckpt.swift.pipeline.reference_model import MlpStages
+from jitckpt.swift.pipeline.run_config import PipelineRun
 
-ROOT = Path(__file__).resolve().parent.parent
 ITERS, CKPT, FAIL_IT = 8, 4, 6
+FAULT_FIELDS = {f.name for f in dataclasses.fields(FaultPlan)}
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("pipeline_logging_example",
-                                                  ROOT / "examples" / "pipeline_logging.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ex = _example()
+def _configure(run_dir: str, **kw) -> tuple[PipelineRun, FaultPlan]:
+    """A run and its fault plan from one set of keywords (FaultPlan's fields go to the plan)."""
+    faults = FaultPlan(**{k: kw.pop(k) for k in FAULT_FIELDS & kw.keys()})
+    cfg = PipelineRun(run_dir=run_dir, **kw)
+    faults.check(cfg)
+    return cfg, faults
 
 
 def _run(tmp: Path, name: str, **kw):
-    cfg = ex.PipelineRun(run_dir=str(tmp / name), iterations=ITERS, checkpoint_every=CKPT,
-                         timeout=60.0, **kw)
-    return ex.run_pipeline(cfg)
+    cfg, faults = _configure(str(tmp / name), iterations=ITERS, checkpoint_every=CKPT,
+                             timeout=60.0, **kw)
+    return run_pipeline(cfg, build_stage=MlpStages(), faults=faults)
 
 
 def _final(res_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
@@ -153,11 +152,11 @@ def test_divergent_replay_is_detected(tmp_path):
 ])
 def test_bad_run_configuration_is_refused(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
-        ex.PipelineRun(run_dir=str(tmp_path), iterations=ITERS, **kw)
+        _configure(str(tmp_path), iterations=ITERS, **kw)
 
 
 def test_several_failures_need_the_launcher(tmp_path):
-    cfg = ex.PipelineRun(run_dir=str(tmp_path), iterations=ITERS, fail_stage=1, fail_iteration=2,
-                         later_failures=((2, 3, 0),))
+    cfg, faults = _configure(str(tmp_path), iterations=ITERS, fail_stage=1, fail_iteration=2,
+                             later_failures=((2, 3, 0),))
     with pytest.raises(ValueError, match="--recovery stage"):
-        ex.run_pipeline(cfg)
+        run_pipeline(cfg, build_stage=MlpStages(), faults=faults)
