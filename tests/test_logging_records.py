@@ -174,6 +174,19 @@ def test_reader_names_the_file_and_the_problem(tmp_path, data, message):
     assert str(info.value).startswith(f"{path}: ") and message in str(info.value), str(info.value)
 
 
+def test_reader_wants_the_tensors_back_to_back(tmp_path):
+    t = torch.arange(3, dtype=torch.int32)
+    write_chunk(tmp_path, NAME, [_rec(0), _rec(1)], [t, t])
+    data = bytearray((tmp_path / NAME).read_bytes())
+    second = 16 + 72 + 8  # the second record's fixed part, after the first's one dimension
+    assert struct.unpack_from("<Q", data, second + 16) == (12,)
+    struct.pack_into("<Q", data, second + 16, 0)  # both tensors at offset 0
+    (tmp_path / NAME).write_bytes(bytes(data))
+    with pytest.raises(ChunkFormatError, match=re.escape(
+            "record 1: tensor at offset 0 of the data section, expected 12 (tensors are back to back)")):
+        read_chunk(tmp_path / NAME)
+
+
 def test_reader_reads_the_golden_chunk(tmp_path):
     (tmp_path / NAME).write_bytes(GOLDEN)
     [(rec, t)] = read_chunk(tmp_path / NAME)

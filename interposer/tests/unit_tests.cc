@@ -261,7 +261,7 @@ TEST(LogChunk, ReaderRejectsDamage) {
       {"reserved header", patched(12, "\x01"), "reserved header field is 1, not 0"},
       {"too many records", patched(8, "\x10"), "truncated: 16 records need more"},
       {"offset beyond the end", patched(16 + 16, u64_1000), "tensor bytes [1000, 1012) of the data section lie beyond"},
-      {"offset not back to back", patched(16 + 16, unhex("01")), "tensor bytes [1, 13)"},
+      {"offset one past", patched(16 + 16, unhex("01")), "tensor bytes [1, 13)"},
       {"payload code", patched(16 + 48, "\x03"), "record 0: unknown payload code 3"},
       {"kind code", patched(16 + 49, std::string(1, '\0')), "record 0: unknown kind code 0"},
       {"digest code", patched(16 + 50, "\x07"), "record 0: unknown digest algorithm code 7"},
@@ -282,6 +282,22 @@ TEST(LogChunk, ReaderRejectsDamage) {
     EXPECT_EQ(err.rfind(path + ": ", 0), 0u) << c.what << ": " << err;
     EXPECT_NE(err.find(c.message), std::string::npos) << c.what << ": " << err;
   }
+  // Two tensors at offset 0: each within the file, but not back to back.
+  jitckpt::RecordMeta meta{7, 1, "activation", 0, 1, 3, 2, "send", "int32"};
+  const int32_t values[3] = {5, -6, 7};
+  ASSERT_TRUE(jitckpt::write_chunk(temp_dir(), 2, 424245, {{&meta, values, 12, 3}, {&meta, values, 12, 3}}, &err))
+      << err;
+  const std::string two = temp_dir() + "/chunk-g2-424245-it7-7.log";
+  std::string data = slurp(two);
+  ASSERT_EQ(data[16 + 72 + 8 + 16], '\x0c');  // the second record's offset, 12
+  data[16 + 72 + 8 + 16] = 0;
+  spit(two, data);
+  out.clear();
+  EXPECT_FALSE(jitckpt::read_chunk(two, &out, &err));
+  EXPECT_NE(err.find("record 1: tensor at offset 0 of the data section, expected 12 (tensors are back to back)"),
+            std::string::npos)
+      << err;
+  std::remove(two.c_str());
   std::remove(path.c_str());
   EXPECT_FALSE(jitckpt::read_chunk(path, &out, &err));
   EXPECT_NE(err.find("cannot read"), std::string::npos) << err;
