@@ -139,8 +139,10 @@ def test_chunk_roundtrip_keeps_dtype_shape_and_bits(tmp_path):
     from jitckpt.swift.pipeline.logging_records import LogRecord, read_chunk, write_chunk
     ts = [torch.randn(2, 3, dtype=torch.bfloat16), torch.tensor(3.5, dtype=torch.float64),
           None, torch.empty(0, 4), torch.arange(6, dtype=torch.int64).reshape(3, 2)]
+    # The layout stores a digest as its algorithm and 16 bytes: sends carry none, receives one.
     recs = [LogRecord(key=_key(1, i), seq=i, generation=0, kind="send" if t is not None
-                      else "recv", digest="d") for i, t in enumerate(ts)]
+                      else "recv", digest="" if t is not None else tensor_digest(_t(i), "blake2b"))
+            for i, t in enumerate(ts)]
     write_chunk(tmp_path, "chunk-g0-000000-it1-1.log", recs, ts)
     back = read_chunk(tmp_path / "chunk-g0-000000-it1-1.log")
     assert [r for r, _ in back] == recs

@@ -1,10 +1,12 @@
 // Unit tests (GoogleTest, run by CTest from `make test`) of libjit.so's building blocks that need no
 // CUDA runtime: the lock-free stream graph, the failure latch, the hang timeout policy, the JSON
-// writer and reader, the SWIFT log chunk reader and next-symbol resolution.
+// writer, the SWIFT log chunk writer and reader (binary layout, damaged input) and next-symbol
+// resolution.
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -13,7 +15,6 @@
 
 #include "failure_latch.h"
 #include "hang_timeout.h"
-#include "json_reader.h"
 #include "json_writer.h"
 #include "log_chunk.h"
 #include "next_symbol.h"
@@ -103,71 +104,203 @@ TEST(NextSymbol, Resolution) {
 
 }  // namespace
 
-TEST(JsonReader, ReadsWhatJsonDumpsWrites) {
-  jitckpt::JsonValue v;
-  std::string err;
-  EXPECT_TRUE(jitckpt::parse_json(R"({"records": [[3, 0, "activation", 0, 1, 5, 2, "send", ""]],
-                                 "tensors": [{"dtype": "float32", "shape": [4], "offset": 0, "nbytes": 16}, null],
-                                 "x": -1.5e3, "t": true, "s": "a\"b\u00e9"})", &v, &err));
-  const jitckpt::JsonValue* rec = v.find("records");
-  EXPECT_TRUE(rec != nullptr && rec->array.size() == 1 && rec->array[0].array.size() == 9);
-  EXPECT_TRUE(rec->array[0].array[0].is_integer && rec->array[0].array[0].integer == 3);
-  EXPECT_TRUE(rec->array[0].array[2].string == "activation");
-  const jitckpt::JsonValue* x = v.find("x");
-  EXPECT_TRUE(x != nullptr && !x->is_integer && x->number == -1500.0);
-  EXPECT_TRUE(v.find("t")->boolean && v.find("s")->string == "a\"b\xc3\xa9");
-  EXPECT_TRUE(v.find("tensors")->array[1].kind == jitckpt::JsonValue::Kind::kNull);
-  for (const char* bad : {"", "{", "[1,]", "{\"a\" 1}", "[1] x", "\"unterminated", "tru", "{\"a\":01x}",
-                          "[\"\\q\"]"}) {
-    err.clear();
-    EXPECT_TRUE(!jitckpt::parse_json(bad, &v, &err) && err.find("offset") != std::string::npos);
-  }
-  std::string deep(100, '[');
-  EXPECT_TRUE(!jitckpt::parse_json(deep, &v, &err));  // bounded nesting, no stack overflow
+namespace {
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
-TEST(LogChunk, ReaderRejectsDamage) {
-  const std::string path = ::testing::TempDir() + "jitckpt_unit_chunk.log";
-  auto write = [&](const std::string& header, const std::string& payload, uint64_t len) {
-    std::ofstream f(path, std::ios::binary | std::ios::trunc);
-    f.write(reinterpret_cast<const char*>(&len), sizeof len);
-    f << header << payload;
-  };
-  const std::string good = R"({"records": [[1, 0, "gradient", 1, 0, 0, 0, "send", ""]],
-                               "tensors": [{"dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}]})";
-  std::vector<jitckpt::ChunkRecord> out;
-  std::string err;
-  write(good, std::string(8, 'x'), good.size());
-  EXPECT_TRUE(jitckpt::read_chunk(path, &out, &err) && out.size() == 1 && out[0].bytes.size() == 8 &&
-        out[0].meta.payload == "gradient" && out[0].meta.src == 1 && out[0].meta.dtype == "float32");
-  out.clear();
-  write(good, std::string(7, 'x'), good.size());  // truncated payload
-  EXPECT_TRUE(!jitckpt::read_chunk(path, &out, &err) && err.find("beyond the end") != std::string::npos);
-  write(good, "", good.size() + 100);  // header length past the end
-  EXPECT_TRUE(!jitckpt::read_chunk(path, &out, &err) && err.find("header length") != std::string::npos);
-  const std::string short_row = R"({"records": [[1, 0, "gradient"]], "tensors": [null]})";
-  write(short_row, "", short_row.size());
-  EXPECT_TRUE(!jitckpt::read_chunk(path, &out, &err) && err.find("record 0") != std::string::npos);
-  std::remove(path.c_str());
-  // What write_chunk writes, read_chunk reads back (name, header and bytes).
-  jitckpt::RecordMeta meta{7, 1, "activation", 0, 1, 3, 2, "send", "int32"};
-  const int values[3] = {5, -6, 7};
+void spit(const std::string& path, const std::string& data) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << data;
+}
+
+std::string temp_dir() {
   std::string dir = ::testing::TempDir();
   if (!dir.empty() && dir.back() == '/') dir.pop_back();
-  EXPECT_TRUE(jitckpt::write_chunk(dir, 2, 424242, {{&meta, values, sizeof values, 3}}, &err));
+  return dir;
+}
+
+// One int32 send record {5, -6, 7}, byte for byte as both writers lay it out (the same bytes
+// are asserted for the Python writer in tests/test_logging_records.py).
+const char* const kGoldenChunk =
+    "4a495453574c47010100000000000000"  // magic "JITSWLG" v1, 1 record, reserved
+    "0700000000000000"                  // iteration 7
+    "0300000000000000"                  // seq 3
+    "0000000000000000"                  // offset 0
+    "0c00000000000000"                  // nbytes 12
+    "01000000" "00000000" "01000000" "02000000"  // micro_batch 1, src 0, dst 1, generation 2
+    "01" "01" "00" "09" "01" "000000"   // activation, send, no digest, int32, ndim 1, reserved
+    "00000000000000000000000000000000"  // digest bytes
+    "0300000000000000"                  // dims [3]
+    "05000000faffffff07000000";         // the tensor's bytes
+
+std::string unhex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  return out;
+}
+
+}  // namespace
+
+TEST(LogChunk, WriterLaysOutTheDocumentedBytes) {
+  jitckpt::RecordMeta meta{7, 1, "activation", 0, 1, 3, 2, "send", "int32"};
+  const int32_t values[3] = {5, -6, 7};
+  const std::string dir = temp_dir();
+  std::string err;
+  ASSERT_TRUE(jitckpt::write_chunk(dir, 2, 424242, {{&meta, values, sizeof values, 3}}, &err)) << err;
   std::vector<jitckpt::ChunkFile> files;
   for (const jitckpt::ChunkFile& c : jitckpt::list_chunks(dir))
     if (c.number == 424242) files.push_back(c);
-  EXPECT_TRUE(files.size() == 1 && files[0].name == "chunk-g2-424242-it7-7.log" && files[0].lo == 7 && files[0].hi == 7);
-  out.clear();
-  EXPECT_TRUE(jitckpt::read_chunk(dir + "/chunk-g2-424242-it7-7.log", &out, &err) && out.size() == 1 &&
-        out[0].meta.iteration == 7 && out[0].meta.seq == 3 && out[0].meta.generation == 2 &&
-        out[0].meta.dtype == "int32" && out[0].bytes.size() == sizeof values &&
-        std::memcmp(out[0].bytes.data(), values, sizeof values) == 0);
-  std::remove((dir + "/chunk-g2-424242-it7-7.log").c_str());
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_EQ(files[0].name, "chunk-g2-424242-it7-7.log");
+  EXPECT_EQ(files[0].lo, 7);
+  EXPECT_EQ(files[0].hi, 7);
+  const std::string path = dir + "/" + files[0].name;
+  EXPECT_EQ(slurp(path), unhex(kGoldenChunk));
+  std::remove(path.c_str());
   size_t size = 0;
-  EXPECT_TRUE(std::strcmp(jitckpt::torch_dtype(ncclBfloat16, &size), "bfloat16") == 0 && size == 2);
-  EXPECT_TRUE(jitckpt::torch_dtype(static_cast<ncclDataType_t>(99), &size) == nullptr);
+  EXPECT_STREQ(jitckpt::torch_dtype(ncclBfloat16, &size), "bfloat16");
+  EXPECT_EQ(size, 2u);
+  EXPECT_STREQ(jitckpt::torch_dtype(ncclFloat8e5m2, &size), "float8_e5m2");
+  EXPECT_EQ(size, 1u);
+  EXPECT_EQ(jitckpt::torch_dtype(static_cast<ncclDataType_t>(99), &size), nullptr);
+  for (int t = 0; t < ncclNumTypes; ++t)  // every NCCL type has a dtype of the chunk format
+    EXPECT_NE(jitckpt::torch_dtype(static_cast<ncclDataType_t>(t), &size), nullptr) << t;
+}
+
+TEST(LogChunk, RoundTripOfSeveralRecords) {
+  jitckpt::RecordMeta a{-1, 0, "activation", 3, 4, 0, 0, "send", "float64"};
+  jitckpt::RecordMeta b{9, 2147483647, "gradient", 4, 3, (int64_t{1} << 40), -5, "send", "uint8"};
+  jitckpt::RecordMeta empty{9, 3, "gradient", 4, 3, 7, 1, "send", "bfloat16"};
+  jitckpt::RecordMeta none{10, 0, "activation", 4, 5, 8, 1, "recv", ""};
+  const double doubles[2] = {1.5, -2.25};
+  const uint8_t bytes[5] = {0, 1, 2, 254, 255};
+  const std::string dir = temp_dir();
+  std::string err;
+  ASSERT_TRUE(jitckpt::write_chunk(dir, 1, 424243,
+                                   {{&a, doubles, sizeof doubles, 2}, {&b, bytes, sizeof bytes, 5},
+                                    {&empty, nullptr, 0, 0}, {&none, nullptr, 0, 0}},
+                                   &err))
+      << err;
+  const std::string path = dir + "/chunk-g1-424243-it-1-10.log";
+  std::vector<jitckpt::ChunkRecord> out;
+  ASSERT_TRUE(jitckpt::read_chunk(path, &out, &err)) << err;
+  std::remove(path.c_str());
+  ASSERT_EQ(out.size(), 4u);
+  const jitckpt::RecordMeta* want[] = {&a, &b, &empty, &none};
+  for (size_t i = 0; i < 4; ++i) {
+    const jitckpt::RecordMeta& m = out[i].meta;
+    EXPECT_EQ(m.iteration, want[i]->iteration) << i;
+    EXPECT_EQ(m.micro_batch, want[i]->micro_batch) << i;
+    EXPECT_EQ(m.payload, want[i]->payload) << i;
+    EXPECT_EQ(m.src, want[i]->src) << i;
+    EXPECT_EQ(m.dst, want[i]->dst) << i;
+    EXPECT_EQ(m.seq, want[i]->seq) << i;
+    EXPECT_EQ(m.generation, want[i]->generation) << i;
+    EXPECT_EQ(m.kind, want[i]->kind) << i;
+    EXPECT_EQ(m.dtype, want[i]->dtype) << i;
+  }
+  EXPECT_EQ(std::string(out[0].bytes.begin(), out[0].bytes.end()),
+            std::string(reinterpret_cast<const char*>(doubles), sizeof doubles));
+  EXPECT_EQ(std::string(out[1].bytes.begin(), out[1].bytes.end()),
+            std::string(reinterpret_cast<const char*>(bytes), sizeof bytes));
+  EXPECT_TRUE(out[2].bytes.empty() && out[3].bytes.empty());
+}
+
+TEST(LogChunk, WriterRefusesWhatTheLayoutCannotHold) {
+  const int32_t v = 1;
+  const std::string dir = temp_dir();
+  std::string err;
+  jitckpt::RecordMeta weights{1, 0, "weights", 0, 1, 0, 0, "send", "int32"};
+  EXPECT_FALSE(jitckpt::write_chunk(dir, 0, 424244, {{&weights, &v, sizeof v, 1}}, &err));
+  EXPECT_NE(err.find("record 0: payload 'weights'"), std::string::npos) << err;
+  jitckpt::RecordMeta odd{1, 0, "gradient", 0, 1, 0, 0, "send", "float128"};
+  EXPECT_FALSE(jitckpt::write_chunk(dir, 0, 424244, {{&odd, &v, sizeof v, 1}}, &err));
+  EXPECT_NE(err.find("dtype float128"), std::string::npos) << err;
+  jitckpt::RecordMeta ok{1, 0, "gradient", 0, 1, 0, 0, "send", "int32"};
+  EXPECT_FALSE(jitckpt::write_chunk(dir, 0, 424244, {{&ok, &v, sizeof v, 2}}, &err));  // 4 bytes, 2 elements
+  EXPECT_NE(err.find("4 bytes for 2 elements"), std::string::npos) << err;
+  EXPECT_FALSE(jitckpt::write_chunk(dir, 0, 424244, {}, &err));
+  for (const jitckpt::ChunkFile& c : jitckpt::list_chunks(dir)) EXPECT_NE(c.number, 424244) << c.name;
+}
+
+TEST(LogChunk, ReaderRejectsDamage) {
+  const std::string good = unhex(kGoldenChunk);
+  const std::string path = temp_dir() + "/jitckpt_unit_chunk.log";
+  std::vector<jitckpt::ChunkRecord> out;
+  std::string err;
+  spit(path, good);
+  ASSERT_TRUE(jitckpt::read_chunk(path, &out, &err)) << err;
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].meta.dtype, "int32");
+  EXPECT_EQ(out[0].bytes.size(), 12u);
+  // Byte offsets in the golden chunk: record 0 starts at 16.
+  auto patched = [&](size_t at, const std::string& bytes) {
+    std::string d = good;
+    d.replace(at, bytes.size(), bytes);
+    return d;
+  };
+  const std::string u64_1000 = unhex("e803000000000000");
+  const struct {
+    const char* what;
+    std::string data;
+    const char* message;
+  } cases[] = {
+      {"empty file", "", "truncated: 0 bytes, shorter than the 16-byte file header"},
+      {"header cut", good.substr(0, 10), "shorter than the 16-byte file header"},
+      {"record cut", good.substr(0, 40), "truncated: 1 records need more"},
+      {"dims cut", good.substr(0, 16 + 72 + 4), "record 0: truncated (the file ends inside its dimensions)"},
+      {"tensor cut", good.substr(0, good.size() - 1), "lie beyond the end of the file (11 bytes of data): truncated"},
+      {"trailing byte", good + "x", "1 bytes after the last tensor"},
+      {"bad magic", patched(0, "XIT"), "not a SWIFT log chunk"},
+      {"other version", patched(7, "\x02"), "chunk format version 2, this jitckpt reads version 1: written by another "
+                                            "jitckpt version; replay from the global checkpoint instead"},
+      {"old JSON header", unhex("1000000000000000") + R"({"records": []})",
+       "a chunk with a JSON header: written by another jitckpt version"},
+      {"reserved header", patched(12, "\x01"), "reserved header field is 1, not 0"},
+      {"too many records", patched(8, "\x10"), "truncated: 16 records need more"},
+      {"offset beyond the end", patched(16 + 16, u64_1000), "tensor bytes [1000, 1012) of the data section lie beyond"},
+      {"offset one past", patched(16 + 16, unhex("01")), "tensor bytes [1, 13)"},
+      {"payload code", patched(16 + 48, "\x03"), "record 0: unknown payload code 3"},
+      {"kind code", patched(16 + 49, std::string(1, '\0')), "record 0: unknown kind code 0"},
+      {"digest code", patched(16 + 50, "\x07"), "record 0: unknown digest algorithm code 7"},
+      {"dtype code", patched(16 + 51, "\x63"), "record 0: unknown dtype code 99"},
+      {"reserved bytes", patched(16 + 54, "\x01"), "record 0: reserved bytes are not 0"},
+      {"stray digest", patched(16 + 60, "\x01"), "record 0: digest bytes without a digest algorithm"},
+      {"nbytes", patched(16 + 24, "\x08"), "record 0: nbytes 8, but shape [3] of int32 is 12 bytes"},
+      {"negative dim", patched(16 + 72, unhex("ffffffffffffffff")), "record 0: negative dimension in shape [-1]"},
+      {"huge dims", patched(16 + 72, unhex("ffffffffffffff7f")), "is more than 2^64 bytes"},
+      {"tensor without dtype", patched(16 + 51, std::string(1, '\0')), "record 0: no tensor, yet ndim 1"},
+  };
+  for (const auto& c : cases) {
+    spit(path, c.data);
+    out.clear();
+    err.clear();
+    EXPECT_FALSE(jitckpt::read_chunk(path, &out, &err)) << c.what;
+    EXPECT_TRUE(out.empty()) << c.what;
+    EXPECT_EQ(err.rfind(path + ": ", 0), 0u) << c.what << ": " << err;
+    EXPECT_NE(err.find(c.message), std::string::npos) << c.what << ": " << err;
+  }
+  // Two tensors at offset 0: each within the file, but not back to back.
+  jitckpt::RecordMeta meta{7, 1, "activation", 0, 1, 3, 2, "send", "int32"};
+  const int32_t values[3] = {5, -6, 7};
+  ASSERT_TRUE(jitckpt::write_chunk(temp_dir(), 2, 424245, {{&meta, values, 12, 3}, {&meta, values, 12, 3}}, &err))
+      << err;
+  const std::string two = temp_dir() + "/chunk-g2-424245-it7-7.log";
+  std::string data = slurp(two);
+  ASSERT_EQ(data[16 + 72 + 8 + 16], '\x0c');  // the second record's offset, 12
+  data[16 + 72 + 8 + 16] = 0;
+  spit(two, data);
+  out.clear();
+  EXPECT_FALSE(jitckpt::read_chunk(two, &out, &err));
+  EXPECT_NE(err.find("record 1: tensor at offset 0 of the data section, expected 12 (tensors are back to back)"),
+            std::string::npos)
+      << err;
+  std::remove(two.c_str());
+  std::remove(path.c_str());
+  EXPECT_FALSE(jitckpt::read_chunk(path, &out, &err));
+  EXPECT_NE(err.find("cannot read"), std::string::npos) << err;
 }
 
 TEST(HangTimeout, ParsesTheLaunchersGrammar) {

@@ -164,17 +164,15 @@ def test_python_api(tmp_path) -> None:
     assert kv["dropped"] == "1" and not list(tmp_path.iterdir())
 
 
-def test_replacement_replays_its_receives_from_the_logs(prog: Program, tmp_path) -> None:
+def _replay_stage1(prog: Program, log_dir, relog) -> list[dict]:
+    """A replacement of stage 1 replays iterations 1-2 from stage 0's log in `log_dir`, re-logging
+    its own sends into `relog`, while stage 0 goes on at iteration 3."""
     import json
 
-    first = tmp_path / "first"
-    first.mkdir()
-    _run(prog, first)  # the failure-free run that wrote stage 0's log
     env = prog.env(LD_PRELOAD=str(LIBJIT), JITCKPT_GEN=str(GEN + 1))
-    relog = tmp_path / "relog"
     relog.mkdir()
     per_rank = [{"PIPE_FIRST_ITER": "3"},
-                {"JITCKPT_RECV_REPLAY_DIRS": str(first / "stage0"), "JITCKPT_RECV_REPLAY_THROUGH": "2",
+                {"JITCKPT_RECV_REPLAY_DIRS": str(log_dir), "JITCKPT_RECV_REPLAY_THROUGH": "2",
                  "JITCKPT_SEND_LOG_DIR": str(relog)}]
     with RankGroup(prog, "pipeline", 2, env=env, window_ms=0, rank_env=lambda r: per_rank[r]) as group:
         out = [rp.finish(timeout=TIMEOUT_S) for rp in group.ranks]
@@ -184,12 +182,47 @@ def test_replacement_replays_its_receives_from_the_logs(prog: Program, tmp_path)
     assert [kv["mismatches"] for kv in out] == ["0", "0"], out
     replay = json.loads(out[1]["status"])["recv_replay"]
     assert replay == {"enabled": True, "through": 2, "served": 2 * MB, "dropped_sends": 2 * MB, "error": ""}
+    return out
+
+
+def test_replacement_replays_its_receives_from_the_logs(prog: Program, tmp_path) -> None:
+    first = tmp_path / "first"
+    first.mkdir()
+    _run(prog, first)  # the failure-free run that wrote stage 0's log
+    relog = tmp_path / "relog"
+    _replay_stage1(prog, first / "stage0", relog)
     # The replacement's own log is whole again: every gradient, replayed ones included.
     records = [rt for path, *_ in iter_chunks(relog) for rt in read_chunk(path)]
     assert sorted((r.key.iteration, r.key.micro_batch) for r, _ in records) == \
         [(it, mb) for it in range(1, ITERS + 1) for mb in range(MB)]
     assert all(r.generation == GEN + 1 and torch.equal(t, -_expected(r.key.iteration, r.key.micro_batch))
                for r, t in records)
+
+
+def test_python_and_libjit_write_the_same_chunks_and_read_each_others(prog: Program, tmp_path) -> None:
+    """The chunk layout is one definition in two languages: libjit.so's chunks rewritten by the
+    Python writer are the same bytes, and libjit.so's receive replay serves a log the Python
+    writer wrote with multi-dimensional shapes and receive digests among the sends."""
+    from jitckpt.swift.pipeline.logging_records import LogRecord, tensor_digest, write_chunk
+
+    first = tmp_path / "first"
+    first.mkdir()
+    _run(prog, first)
+    same, mixed = tmp_path / "same", tmp_path / "mixed"
+    same.mkdir()
+    mixed.mkdir()
+    for path, *_ in iter_chunks(first / "stage0"):
+        records = read_chunk(path)
+        write_chunk(same, path.name, [r for r, _ in records], [t for _, t in records])
+        assert (same / path.name).read_bytes() == path.read_bytes(), path.name
+        recs, tensors = [], []
+        for r, t in records:  # each send as 10 x 100, then the receive digest of its gradient
+            recs += [r, LogRecord(key=MessageKey(r.key.iteration, r.key.micro_batch, GRADIENT, 1, 0),
+                                  seq=r.seq, generation=r.generation, kind="recv",
+                                  digest=tensor_digest(-t))]
+            tensors += [t.reshape(10, 100), None]
+        write_chunk(mixed, path.name, recs, tensors)
+    _replay_stage1(prog, mixed, tmp_path / "relog")
 
 
 def test_replay_without_the_message_fails_the_receive(prog: Program, tmp_path) -> None:
