@@ -82,6 +82,14 @@ BENCHES = [
           (Ratio("libjit.so pass-through: worst extra ns per call (real libcudart, no GPU)",
                  lambda d: max(c["overhead"] for c in d["calls"].values()), "{:+.1f} ns", "< 20 ns", lambda v: v < 20),),
           stdout_json=True),
+    Bench("proxy_ring", lambda out: [str(BENCH.parent / "build" / "native" / "bin" / "ring_latency_bench"), "100000"],
+          (Ratio("proxy ring: asynchronous call enqueue, median (2 processes)",
+                 lambda d: d["enqueue_median_ns"], "{:.0f} ns", "< 1000 ns", lambda v: v < 1000),
+           Ratio("proxy ring: synchronous round trip, median (2 processes)",
+                 lambda d: d["round_trip_median_ns"], "{:.0f} ns", "< 10000 ns", lambda v: v < 10000),
+           Ratio("  ceiling: timing one call (steady_clock::now twice)", lambda d: d["clock_overhead_ns"],
+                 "{:.0f} ns", "(measurement floor)")),
+          stdout_json=True, timeout=120.0),
 ]
 
 
