@@ -145,3 +145,35 @@ def test_device_fault_is_sticky(streams: Program) -> None:
     for key in ("sync", "get_last_1", "get_last_2", "malloc_after", "memcpy_after", "stream_create_after"):
         assert kv[key] == "cudaErrorIllegalAddress", key
     assert kv["error_string"] == "an illegal memory access was encountered"
+
+
+@pytest.fixture(scope="module")
+def arena() -> Program:
+    return build_program("arena_addresses", kernels=False, nccl=False)
+
+
+def test_fixed_arena_gives_the_same_pointers_in_every_process(arena: Program) -> None:
+    """SIMCUDA_ARENA_BASE: a restarted device proxy must hand out the pointers the application
+    already holds (issue 15); allocation is deterministic, so the same calls give the same ones."""
+    base = "0x300000000000"
+    runs = [run(arena, SIMCUDA_ARENA_BASE=base) for _ in range(2)]
+    outs = [parse_kv(r.stdout) for r in runs]
+    assert all(r.returncode == 0 for r in runs), runs[0].stdout + runs[0].stderr
+    assert outs[0] == outs[1]
+    assert int(outs[0]["a"], 16) == int(base, 16) and outs[0]["roundtrip"] == "1"
+    # The freed 1 MiB hole is reused first-fit: d lands where b was (one page after a).
+    assert int(outs[0]["d"], 16) == int(base, 16) + 4096
+    default = parse_kv(run(arena).stdout)
+    assert int(default["a"], 16) != int(base, 16)  # without the variable: wherever mmap puts it
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0x300000000123", "SIMCUDA_ARENA_BASE='0x300000000123' is invalid"),
+    ("banana", "SIMCUDA_ARENA_BASE='banana' is invalid"),
+    # The top 64 GiB of user space hold the stack: the range is taken, never overwritten.
+    ("0x7ff000000000", "cannot reserve 64 GiB of device address space at 0x7ff000000000"),
+])
+def test_a_bad_or_taken_arena_base_fails_every_call_clearly(arena: Program, value: str, message: str) -> None:
+    proc = run(arena, SIMCUDA_ARENA_BASE=value)
+    assert message in proc.stderr, proc.stderr
+    assert parse_kv(proc.stdout)["malloc"] == "cudaErrorInitializationError" and proc.returncode == 1

@@ -3,6 +3,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -14,13 +17,26 @@ size_t page_round(size_t n) {
 }
 }  // namespace
 
-DeviceArena::DeviceArena(int num_devices, size_t bytes_per_device)
+DeviceArena::DeviceArena(int num_devices, size_t bytes_per_device, uintptr_t fixed_base)
     : num_devices_(num_devices), capacity_(bytes_per_device) {
   if (bytes_per_device > kRegionBytes)
     throw std::invalid_argument("simcuda: device memory larger than 64 GiB per device is not supported");
-  const size_t total = kRegionBytes * static_cast<size_t>(num_devices);
-  void* p = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED) throw std::runtime_error("simcuda: cannot reserve device address space");
+  const size_t total = reserved_bytes(num_devices);
+  int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+  if (fixed_base != 0) flags |= MAP_FIXED_NOREPLACE;  // never over an existing mapping
+  void* p = mmap(reinterpret_cast<void*>(fixed_base), total, PROT_NONE, flags, -1, 0);
+  if (p == MAP_FAILED) {
+    char what[160];
+    std::snprintf(what, sizeof what, "simcuda: cannot reserve %zu GiB of device address space%s%#lx: %s",
+                  total >> 30, fixed_base ? " at " : "", static_cast<unsigned long>(fixed_base),
+                  std::strerror(errno));
+    throw std::runtime_error(fixed_base ? what : "simcuda: cannot reserve device address space");
+  }
+  if (fixed_base != 0 && reinterpret_cast<uintptr_t>(p) != fixed_base) {  // a kernel before 4.17
+    munmap(p, total);
+    throw std::runtime_error("simcuda: the kernel placed the device arena elsewhere (MAP_FIXED_NOREPLACE "
+                             "needs Linux 4.17)");
+  }
   base_ = reinterpret_cast<uintptr_t>(p);
   for (int d = 0; d < num_devices; ++d) free_[d][region_base(d)] = kRegionBytes;
 }

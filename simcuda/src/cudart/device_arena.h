@@ -20,9 +20,14 @@ struct DeviceAllocation {
 // Reserves a large PROT_NONE range per device (no memory committed) and hands out page-aligned,
 // read/write sub-ranges. Freed ranges go back to PROT_NONE so a kernel that touches freed memory
 // faults instead of silently reading stale data.
+//
+// `fixed_base` != 0 reserves the range at exactly that address (MAP_FIXED_NOREPLACE) or throws:
+// the role of cuMemAddressReserve at a chosen address on a GPU. Allocation is first-fit over an
+// ordered free list, so the same sequence of allocations and frees gives the same addresses in
+// every process: a restarted device proxy hands the application the pointers it had before.
 class DeviceArena {
  public:
-  DeviceArena(int num_devices, size_t bytes_per_device);
+  DeviceArena(int num_devices, size_t bytes_per_device, uintptr_t fixed_base = 0);
   DeviceArena(const DeviceArena&) = delete;
   DeviceArena& operator=(const DeviceArena&) = delete;
 
@@ -36,6 +41,9 @@ class DeviceArena {
   bool contains_range(const void* ptr, size_t len) const;
   size_t capacity() const { return capacity_; }
   size_t used(int device) const;
+  uintptr_t base() const { return base_; }
+  // Bytes of address space the arena reserves for `num_devices` devices.
+  static size_t reserved_bytes(int num_devices) { return kRegionBytes * static_cast<size_t>(num_devices); }
 
  private:
   static constexpr size_t kRegionBytes = size_t{1} << 36;  // 64 GiB of address space per device

@@ -45,9 +45,32 @@ Runtime::Runtime() {
   const long n = env_int("SIMCUDA_DEVICES", 1, 1, 16, "the number of simulated GPUs", &ok);
   const long mem_mib =
       env_int("SIMCUDA_DEVICE_MEMORY_MB", 16384, 1, 65536, "simulated memory per device in MiB", &ok);
-  if (!ok) errors_.set_sticky(cudaErrorInitializationError);
   const size_t bytes = static_cast<size_t>(mem_mib) << 20;
-  arena_ = std::make_unique<DeviceArena>(static_cast<int>(n), bytes);
+  // SIMCUDA_ARENA_BASE: device memory at a fixed address (hex), identical in every process that
+  // sets it: what a device proxy needs to hand out the same pointers after a restart.
+  uintptr_t fixed = 0;
+  if (const char* v = std::getenv("SIMCUDA_ARENA_BASE"); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    const unsigned long long a = std::strtoull(v, &end, 0);
+    const unsigned long long top = 1ULL << 47;  // x86-64 user address space
+    if (*end != '\0' || a == 0 || a % 4096 != 0 || a + DeviceArena::reserved_bytes(static_cast<int>(n)) > top) {
+      std::fprintf(stderr,
+                   "simcuda: SIMCUDA_ARENA_BASE='%s' is invalid: expected a page-aligned address such as "
+                   "0x200000000000, with %zu GiB free above it below 0x800000000000\n",
+                   v, DeviceArena::reserved_bytes(static_cast<int>(n)) >> 30);
+      ok = false;
+    } else {
+      fixed = static_cast<uintptr_t>(a);
+    }
+  }
+  try {
+    arena_ = std::make_unique<DeviceArena>(static_cast<int>(n), bytes, fixed);
+  } catch (const std::runtime_error& e) {  // the fixed range is taken: every call fails, as documented
+    std::fprintf(stderr, "%s\n", e.what());
+    ok = false;
+    arena_ = std::make_unique<DeviceArena>(static_cast<int>(n), bytes);
+  }
+  if (!ok) errors_.set_sticky(cudaErrorInitializationError);
   for (int d = 0; d < n; ++d) devices_.push_back(std::make_unique<Device>(d, bytes, &errors_));
 }
 

@@ -1,0 +1,26 @@
+// Device pointers from a sequence of cudaMalloc/cudaFree, and a round trip through them.
+// Prints "key=value" lines (tests/native/test_simcuda_runtime.py: the fixed device arena).
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstring>
+
+int main() {
+  void* a = nullptr;
+  void* b = nullptr;
+  void* c = nullptr;
+  void* d = nullptr;
+  cudaError_t e = cudaMalloc(&a, 1000);
+  std::printf("malloc=%s\n", cudaGetErrorName(e));
+  if (e != cudaSuccess) return 1;
+  if (cudaMalloc(&b, 1 << 20) != cudaSuccess || cudaMalloc(&c, 37) != cudaSuccess || cudaFree(b) != cudaSuccess ||
+      cudaMalloc(&d, 4096) != cudaSuccess)
+    return 2;
+  char in[37], out[37] = {};
+  for (int i = 0; i < 37; ++i) in[i] = static_cast<char>(i * 7);
+  if (cudaMemcpy(c, in, sizeof in, cudaMemcpyHostToDevice) != cudaSuccess ||
+      cudaMemcpy(out, c, sizeof out, cudaMemcpyDeviceToHost) != cudaSuccess)
+    return 3;
+  std::printf("a=%p\nc=%p\nd=%p\nroundtrip=%d\n", a, c, d, std::memcmp(in, out, sizeof in) == 0);
+  return 0;
+}
