@@ -1,0 +1,175 @@
+#include "proxy_client.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+
+extern char** environ;
+
+namespace jitckpt::proxy {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int32_t kTransportFailure = 999;  // cudaErrorUnknown
+constexpr size_t kRingBytes = size_t{1} << 22;
+constexpr auto kWaitSlice = std::chrono::milliseconds(20);
+
+std::runtime_error start_error(const std::string& what) {
+  return std::runtime_error("cannot start the jitckpt device proxy: " + what);
+}
+
+bool socket_closed(int sock) {
+  pollfd p{sock, POLLIN, 0};
+  return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR)) != 0;
+}
+
+}  // namespace
+
+std::unique_ptr<ProxyClient> ProxyClient::start(const std::string& binary, std::chrono::milliseconds timeout) {
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0)
+    throw start_error(std::string("socketpair: ") + std::strerror(errno));
+  // Above the fd the child gets (3), so dup2 onto 3 always happens and clears close-on-exec.
+  int child = fcntl(sv[1], F_DUPFD_CLOEXEC, 10);
+  close(sv[1]);
+  ShmRing requests = ShmRing::create(kRingBytes);
+  ShmRing replies = ShmRing::create(kRingBytes);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, child, 3);
+  char* argv[] = {const_cast<char*>(binary.c_str()), nullptr};
+  pid_t pid = -1;
+  int rc = posix_spawn(&pid, binary.c_str(), &fa, nullptr, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(child);
+  if (rc != 0) {
+    close(sv[0]);
+    throw start_error(binary + ": " + std::strerror(rc));
+  }
+  std::unique_ptr<ProxyClient> client(new ProxyClient(pid, sv[0], std::move(requests), std::move(replies)));
+  Hello hello{kHelloMagic, kProtocolVersion};
+  iovec iov{&hello, sizeof hello};
+  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(2 * sizeof(int));
+  const int fds[2] = {client->requests_.fd(), client->replies_.fd()};
+  std::memcpy(CMSG_DATA(c), fds, sizeof fds);
+  if (sendmsg(client->sock_, &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof hello))
+    throw start_error("handshake: " + client->proxy_death());
+  pollfd p{client->sock_, POLLIN, 0};
+  if (poll(&p, 1, static_cast<int>(timeout.count())) <= 0)
+    throw start_error("no answer within " + std::to_string(timeout.count()) + " ms");
+  Ready ready{};
+  if (recv(client->sock_, &ready, sizeof ready, 0) != static_cast<ssize_t>(sizeof ready) ||
+      ready.magic != kHelloMagic)
+    throw start_error(binary + " did not answer the handshake: " + client->proxy_death());
+  if (ready.version != kProtocolVersion)
+    throw start_error(binary + " speaks protocol " + std::to_string(ready.version) + ", this client " +
+                      std::to_string(kProtocolVersion) + ": install matching versions");
+  if (ready.status != 0) throw start_error(std::string(ready.text));
+  return client;
+}
+
+ProxyClient::ProxyClient(pid_t pid, int sock, ShmRing requests, ShmRing replies)
+    : pid_(pid), sock_(sock), requests_(std::move(requests)), replies_(std::move(replies)) {}
+
+ProxyClient::~ProxyClient() {
+  close(sock_);  // the proxy sees the socket close and exits
+  if (reaped_) return;
+  for (int i = 0; i < 100; ++i) {  // bounded: 2 s, then SIGKILL
+    if (waitpid(pid_, &wait_status_, WNOHANG) != 0) return;
+    std::this_thread::sleep_for(kWaitSlice);
+  }
+  kill(pid_, SIGKILL);
+  waitpid(pid_, &wait_status_, 0);
+}
+
+std::string ProxyClient::proxy_death() const {
+  if (!reaped_) {
+    if (waitpid(pid_, &wait_status_, WNOHANG) == pid_)
+      reaped_ = true;
+    else if (!socket_closed(sock_))
+      return "";  // running (or reaped by the application, but still connected)
+  }
+  std::string who = "jitckpt-proxy (pid " + std::to_string(pid_) + ")";
+  if (!reaped_) return who + " closed its connection";  // reaped elsewhere, or exiting
+  if (WIFSIGNALED(wait_status_)) return who + " was killed by " + strsignal(WTERMSIG(wait_status_));
+  return who + " exited with code " + std::to_string(WEXITSTATUS(wait_status_));
+}
+
+CallResult ProxyClient::call(Call c, const void* args, size_t len, std::chrono::milliseconds timeout) {
+  std::vector<uint8_t> payload(sizeof(RequestHead) + len);
+  const uint64_t seq = next_seq();
+  const RequestHead head{seq};
+  std::memcpy(payload.data(), &head, sizeof head);
+  if (len > 0) std::memcpy(payload.data() + sizeof head, args, len);
+  return call_raw(static_cast<uint32_t>(c), payload.data(), payload.size(), seq, timeout);
+}
+
+CallResult ProxyClient::call_raw(uint32_t tag, const void* payload, size_t len, uint64_t seq,
+                                 std::chrono::milliseconds timeout) {
+  CallResult out;
+  auto fail = [&](const std::string& why) {
+    out.status = kTransportFailure;
+    out.error = why;
+    return out;
+  };
+  const auto deadline = Clock::now() + timeout;
+  while (true) {  // the ring may be full while the proxy works through earlier calls
+    RingStatus s = requests_.push(tag, payload, len, std::min(deadline, Clock::now() + kWaitSlice));
+    if (s == RingStatus::kOk) break;
+    if (s == RingStatus::kTooLarge)
+      return fail("a request of " + std::to_string(len) + " bytes exceeds the ring's " +
+                  std::to_string(requests_.max_payload()));
+    if (std::string d = proxy_death(); !d.empty()) return fail(d);
+    if (Clock::now() >= deadline) return fail("the request ring stayed full for " +
+                                              std::to_string(timeout.count()) + " ms");
+  }
+  while (true) {
+    uint32_t rtag;
+    const uint8_t* data;
+    size_t rlen;
+    std::string error;
+    RingStatus s = replies_.peek(&rtag, &data, &rlen, std::min(deadline, Clock::now() + kWaitSlice), &error);
+    if (s == RingStatus::kCorrupt) return fail("corrupt reply ring: " + error);
+    if (s == RingStatus::kTimeout) {
+      if (std::string d = proxy_death(); !d.empty()) return fail(d);
+      if (Clock::now() >= deadline) return fail("no reply within " + std::to_string(timeout.count()) + " ms");
+      continue;
+    }
+    ReplyHead head{};
+    if (rlen < sizeof head) {
+      replies_.release();
+      return fail("a reply of " + std::to_string(rlen) + " bytes is shorter than its head");
+    }
+    std::memcpy(&head, data, sizeof head);
+    head.text[sizeof head.text - 1] = '\0';
+    if (rtag != 0 && head.seq != seq) {  // a reply to a call given up on earlier
+      replies_.release();
+      continue;
+    }
+    out.status = head.status;
+    if (head.has_text) out.error = head.text;
+    out.results.assign(data + sizeof head, data + rlen);
+    replies_.release();
+    return out;
+  }
+}
+
+}  // namespace jitckpt::proxy

@@ -1,0 +1,61 @@
+// The client's end of a device proxy: starts `jitckpt-proxy`, hands it the rings, and makes
+// synchronous calls (issue 15). libjit.so's proxy mode is built on it; the forwarding layer that
+// turns every cudart/NCCL entry point into calls comes next.
+//
+// Lifetime: the proxy exits when this process dies (it watches the handshake socket). A proxy that
+// dies is noticed within one wait slice of a call, which then fails with a message naming its
+// pid and how it died; no call waits forever.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "call_protocol.h"
+#include "shm_ring.h"
+
+namespace jitckpt::proxy {
+
+struct CallResult {
+  int32_t status = 0;  // the cudaError_t of the call (999 = cudaErrorUnknown on a transport failure)
+  std::string error;   // why, when the proxy or the transport failed; empty otherwise
+  std::vector<uint8_t> results;  // what follows the reply head
+};
+
+class ProxyClient {
+ public:
+  // Starts `binary` with this process's environment; throws std::runtime_error naming the problem
+  // if it cannot start or does not answer within `timeout`.
+  static std::unique_ptr<ProxyClient> start(const std::string& binary,
+                                            std::chrono::milliseconds timeout = std::chrono::seconds(30));
+  ~ProxyClient();
+  ProxyClient(const ProxyClient&) = delete;
+  ProxyClient& operator=(const ProxyClient&) = delete;
+
+  pid_t pid() const { return pid_; }
+  // One synchronous call: `args` after the request head, the reply's results back.
+  CallResult call(Call call, const void* args, size_t len, std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  // For tests of the proxy's validation: the raw request ring and a raw request.
+  ShmRing& request_ring() { return requests_; }
+  CallResult call_raw(uint32_t tag, const void* payload, size_t len, uint64_t seq,
+                      std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  uint64_t next_seq() { return ++seq_; }
+
+ private:
+  ProxyClient(pid_t pid, int sock, ShmRing requests, ShmRing replies);
+  std::string proxy_death() const;
+
+  pid_t pid_;
+  int sock_;
+  ShmRing requests_;
+  ShmRing replies_;
+  uint64_t seq_ = 0;
+  mutable bool reaped_ = false;
+  mutable int wait_status_ = 0;
+};
+
+}  // namespace jitckpt::proxy

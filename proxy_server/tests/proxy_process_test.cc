@@ -1,0 +1,179 @@
+// jitckpt-proxy on simcuda: calls run in the proxy, device memory exists only there, bad requests
+// get clear errors without crashing it, and each side notices the other's death.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "proxy_client.h"
+
+using jitckpt::proxy::Call;
+using jitckpt::proxy::CallResult;
+using jitckpt::proxy::ProxyClient;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr uint64_t kArenaBase = 0x300000000000ULL;
+
+std::unique_ptr<ProxyClient> start_proxy() {
+  setenv("LD_LIBRARY_PATH", SIMCUDA_LIB_DIR, 1);
+  setenv("SIMCUDA_ARENA_BASE", "0x300000000000", 1);
+  setenv("SIMCUDA_DEVICES", "2", 1);
+  return ProxyClient::start(JITCKPT_PROXY_BINARY);
+}
+
+template <typename T>
+T result_as(const CallResult& r) {
+  T v{};
+  EXPECT_GE(r.results.size(), sizeof v);
+  if (r.results.size() >= sizeof v) std::memcpy(&v, r.results.data(), sizeof v);
+  return v;
+}
+
+// Whether some mapping of process `pid` contains `addr`.
+bool maps_contain(const std::string& pid, uint64_t addr) {
+  std::ifstream maps("/proc/" + pid + "/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    uint64_t lo = 0, hi = 0;
+    char dash;
+    std::istringstream in(line);
+    in >> std::hex >> lo >> dash >> hi;
+    if (addr >= lo && addr < hi) return true;
+  }
+  return false;
+}
+
+bool gone_or_zombie(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return true;
+  std::string all((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  auto close = all.rfind(')');
+  return close != std::string::npos && close + 2 < all.size() && all[close + 2] == 'Z';
+}
+
+}  // namespace
+
+TEST(ProxyProcess, CallsRunInTheProxyAndDeviceMemoryIsMappedOnlyThere) {
+  auto proxy = start_proxy();
+  CallResult n = proxy->call(Call::kGetDeviceCount, nullptr, 0);
+  ASSERT_EQ(n.status, 0) << n.error;
+  EXPECT_EQ(result_as<int32_t>(n), 2);
+  const int32_t dev = 1;
+  ASSERT_EQ(proxy->call(Call::kSetDevice, &dev, sizeof dev).status, 0);
+  EXPECT_EQ(result_as<int32_t>(proxy->call(Call::kGetDevice, nullptr, 0)), 1);
+  ASSERT_EQ(proxy->call(Call::kSetDevice, "\0\0\0\0", 4).status, 0);
+  const uint64_t size = 1 << 16;
+  CallResult m = proxy->call(Call::kMalloc, &size, sizeof size);
+  ASSERT_EQ(m.status, 0) << m.error;
+  const uint64_t ptr = result_as<uint64_t>(m);
+  EXPECT_EQ(ptr, kArenaBase);  // the fixed arena: the same pointer after a proxy restart
+  std::vector<uint8_t> req(16 + size);
+  const uint64_t head[2] = {ptr, size};
+  std::memcpy(req.data(), head, sizeof head);
+  for (size_t i = 0; i < size; ++i) req[16 + i] = static_cast<uint8_t>(i * 31 + 7);
+  ASSERT_EQ(proxy->call(Call::kMemcpyToDevice, req.data(), req.size()).status, 0);
+  ASSERT_EQ(proxy->call(Call::kDeviceSynchronize, nullptr, 0).status, 0);
+  CallResult back = proxy->call(Call::kMemcpyFromDevice, head, sizeof head);
+  ASSERT_EQ(back.status, 0) << back.error;
+  ASSERT_EQ(back.results.size(), size);
+  EXPECT_EQ(0, std::memcmp(back.results.data(), req.data() + 16, size));
+  // The device memory is the proxy's: nothing of it is mapped in this (the application's) process.
+  EXPECT_TRUE(maps_contain(std::to_string(proxy->pid()), ptr));
+  EXPECT_FALSE(maps_contain("self", ptr));
+  EXPECT_EQ(proxy->call(Call::kFree, &ptr, sizeof ptr).status, 0);
+}
+
+TEST(ProxyProcess, BadRequestsGetClearErrorsAndTheProxyServesOn) {
+  auto proxy = start_proxy();
+  const uint64_t stray = kArenaBase + 4096;
+  CallResult r = proxy->call(Call::kFree, &stray, sizeof stray);
+  EXPECT_EQ(r.status, 1);  // cudaErrorInvalidValue, as the direct call gives for a bad pointer
+  EXPECT_NE(r.error.find("is not a device allocation of this proxy"), std::string::npos) << r.error;
+  const uint64_t outside[2] = {0x1000, 16};
+  r = proxy->call(Call::kMemcpyFromDevice, outside, sizeof outside);
+  EXPECT_NE(r.error.find("is outside the device arena"), std::string::npos) << r.error;
+  const uint64_t seq = proxy->next_seq();
+  r = proxy->call_raw(77, &seq, sizeof seq, seq, std::chrono::seconds(10));
+  EXPECT_NE(r.error.find("unknown call 77"), std::string::npos) << r.error;
+  r = proxy->call_raw(static_cast<uint32_t>(Call::kMalloc), "abc", 3, 0);
+  EXPECT_NE(r.error.find("cudaMalloc: truncated request"), std::string::npos) << r.error;
+  const uint8_t short_args[8 + 3] = {};
+  r = proxy->call_raw(static_cast<uint32_t>(Call::kMalloc), short_args, sizeof short_args, 0);
+  EXPECT_NE(r.error.find("3 argument bytes, expected 8"), std::string::npos) << r.error;
+  CallResult n = proxy->call(Call::kGetDeviceCount, nullptr, 0);
+  EXPECT_EQ(n.status, 0);
+  EXPECT_EQ(result_as<int32_t>(n), 2);
+}
+
+TEST(ProxyProcess, ACorruptRequestRingIsReportedNotACrash) {
+  auto proxy = start_proxy();
+  auto& ring = proxy->request_ring();
+  auto* header = reinterpret_cast<jitckpt::proxy::RingHeader*>(ring.raw_data() - sizeof(jitckpt::proxy::RingHeader));
+  // A frame whose length claims more than was published, as a buggy or hostile writer leaves it.
+  const uint32_t frame[2] = {1u << 20, 4};
+  const uint64_t tail = header->tail.load();
+  std::memcpy(ring.raw_data() + (tail & (ring.capacity() - 1)), frame, sizeof frame);
+  header->tail.store(tail + 16);
+  header->data_word.fetch_add(1);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header->data_word), 1 /*FUTEX_WAKE*/, 1, nullptr, nullptr, 0);
+  CallResult r = proxy->call(Call::kGetDeviceCount, nullptr, 0, std::chrono::seconds(10));
+  EXPECT_NE(r.error.find("corrupt request ring"), std::string::npos) << r.error;
+  EXPECT_EQ(kill(proxy->pid(), 0), 0);  // alive: it stopped reading the ring, it did not crash
+  EXPECT_FALSE(gone_or_zombie(proxy->pid()));
+}
+
+TEST(ProxyProcess, AKilledProxyFailsTheNextCallClearlyAndPromptly) {
+  auto proxy = start_proxy();
+  ASSERT_EQ(proxy->call(Call::kGetDeviceCount, nullptr, 0).status, 0);
+  kill(proxy->pid(), SIGKILL);
+  auto t0 = Clock::now();
+  CallResult r = proxy->call(Call::kGetDeviceCount, nullptr, 0);
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(2));
+  EXPECT_EQ(r.status, 999);
+  EXPECT_NE(r.error.find("jitckpt-proxy (pid " + std::to_string(proxy->pid()) + ") was killed by"),
+            std::string::npos)
+      << r.error;
+}
+
+TEST(ProxyProcess, TheProxyDoesNotOutliveItsClient) {
+  int pipefd[2];
+  ASSERT_EQ(pipe(pipefd), 0);
+  pid_t app = fork();
+  ASSERT_GE(app, 0);
+  if (app == 0) {  // the application: starts its proxy, then dies without any cleanup
+    auto proxy = start_proxy();
+    pid_t p = proxy->pid();
+    if (write(pipefd[1], &p, sizeof p) != sizeof p) _exit(1);
+    kill(getpid(), SIGKILL);
+  }
+  close(pipefd[1]);
+  pid_t proxy_pid = 0;
+  ASSERT_EQ(read(pipefd[0], &proxy_pid, sizeof proxy_pid), static_cast<ssize_t>(sizeof proxy_pid));
+  int status = 0;
+  waitpid(app, &status, 0);
+  auto deadline = Clock::now() + std::chrono::seconds(5);
+  while (!gone_or_zombie(proxy_pid) && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_TRUE(gone_or_zombie(proxy_pid)) << "jitckpt-proxy " << proxy_pid << " outlived its client";
+  if (!gone_or_zombie(proxy_pid)) kill(proxy_pid, SIGKILL);
+}
+
+TEST(ProxyProcess, AMissingBinaryIsNamed) {
+  try {
+    ProxyClient::start("/nonexistent/jitckpt-proxy");
+    FAIL() << "started a proxy that does not exist";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/jitckpt-proxy"), std::string::npos) << e.what();
+  }
+}
