@@ -1,4 +1,4 @@
-"""The `jitckpt` command: run, analyze, report."""
+"""The `jitckpt` command: run, analyze, report, doctor."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run(cfg)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from jitckpt.proxy_api import coverage
+
+    if not args.api_coverage:
+        print("jitckpt doctor: nothing asked; try --api-coverage", file=sys.stderr)
+        return 2
+    print(coverage.render(coverage.coverage(), as_json=args.json, verbose=args.verbose), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jitckpt.launcher.config import add_run_arguments
 
@@ -31,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     analyze_cli.register(sub)
     report.register(sub)
+    p_doc = sub.add_parser("doctor", help="check what this installation can do")
+    p_doc.add_argument("--api-coverage", action="store_true",
+                       help="per library, what proxy mode does with each CUDA symbol PyTorch imports")
+    p_doc.add_argument("--json", action="store_true", help="machine-readable output")
+    p_doc.add_argument("--verbose", action="store_true", help="one line per symbol, with the reason")
+    p_doc.set_defaults(func=_cmd_doctor)
     return parser
 
 

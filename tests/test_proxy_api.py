@@ -1,0 +1,79 @@
+"""Issue 15: the one list of what proxy mode does with each CUDA/NCCL symbol, and the doctor's report.
+
+The inventory is generated from the real headers; this keeps the committed file in step with
+them, keeps the tables free of typos and overlaps, and checks the report's numbers add up.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jitckpt.proxy_api import coverage, dispositions, inventory
+
+
+def test_committed_inventory_matches_the_headers():
+    dirs = inventory.header_dirs()
+    if dirs is None:
+        pytest.skip("needs the CUDA toolkit headers and the nvidia-nccl-cu13 wheel")
+    fresh = inventory.to_json(inventory.from_headers(*dirs))
+    assert fresh == inventory.INVENTORY.read_text(), (
+        "cuda_api_inventory.json is stale: python -m jitckpt.proxy_api.inventory --write")
+
+
+def test_the_inventory_reads_signatures_right():
+    fns = {f.name: f for funcs in inventory.load().values() for f in funcs}
+    assert len(fns) > 300
+    kinds = lambda name: [p.kind for p in fns[name].params]  # noqa: E731
+    assert kinds("cudaMalloc") == ["out_pointer", "value"]
+    assert kinds("cudaStreamCreateWithFlags") == ["out", "value"] and fns["cudaStreamCreateWithFlags"].generic
+    assert kinds("cudaMemcpyAsync") == ["memory", "memory", "value", "value", "handle"]
+    assert kinds("ncclAllReduce") == ["memory", "memory", "value", "value", "value", "handle", "handle"]
+    assert fns["cudaGetErrorString"].returns == "const char*"
+    assert kinds("ncclGroupStart") == []
+
+
+def test_tables_are_disjoint_and_name_real_symbols():
+    tables = [dispositions.ASYNC, dispositions.SPECIAL, dispositions.CLIENT, dispositions.REFUSED]
+    names = [n for t in tables for n in t]
+    assert len(names) == len(set(names)), "a symbol is in two tables"
+    declared = {f.name for funcs in inventory.load().values() for f in funcs}
+    imported = set(coverage.imported_symbols())
+    unknown = [n for n in names if n not in declared and n not in imported and not n.endswith(("_ptsz", "_ptds"))]
+    assert not unknown, f"not declared in the headers nor imported by torch (typos?): {unknown}"
+    assert all(reason for t in tables for reason in t.values())
+
+
+@pytest.mark.parametrize("symbol, cls", [
+    ("cudaMalloc", "special"), ("cudaLaunchKernel", "async"), ("ncclAllReduce", "async"),
+    ("cudaGetDevice", "generic"), ("cudaGetErrorString", "client"), ("cudaMallocManaged", "refused"),
+    ("__cudaRegisterFatBinary", "special"), ("cublasSgemm_v2", "other library"),
+    ("ncclGetPeerDevicePointer", "undeclared"),
+])
+def test_symbols_get_their_class(symbol, cls):
+    declared = {f.name: f for funcs in inventory.load().values() for f in funcs}
+    got = coverage.classify(symbol, declared)
+    assert got.cls == cls and got.reason
+
+
+def test_doctor_reports_every_imported_symbol_once():
+    out = subprocess.run([sys.executable, "-m", "jitckpt", "doctor", "--api-coverage", "--json", "--verbose"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    total = sum(c["imported"] for c in report["summary"].values())
+    assert total == len(coverage.imported_symbols()) == len(report["symbols"]) == 761
+    assert report["summary"]["cudart"]["imported"] == 106 and report["summary"]["NCCL"]["imported"] == 51
+    for lib, c in report["summary"].items():
+        assert sum(c.get(k, 0) for k in coverage.CLASSES) == c["imported"], lib
+        assert c["working"] == 0  # honest: no application call reaches a proxy yet
+    table = subprocess.run([sys.executable, "-m", "jitckpt", "doctor", "--api-coverage"], capture_output=True,
+                           text=True, timeout=120)
+    assert table.returncode == 0 and "cudart" in table.stdout and "working today" in table.stdout
+
+
+def test_doctor_without_a_question_says_what_to_ask():
+    out = subprocess.run([sys.executable, "-m", "jitckpt", "doctor"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--api-coverage" in out.stderr
