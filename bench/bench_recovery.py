@@ -172,7 +172,6 @@ def bench_recovery(work: Path, steps: int, fail_step: int) -> dict:
 def bench_write(work: Path) -> dict:
     import torch
 
-    import jitckpt
     from jitckpt.checkpoint_store import write_checkpoint
     from jitckpt.runtime.protected_state import Protected
 
