@@ -157,7 +157,7 @@ RingStatus ShmRing::push(uint32_t tag, const void* payload, size_t length, Clock
   const uint32_t frame[2] = {static_cast<uint32_t>(length), tag};
   std::memcpy(data_ + off, frame, kFrame);
   if (length > 0) std::memcpy(data_ + off + kFrame, payload, length);
-  header_->tail.store(tail + need, std::memory_order_release);
+  header_->tail.store(tail + need, std::memory_order_seq_cst);  // see wake_consumer
   wake_consumer();
   return RingStatus::kOk;
 }
@@ -193,7 +193,7 @@ RingStatus ShmRing::peek(uint32_t* tag, const uint8_t** data, size_t* length, Cl
     if (frame[1] == kWrapTag) {
       if (frame[0] != 0 || to_end > avail)
         return corrupt("bad wrap frame at ring offset " + std::to_string(off));
-      header_->head.store(head + to_end, std::memory_order_release);
+      header_->head.store(head + to_end, std::memory_order_seq_cst);
       wake_producer();
       continue;
     }
@@ -212,7 +212,7 @@ RingStatus ShmRing::peek(uint32_t* tag, const uint8_t** data, size_t* length, Cl
 
 void ShmRing::release() {
   if (pending_ == 0) return;
-  header_->head.store(header_->head.load(std::memory_order_relaxed) + pending_, std::memory_order_release);
+  header_->head.store(header_->head.load(std::memory_order_relaxed) + pending_, std::memory_order_seq_cst);
   pending_ = 0;
   wake_producer();
 }
@@ -229,9 +229,8 @@ bool ShmRing::wait_for_data(Clock::time_point deadline) {
   } while (Clock::now() < spin_end);
   while (true) {
     const uint32_t word = header_->data_word.load(std::memory_order_acquire);
-    header_->consumer_sleeping.store(1, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the one in wake_consumer
-    if (has_data()) {
+    header_->consumer_sleeping.store(1, std::memory_order_seq_cst);  // see wake_consumer
+    if (header_->tail.load(std::memory_order_seq_cst) != head) {
       header_->consumer_sleeping.store(0, std::memory_order_relaxed);
       return true;
     }
@@ -259,9 +258,8 @@ bool ShmRing::wait_for_space(uint64_t needed, Clock::time_point deadline) {
   } while (Clock::now() < spin_end);
   while (true) {
     const uint32_t word = header_->space_word.load(std::memory_order_acquire);
-    header_->producer_sleeping.store(1, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the one in wake_producer
-    if (has_space()) {
+    header_->producer_sleeping.store(1, std::memory_order_seq_cst);  // see wake_consumer
+    if (capacity_ - (tail - header_->head.load(std::memory_order_seq_cst)) >= needed) {
       header_->producer_sleeping.store(0, std::memory_order_relaxed);
       return true;
     }
@@ -276,19 +274,19 @@ bool ShmRing::wait_for_space(uint64_t needed, Clock::time_point deadline) {
   }
 }
 
-// A sleeper set its flag, fenced, then re-checked: after our own fence either it sees our
-// publication or we see its flag (store-load ordering on both sides), so no wake-up is lost.
+// Dekker's pattern, all four accesses seq_cst (not fences: ThreadSanitizer does not model
+// those): a sleeper stores its flag, then loads the position; the waker stores the position, then
+// loads the flag. In the single total order one of the two stores comes first, so either the
+// sleeper sees the new position or the waker sees the flag: no wake-up is lost.
 void ShmRing::wake_consumer() {
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (header_->consumer_sleeping.load(std::memory_order_relaxed) != 0) {
+  if (header_->consumer_sleeping.load(std::memory_order_seq_cst) != 0) {
     header_->data_word.fetch_add(1, std::memory_order_release);
     futex_wake(&header_->data_word);
   }
 }
 
 void ShmRing::wake_producer() {
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (header_->producer_sleeping.load(std::memory_order_relaxed) != 0) {
+  if (header_->producer_sleeping.load(std::memory_order_seq_cst) != 0) {
     header_->space_word.fetch_add(1, std::memory_order_release);
     futex_wake(&header_->space_word);
   }
