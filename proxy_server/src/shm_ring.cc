@@ -52,6 +52,45 @@ std::runtime_error sys_error(const std::string& what) {
   return std::runtime_error(what + ": " + std::strerror(errno));
 }
 
+// Waits until ready(order) holds or `deadline` passes: spins first, then sleeps on `word` with
+// `sleeping` raised. `ready` loads the peer's position with the given order.
+//
+// Dekker's pattern, all four accesses seq_cst (not fences: ThreadSanitizer does not model
+// those): the sleeper stores its flag, then loads the position; the waker (wake below) stores the
+// position, then loads the flag. In the single total order one of the two stores comes first, so
+// either the sleeper sees the new position or the waker sees the flag: no wake-up is lost.
+template <typename Ready>
+bool spin_then_sleep(Ready ready, std::atomic<uint32_t>* sleeping, std::atomic<uint32_t>* word,
+                     Clock::time_point deadline) {
+  if (ready(std::memory_order_acquire)) return true;
+  const auto spin_end = std::min(deadline, Clock::now() + kSpin);
+  do {
+    for (int i = 0; i < 64; ++i) {
+      if (ready(std::memory_order_acquire)) return true;
+      cpu_relax();
+    }
+  } while (Clock::now() < spin_end);
+  while (true) {
+    const uint32_t seen = word->load(std::memory_order_acquire);
+    sleeping->store(1, std::memory_order_seq_cst);
+    const auto now = Clock::now();
+    if (ready(std::memory_order_seq_cst) || now >= deadline) {
+      sleeping->store(0, std::memory_order_relaxed);
+      return ready(std::memory_order_acquire);
+    }
+    futex_wait(word, seen, std::min<Clock::duration>(deadline - now, kSleepSlice));
+    sleeping->store(0, std::memory_order_relaxed);
+  }
+}
+
+// The waker's half: called after the position was stored seq_cst.
+void wake(std::atomic<uint32_t>* sleeping, std::atomic<uint32_t>* word) {
+  if (sleeping->load(std::memory_order_seq_cst) != 0) {
+    word->fetch_add(1, std::memory_order_release);
+    futex_wake(word);
+  }
+}
+
 }  // namespace
 
 const char* ring_status_name(RingStatus s) {
@@ -157,7 +196,7 @@ RingStatus ShmRing::push(uint32_t tag, const void* payload, size_t length, Clock
   const uint32_t frame[2] = {static_cast<uint32_t>(length), tag};
   std::memcpy(data_ + off, frame, kFrame);
   if (length > 0) std::memcpy(data_ + off + kFrame, payload, length);
-  header_->tail.store(tail + need, std::memory_order_seq_cst);  // see wake_consumer
+  header_->tail.store(tail + need, std::memory_order_seq_cst);  // seq_cst: see spin_then_sleep
   wake_consumer();
   return RingStatus::kOk;
 }
@@ -219,77 +258,18 @@ void ShmRing::release() {
 
 bool ShmRing::wait_for_data(Clock::time_point deadline) {
   const uint64_t head = header_->head.load(std::memory_order_relaxed);
-  auto has_data = [&] { return header_->tail.load(std::memory_order_acquire) != head; };
-  const auto spin_end = std::min(deadline, Clock::now() + kSpin);
-  do {
-    for (int i = 0; i < 64; ++i) {
-      if (has_data()) return true;
-      cpu_relax();
-    }
-  } while (Clock::now() < spin_end);
-  while (true) {
-    const uint32_t word = header_->data_word.load(std::memory_order_acquire);
-    header_->consumer_sleeping.store(1, std::memory_order_seq_cst);  // see wake_consumer
-    if (header_->tail.load(std::memory_order_seq_cst) != head) {
-      header_->consumer_sleeping.store(0, std::memory_order_relaxed);
-      return true;
-    }
-    const auto now = Clock::now();
-    if (now >= deadline) {
-      header_->consumer_sleeping.store(0, std::memory_order_relaxed);
-      return false;
-    }
-    futex_wait(&header_->data_word, word, std::min<Clock::duration>(deadline - now, kSleepSlice));
-    header_->consumer_sleeping.store(0, std::memory_order_relaxed);
-    if (has_data()) return true;
-  }
+  return spin_then_sleep([&](std::memory_order o) { return header_->tail.load(o) != head; },
+                         &header_->consumer_sleeping, &header_->data_word, deadline);
 }
 
 bool ShmRing::wait_for_space(uint64_t needed, Clock::time_point deadline) {
   const uint64_t tail = header_->tail.load(std::memory_order_relaxed);
-  auto has_space = [&] { return capacity_ - (tail - header_->head.load(std::memory_order_acquire)) >= needed; };
-  if (has_space()) return true;
-  const auto spin_end = std::min(deadline, Clock::now() + kSpin);
-  do {
-    for (int i = 0; i < 64; ++i) {
-      if (has_space()) return true;
-      cpu_relax();
-    }
-  } while (Clock::now() < spin_end);
-  while (true) {
-    const uint32_t word = header_->space_word.load(std::memory_order_acquire);
-    header_->producer_sleeping.store(1, std::memory_order_seq_cst);  // see wake_consumer
-    if (capacity_ - (tail - header_->head.load(std::memory_order_seq_cst)) >= needed) {
-      header_->producer_sleeping.store(0, std::memory_order_relaxed);
-      return true;
-    }
-    const auto now = Clock::now();
-    if (now >= deadline) {
-      header_->producer_sleeping.store(0, std::memory_order_relaxed);
-      return false;
-    }
-    futex_wait(&header_->space_word, word, std::min<Clock::duration>(deadline - now, kSleepSlice));
-    header_->producer_sleeping.store(0, std::memory_order_relaxed);
-    if (has_space()) return true;
-  }
+  return spin_then_sleep([&](std::memory_order o) { return capacity_ - (tail - header_->head.load(o)) >= needed; },
+                         &header_->producer_sleeping, &header_->space_word, deadline);
 }
 
-// Dekker's pattern, all four accesses seq_cst (not fences: ThreadSanitizer does not model
-// those): a sleeper stores its flag, then loads the position; the waker stores the position, then
-// loads the flag. In the single total order one of the two stores comes first, so either the
-// sleeper sees the new position or the waker sees the flag: no wake-up is lost.
-void ShmRing::wake_consumer() {
-  if (header_->consumer_sleeping.load(std::memory_order_seq_cst) != 0) {
-    header_->data_word.fetch_add(1, std::memory_order_release);
-    futex_wake(&header_->data_word);
-  }
-}
+void ShmRing::wake_consumer() { wake(&header_->consumer_sleeping, &header_->data_word); }
 
-void ShmRing::wake_producer() {
-  if (header_->producer_sleeping.load(std::memory_order_seq_cst) != 0) {
-    header_->space_word.fetch_add(1, std::memory_order_release);
-    futex_wake(&header_->space_word);
-  }
-}
+void ShmRing::wake_producer() { wake(&header_->producer_sleeping, &header_->space_word); }
 
 }  // namespace jitckpt::proxy
