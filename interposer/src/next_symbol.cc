@@ -6,7 +6,19 @@
 
 namespace jitckpt {
 
+// Defined by proxy mode (proxy_session.cc); absent from the unit tests, which have no proxy mode.
+__attribute__((weak)) bool proxy_mode_resolve(const char* name, void** fn);
+
 void* resolve_next_symbol(const char* name, const char* soname) {
+  void* forwarded = nullptr;
+  if (proxy_mode_resolve != nullptr && proxy_mode_resolve(name, &forwarded)) {
+    if (forwarded == nullptr) log_always("proxy mode defines no %s: the call fails", name);
+    return forwarded;
+  }
+  return resolve_real_symbol(name, soname);
+}
+
+void* resolve_real_symbol(const char* name, const char* soname) {
   void* fn = dlsym(RTLD_NEXT, name);
   if (fn == nullptr && soname != nullptr) {
     if (void* handle = dlopen(soname, RTLD_LAZY | RTLD_NOLOAD)) {

@@ -9,7 +9,12 @@ namespace jitckpt {
 
 // Returns the address of `name` in the first object after libjit.so, falling back to an already
 // loaded `soname` (covers libraries dlopen()ed with RTLD_LOCAL). nullptr if neither has it.
+// In proxy mode (JITCKPT_MODE=proxy) the "next" definition is proxy mode's forwarder instead, so
+// the observe-mode hooks run unchanged on top of the proxy; a name proxy mode does not define
+// gives nullptr rather than the real library's code in this process.
 void* resolve_next_symbol(const char* name, const char* soname);
+// The real library's definition, whatever the mode (pure functions: error strings, versions).
+void* resolve_real_symbol(const char* name, const char* soname);
 
 template <typename Fn>
 class NextSymbol {

@@ -26,8 +26,14 @@ Registry::Registry() {
 }
 
 bool Registry::configure(const std::string& mode, const std::string& hang_timeout, std::string* error) {
-  if (mode != "observe") {
-    *error = "unknown mode '" + mode + "': libjit.so supports only mode='observe'";
+  // Observe mode's hooks run in both modes; proxy mode is chosen when the process starts (the
+  // first CUDA call already went to the proxy or not).
+  if (mode == "proxy" && !proxy_.enabled()) {
+    *error = "proxy mode is chosen at process start: set JITCKPT_MODE=proxy in the environment";
+    return false;
+  }
+  if (mode != "observe" && mode != "proxy") {
+    *error = "unknown mode '" + mode + "': libjit.so has mode='observe' and mode='proxy'";
     return false;
   }
   if (hang_timeout.empty()) return true;  // keep the current policy

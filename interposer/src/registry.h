@@ -14,6 +14,7 @@
 #include "hang_timeout.h"
 #include "jitckpt/jit_abi.h"
 #include "log_context.h"
+#include "proxy_session.h"
 #include "recv_replay.h"
 #include "save_redirect.h"
 #include "send_log.h"
@@ -37,6 +38,7 @@ class Registry {
   LogContext& log_context() { return log_context_; }
   SendLog& send_log() { return send_log_; }
   RecvReplay& recv_replay() { return recv_replay_; }
+  ProxySession& proxy() { return proxy_; }
 
   // False in a child forked after libjit.so was active: it has no watchdog and its copies of the
   // mutexes may be locked, so NCCL calls there pass through untracked.
@@ -79,6 +81,7 @@ class Registry {
   LogContext log_context_;
   SendLog send_log_;
   RecvReplay recv_replay_;
+  ProxySession proxy_;
 
   HangTimeout hang_timeout_;
   std::atomic<int64_t> step_{-1};

@@ -8,79 +8,87 @@ handler". A refused call fails with an error naming the symbol; it never misbeha
 """
 from __future__ import annotations
 
-# Stream-ordered: enqueued in the ring, no reply; an error surfaces at the next synchronizing
-# call, as an asynchronous error does on a GPU.
+# Stream-ordered and forwarded by the generated layer: enqueued in the ring, no reply; an error
+# surfaces with the next reply, as an asynchronous error does on a GPU. Their ``void*`` parameters
+# are device (or pinned) addresses, passed as numbers and checked by the proxy.
 ASYNC: dict[str, str] = {
-    **{n: "stream-ordered launch" for n in ("cudaLaunchKernel", "cudaLaunchKernel_ptsz", "__cudaLaunchKernel",
-                                            "__cudaLaunchKernel_ptsz", "cudaLaunchKernelExC")},
-    **{n: "stream-ordered copy/set (pinned or device memory; pageable bytes travel in the ring)"
-       for n in ("cudaMemcpyAsync", "cudaMemcpyAsync_ptsz", "cudaMemsetAsync", "cudaMemsetAsync_ptsz",
-                 "cudaMemcpy2DAsync", "cudaMemcpyPeerAsync")},
-    **{n: "stream-ordered event/stream order" for n in ("cudaEventRecord", "cudaEventRecord_ptsz",
-                                                        "cudaEventRecordWithFlags", "cudaStreamWaitEvent",
-                                                        "cudaStreamWaitEvent_ptsz", "cudaFreeAsync")},
+    **{n: "stream-ordered set of device memory" for n in ("cudaMemsetAsync",)},
+    **{n: "stream-ordered event/stream order" for n in ("cudaEventRecord", "cudaEventRecordWithFlags",
+                                                        "cudaStreamWaitEvent")},
     **{n: "NCCL collective or point-to-point, enqueued on its stream"
        for n in ("ncclAllReduce", "ncclBroadcast", "ncclBcast", "ncclReduce", "ncclAllGather", "ncclReduceScatter",
                  "ncclSend", "ncclRecv", "ncclAlltoAll", "ncclGather", "ncclScatter", "ncclGroupStart",
                  "ncclGroupEnd")},
 }
 
-# Handled by hand in the client and the proxy.
+# Hand-written in libjit.so (interposer/src/proxy_calls.cc, ``proxy_call::NAME``) and, where the
+# proxy does more than a generic call, in proxy_server/src/call_dispatcher.cc. The nvcc
+# registration ABI (``__cudaRegisterFunction``, ``__cudaPushCallConfiguration``, ``__cudaGetKernel``,
+# ``__cudaLaunchKernel``, ...) is not declared in the headers and is hand-written too
+# (interposer/src/kernel_registration.cc).
 SPECIAL: dict[str, str] = {
     **{n: "device memory from the proxy's fixed arena (same pointers after a restart)"
-       for n in ("cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaMemGetInfo", "cudaPointerGetAttributes",
-                 "ncclMemAlloc", "ncclMemFree")},
+       for n in ("cudaMalloc", "cudaFree")},
+    "cudaPointerGetAttributes": "answered from the client's table of device and pinned allocations",
     **{n: "pinned host memory: shared memory mapped at the same address in both processes"
-       for n in ("cudaMallocHost", "cudaHostAlloc", "cudaFreeHost", "cudaHostRegister", "cudaHostUnregister",
-                 "cudaHostGetDevicePointer")},
-    **{n: "synchronous copy/set: pageable bytes travel in the ring or a side buffer"
-       for n in ("cudaMemcpy", "cudaMemcpy_ptds", "cudaMemset", "cudaMemcpyToSymbol")},
-    **{n: "kernel registration: forwarded once by name, replayable into a new proxy"
-       for n in ("__cudaRegisterFatBinary", "__cudaRegisterFatBinaryEnd", "__cudaRegisterFunction",
-                 "__cudaRegisterVar", "__cudaUnregisterFatBinary", "__cudaInitModule", "__cudaGetKernel",
-                 "cudaGetSymbolAddress", "cudaLibraryLoadData", "cudaLibraryGetKernel", "cudaLibraryUnload")},
-    **{n: "launch configuration: a thread-local stack in the client"
-       for n in ("__cudaPushCallConfiguration", "__cudaPopCallConfiguration")},
-    **{n: "kernel attributes: the kernel named by its registration"
-       for n in ("cudaFuncGetAttributes", "cudaFuncSetAttribute", "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
-                 "cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", "cudaKernelSetAttributeForDevice")},
-    **{n: "host callback: run in the client when the proxy reports the stream reached it"
-       for n in ("cudaLaunchHostFunc", "cudaStreamAddCallback")},
-    "cudaGetDriverEntryPointByVersion": "driver entry points: proxied stubs handed back (torch's VMM calls)",
-    "cudaDeviceGetPCIBusId": "returns a string into a caller buffer",
-    "ncclCommInitRankConfig": "communicator config struct (in and out)",
-    "ncclCommRegister": "registers device memory with a communicator",
-    "ncclCommDeregister": "registers device memory with a communicator",
-    **{n: "memory-pool attribute values of several types" for n in ("cudaMemPoolGetAttribute", "cudaMemPoolSetAttribute",
-                                                                     "cudaDeviceGetGraphMemAttribute",
-                                                                     "cudaDeviceSetGraphMemAttribute")},
-    "cudaMemPoolSetAccess": "array of access descriptors",
-    "ncclRedOpCreatePreMulSum": "the scalar is passed by pointer (host or device memory)",
+       for n in ("cudaMallocHost", "cudaHostAlloc", "cudaFreeHost", "cudaHostGetDevicePointer")},
+    **{n: "synchronous copy/set: pageable bytes travel in the ring (in chunks), device and pinned memory "
+          "by address" for n in ("cudaMemcpy", "cudaMemset")},
+    "cudaMemcpyAsync": ("stream-ordered copy: device and pinned memory by address and no reply; a pageable "
+                        "source travels in the ring; a pageable destination waits, as on a GPU"),
+    **{n: "stream-ordered launch by kernel name, no reply; parameter layout asked once per kernel "
+          "(cudaFuncGetParamInfo in the proxy)" for n in ("cudaLaunchKernel", "cudaLaunchKernelExC")},
 }
 
 # Answered in the client without a round trip.
 CLIENT: dict[str, str] = {
-    **{n: "a string table" for n in ("cudaGetErrorName", "cudaGetErrorString", "ncclGetErrorString")},
+    **{n: "a string table (the library's own, which holds no device state)"
+       for n in ("cudaGetErrorName", "cudaGetErrorString", "ncclGetErrorString")},
     **{n: "per-thread last error, kept in the client (with the asynchronous errors the proxy reported)"
        for n in ("cudaGetLastError", "cudaPeekAtLastError", "ncclGetLastError")},
     **{n: "version numbers" for n in ("cudaRuntimeGetVersion", "ncclGetVersion")},
-    **{n: "profiler markers (no-ops outside a profiler)" for n in ("cudaProfilerStart", "cudaProfilerStop")},
+    "cudaCreateChannelDesc": "a pure function of its arguments",
+    "ncclParamDumpAll": "prints NCCL's parameters (environment), no device state",
 }
 
+_NOT_YET = "not forwarded yet: "
 # Refused: the call fails with this reason.
 REFUSED: dict[str, str] = {
     "cudaMallocManaged": "unified memory cannot be split between the application and the proxy",
     **{n: "CUDA IPC hands device memory to another process; the proxy owns it"
        for n in ("cudaIpcGetMemHandle", "cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle", "cudaIpcGetEventHandle",
                  "cudaIpcOpenEventHandle")},
-    **{n: "CUDA graphs and stream capture: not yet forwarded" for n in (
+    **{n: "registering memory the application allocated cannot share it with the proxy; "
+          "allocate pinned memory with cudaHostAlloc" for n in ("cudaHostRegister", "cudaHostUnregister")},
+    **{n: _NOT_YET + "CUDA graphs and stream capture" for n in (
         "cudaStreamBeginCapture", "cudaStreamBeginCaptureToGraph", "cudaStreamEndCapture", "cudaStreamIsCapturing",
         "cudaStreamGetCaptureInfo", "cudaStreamUpdateCaptureDependencies", "cudaThreadExchangeStreamCaptureMode",
         "cudaGraphAddNode", "cudaGraphConditionalHandleCreate", "cudaGraphDestroy", "cudaGraphExecDestroy",
         "cudaGraphGetNodes", "cudaGraphInstantiateWithFlags", "cudaGraphLaunch", "cudaGraphNodeGetDependencies",
         "cudaGraphRetainUserObject", "cudaUserObjectCreate", "cudaUserObjectRelease")},
-    "cudaLaunchCooperativeKernel": "cooperative launches: not yet forwarded",
+    "cudaLaunchCooperativeKernel": _NOT_YET + "cooperative launches",
     "cudaDeviceReset": "would destroy the proxy's state under the replay log",
+    **{n: _NOT_YET + "stream-ordered allocation" for n in ("cudaMallocAsync", "cudaFreeAsync")},
+    **{n: _NOT_YET + "NCCL-allocated memory" for n in ("ncclMemAlloc", "ncclMemFree")},
+    **{n: _NOT_YET + "copies that are not 1-D, or between devices" for n in ("cudaMemcpy2DAsync",
+                                                                           "cudaMemcpyPeerAsync")},
+    **{n: _NOT_YET + "__device__ variables and CUDA libraries (modules)" for n in (
+        "cudaMemcpyToSymbol", "cudaGetSymbolAddress", "cudaLibraryLoadData", "cudaLibraryGetKernel",
+        "cudaLibraryUnload")},
+    **{n: _NOT_YET + "kernel attributes" for n in (
+        "cudaFuncGetAttributes", "cudaFuncSetAttribute", "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
+        "cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", "cudaKernelSetAttributeForDevice")},
+    **{n: _NOT_YET + "host callbacks (to run in the client when the proxy's stream reaches them)"
+       for n in ("cudaLaunchHostFunc", "cudaStreamAddCallback")},
+    "cudaGetDriverEntryPointByVersion": _NOT_YET + "driver entry points (torch's VMM calls)",
+    "cudaDeviceGetPCIBusId": _NOT_YET + "a string result into a caller buffer",
+    "ncclCommInitRankConfig": _NOT_YET + "communicator config struct (in and out)",
+    **{n: _NOT_YET + "memory registration with a communicator" for n in ("ncclCommRegister",
+                                                                         "ncclCommDeregister")},
+    **{n: _NOT_YET + "memory-pool attribute values of several types" for n in (
+        "cudaMemPoolGetAttribute", "cudaMemPoolSetAttribute", "cudaDeviceGetGraphMemAttribute",
+        "cudaDeviceSetGraphMemAttribute", "cudaMemPoolSetAccess")},
+    "ncclRedOpCreatePreMulSum": _NOT_YET + "the scalar is passed by pointer (host or device memory)",
 }
 
 # Libraries proxy mode does not forward at their own API. cuBLAS(Lt), cuDNN and NCCL link the CUDA

@@ -1,135 +1,367 @@
 #include "call_dispatcher.h"
 
 #include <cuda_runtime_api.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <string>
+
+// nvcc's registration ABI (crt/host_runtime.h): the proxy registers each kernel it is asked for
+// under a stand-in host stub of its own.
+extern "C" void** __cudaRegisterFatBinary(void* fatCubin);
+extern "C" void __cudaRegisterFatBinaryEnd(void** handle);
+extern "C" void __cudaRegisterFunction(void** handle, const char* hostFun, char* deviceFun, const char* deviceName,
+                                       int threadLimit, uint3* tid, uint3* bid, dim3* bDim, dim3* gDim, int* wSize);
 
 namespace jitckpt::proxy {
 
 namespace {
 
-// Reply builder: the head first, results appended.
-struct Reply {
-  std::vector<uint8_t>* out;
-  ReplyHead head{};
+constexpr size_t kMaxKernelName = 4096;
+constexpr int kFdWaitMs = 5000;
 
-  Reply(std::vector<uint8_t>* o, uint64_t seq) : out(o) {
-    head.seq = seq;
-    out->assign(sizeof(ReplyHead), 0);
+std::string hex(uint64_t v) {
+  char b[24];
+  std::snprintf(b, sizeof b, "0x%llx", static_cast<unsigned long long>(v));
+  return b;
+}
+
+void fail(GenericReply* out, cudaError_t e, std::string why) {
+  out->status = e;
+  out->error = std::move(why);
+}
+
+// Copies the fixed arguments out of the ring (the writer is another process) and checks their size;
+// `extra` allows trailing bytes (a copy's payload, a launch's parameters).
+template <typename T>
+bool take(const char* name, const uint8_t* args, size_t nargs, T* v, GenericReply* out, bool extra = false) {
+  if (nargs < sizeof *v || (!extra && nargs != sizeof *v)) {
+    fail(out, cudaErrorInvalidValue, std::string(name) + ": " + std::to_string(nargs) +
+                                         " argument bytes, expected " + std::to_string(sizeof *v));
+    return false;
   }
-  void status(cudaError_t e) { head.status = e; }
-  void fail(cudaError_t e, const std::string& why) {
-    head.status = e;
-    head.has_text = 1;
-    std::snprintf(head.text, sizeof head.text, "%s", why.c_str());
-    std::fprintf(stderr, "jitckpt-proxy: %s\n", head.text);
-  }
-  template <typename T>
-  void append(const T& v) {
-    const auto* p = reinterpret_cast<const uint8_t*>(&v);
-    out->insert(out->end(), p, p + sizeof v);
-  }
-  ~Reply() { std::memcpy(out->data(), &head, sizeof head); }
-};
+  std::memcpy(v, args, sizeof *v);
+  return true;
+}
+
+// Stand-in for the fat binary: simcuda runs kernels from its host kernel library by name and reads
+// nothing here. On a GPU the client must send the application's fatbin (not built yet).
+struct FatbinWrapper {
+  int magic;
+  int version;
+  const void* data;
+  void* filename;
+} const kNoFatbin{0x466243b1, 1, nullptr, nullptr};
 
 }  // namespace
 
-bool CallDispatcher::owns(uint64_t ptr, uint64_t count) const {
-  auto it = allocations_.upper_bound(ptr);
-  if (it == allocations_.begin()) return false;
-  --it;
-  return ptr >= it->first && count <= it->second && ptr - it->first <= it->second - count;
+CallDispatcher::~CallDispatcher() = default;
+
+bool CallDispatcher::handle(uint32_t call, const uint8_t* data, size_t len, std::vector<uint8_t>* reply) {
+  RequestHead req{};
+  if (len >= sizeof req.seq) std::memcpy(&req.seq, data, sizeof req.seq);  // a short request gets its seq back
+  if (len >= sizeof req) std::memcpy(&req, data, sizeof req);
+  const bool no_reply = len >= sizeof req && (req.flags & kNoReply) != 0;
+  GenericReply out;
+  const char* name = call_name(call);
+  if (name == nullptr)
+    fail(&out, cudaErrorNotSupported, "unknown call " + std::to_string(call));
+  else if (len < sizeof req)
+    fail(&out, cudaErrorInvalidValue, std::string(name) + ": truncated request");
+  else
+    run(call, name, data + sizeof req, len - sizeof req, &out);
+  if (!out.error.empty()) std::fprintf(stderr, "jitckpt-proxy: %s\n", out.error.c_str());
+  if (no_reply) {
+    if (out.status != 0 && async_status_ == 0) {
+      async_status_ = out.status;
+      async_call_ = call;
+      async_seq_ = req.seq;
+    }
+    return false;
+  }
+  ReplyHead head{};
+  head.seq = req.seq;
+  head.status = out.status;
+  head.has_text = out.error.empty() ? 0 : 1;
+  std::snprintf(head.text, sizeof head.text, "%s", out.error.c_str());
+  head.async_status = async_status_;
+  head.async_call = async_call_;
+  head.async_seq = async_seq_;
+  async_status_ = 0;
+  reply->resize(sizeof head + out.results.size());
+  std::memcpy(reply->data(), &head, sizeof head);
+  if (!out.results.empty()) std::memcpy(reply->data() + sizeof head, out.results.data(), out.results.size());
+  return true;
 }
 
-void CallDispatcher::handle(uint32_t call, const uint8_t* data, size_t len, std::vector<uint8_t>* out) {
-  RequestHead req{};
-  if (len >= sizeof req) std::memcpy(&req, data, sizeof req);
-  Reply reply(out, req.seq);
-  const char* name = call_name(call);
-  if (name == nullptr) return reply.fail(cudaErrorNotSupported, "unknown call " + std::to_string(call));
-  if (len < sizeof req) return reply.fail(cudaErrorInvalidValue, std::string(name) + ": truncated request");
-  const uint8_t* args = data + sizeof req;
-  const size_t nargs = len - sizeof req;
-  // Copies the fixed arguments out of the ring once (the writer is another process) and checks
-  // their size; `extra` allows trailing bytes (a memcpy's payload).
-  auto take = [&](auto* v, bool extra = false) {
-    if (nargs < sizeof *v || (!extra && nargs != sizeof *v)) {
-      reply.fail(cudaErrorInvalidValue, std::string(name) + ": " + std::to_string(nargs) +
-                                            " argument bytes, expected " + std::to_string(sizeof *v));
-      return false;
-    }
-    std::memcpy(v, args, sizeof *v);
-    return true;
+void CallDispatcher::run(uint32_t call, const char* name, const uint8_t* args, size_t nargs, Outcome* out) {
+  if (call >= kGenericBase) {
+    ArgReader reader(name, std::strncmp(name, "nccl", 4) == 0, args, nargs, out);
+    run_generic(call - kGenericBase, reader, *out, handles_, memory_);
+    return;
+  }
+  run_special(static_cast<Call>(call), name, args, nargs, out);
+}
+
+void CallDispatcher::run_special(Call call, const char* name, const uint8_t* args, size_t nargs, Outcome* out) {
+  using Kind = AddressBook::Kind;
+  auto outside = [&](uint64_t p, uint64_t n) {
+    fail(out, cudaErrorInvalidValue, std::string(name) + ": [" + hex(p) + ", +" + std::to_string(n) +
+                                         ") is outside the device arena and the pinned memory of this proxy");
   };
-  switch (static_cast<Call>(call)) {
+  auto stream_of = [&](uint64_t virt, cudaStream_t* s) {
+    if (handles_.resolve(virt, s)) return true;
+    fail(out, cudaErrorInvalidResourceHandle, std::string(name) + ": unknown stream handle " + hex(virt));
+    return false;
+  };
+  switch (call) {
     case Call::kGetDeviceCount: {
       int n = 0;
-      reply.status(cudaGetDeviceCount(&n));
-      reply.append(int32_t{n});
-      return;
+      out->status = cudaGetDeviceCount(&n);
+      return out->result(int32_t{n});
     }
     case Call::kGetDevice: {
       int d = 0;
-      reply.status(cudaGetDevice(&d));
-      reply.append(int32_t{d});
-      return;
+      out->status = cudaGetDevice(&d);
+      return out->result(int32_t{d});
     }
     case Call::kSetDevice: {
       DeviceArg a;
-      if (take(&a)) reply.status(cudaSetDevice(a.device));
+      if (take(name, args, nargs, &a, out)) out->status = cudaSetDevice(a.device);
       return;
     }
+    case Call::kDeviceSynchronize:
+      if (nargs != 0) return fail(out, cudaErrorInvalidValue, std::string(name) + ": unexpected arguments");
+      out->status = cudaDeviceSynchronize();
+      return;
     case Call::kMalloc: {
       SizeArg a;
-      if (!take(&a)) return;
+      if (!take(name, args, nargs, &a, out)) return;
       void* p = nullptr;
-      cudaError_t e = cudaMalloc(&p, a.size);
-      if (e == cudaSuccess) allocations_[reinterpret_cast<uint64_t>(p)] = a.size;
-      reply.status(e);
-      reply.append(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)));
-      return;
+      out->status = cudaMalloc(&p, a.size);
+      if (out->status == cudaSuccess && p != nullptr)
+        memory_.add(reinterpret_cast<uint64_t>(p), a.size, Kind::kDevice);
+      return out->result(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)));
     }
     case Call::kFree: {
       PointerArg a;
-      if (!take(&a)) return;
-      if (a.ptr == 0) return reply.status(cudaFree(nullptr));
-      auto it = allocations_.find(a.ptr);
-      if (it == allocations_.end())
-        return reply.fail(cudaErrorInvalidValue, "cudaFree: " + std::to_string(a.ptr) +
-                                                     " is not a device allocation of this proxy");
-      cudaError_t e = cudaFree(reinterpret_cast<void*>(a.ptr));
-      if (e == cudaSuccess) allocations_.erase(it);
-      return reply.status(e);
+      if (!take(name, args, nargs, &a, out)) return;
+      if (a.ptr == 0) {
+        out->status = cudaFree(nullptr);
+        return;
+      }
+      if (memory_.size_of(a.ptr) == 0 || memory_.kind_of(a.ptr, 1) != Kind::kDevice)
+        return fail(out, cudaErrorInvalidValue, "cudaFree: " + hex(a.ptr) + " is not a device allocation of this proxy");
+      out->status = cudaFree(reinterpret_cast<void*>(a.ptr));
+      if (out->status == cudaSuccess) memory_.remove(a.ptr, Kind::kDevice);
+      return;
     }
     case Call::kMemcpyToDevice: {
       MemcpyToDevice a;
-      if (!take(&a, true)) return;
+      if (!take(name, args, nargs, &a, out, true)) return;
       if (a.count != nargs - sizeof a)
-        return reply.fail(cudaErrorInvalidValue, std::string(name) + ": " + std::to_string(nargs - sizeof a) +
-                                                     " payload bytes for a copy of " + std::to_string(a.count));
-      if (!owns(a.dst, a.count))
-        return reply.fail(cudaErrorInvalidValue, std::string(name) + ": [" + std::to_string(a.dst) + ", +" +
-                                                     std::to_string(a.count) + ") is outside the device arena");
-      return reply.status(cudaMemcpy(reinterpret_cast<void*>(a.dst), args + sizeof a, a.count,
-                                     cudaMemcpyHostToDevice));
+        return fail(out, cudaErrorInvalidValue, std::string(name) + ": " + std::to_string(nargs - sizeof a) +
+                                                    " payload bytes for a copy of " + std::to_string(a.count));
+      if (memory_.kind_of(a.dst, a.count) == Kind::kNone) return outside(a.dst, a.count);
+      out->status = cudaMemcpy(reinterpret_cast<void*>(a.dst), args + sizeof a, a.count, cudaMemcpyDefault);
+      return;
     }
     case Call::kMemcpyFromDevice: {
       MemcpyFromDevice a;
-      if (!take(&a)) return;
-      if (!owns(a.src, a.count))
-        return reply.fail(cudaErrorInvalidValue, std::string(name) + ": [" + std::to_string(a.src) + ", +" +
-                                                     std::to_string(a.count) + ") is outside the device arena");
-      const size_t at = out->size();
-      out->resize(at + a.count);
-      return reply.status(cudaMemcpy(out->data() + at, reinterpret_cast<const void*>(a.src), a.count,
-                                     cudaMemcpyDeviceToHost));
+      if (!take(name, args, nargs, &a, out)) return;
+      if (memory_.kind_of(a.src, a.count) == Kind::kNone) return outside(a.src, a.count);
+      out->results.resize(a.count);
+      out->status = cudaMemcpy(out->results.data(), reinterpret_cast<const void*>(a.src), a.count, cudaMemcpyDefault);
+      return;
     }
-    case Call::kDeviceSynchronize:
-      if (nargs != 0) return reply.fail(cudaErrorInvalidValue, std::string(name) + ": unexpected arguments");
-      return reply.status(cudaDeviceSynchronize());
+    case Call::kMemcpy:
+    case Call::kMemcpyAsync: {
+      MemcpyAddresses a;
+      if (!take(name, args, nargs, &a, out)) return;
+      if (memory_.kind_of(a.dst, a.count) == Kind::kNone) return outside(a.dst, a.count);
+      if (memory_.kind_of(a.src, a.count) == Kind::kNone) return outside(a.src, a.count);
+      auto* dst = reinterpret_cast<void*>(a.dst);
+      auto* src = reinterpret_cast<const void*>(a.src);
+      const auto kind = static_cast<cudaMemcpyKind>(a.kind);
+      if (call == Call::kMemcpy) {
+        out->status = cudaMemcpy(dst, src, a.count, kind);
+        return;
+      }
+      cudaStream_t s;
+      if (stream_of(a.stream, &s)) out->status = cudaMemcpyAsync(dst, src, a.count, kind, s);
+      return;
+    }
+    case Call::kMemcpyToDeviceAsync: {
+      MemcpyInline a;
+      if (!take(name, args, nargs, &a, out, true)) return;
+      if (a.count != nargs - sizeof a)
+        return fail(out, cudaErrorInvalidValue, std::string(name) + ": " + std::to_string(nargs - sizeof a) +
+                                                    " payload bytes for a copy of " + std::to_string(a.count));
+      if (memory_.kind_of(a.device, a.count) == Kind::kNone) return outside(a.device, a.count);
+      cudaStream_t s;
+      // The source is pageable here (the ring): the runtime stages it before returning, as CUDA does.
+      if (stream_of(a.stream, &s))
+        out->status = cudaMemcpyAsync(reinterpret_cast<void*>(a.device), args + sizeof a, a.count,
+                                      cudaMemcpyHostToDevice, s);
+      return;
+    }
+    case Call::kMemcpyFromDeviceAsync: {
+      MemcpyInline a;
+      if (!take(name, args, nargs, &a, out)) return;
+      if (memory_.kind_of(a.device, a.count) == Kind::kNone) return outside(a.device, a.count);
+      cudaStream_t s;
+      if (!stream_of(a.stream, &s)) return;
+      // A pageable destination: the runtime returns once the stream has done the copy.
+      out->results.resize(a.count);
+      out->status = cudaMemcpyAsync(out->results.data(), reinterpret_cast<const void*>(a.device), a.count,
+                                    cudaMemcpyDeviceToHost, s);
+      return;
+    }
+    case Call::kMemset: {
+      Memset a;
+      if (!take(name, args, nargs, &a, out)) return;
+      if (memory_.kind_of(a.dst, a.count) != Kind::kDevice) return outside(a.dst, a.count);
+      out->status = cudaMemset(reinterpret_cast<void*>(a.dst), a.value, a.count);
+      return;
+    }
+    case Call::kHostAlloc:
+      return host_alloc(args, nargs, out);
+    case Call::kHostFree: {
+      PointerArg a;
+      if (take(name, args, nargs, &a, out)) host_free(a.ptr, out);
+      return;
+    }
+    case Call::kRegisterKernel:
+      return register_kernel(args, nargs, out);
+    case Call::kLaunchKernel:
+      return launch_kernel(args, nargs, out);
   }
+  fail(out, cudaErrorNotSupported, std::string(name) + ": not served by this proxy");
+}
+
+void CallDispatcher::register_kernel(const uint8_t* args, size_t nargs, Outcome* out) {
+  if (nargs == 0 || nargs > kMaxKernelName || std::memchr(args, 0, nargs) != nullptr)
+    return fail(out, cudaErrorInvalidValue, "kernel registration: the name must be 1 to 4096 bytes without NUL");
+  std::string name(reinterpret_cast<const char*>(args), nargs);
+  for (size_t i = 0; i < kernels_.size(); ++i) {
+    if (kernels_[i].name == name) {
+      out->result(KernelInfo{static_cast<uint32_t>(i), static_cast<uint32_t>(kernels_[i].params.size())});
+      for (const KernelParam& p : kernels_[i].params) out->result(p);
+      return;
+    }
+  }
+  if (fatbin_handle_ == nullptr) {
+    fatbin_handle_ = __cudaRegisterFatBinary(const_cast<FatbinWrapper*>(&kNoFatbin));
+    __cudaRegisterFatBinaryEnd(fatbin_handle_);
+  }
+  Kernel k;
+  k.name = std::move(name);
+  k.stand_in = std::make_unique<char>();
+  __cudaRegisterFunction(fatbin_handle_, k.stand_in.get(), k.name.data(), k.name.c_str(), -1, nullptr, nullptr,
+                         nullptr, nullptr, nullptr);
+  for (size_t i = 0;; ++i) {
+    size_t offset = 0, size = 0;
+    cudaError_t e = cudaFuncGetParamInfo(k.stand_in.get(), i, &offset, &size);
+    if (e == cudaErrorInvalidValue) break;  // past the last parameter
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return fail(out, e, "kernel " + k.name + ": the device runtime has no code for it (" + cudaGetErrorName(e) +
+                              "; on simcuda: is it in SIMCUDA_KERNEL_LIB?)");
+    }
+    k.params.push_back(KernelParam{static_cast<uint32_t>(offset), static_cast<uint32_t>(size)});
+    k.param_bytes = std::max<uint32_t>(k.param_bytes, static_cast<uint32_t>(offset + size));
+  }
+  cudaGetLastError();  // the end-of-list probe is not the application's error
+  out->result(KernelInfo{static_cast<uint32_t>(kernels_.size()), static_cast<uint32_t>(k.params.size())});
+  for (const KernelParam& p : k.params) out->result(p);
+  kernels_.push_back(std::move(k));
+}
+
+void CallDispatcher::launch_kernel(const uint8_t* args, size_t nargs, Outcome* out) {
+  LaunchKernel a;
+  if (!take("cudaLaunchKernel", args, nargs, &a, out, true)) return;
+  if (a.kernel_id >= kernels_.size())
+    return fail(out, cudaErrorInvalidDeviceFunction, "cudaLaunchKernel: unknown kernel id " + std::to_string(a.kernel_id));
+  const Kernel& k = kernels_[a.kernel_id];
+  if (a.param_bytes != k.param_bytes || nargs - sizeof a != a.param_bytes)
+    return fail(out, cudaErrorInvalidValue, "cudaLaunchKernel(" + k.name + "): " + std::to_string(nargs - sizeof a) +
+                                                " parameter bytes, the kernel takes " + std::to_string(k.param_bytes));
+  cudaStream_t stream;
+  if (!handles_.resolve(a.stream, &stream))
+    return fail(out, cudaErrorInvalidResourceHandle, "cudaLaunchKernel(" + k.name + "): unknown stream handle " + hex(a.stream));
+  // Aligned copy of the parameters; the runtime copies them again before returning.
+  alignas(16) uint8_t stack_buf[512];
+  std::vector<uint8_t> heap_buf;
+  uint8_t* buf = stack_buf;
+  if (a.param_bytes > sizeof stack_buf) {
+    heap_buf.resize(a.param_bytes + 16);
+    buf = heap_buf.data() + (16 - reinterpret_cast<uintptr_t>(heap_buf.data()) % 16) % 16;
+  }
+  if (a.param_bytes) std::memcpy(buf, args + sizeof a, a.param_bytes);
+  void* slots[64];
+  std::vector<void*> many;
+  void** slot = slots;
+  if (k.params.size() > 64) {
+    many.resize(k.params.size());
+    slot = many.data();
+  }
+  for (size_t i = 0; i < k.params.size(); ++i) slot[i] = buf + k.params[i].offset;
+  out->status = cudaLaunchKernel(k.stand_in.get(), dim3(a.grid[0], a.grid[1], a.grid[2]),
+                                 dim3(a.block[0], a.block[1], a.block[2]), slot, a.shared_mem, stream);
+  if (out->status != cudaSuccess)
+    out->error = "cudaLaunchKernel(" + k.name + "): " + cudaGetErrorName(static_cast<cudaError_t>(out->status));
+}
+
+void CallDispatcher::host_alloc(const uint8_t* args, size_t nargs, Outcome* out) {
+  HostAlloc a;
+  if (!take("cudaHostAlloc", args, nargs, &a, out)) return;
+  // The client sent the memfd just before this request.
+  int fd = -1;
+  pollfd p{socket_, POLLIN, 0};
+  if (poll(&p, 1, kFdWaitMs) > 0) {
+    char byte;
+    iovec iov{&byte, 1};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    if (recvmsg(socket_, &msg, MSG_CMSG_CLOEXEC) == 1) {
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      if (c && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int))) std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    }
+  }
+  if (fd < 0) return fail(out, cudaErrorMemoryAllocation, "cudaHostAlloc: the client's shared memory did not arrive");
+  void* want = reinterpret_cast<void*>(a.addr);
+  void* got = mmap(want, a.size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED_NOREPLACE, fd, 0);
+  close(fd);
+  if (got != want) {
+    if (got != MAP_FAILED) munmap(got, a.size);
+    return fail(out, cudaErrorMemoryAllocation, "cudaHostAlloc: cannot map the pinned buffer at " + hex(a.addr) +
+                                                    " in the proxy (" + std::strerror(errno) + ")");
+  }
+  cudaError_t e = cudaHostRegister(want, a.size, cudaHostRegisterDefault);
+  if (e != cudaSuccess) {
+    munmap(want, a.size);
+    return fail(out, e, std::string("cudaHostAlloc: registering the shared buffer: ") + cudaGetErrorName(e));
+  }
+  memory_.add(a.addr, a.size, AddressBook::Kind::kPinned);
+  out->status = cudaSuccess;
+}
+
+void CallDispatcher::host_free(uint64_t addr, Outcome* out) {
+  const uint64_t size = memory_.size_of(addr);
+  if (size == 0 || !memory_.remove(addr, AddressBook::Kind::kPinned))
+    return fail(out, cudaErrorInvalidValue, "cudaFreeHost: " + hex(addr) + " is not pinned memory of this proxy");
+  out->status = cudaHostUnregister(reinterpret_cast<void*>(addr));
+  munmap(reinterpret_cast<void*>(addr), size);
 }
 
 }  // namespace jitckpt::proxy

@@ -1,26 +1,59 @@
-// The proxy's side of a call: validates the request, runs it on the real CUDA runtime, and says
-// what to reply. Device pointers are checked against the allocations this proxy handed out, so a
-// stale or hostile pointer is an error, never a wild access.
+// The proxy's side of a call: validates the request, runs it on the real CUDA runtime and NCCL, and
+// says what to reply. Device pointers are checked against the allocations this proxy handed out
+// and the pinned memory the client shares; handles are the virtual handles this proxy minted. A
+// stale or hostile argument is an error with a message, never a wild access.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
+#include <deque>
+#include <memory>
+#include <string>
 #include <vector>
 
+#include "address_book.h"
 #include "call_protocol.h"
+#include "generic_call.h"
+#include "handle_table.h"
 
 namespace jitckpt::proxy {
 
 class CallDispatcher {
  public:
-  // Runs the request (`call`, `data`, `len` from the ring); fills `reply` (ReplyHead + results).
-  void handle(uint32_t call, const uint8_t* data, size_t len, std::vector<uint8_t>* reply);
+  // `socket`: the client's Unix socket (memfds of pinned memory arrive on it).
+  explicit CallDispatcher(int socket) : socket_(socket) {}
+  ~CallDispatcher();
+  CallDispatcher(const CallDispatcher&) = delete;
+  CallDispatcher& operator=(const CallDispatcher&) = delete;
+
+  // Runs the request (`call`, `data`, `len` from the ring). Returns false for a kNoReply request
+  // (its failure, if any, is reported with the next reply); otherwise fills `reply`.
+  bool handle(uint32_t call, const uint8_t* data, size_t len, std::vector<uint8_t>* reply);
 
  private:
-  bool owns(uint64_t ptr, uint64_t count) const;
+  struct Kernel {
+    std::string name;                // stable: kernels_ is a deque
+    std::unique_ptr<char> stand_in;  // the "host stub" this kernel is registered under here
+    std::vector<KernelParam> params;
+    uint32_t param_bytes = 0;
+  };
+  using Outcome = GenericReply;  // one call's status, message and results
+  void run(uint32_t call, const char* name, const uint8_t* args, size_t nargs, Outcome* out);
+  void run_special(Call call, const char* name, const uint8_t* args, size_t nargs, Outcome* out);
+  void register_kernel(const uint8_t* args, size_t nargs, Outcome* out);
+  void launch_kernel(const uint8_t* args, size_t nargs, Outcome* out);
+  void host_alloc(const uint8_t* args, size_t nargs, Outcome* out);
+  void host_free(uint64_t addr, Outcome* out);
 
-  std::map<uint64_t, uint64_t> allocations_;  // device pointer -> bytes
+  int socket_;
+  HandleTable handles_;
+  AddressBook memory_;
+  std::deque<Kernel> kernels_;
+  void** fatbin_handle_ = nullptr;
+  // The first failure of a kNoReply call since the last reply.
+  int32_t async_status_ = 0;
+  uint32_t async_call_ = 0;
+  uint64_t async_seq_ = 0;
 };
 
 }  // namespace jitckpt::proxy

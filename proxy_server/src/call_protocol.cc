@@ -1,8 +1,11 @@
 #include "call_protocol.h"
 
+#include "proxy_functions.h"
+
 namespace jitckpt::proxy {
 
 const char* call_name(uint32_t call) {
+  if (call >= kGenericBase) return function_name(call - kGenericBase);
   switch (static_cast<Call>(call)) {
     case Call::kGetDeviceCount: return "cudaGetDeviceCount";
     case Call::kGetDevice: return "cudaGetDevice";
@@ -12,6 +15,15 @@ const char* call_name(uint32_t call) {
     case Call::kMemcpyToDevice: return "cudaMemcpy(HostToDevice)";
     case Call::kMemcpyFromDevice: return "cudaMemcpy(DeviceToHost)";
     case Call::kDeviceSynchronize: return "cudaDeviceSynchronize";
+    case Call::kRegisterKernel: return "kernel registration";
+    case Call::kLaunchKernel: return "cudaLaunchKernel";
+    case Call::kMemcpy: return "cudaMemcpy";
+    case Call::kMemcpyAsync: return "cudaMemcpyAsync";
+    case Call::kMemcpyToDeviceAsync: return "cudaMemcpyAsync(HostToDevice, pageable)";
+    case Call::kMemcpyFromDeviceAsync: return "cudaMemcpyAsync(DeviceToHost, pageable)";
+    case Call::kMemset: return "cudaMemset";
+    case Call::kHostAlloc: return "cudaHostAlloc";
+    case Call::kHostFree: return "cudaFreeHost";
   }
   return nullptr;
 }

@@ -1,18 +1,20 @@
 // What the proxy-mode client and the device proxy say over the rings (issue 15).
 //
-// Request: ring tag = the Call, payload = RequestHead then the call's fixed arguments (and, for
-// kMemcpyToDevice, the bytes). Reply: ring tag = the Call, payload = ReplyHead then the call's
-// results. Every request here is synchronous (the client waits for the reply with the same seq);
-// stream-ordered calls that need no reply come with the generated forwarding layer.
-// Protocol errors (an unknown call, a wrong size, a pointer the proxy never handed out) come back
-// as a cudaError_t plus a message in ReplyHead's text, so the caller can say what went wrong.
+// Request: ring tag = the Call (or kGenericBase + a generated FunctionId, see
+// proxy_functions.h), payload = RequestHead then the call's arguments. Reply: ring tag = the same,
+// payload = ReplyHead then the call's results. A request with kNoReply set is stream-ordered work
+// whose result the caller does not wait for (launches, async copies, event records, collectives):
+// the proxy sends nothing back, and if it fails the error is reported with the next reply
+// (ReplyHead::async_status), as an asynchronous error surfaces at the next call on a GPU.
+// Protocol errors (an unknown call, a wrong size, a pointer the proxy never handed out, an unknown
+// handle) come back as a cudaError_t plus a message in ReplyHead's text.
 #pragma once
 
 #include <cstdint>
 
 namespace jitckpt::proxy {
 
-inline constexpr uint32_t kProtocolVersion = 1;
+inline constexpr uint32_t kProtocolVersion = 2;
 inline constexpr uint32_t kHelloMagic = 0x4A505859;  // "JPXY"
 
 enum class Call : uint32_t {
@@ -24,18 +26,37 @@ enum class Call : uint32_t {
   kMemcpyToDevice = 6,    // args: MemcpyToDevice, then `count` bytes
   kMemcpyFromDevice = 7,  // reply: `count` bytes
   kDeviceSynchronize = 8,
+  kRegisterKernel = 9,        // args: the mangled name; reply: KernelInfo + KernelParam[num_params]
+  kLaunchKernel = 10,         // args: LaunchKernel, then the packed parameter bytes (kNoReply)
+  kMemcpy = 11,               // args: MemcpyAddresses (device or pinned on both sides)
+  kMemcpyAsync = 12,          // args: MemcpyAddresses (kNoReply)
+  kMemcpyToDeviceAsync = 13,  // args: MemcpyInline, then `count` bytes (kNoReply)
+  kMemcpyFromDeviceAsync = 14,// args: MemcpyInline; reply: `count` bytes once the stream got there
+  kMemset = 15,               // args: Memset
+  kHostAlloc = 16,            // args: HostAlloc; the memfd went first over the socket (SCM_RIGHTS)
+  kHostFree = 17,             // args: PointerArg
 };
+
+// Generated calls (proxy_functions.h): tag = kGenericBase + FunctionId.
+inline constexpr uint32_t kGenericBase = 0x10000;
+// RequestHead::flags
+inline constexpr uint32_t kNoReply = 1;
 
 const char* call_name(uint32_t call);
 
 struct RequestHead {
   uint64_t seq;
+  uint32_t flags;  // kNoReply
+  uint32_t reserved;
 };
 
 struct ReplyHead {
   uint64_t seq;
-  int32_t status;    // the cudaError_t the direct call would return
-  uint32_t has_text; // 1: `text` explains a protocol error
+  int32_t status;        // the cudaError_t (or ncclResult_t) the direct call would return
+  uint32_t has_text;     // 1: `text` explains a protocol error
+  int32_t async_status;  // the first failure of a kNoReply call since the last reply (0: none)
+  uint32_t async_call;   // its tag
+  uint64_t async_seq;    // its seq
   char text[240];
 };
 
@@ -57,6 +78,48 @@ struct MemcpyFromDevice {
   uint64_t count;
 };
 
+struct KernelInfo {
+  uint32_t kernel_id;
+  uint32_t num_params;
+};
+struct KernelParam {
+  uint32_t offset;
+  uint32_t size;
+};
+struct LaunchKernel {
+  uint32_t kernel_id;
+  uint32_t grid[3];
+  uint32_t block[3];
+  uint32_t param_bytes;
+  uint64_t shared_mem;
+  uint64_t stream;  // a virtual handle (0, cudaStreamLegacy and cudaStreamPerThread as they are)
+};
+struct MemcpyAddresses {
+  uint64_t dst;
+  uint64_t src;
+  uint64_t count;
+  int32_t kind;
+  uint32_t reserved;
+  uint64_t stream;
+};
+struct MemcpyInline {
+  uint64_t device;  // dst (to device) or src (from device)
+  uint64_t count;
+  uint64_t stream;
+};
+struct Memset {
+  uint64_t dst;
+  uint64_t count;
+  int32_t value;
+  uint32_t reserved;
+};
+struct HostAlloc {
+  uint64_t addr;  // where the client mapped the memfd; the proxy maps it at the same address
+  uint64_t size;
+  uint32_t flags;
+  uint32_t reserved;
+};
+
 // Handshake over the Unix socket the proxy inherits: the client sends Hello with the request and
 // reply ring fds (SCM_RIGHTS); the proxy answers Ready once it serves.
 struct Hello {
@@ -66,6 +129,7 @@ struct Hello {
 struct Ready {
   uint32_t magic;
   uint32_t version;
+  uint64_t inventory_hash;  // kInventoryHash of the proxy's generated layer
   int32_t pid;
   int32_t status;  // 0, or why the proxy cannot serve (the text follows in `text`)
   char text[240];

@@ -1,5 +1,7 @@
 #include "proxy_client.h"
 
+#include "proxy_functions.h"
+
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -34,7 +36,8 @@ bool socket_closed(int sock) {
 
 }  // namespace
 
-std::unique_ptr<ProxyClient> ProxyClient::start(const std::string& binary, std::chrono::milliseconds timeout) {
+std::unique_ptr<ProxyClient> ProxyClient::start(const std::string& binary, std::chrono::milliseconds timeout,
+                                                const std::vector<std::string>* env) {
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0)
     throw start_error(std::string("socketpair: ") + std::strerror(errno));
@@ -47,8 +50,13 @@ std::unique_ptr<ProxyClient> ProxyClient::start(const std::string& binary, std::
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, child, 3);
   char* argv[] = {const_cast<char*>(binary.c_str()), nullptr};
+  std::vector<char*> envp;
+  if (env != nullptr) {
+    for (const std::string& e : *env) envp.push_back(const_cast<char*>(e.c_str()));
+    envp.push_back(nullptr);
+  }
   pid_t pid = -1;
-  int rc = posix_spawn(&pid, binary.c_str(), &fa, nullptr, argv, environ);
+  int rc = posix_spawn(&pid, binary.c_str(), &fa, nullptr, argv, env ? envp.data() : environ);
   posix_spawn_file_actions_destroy(&fa);
   close(child);
   if (rc != 0) {
@@ -83,6 +91,9 @@ std::unique_ptr<ProxyClient> ProxyClient::start(const std::string& binary, std::
     throw start_error(binary + " speaks protocol " + std::to_string(ready.version) + ", this client " +
                       std::to_string(kProtocolVersion) + ": install matching versions");
   if (ready.status != 0) throw start_error(std::string(ready.text));
+  if (ready.inventory_hash != kInventoryHash)
+    throw start_error(binary + " was generated from another CUDA API inventory than this client: install "
+                      "libjit.so and jitckpt-proxy from the same build");
   return client;
 }
 
@@ -116,10 +127,39 @@ std::string ProxyClient::proxy_death() const {
 CallResult ProxyClient::call(Call c, const void* args, size_t len, std::chrono::milliseconds timeout) {
   std::vector<uint8_t> payload(sizeof(RequestHead) + len);
   const uint64_t seq = next_seq();
-  const RequestHead head{seq};
+  const RequestHead head{seq, 0, 0};
   std::memcpy(payload.data(), &head, sizeof head);
   if (len > 0) std::memcpy(payload.data() + sizeof head, args, len);
   return call_raw(static_cast<uint32_t>(c), payload.data(), payload.size(), seq, timeout);
+}
+
+std::string ProxyClient::post(uint32_t tag, const void* payload, size_t len, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    RingStatus s = requests_.push(tag, payload, len, std::min(deadline, Clock::now() + kWaitSlice));
+    if (s == RingStatus::kOk) return "";
+    if (s == RingStatus::kTooLarge)
+      return "a request of " + std::to_string(len) + " bytes exceeds the ring's " + std::to_string(requests_.max_payload());
+    if (std::string d = proxy_death(); !d.empty()) return d;
+    if (Clock::now() >= deadline) return "the request ring stayed full for " + std::to_string(timeout.count()) + " ms";
+  }
+}
+
+bool ProxyClient::send_fd(int fd) {
+  char byte = 'F';
+  iovec iov{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  return sendmsg(sock_, &msg, MSG_NOSIGNAL) == 1;
 }
 
 CallResult ProxyClient::call_raw(uint32_t tag, const void* payload, size_t len, uint64_t seq,
@@ -166,6 +206,9 @@ CallResult ProxyClient::call_raw(uint32_t tag, const void* payload, size_t len, 
     }
     out.status = head.status;
     if (head.has_text) out.error = head.text;
+    out.async_status = head.async_status;
+    out.async_call = head.async_call;
+    out.async_seq = head.async_seq;
     out.results.assign(data + sizeof head, data + rlen);
     replies_.release();
     return out;

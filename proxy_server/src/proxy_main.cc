@@ -20,6 +20,7 @@
 
 #include "call_dispatcher.h"
 #include "call_protocol.h"
+#include "proxy_functions.h"
 #include "shm_ring.h"
 
 using namespace jitckpt::proxy;  // NOLINT: this file is the proxy's main and nothing else
@@ -66,6 +67,7 @@ void send_ready(int sock, int status, const std::string& text) {
   Ready r{};
   r.magic = kHelloMagic;
   r.version = kProtocolVersion;
+  r.inventory_hash = kInventoryHash;
   r.pid = getpid();
   r.status = status;
   std::snprintf(r.text, sizeof r.text, "%s", text.c_str());
@@ -87,9 +89,8 @@ int main(int argc, char** argv) {
     ShmRing replies = ShmRing::attach(rep_fd);
     close(req_fd);
     close(rep_fd);
-    if (kProtocolVersion != 1) return 2;
     send_ready(kSocketFd, 0, "");
-    CallDispatcher dispatcher;
+    CallDispatcher dispatcher(kSocketFd);
     bool ring_ok = true;
     while (true) {
       uint32_t call;
@@ -113,8 +114,9 @@ int main(int argc, char** argv) {
         ring_ok = false;
         continue;
       }
-      dispatcher.handle(call, data, len, &reply);
+      const bool answer = dispatcher.handle(call, data, len, &reply);
       requests.release();
+      if (!answer) continue;
       if (reply.size() > replies.max_payload()) {  // a client that asked for more than a reply holds
         ReplyHead head{};
         std::memcpy(&head, reply.data(), sizeof head);

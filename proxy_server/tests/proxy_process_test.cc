@@ -119,7 +119,7 @@ TEST(ProxyProcess, BadRequestsGetClearErrorsAndTheProxyServesOn) {
   EXPECT_NE(r.error.find("unknown call 77"), std::string::npos) << r.error;
   r = proxy->call_raw(static_cast<uint32_t>(Call::kMalloc), "abc", 3, 0);
   EXPECT_NE(r.error.find("cudaMalloc: truncated request"), std::string::npos) << r.error;
-  const uint8_t short_args[8 + 3] = {};
+  const uint8_t short_args[sizeof(jitckpt::proxy::RequestHead) + 3] = {};
   r = proxy->call_raw(static_cast<uint32_t>(Call::kMalloc), short_args, sizeof short_args, 0);
   EXPECT_NE(r.error.find("3 argument bytes, expected 8"), std::string::npos) << r.error;
   CallResult n = proxy->call(Call::kGetDeviceCount, nullptr, 0);

@@ -130,6 +130,33 @@ SIMCUDA_API cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const vo
   return cudaSuccess;
 }
 
+// Parameter layout of a kernel (CUDA 12.4+): what an API-remoting client needs to pack a launch's
+// arguments. A GPU reads it from the cubin's .nv.info; simcuda knows only each parameter's size
+// (from the host kernel library), so it lays them out aligned to their size, capped at 8 bytes
+// (a struct whose alignment is smaller than its size gets a larger offset than nvcc would give).
+SIMCUDA_API cudaError_t cudaFuncGetParamInfo(const void* func, size_t paramIndex, size_t* paramOffset,
+                                             size_t* paramSize) {
+  SIMCUDA_RETURN_IF_STICKY();
+  const KernelEntry* k = by_func(func);
+  if (!k) return api_result(cudaErrorInvalidDeviceFunction);
+  const simcuda_host_kernel* impl = Runtime::get().kernels().implementation(*k);
+  if (!impl) return api_result(cudaErrorNoKernelImageForDevice);
+  if (paramIndex >= impl->num_params || (!paramOffset && !paramSize)) return api_result(cudaErrorInvalidValue);
+  size_t offset = 0;
+  for (size_t i = 0;; ++i) {
+    const size_t size = impl->param_sizes[i];
+    size_t align = 1;
+    while (align < 8 && size % (align * 2) == 0) align *= 2;
+    offset = (offset + align - 1) / align * align;
+    if (i == paramIndex) {
+      if (paramOffset) *paramOffset = offset;
+      if (paramSize) *paramSize = size;
+      return cudaSuccess;
+    }
+    offset += size;
+  }
+}
+
 SIMCUDA_API cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute, int) {
   SIMCUDA_RETURN_IF_STICKY();
   return api_result(by_func(func) ? cudaSuccess : cudaErrorInvalidDeviceFunction);

@@ -1,0 +1,163 @@
+#include "proxy_session.h"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "call_protocol.h"
+#include "diagnostics.h"
+#include "proxy_forwarding.h"
+#include "proxy_functions.h"
+#include "registry.h"
+
+extern char** environ;
+
+namespace jitckpt {
+namespace {
+
+bool mode_is_proxy() {
+  const char* m = std::getenv("JITCKPT_MODE");
+  return m != nullptr && std::strcmp(m, "proxy") == 0;
+}
+
+// JITCKPT_PROXY_BINARY, else next to libjit.so: <lib>/../bin (build tree) or <lib> (wheel).
+std::string proxy_binary() {
+  if (const char* env = std::getenv("JITCKPT_PROXY_BINARY"); env && *env) return env;
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&proxy_binary), &info) && info.dli_fname) {
+    std::string dir(info.dli_fname);
+    dir = dir.substr(0, dir.rfind('/') + 1);
+    for (const char* rel : {"../bin/jitckpt-proxy", "jitckpt-proxy"}) {
+      std::string p = dir + rel;
+      if (access(p.c_str(), X_OK) == 0) return p;
+    }
+    return dir + "../bin/jitckpt-proxy";
+  }
+  return "jitckpt-proxy";
+}
+
+// The application's environment without what would make the proxy a client of itself.
+std::vector<std::string> proxy_environment() {
+  std::vector<std::string> env;
+  for (char** e = environ; e && *e; ++e) {
+    std::string kv(*e);
+    if (kv.rfind("JITCKPT_MODE=", 0) == 0) continue;
+    if (kv.rfind("LD_PRELOAD=", 0) == 0) {
+      std::string kept, item, list = kv.substr(11);
+      size_t at = 0;
+      while (at <= list.size()) {
+        size_t end = list.find_first_of(": ", at);
+        if (end == std::string::npos) end = list.size();
+        item = list.substr(at, end - at);
+        if (!item.empty() && item.find("libjit") == std::string::npos) kept += (kept.empty() ? "" : ":") + item;
+        at = end + 1;
+      }
+      if (!kept.empty()) env.push_back("LD_PRELOAD=" + kept);
+      continue;
+    }
+    env.push_back(kv);
+  }
+  return env;
+}
+
+}  // namespace
+
+ProxySession::ProxySession() : enabled_(mode_is_proxy()) {}
+
+bool ProxySession::start_locked(std::string* why) {
+  if (client_) return true;
+  if (!start_failure_.empty()) {
+    *why = start_failure_;
+    return false;
+  }
+  try {
+    const std::vector<std::string> env = proxy_environment();
+    client_ = proxy::ProxyClient::start(proxy_binary(), std::chrono::seconds(30), &env);
+    log_verbose("proxy mode: jitckpt-proxy pid %d serves this process", static_cast<int>(client_->pid()));
+    return true;
+  } catch (const std::exception& e) {
+    start_failure_ = e.what();
+    log_always("proxy mode: %s (set JITCKPT_PROXY_BINARY, or JITCKPT_MODE=observe)", e.what());
+    *why = start_failure_;
+    return false;
+  }
+}
+
+pid_t ProxySession::proxy_pid() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string why;
+  return start_locked(&why) ? client_->pid() : -1;
+}
+
+proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd) {
+  std::lock_guard<std::mutex> lock(mu_);
+  proxy::CallResult r;
+  std::string why;
+  if (!start_locked(&why)) {
+    r.status = 999;
+    r.error = why;
+    return r;
+  }
+  const uint64_t seq = client_->next_seq();
+  const proxy::RequestHead head{seq, no_reply ? proxy::kNoReply : 0u, 0};
+  std::memcpy(payload.data(), &head, sizeof head);
+  if (fd >= 0 && !client_->send_fd(fd)) {
+    r.status = 999;
+    r.error = "cannot hand shared memory to the proxy: " + client_->death();
+  } else if (no_reply) {
+    r.error = client_->post(tag, payload.data(), payload.size());
+    if (!r.error.empty()) r.status = 999;
+  } else {
+    r = client_->call_raw(tag, payload.data(), payload.size(), seq);
+    take_async_report(r);
+  }
+  if (r.status == 999 && !death_reported_ && !client_->death().empty()) {
+    death_reported_ = true;
+    log_always("proxy mode: %s; every CUDA/NCCL call of this process fails from now on (its device state "
+               "was in the proxy)", client_->death().c_str());
+  }
+  return r;
+}
+
+void ProxySession::take_async_report(const proxy::CallResult& r) {
+  if (r.async_status == 0) return;
+  const char* name = proxy::call_name(r.async_call);
+  log_always("proxy mode: an earlier asynchronous call failed: %s (call #%llu) returned %d", name ? name : "?",
+             static_cast<unsigned long long>(r.async_seq), r.async_status);
+}
+
+void ProxySession::add_memory(uintptr_t base, size_t size, Memory kind) {
+  std::lock_guard<std::mutex> lock(memory_mu_);
+  memory_[base] = Range{size, kind};
+}
+
+bool ProxySession::remove_memory(uintptr_t base, Memory kind, size_t* size) {
+  std::lock_guard<std::mutex> lock(memory_mu_);
+  auto it = memory_.find(base);
+  if (it == memory_.end() || it->second.kind != kind) return false;
+  if (size) *size = it->second.size;
+  memory_.erase(it);
+  return true;
+}
+
+ProxySession::Memory ProxySession::memory_of(const void* p, size_t count) const {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(memory_mu_);
+  auto it = memory_.upper_bound(a);
+  if (it == memory_.begin()) return Memory::kPageable;
+  --it;
+  if (a - it->first >= it->second.size || count > it->second.size - (a - it->first)) return Memory::kPageable;
+  return it->second.kind;
+}
+
+bool proxy_mode_resolve(const char* name, void** fn) {
+  if (!Registry::instance().proxy().enabled()) return false;
+  *fn = proxy_mode::forwarder(name);
+  if (*fn == nullptr) *fn = proxy_mode::extra_forwarder(name);
+  return true;
+}
+
+}  // namespace jitckpt

@@ -1,0 +1,59 @@
+// Proxy mode's connection to the device proxy (issue 15): started on the first CUDA call of a
+// process run with JITCKPT_MODE=proxy, shared by every thread (one ring, calls serialized), and
+// the tables the client keeps to classify pointers without a round trip: the device allocations
+// the proxy handed out and the pinned buffers shared with it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "proxy_client.h"
+#include "proxy_kernels.h"
+
+namespace jitckpt {
+
+class ProxySession {
+ public:
+  enum class Memory { kPageable, kDevice, kPinned };
+
+  ProxySession();  // reads JITCKPT_MODE
+  bool enabled() const { return enabled_; }
+  ProxyKernels& kernels() { return kernels_; }
+
+  // One request; `payload` starts with room for its RequestHead, which this fills in. A kNoReply
+  // request returns once it is in the ring (status 0, or a transport failure). `fd` >= 0 is handed
+  // over on the socket first (pinned memory). Starts the proxy on first use.
+  proxy::CallResult call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd = -1);
+  pid_t proxy_pid();
+
+  void add_memory(uintptr_t base, size_t size, Memory kind);
+  bool remove_memory(uintptr_t base, Memory kind, size_t* size = nullptr);
+  // The kind of memory [p, p + count) is in (kPageable if it is not all in one known range).
+  Memory memory_of(const void* p, size_t count = 1) const;
+
+ private:
+  bool start_locked(std::string* why);
+  void take_async_report(const proxy::CallResult& r);
+
+  const bool enabled_;
+  ProxyKernels kernels_;
+  std::mutex mu_;  // the ring: one request (and its reply) at a time
+  std::unique_ptr<proxy::ProxyClient> client_;
+  std::string start_failure_;
+  bool death_reported_ = false;
+
+  mutable std::mutex memory_mu_;
+  struct Range {
+    size_t size;
+    Memory kind;
+  };
+  std::map<uintptr_t, Range> memory_;
+};
+
+}  // namespace jitckpt
