@@ -138,7 +138,8 @@ cudaError_t copy_from_device(void* dst, const void* src, size_t count, cudaStrea
 }  // namespace
 
 void record_cuda_error(cudaError_t e) {
-  if (e != cudaSuccess) t_last_cuda_error = e;
+  // "Not ready" from a query is an answer, not an error: the runtime does not record it either.
+  if (e != cudaSuccess && e != cudaErrorNotReady) t_last_cuda_error = e;
 }
 void record_nccl_error(const char* text) { std::snprintf(t_last_nccl_error, sizeof t_last_nccl_error, "%s", text); }
 

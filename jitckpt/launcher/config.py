@@ -128,6 +128,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preload", default="",
                    help="LD_PRELOAD for the workers; 'libjit' = jitckpt's CUDA/NCCL interposer (GPU hang "
                         "detection), or a path")
+    g.add_argument("--transparent", action="store_true",
+                   help="proxy mode: every CUDA/NCCL call of each worker runs in a device-proxy process "
+                        "(jitckpt-proxy, one per worker, started by libjit.so and ending with it), so the "
+                        "worker holds no device state; implies --preload libjit (verified on simcuda)")
     g.add_argument("--recovery", default=None, choices=list(RECOVERY_MODES),
                    help="jit: on a failure save JIT checkpoints from the survivors and restart every "
                         "rank (default); stage: keep the survivors running and start one replacement "
@@ -188,6 +192,7 @@ class LaunchConfig:
     metrics_port: Optional[int] = None
     metrics_addr: str = "127.0.0.1"
     preload: str = ""
+    transparent: bool = False
     plugins: tuple = ()
     recovery: Optional[str] = None  # None: "stage" with --plugin logging, else "jit"
     snapshot_every: int = 0
@@ -225,6 +230,10 @@ class LaunchConfig:
             self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
         if not self.run_dir:
             self.run_dir = os.path.join(root, "runs", self.run_id)
+        if self.transparent:
+            if self.preload not in ("", "libjit"):
+                raise ValueError(f"--transparent preloads jitckpt's libjit.so; drop --preload {self.preload!r}")
+            self.preload = "libjit"
         if self.preload == "libjit":
             from jitckpt.native_libs import libjit_path
 
@@ -305,7 +314,7 @@ class LaunchConfig:
                    run_dir=a.run_dir, hang_timeout=a.hang_timeout, periodic_every=a.periodic_every,
                    save_timeout=a.save_timeout, warm_standby=a.warm_standby,
                    status_interval=a.status_interval, metrics_port=a.metrics_port,
-                   metrics_addr=a.metrics_addr, preload=a.preload,
+                   metrics_addr=a.metrics_addr, preload=a.preload, transparent=a.transparent,
                    plugins=tuple(filter(None, a.plugin.split(","))), recovery=a.recovery,
                    snapshot_every=a.snapshot_every, snapshot_protection=a.snapshot_protection,
                    snapshot_flush_every=a.snapshot_flush_every)

@@ -153,6 +153,8 @@ class Launcher:
             env = self._base_env()
             if cfg.preload:  # must be in the environment when the standby process starts
                 env["LD_PRELOAD"] = cfg.preload
+            if cfg.transparent:
+                env["JITCKPT_MODE"] = "proxy"
             self.pool = StandbyPool(size=cfg.nproc_per_node * cfg.warm_standby, env=env,
                                     python=sys.executable)
             # The first generation's workers and the standbys for the first restart import torch
@@ -261,6 +263,8 @@ class Launcher:
         }
         if cfg.preload:
             env["LD_PRELOAD"] = cfg.preload
+        if cfg.transparent:
+            env["JITCKPT_MODE"] = "proxy"  # libjit.so starts the worker's proxy on its first CUDA call
         return env
 
     def _worker_spec(self, gen: int, local_rank: int, role: str) -> WorkerSpec:

@@ -120,7 +120,9 @@ std::string ProxyClient::proxy_death() const {
   }
   std::string who = "jitckpt-proxy (pid " + std::to_string(pid_) + ")";
   if (!reaped_) return who + " closed its connection";  // reaped elsewhere, or exiting
-  if (WIFSIGNALED(wait_status_)) return who + " was killed by " + strsignal(WTERMSIG(wait_status_));
+  if (WIFSIGNALED(wait_status_))
+    return who + " was killed by signal " + std::to_string(WTERMSIG(wait_status_)) + " (" +
+           strsignal(WTERMSIG(wait_status_)) + ")";
   return who + " exited with code " + std::to_string(WEXITSTATUS(wait_status_));
 }
 

@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--status-out", type=Path, default=None, help="write _native.status() here at the end")
+    ap.add_argument("--maps-out", type=Path, default=None,
+                    help="at the end, write /proc/<pid>/maps of this process (app.maps) and of each child "
+                         "(<pid>.maps: the device proxy in proxy mode) into this directory")
     args = ap.parse_args(argv)
     if args.jitckpt:
         args.rank, args.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -172,6 +175,13 @@ def run_harness(args: argparse.Namespace) -> int:
     Path(args.out.format(rank=args.rank)).write_bytes(model.get_state())
     if args.status_out is not None:
         args.status_out.write_text(json.dumps(_native.status()))
+    if args.maps_out is not None:
+        import psutil
+
+        args.maps_out.mkdir(parents=True, exist_ok=True)
+        (args.maps_out / "app.maps").write_text(Path("/proc/self/maps").read_text())
+        for child in psutil.Process().children():
+            (args.maps_out / f"{child.pid}.maps").write_text(Path(f"/proc/{child.pid}/maps").read_text())
     print(f"rank {args.rank}: finished {args.steps} steps", flush=True)
     return 0
 

@@ -10,6 +10,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <chrono>
+#include <fstream>
 
 #define CUDACHECK(call)                                                      \
   do {                                                                       \
@@ -47,4 +50,21 @@ inline bool exchange_unique_id(int rank, int argc, char** argv, ncclUniqueId* id
   for (size_t i = 0; i < sizeof(id->internal); ++i)
     id->internal[i] = static_cast<char>(std::stoi(std::string(argv[4] + 2 * i, 2), nullptr, 16));
   return true;
+}
+
+// Under a launcher (jitckpt run --no-python): every rank gets the same argv, so the id goes through
+// a file: rank 0 writes it (then renames it into place), the others wait for it (30 s at most).
+inline bool exchange_unique_id_file(int rank, const std::string& path, ncclUniqueId* id) {
+  if (rank == 0) {
+    NCCLCHECK(ncclGetUniqueId(id));
+    std::ofstream(path + ".tmp", std::ios::binary).write(id->internal, sizeof(id->internal));
+    return std::rename((path + ".tmp").c_str(), path.c_str()) == 0;
+  }
+  for (int i = 0; i < 3000; ++i) {
+    std::ifstream in(path, std::ios::binary);
+    if (in.read(id->internal, sizeof(id->internal))) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::fprintf(stderr, "rank %d: no unique id in %s after 30 s\n", rank, path.c_str());
+  return false;
 }

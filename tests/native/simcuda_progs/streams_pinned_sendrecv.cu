@@ -121,11 +121,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s ring <rank> <nranks> [uid-hex] [steps]\n", argv[0]);
     return 64;
   }
-  const int rank = std::atoi(argv[2]), nranks = std::atoi(argv[3]);
+  // "ring env env <uid-file> [steps]": rank and size from a launcher's RANK and WORLD_SIZE.
+  const bool from_env = std::string(argv[2]) == "env";
+  const char* env_rank = std::getenv("RANK");
+  const char* env_world = std::getenv("WORLD_SIZE");
+  if (from_env && (!env_rank || !env_world || argc < 5)) {
+    std::fprintf(stderr, "ring env env <uid-file> needs RANK and WORLD_SIZE in the environment\n");
+    return 64;
+  }
+  const int rank = std::atoi(from_env ? env_rank : argv[2]), nranks = std::atoi(from_env ? env_world : argv[3]);
   const int steps = argc > 5 && std::atoi(argv[5]) > 0 ? std::atoi(argv[5]) : DEFAULT_STEPS;
   const int next = (rank + 1) % nranks, prev = (rank + nranks - 1) % nranks;
   ncclUniqueId id;
-  if (!exchange_unique_id(rank, argc, argv, &id)) return 64;
+  if (!(from_env ? exchange_unique_id_file(rank, argv[4], &id) : exchange_unique_id(rank, argc, argv, &id))) return 64;
 
   CUDACHECK(cudaSetDevice(0));
   cudaStream_t copy, compute, comm_stream;  // and the legacy default stream (0)
