@@ -87,19 +87,30 @@ cudaError_t host_alloc(void** ptr, size_t size, unsigned int flags) {
     record_cuda_error(cudaErrorMemoryAllocation);
     return cudaErrorMemoryAllocation;
   }
-  void* p = mmap(nullptr, pages, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    close(fd);
-    record_cuda_error(cudaErrorMemoryAllocation);
-    return cudaErrorMemoryAllocation;
+  // The buffer must sit at the same address in both processes. The hint makes that the rule; if
+  // the address is taken in the proxy anyway, keep it reserved here and try another.
+  std::vector<void*> taken;
+  void* p = MAP_FAILED;
+  cudaError_t e = cudaErrorMemoryAllocation;
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    p = mmap(session().pinned_hint(pages), pages, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) break;
+    CallWriter w(static_cast<uint32_t>(Call::kHostAlloc), false);
+    w.value(proxy::HostAlloc{u64(p), pages, flags, 0});
+    Reply r = w.send("cudaHostAlloc", fd);
+    if (r.raw().status == cudaErrorMemoryAllocation && r.raw().error.find("File exists") != std::string::npos) {
+      taken.push_back(p);
+      p = MAP_FAILED;
+      continue;
+    }
+    e = r.status<cudaError_t>();
+    break;
   }
-  CallWriter w(static_cast<uint32_t>(Call::kHostAlloc), false);
-  w.value(proxy::HostAlloc{u64(p), pages, flags, 0});
-  Reply r = w.send("cudaHostAlloc", fd);
   close(fd);
-  cudaError_t e = r.status<cudaError_t>();
+  for (void* t : taken) munmap(t, pages);
   if (e != cudaSuccess) {
-    munmap(p, pages);
+    if (p != MAP_FAILED) munmap(p, pages);
+    record_cuda_error(e);
     return e;
   }
   session().add_memory(reinterpret_cast<uintptr_t>(p), pages, Memory::kPinned);

@@ -129,6 +129,13 @@ void ProxySession::take_async_report(const proxy::CallResult& r) {
              static_cast<unsigned long long>(r.async_seq), r.async_status);
 }
 
+void* ProxySession::pinned_hint(size_t size) {
+  std::lock_guard<std::mutex> lock(memory_mu_);
+  void* hint = reinterpret_cast<void*>(next_pinned_);
+  next_pinned_ += (size + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+  return hint;
+}
+
 void ProxySession::add_memory(uintptr_t base, size_t size, Memory kind) {
   std::lock_guard<std::mutex> lock(memory_mu_);
   memory_[base] = Range{size, kind};

@@ -32,6 +32,10 @@ class ProxySession {
   proxy::CallResult call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd = -1);
   pid_t proxy_pid();
 
+  // Where to ask the kernel to map the next pinned buffer of `size` bytes: a range that neither this
+  // process nor the proxy uses (both must map it at the same address).
+  void* pinned_hint(size_t size);
+
   void add_memory(uintptr_t base, size_t size, Memory kind);
   bool remove_memory(uintptr_t base, Memory kind, size_t* size = nullptr);
   // The kind of memory [p, p + count) is in (kPageable if it is not all in one known range).
@@ -49,6 +53,7 @@ class ProxySession {
   bool death_reported_ = false;
 
   mutable std::mutex memory_mu_;
+  uintptr_t next_pinned_ = 0x5000'0000'0000;  // below where PIE executables, heaps and libraries go
   struct Range {
     size_t size;
     Memory kind;
