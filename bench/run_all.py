@@ -90,6 +90,14 @@ BENCHES = [
            Ratio("  ceiling: timing one call (steady_clock::now twice)", lambda d: d["clock_overhead_ns"],
                  "{:.0f} ns", "(measurement floor)")),
           stdout_json=True, timeout=120.0),
+    Bench("proxy_mode", lambda out: [sys.executable, str(BENCH / "bench_proxy.py"), "--quick", "--out", str(out)],
+          (Ratio("proxy mode: stream-ordered call enqueue, median (cudaEventRecord, launch; nvcc program)",
+                 lambda d: d["enqueue_median_ns"], "{:.0f} ns", "< 1000 ns", lambda v: v < 1000),
+           Ratio("proxy mode: synchronous round trip, median (cudaGetDevice; nvcc program)",
+                 lambda d: d["round_trip_median_ns"], "{:.0f} ns", "< 10000 ns", lambda v: v < 10000),
+           Ratio("proxy mode: dp_cuda step time vs observe mode (2 ranks)", lambda d: d["step"]["overhead"],
+                 "{:+.2%}", "< 3 %", lambda v: v < 0.03)),
+          timeout=600.0),
 ]
 
 

@@ -22,7 +22,7 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free, "head and tail must be
 using Clock = std::chrono::steady_clock;
 // How long a waiter spins before it sleeps: a reply that comes within this never pays for a
 // futex wake-up (a few microseconds each way), and an idle waiter costs no CPU for long.
-constexpr auto kSpin = std::chrono::microseconds(50);
+constexpr auto kSpin = std::chrono::microseconds(5);
 // Longest single futex sleep: the waiter re-checks its deadline at least this often.
 constexpr auto kSleepSlice = std::chrono::milliseconds(50);
 

@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--status-out", type=Path, default=None, help="write _native.status() here at the end")
+    ap.add_argument("--step-times", type=Path, default=None, help="write each step's seconds here (JSON list)")
     ap.add_argument("--maps-out", type=Path, default=None,
                     help="at the end, write /proc/<pid>/maps of this process (app.maps) and of each child "
                          "(<pid>.maps: the device proxy in proxy mode) into this directory")
@@ -167,11 +168,16 @@ def run_harness(args: argparse.Namespace) -> int:
         raise SystemExit(EXIT_JIT_SAVED)
 
     _native.set_failure_callback(on_failure)
+    times = []
     for step in range(completed, args.steps):
+        t0 = time.perf_counter()
         _native.mark_minibatch(step)
         _native.set_phase("forward")
         model.step(step)
         completed = step + 1
+        times.append(time.perf_counter() - t0)
+    if args.step_times is not None:
+        args.step_times.write_text(json.dumps(times))
     Path(args.out.format(rank=args.rank)).write_bytes(model.get_state())
     if args.status_out is not None:
         args.status_out.write_text(json.dumps(_native.status()))
