@@ -10,12 +10,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "proxy_client.h"
+#include "proxy_functions.h"
 
 using jitckpt::proxy::Call;
 using jitckpt::proxy::CallResult;
@@ -186,4 +188,115 @@ TEST(ProxyProcess, AMissingBinaryIsNamed) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("/nonexistent/jitckpt-proxy"), std::string::npos) << e.what();
   }
+}
+
+namespace {
+
+// A generic call's request: RequestHead, then the arguments as the generated layer writes them.
+CallResult generic(ProxyClient& proxy, jitckpt::proxy::FunctionId id, const std::vector<uint8_t>& args,
+                   bool no_reply = false) {
+  std::vector<uint8_t> payload(sizeof(jitckpt::proxy::RequestHead));
+  const uint64_t seq = proxy.next_seq();
+  const jitckpt::proxy::RequestHead head{seq, no_reply ? jitckpt::proxy::kNoReply : 0u, 0};
+  std::memcpy(payload.data(), &head, sizeof head);
+  payload.insert(payload.end(), args.begin(), args.end());
+  const uint32_t tag = jitckpt::proxy::kGenericBase + static_cast<uint32_t>(id);
+  if (no_reply) {
+    CallResult r;
+    r.error = proxy.post(tag, payload.data(), payload.size());
+    return r;
+  }
+  return proxy.call_raw(tag, payload.data(), payload.size(), seq, std::chrono::seconds(10));
+}
+
+template <typename T>
+void put(std::vector<uint8_t>* v, T x) {
+  const auto* p = reinterpret_cast<const uint8_t*>(&x);
+  v->insert(v->end(), p, p + sizeof x);
+}
+
+}  // namespace
+
+TEST(ProxyProcess, HandlesAreVirtualAndAnUnknownOneIsRefusedByName) {
+  using jitckpt::proxy::FunctionId;
+  auto proxy = start_proxy();
+  std::vector<uint8_t> create;
+  put<uint8_t>(&create, 1);   // the result pointer is present
+  put<uint32_t>(&create, 1);  // cudaStreamNonBlocking
+  CallResult r = generic(*proxy, FunctionId::k_cudaStreamCreateWithFlags, create);
+  ASSERT_EQ(r.status, 0) << r.error;
+  const uint64_t stream = result_as<uint64_t>(r);
+  EXPECT_GE(stream, 0x7a0000000000ULL);  // a virtual handle, not the proxy's pointer
+  std::vector<uint8_t> sync;
+  put<uint64_t>(&sync, stream);
+  EXPECT_EQ(generic(*proxy, FunctionId::k_cudaStreamSynchronize, sync).status, 0);
+  std::vector<uint8_t> bogus;
+  put<uint64_t>(&bogus, 0xdeadbeef000ULL);
+  r = generic(*proxy, FunctionId::k_cudaStreamSynchronize, bogus);
+  EXPECT_EQ(r.status, 400);  // cudaErrorInvalidResourceHandle
+  EXPECT_NE(r.error.find("cudaStreamSynchronize: unknown handle 0xdeadbeef000 for 'stream'"), std::string::npos)
+      << r.error;
+  EXPECT_EQ(generic(*proxy, FunctionId::k_cudaStreamDestroy, sync).status, 0);
+  r = generic(*proxy, FunctionId::k_cudaStreamSynchronize, sync);  // destroyed: forgotten
+  EXPECT_NE(r.error.find("unknown handle"), std::string::npos) << r.error;
+  // A failed stream-ordered call (no reply) is reported with the next reply.
+  EXPECT_TRUE(generic(*proxy, FunctionId::k_cudaStreamWaitEvent, [] {
+                std::vector<uint8_t> a;
+                put<uint64_t>(&a, 0);
+                put<uint64_t>(&a, 0xbad0000ULL);
+                put<uint32_t>(&a, 0);
+                return a;
+              }(), true).error.empty());
+  r = proxy->call(Call::kGetDeviceCount, nullptr, 0);
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r.async_status, 400);
+  EXPECT_STREQ(jitckpt::proxy::call_name(r.async_call), "cudaStreamWaitEvent");
+}
+
+TEST(ProxyProcess, UnknownKernelsAndLaunchesGetClearErrors) {
+  auto proxy = start_proxy();
+  const std::string name = "_Z10no_such_kernelPi";
+  CallResult r = proxy->call(Call::kRegisterKernel, name.data(), name.size());
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.error.find("kernel _Z10no_such_kernelPi: the device runtime has no code for it"), std::string::npos)
+      << r.error;
+  jitckpt::proxy::LaunchKernel launch{};
+  launch.kernel_id = 7;
+  launch.grid[0] = launch.grid[1] = launch.grid[2] = 1;
+  launch.block[0] = launch.block[1] = launch.block[2] = 1;
+  r = proxy->call(Call::kLaunchKernel, &launch, sizeof launch);
+  EXPECT_NE(r.error.find("unknown kernel id 7"), std::string::npos) << r.error;
+}
+
+// Random tags, flags and argument bytes (generic CUDA runtime calls and the hand-written ones):
+// every request gets an answer or is dropped, and the proxy serves on. NCCL calls are left out
+// (a random communicator init waits for peers that never come), and so is cudaHostAlloc (it
+// waits for a memfd on the socket).
+TEST(ProxyProcess, RandomRequestsNeverCrashTheProxy) {
+  auto proxy = start_proxy();
+  std::mt19937_64 rng(20261124);
+  std::vector<uint32_t> tags;
+  for (uint32_t id = 0; id < jitckpt::proxy::kFunctionCount; ++id)
+    if (std::strncmp(jitckpt::proxy::function_name(id), "cuda", 4) == 0) tags.push_back(jitckpt::proxy::kGenericBase + id);
+  for (uint32_t c = 1; c <= 17; ++c)
+    if (c != static_cast<uint32_t>(Call::kHostAlloc)) tags.push_back(c);
+  for (int i = 0; i < 10000; ++i) {
+    const uint32_t tag = tags[rng() % tags.size()];
+    std::vector<uint8_t> payload(sizeof(jitckpt::proxy::RequestHead) + rng() % 80);
+    for (auto& b : payload) b = static_cast<uint8_t>(rng());
+    const uint64_t seq = proxy->next_seq();
+    const bool no_reply = rng() % 4 == 0;
+    const jitckpt::proxy::RequestHead head{seq, no_reply ? jitckpt::proxy::kNoReply : 0u, 0};
+    std::memcpy(payload.data(), &head, sizeof head);
+    if (no_reply) {
+      ASSERT_EQ(proxy->post(tag, payload.data(), payload.size()), "") << "request " << i;
+    } else {
+      CallResult r = proxy->call_raw(tag, payload.data(), payload.size(), seq, std::chrono::seconds(10));
+      ASSERT_NE(r.status, 999) << "request " << i << " (" << jitckpt::proxy::call_name(tag) << "): " << r.error;
+    }
+  }
+  CallResult n = proxy->call(Call::kGetDeviceCount, nullptr, 0);
+  EXPECT_EQ(n.status, 0) << n.error;
+  EXPECT_EQ(result_as<int32_t>(n), 2);
+  EXPECT_FALSE(gone_or_zombie(proxy->pid()));
 }
