@@ -2,11 +2,13 @@
 
 The denominator is every CUDA-family symbol PyTorch 2.14's CUDA 13.0 wheel imports
 (``torch_cu130_imports.txt``, from ``nm -D --undefined-only`` on its libraries). Each symbol gets
-one class: ``async``, ``generic`` (forwarded synchronously by the generated layer), ``special``
-(hand-written), ``client`` (answered in the client), ``refused`` (with a reason), ``unhandled``
-(declared, but its parameters need a hand-written handler nobody listed: refused too),
-``undeclared`` (not in the runtime/NCCL headers: refused), ``other library`` (cuBLAS, cuDNN, ...:
-not forwarded). ``working`` counts those that run through a proxy today.
+the class the generated forwarding layer gives it (:func:`jitckpt.proxy_api.forwarding.disposition`):
+``async`` (enqueued without a reply), ``generic`` (forwarded synchronously by generated code),
+``special`` (hand-written), ``client`` (answered in the client), ``refused`` (fails with an error
+naming the symbol and the reason), ``undeclared`` (not in the runtime/NCCL headers, so libjit.so
+does not define it: in proxy mode such a call would reach the real library in the application
+process, which is a gap, not a refusal), ``other library`` (cuBLAS, cuDNN, ...: not forwarded).
+``forwarded`` counts the symbols proxy mode runs in the proxy: async, generic, special, client.
 """
 from __future__ import annotations
 
@@ -15,13 +17,22 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from jitckpt.proxy_api import dispositions, inventory
+from jitckpt.proxy_api import forwarding, inventory
 
 IMPORTS = Path(__file__).resolve().parent / "torch_cu130_imports.txt"
-CLASSES = ("async", "generic", "special", "client", "refused", "unhandled", "undeclared", "other library")
-# What works through a proxy today. libjit.so has no proxy mode yet: jitckpt-proxy serves 8 calls
-# (proxy_server/src/call_protocol.h) to its C++ client, but no application call reaches it.
-WORKING: frozenset[str] = frozenset()
+CLASSES = ("async", "generic", "special", "client", "refused", "undeclared", "other library")
+FORWARDED = frozenset({"async", "generic", "special", "client"})
+# nvcc's registration and launch ABI, kept in the client by interposer/src/kernel_registration.cc.
+REGISTRATION_ABI = {
+    **{n: "nvcc's registration ABI, kept in the client; kernels are registered with the proxy by name"
+       for n in ("__cudaRegisterFatBinary", "__cudaRegisterFatBinaryEnd", "__cudaUnregisterFatBinary",
+                 "__cudaInitModule", "__cudaRegisterFunction", "__cudaPushCallConfiguration",
+                 "__cudaPopCallConfiguration", "__cudaGetKernel", "__cudaLaunchKernel", "__cudaLaunchKernel_ptsz")},
+}
+PROFILER = {n: "profiler marker (cuda_profiler_api.h): a no-op in proxy mode" for n in ("cudaProfilerStart",
+                                                                                     "cudaProfilerStop")}
+REFUSED_ABI = {n: "__device__/__managed__ variables are not forwarded yet" for n in ("__cudaRegisterVar",
+                                                                                   "__cudaRegisterManagedVar")}
 _PREFIXES = (("__cuda", "cudart"), ("cuda", "cudart"), ("nccl", "NCCL"), ("cublasLt", "cuBLASLt"),
              ("cublas", "cuBLAS"), ("cudnn", "cuDNN"), ("cusparseLt", "cuSPARSELt"), ("cusparse", "cuSPARSE"),
              ("cusolver", "cuSOLVER"), ("cufft", "cuFFT"), ("cuFile", "cuFile"), ("nvrtc", "NVRTC"),
@@ -48,16 +59,18 @@ def classify(symbol: str, declared: dict[str, inventory.Function]) -> SymbolClas
     lib = library_of(symbol)
     if lib not in ("cudart", "NCCL"):
         return SymbolClass(symbol, lib, "other library", f"{lib} is not forwarded by proxy mode")
-    listed = dispositions.table_of(symbol)
-    if listed is not None:
-        return SymbolClass(symbol, lib, *listed)
-    fn = declared.get(symbol)
+    if symbol in REGISTRATION_ABI:
+        return SymbolClass(symbol, lib, "special", REGISTRATION_ABI[symbol])
+    if symbol in PROFILER:
+        return SymbolClass(symbol, lib, "client", PROFILER[symbol])
+    if symbol in REFUSED_ABI:
+        return SymbolClass(symbol, lib, "refused", REFUSED_ABI[symbol])
+    base = symbol[:-5] if symbol.endswith(("_ptsz", "_ptds")) else symbol
+    fn = declared.get(symbol) or declared.get(base)
     if fn is None:
-        return SymbolClass(symbol, lib, "undeclared", "not declared in cuda_runtime_api.h or nccl.h")
-    if fn.generic and fn.returns in ("cudaError_t", "ncclResult_t"):
-        return SymbolClass(symbol, lib, "generic", "values, handles and plain results")
-    kinds = sorted({p.kind for p in fn.params if p.kind not in inventory.GENERIC_KINDS})
-    return SymbolClass(symbol, lib, "unhandled", f"needs a hand-written handler ({', '.join(kinds) or fn.returns})")
+        return SymbolClass(symbol, lib, "undeclared", "not declared in cuda_runtime_api.h or nccl.h: proxy mode does "
+                                                      "not define it")
+    return SymbolClass(symbol, lib, *forwarding.disposition(fn))
 
 
 def imported_symbols() -> list[str]:
@@ -71,13 +84,13 @@ def coverage() -> list[SymbolClass]:
 
 
 def summary(rows: list[SymbolClass]) -> dict[str, dict[str, int]]:
-    """Library -> {class: count, "imported": n, "working": n}."""
+    """Library -> {class: count, "imported": n, "forwarded": n}."""
     out: dict[str, Counter] = {}
     for r in rows:
         c = out.setdefault(r.library, Counter())
         c["imported"] += 1
         c[r.cls] += 1
-        c["working"] += r.symbol in WORKING
+        c["forwarded"] += r.cls in FORWARDED
     return {lib: dict(c) for lib, c in sorted(out.items(), key=lambda kv: -kv[1]["imported"])}
 
 
@@ -92,16 +105,18 @@ def render(rows: list[SymbolClass], *, as_json: bool = False, verbose: bool = Fa
     from rich.table import Table
 
     t = Table(title="proxy mode: the CUDA symbols PyTorch 2.14 (CUDA 13.0) imports")
-    for col in ("library", "imported", *CLASSES, "working today"):
+    for col in ("library", "imported", *CLASSES, "forwarded"):
         t.add_column(col, justify="left" if col == "library" else "right")
     for lib, c in s.items():
-        t.add_row(lib, str(c["imported"]), *(str(c.get(k, 0)) for k in CLASSES), str(c["working"]))
+        t.add_row(lib, str(c["imported"]), *(str(c.get(k, 0)) for k in CLASSES), str(c.get("forwarded", 0)))
     buf = StringIO()
     console = Console(file=buf, width=170, force_terminal=False)
     console.print(t)
-    console.print("working today: libjit.so has no proxy mode yet (issue 15); the jitckpt-proxy process serves "
-                  "8 calls to its C++ client only.\nrefused/unhandled/undeclared/other library: such a call "
-                  "fails in proxy mode with an error naming the symbol. Details: --verbose.")
+    console.print("forwarded: run in the proxy under LD_PRELOAD=libjit.so JITCKPT_MODE=proxy (verified on simcuda with "
+                  "nvcc-built CUDA+NCCL programs; the generated layer forwards the rest without a test each).\n"
+                  "refused: fails with an error naming the symbol. undeclared: libjit.so does not define it, so in "
+                  "proxy mode it would run in the application process (a gap). other library: not forwarded. "
+                  "Details: --verbose.")
     if verbose:
         for r in rows:
             console.print(f"{r.library:10s} {r.cls:14s} {r.symbol:55s} {r.reason}")
