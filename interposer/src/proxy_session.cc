@@ -93,8 +93,13 @@ pid_t ProxySession::proxy_pid() {
 }
 
 proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd) {
-  std::lock_guard<std::mutex> lock(mu_);
   proxy::CallResult r;
+  if (!Registry::instance().tracking()) {  // a forked child: the ring is its parent's
+    r.status = 999;
+    r.error = "a process forked from a proxy-mode process cannot make CUDA calls (the proxy is its parent's)";
+    return r;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
   std::string why;
   if (!start_locked(&why)) {
     r.status = 999;

@@ -1,6 +1,6 @@
-// The client's end of a device proxy: starts `jitckpt-proxy`, hands it the rings, and makes
-// synchronous calls (issue 15). libjit.so's proxy mode is built on it; the forwarding layer that
-// turns every cudart/NCCL entry point into calls comes next.
+// The client's end of a device proxy: starts `jitckpt-proxy`, hands it the rings, makes
+// synchronous calls and posts no-reply ones (issue 15). libjit.so's proxy mode is built on it
+// (interposer/src/proxy_session.cc).
 //
 // Lifetime: the proxy exits when this process dies (it watches the handshake socket). A proxy that
 // dies is noticed within one wait slice of a call, which then fails with a message naming its

@@ -21,6 +21,7 @@ for san in ${SANITIZERS:-address thread}; do
              export TSAN_OPTIONS="log_path=$PWD/$build/reports/tsan" ;;
     *) echo "unknown sanitizer $san (address or thread)" >&2; exit 2 ;;
   esac
+  mkdir -p "$(dirname "$build")"  # a clean clone has no build/ yet
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Debug -DJITCKPT_SANITIZE="$san" \
       -DPython_EXECUTABLE="$(realpath "$PY")" -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" \
       > "$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
