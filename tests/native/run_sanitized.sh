@@ -31,8 +31,9 @@ for san in ${SANITIZERS:-address thread}; do
   ctest --test-dir "$build" --output-on-failure -j"$JOBS" || status=$?
   JITCKPT_BUILD_DIR="$PWD/$build" JITCKPT_SANITIZER_RUNTIME="$runtime" \
     "$PY" -m pytest -q -p no:cacheprovider tests/native/test_simcuda_runtime.py \
-      tests/native/test_simcuda_nccl.py tests/native/test_swift_nccl_logging.py \
-      --deselect tests/native/test_swift_nccl_logging.py::test_python_api || status=$?
+      tests/native/test_simcuda_nccl.py tests/native/test_swift_nccl_logging.py tests/native/test_proxy_programs.py \
+      --deselect tests/native/test_swift_nccl_logging.py::test_python_api \
+      --deselect tests/native/test_proxy_programs.py::test_jitckpt_run_transparent_no_python || status=$?
   # A report is an error (ASan/LSan/UBSan "ERROR:" or "runtime error:", TSan "WARNING:
   # ThreadSanitizer:"); LeakSanitizer's own notes (e.g. "Unable to get registers from thread" when
   # it scans a process whose threads are exiting) are shown, not counted.
