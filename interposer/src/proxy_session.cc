@@ -18,6 +18,10 @@ extern char** environ;
 namespace jitckpt {
 namespace {
 
+// A call waits as long as the direct call would: for as long as the proxy lives (its death is
+// noticed within one 20 ms slice). A synchronize behind a long step is not a failure.
+constexpr auto kWhileTheProxyLives = std::chrono::hours(24 * 365);
+
 bool mode_is_proxy() {
   const char* m = std::getenv("JITCKPT_MODE");
   return m != nullptr && std::strcmp(m, "proxy") == 0;
@@ -113,10 +117,10 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     r.status = 999;
     r.error = "cannot hand shared memory to the proxy: " + client_->death();
   } else if (no_reply) {
-    r.error = client_->post(tag, payload.data(), payload.size());
+    r.error = client_->post(tag, payload.data(), payload.size(), kWhileTheProxyLives);
     if (!r.error.empty()) r.status = 999;
   } else {
-    r = client_->call_raw(tag, payload.data(), payload.size(), seq);
+    r = client_->call_raw(tag, payload.data(), payload.size(), seq, kWhileTheProxyLives);
     take_async_report(r);
   }
   if (r.status == 999 && !death_reported_ && !client_->death().empty()) {
