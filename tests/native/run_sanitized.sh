@@ -8,6 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${VPY:-.venv/bin/python}
+# The venv's interpreter by its own path (not resolved through the symlink: the system python
+# behind it lacks the venv's nvidia-nccl-cu13, where nccl.h comes from).
+PY_ABS="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"
 JOBS=${JOBS:-2}
 CXX_BIN=${CXX:-c++}
 for san in ${SANITIZERS:-address thread}; do
@@ -23,8 +26,12 @@ for san in ${SANITIZERS:-address thread}; do
   esac
   mkdir -p "$(dirname "$build")"  # a clean clone has no build/ yet
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Debug -DJITCKPT_SANITIZE="$san" \
-      -DPython_EXECUTABLE="$(realpath "$PY")" -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" \
+      -DPython_EXECUTABLE="$PY_ABS" -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" \
       > "$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
+  # Without the CUDA headers or nccl.h CMake builds no native part, and nothing would be tested.
+  if grep -q "building without native components" "$build.configure.log"; then
+    cat "$build.configure.log"; echo "$san: no native build (CUDA headers or nccl.h not found)" >&2; exit 1
+  fi
   cmake --build "$build" -j"$JOBS"
   rm -rf "$build/reports"; mkdir -p "$build/reports"
   status=0
