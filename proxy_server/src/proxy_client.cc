@@ -29,6 +29,24 @@ std::runtime_error start_error(const std::string& what) {
   return std::runtime_error("cannot start the jitckpt device proxy: " + what);
 }
 
+// One message on the Unix socket with file descriptors attached (SCM_RIGHTS).
+bool send_with_fds(int sock, const void* data, size_t len, const int* fds, size_t nfds) {
+  iovec iov{const_cast<void*>(data), len};
+  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
+  if (nfds == 0 || nfds > 2) return false;
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = CMSG_SPACE(nfds * sizeof(int));
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
+  std::memcpy(CMSG_DATA(c), fds, nfds * sizeof(int));
+  return sendmsg(sock, &msg, MSG_NOSIGNAL) == static_cast<ssize_t>(len);
+}
+
 bool socket_closed(int sock) {
   pollfd p{sock, POLLIN, 0};
   return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR)) != 0;
@@ -64,21 +82,9 @@ std::unique_ptr<ProxyClient> ProxyClient::start(const std::string& binary, std::
     throw start_error(binary + ": " + std::strerror(rc));
   }
   std::unique_ptr<ProxyClient> client(new ProxyClient(pid, sv[0], std::move(requests), std::move(replies)));
-  Hello hello{kHelloMagic, kProtocolVersion};
-  iovec iov{&hello, sizeof hello};
-  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(2 * sizeof(int));
+  const Hello hello{kHelloMagic, kProtocolVersion};
   const int fds[2] = {client->requests_.fd(), client->replies_.fd()};
-  std::memcpy(CMSG_DATA(c), fds, sizeof fds);
-  if (sendmsg(client->sock_, &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof hello))
+  if (!send_with_fds(client->sock_, &hello, sizeof hello, fds, 2))
     throw start_error("handshake: " + client->proxy_death());
   pollfd p{client->sock_, POLLIN, 0};
   if (poll(&p, 1, static_cast<int>(timeout.count())) <= 0)
@@ -148,20 +154,8 @@ std::string ProxyClient::post(uint32_t tag, const void* payload, size_t len, std
 }
 
 bool ProxyClient::send_fd(int fd) {
-  char byte = 'F';
-  iovec iov{&byte, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
-  return sendmsg(sock_, &msg, MSG_NOSIGNAL) == 1;
+  const char byte = 'F';
+  return send_with_fds(sock_, &byte, 1, &fd, 1);
 }
 
 CallResult ProxyClient::call_raw(uint32_t tag, const void* payload, size_t len, uint64_t seq,
