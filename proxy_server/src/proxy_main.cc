@@ -81,6 +81,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s (started by libjit.so in proxy mode, with its socket as fd 3)\n", argv[0]);
     return 2;
   }
+#if !defined(__SANITIZE_THREAD__)  // ThreadSanitizer keeps that range for its shadow memory
+  // Device memory at a fixed address, so that a restarted proxy hands out the same pointers
+  // (simcuda reads this; on a GPU the proxy would reserve the range with cuMemAddressReserve,
+  // which is not built). An explicit setting wins.
+  setenv("SIMCUDA_ARENA_BASE", "0x300000000000", 0);
+#endif
   int req_fd = -1, rep_fd = -1;
   if (!receive_rings(kSocketFd, &req_fd, &rep_fd)) return 2;
   std::vector<uint8_t> reply;

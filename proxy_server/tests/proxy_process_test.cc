@@ -300,3 +300,20 @@ TEST(ProxyProcess, RandomRequestsNeverCrashTheProxy) {
   EXPECT_EQ(result_as<int32_t>(n), 2);
   EXPECT_FALSE(gone_or_zombie(proxy->pid()));
 }
+
+TEST(ProxyProcess, DeviceMemoryIsAtTheFixedArenaByDefault) {
+  if (!kFixedArena) GTEST_SKIP() << "ThreadSanitizer keeps the arena's range for its shadow memory";
+  setenv("LD_LIBRARY_PATH", SIMCUDA_LIB_DIR, 1);
+  unsetenv("SIMCUDA_ARENA_BASE");
+  uint64_t first[2] = {0, 0};
+  for (uint64_t& ptr : first) {  // two proxies, one after the other: the same pointer
+    auto proxy = ProxyClient::start(JITCKPT_PROXY_BINARY);
+    const uint64_t size = 1 << 20;
+    CallResult r = proxy->call(Call::kMalloc, &size, sizeof size);
+    ASSERT_EQ(r.status, 0) << r.error;
+    ptr = result_as<uint64_t>(r);
+    EXPECT_GE(ptr, kArenaBase);
+    EXPECT_LT(ptr, kArenaBase + (uint64_t{64} << 30));
+  }
+  EXPECT_EQ(first[0], first[1]);
+}
