@@ -18,7 +18,7 @@ def test_committed_inventory_matches_the_headers():
     dirs = inventory.header_dirs()
     if dirs is None:
         pytest.skip("needs the CUDA toolkit headers and the nvidia-nccl-cu13 wheel")
-    fresh = inventory.to_json(inventory.from_headers(*dirs))
+    fresh = inventory.to_json(inventory.from_headers(*dirs), inventory.enums_from_headers(*dirs))
     assert fresh == inventory.INVENTORY.read_text(), (
         "cuda_api_inventory.json is stale: python -m jitckpt.proxy_api.inventory --write")
 

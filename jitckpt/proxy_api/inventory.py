@@ -115,6 +115,19 @@ def parse(preprocessed: str) -> list[Function]:
     return sorted(found.values(), key=lambda f: f.name)
 
 
+_ENUM = re.compile(r"(typedef\s+)?enum\s+(\w*)\s*(?::\s*\w+\s*)?\{([^{}]*)\}\s*(\w*)\s*;")
+
+
+def parse_enums(preprocessed: str) -> dict[str, list[str]]:
+    """Enumerator names of every enum type (``enum cudaDeviceAttr``, ``typedef enum {...} ncclDataType_t``)."""
+    found: dict[str, list[str]] = {}
+    for m in _ENUM.finditer(preprocessed):
+        names = [re.split(r"\s*=", e.strip())[0] for e in m.group(3).split(",") if e.strip()]
+        for type_name in {m.group(2), m.group(4) if m.group(1) else ""} - {""}:
+            found[type_name] = names
+    return dict(sorted(found.items()))
+
+
 def _preprocess(header: str, includes: list[str]) -> str:
     cmd = [os.environ.get("CXX", "c++"), "-E", "-P", "-x", "c++", *[f"-I{d}" for d in includes], "-"]
     return subprocess.run(cmd, input=f"#include <{header}>\n", capture_output=True, text=True, check=True,
@@ -142,8 +155,16 @@ def from_headers(cuda_include: str, nccl_include: str) -> dict[str, list[Functio
                      if f.name.startswith("nccl")]}
 
 
-def to_json(inv: dict[str, list[Function]]) -> str:
-    return json.dumps({lib: [asdict(f) for f in funcs] for lib, funcs in inv.items()}, indent=1) + "\n"
+def enums_from_headers(cuda_include: str, nccl_include: str) -> dict[str, list[str]]:
+    """The enum types of both headers, read now: what the proxy checks enum arguments against."""
+    return {**parse_enums(_preprocess("cuda_runtime_api.h", [cuda_include])),
+            **parse_enums(_preprocess("nccl.h", [cuda_include, nccl_include]))}
+
+
+def to_json(inv: dict[str, list[Function]], enums: dict[str, list[str]]) -> str:
+    out: dict = {lib: [asdict(f) for f in funcs] for lib, funcs in inv.items()}
+    out["enums"] = dict(sorted(enums.items()))
+    return json.dumps(out, indent=1) + "\n"
 
 
 def load() -> dict[str, list[Function]]:
@@ -151,7 +172,12 @@ def load() -> dict[str, list[Function]]:
     raw = json.loads(INVENTORY.read_text())
     return {lib: [Function(name=f["name"], returns=f["returns"],
                            params=tuple(Param(**p) for p in f["params"])) for f in funcs]
-            for lib, funcs in raw.items()}
+            for lib, funcs in raw.items() if lib != "enums"}
+
+
+def load_enums() -> dict[str, list[str]]:
+    """The committed enum types: name -> enumerator names."""
+    return json.loads(INVENTORY.read_text()).get("enums", {})
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -164,7 +190,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("error: needs the CUDA toolkit's headers (CUDA_HOME) and the nvidia-nccl-cu13 wheel",
               file=sys.stderr)
         return 2
-    text = to_json(from_headers(*dirs))
+    text = to_json(from_headers(*dirs), enums_from_headers(*dirs))
     if args.write:
         INVENTORY.write_text(text)
     else:

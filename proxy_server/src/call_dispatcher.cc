@@ -16,6 +16,7 @@
 // under a stand-in host stub of its own.
 extern "C" void** __cudaRegisterFatBinary(void* fatCubin);
 extern "C" void __cudaRegisterFatBinaryEnd(void** handle);
+extern "C" void __cudaUnregisterFatBinary(void** handle);
 extern "C" void __cudaRegisterFunction(void** handle, const char* hostFun, char* deviceFun, const char* deviceName,
                                        int threadLimit, uint3* tid, uint3* bid, dim3* bDim, dim3* gDim, int* wSize);
 
@@ -61,7 +62,9 @@ struct FatbinWrapper {
 
 }  // namespace
 
-CallDispatcher::~CallDispatcher() = default;
+CallDispatcher::~CallDispatcher() {
+  if (fatbin_handle_ != nullptr) __cudaUnregisterFatBinary(fatbin_handle_);
+}
 
 bool CallDispatcher::handle(uint32_t call, const uint8_t* data, size_t len, std::vector<uint8_t>* reply) {
   RequestHead req{};
@@ -186,6 +189,8 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
       if (!take(name, args, nargs, &a, out)) return;
       if (memory_.kind_of(a.dst, a.count) == Kind::kNone) return outside(a.dst, a.count);
       if (memory_.kind_of(a.src, a.count) == Kind::kNone) return outside(a.src, a.count);
+      if (a.kind < cudaMemcpyHostToHost || a.kind > cudaMemcpyDefault)
+        return fail(out, cudaErrorInvalidMemcpyDirection, std::string(name) + ": invalid kind " + std::to_string(a.kind));
       auto* dst = reinterpret_cast<void*>(a.dst);
       auto* src = reinterpret_cast<const void*>(a.src);
       const auto kind = static_cast<cudaMemcpyKind>(a.kind);

@@ -72,6 +72,8 @@ class ArgReader {
     *present = p != 0;
     return true;
   }
+  // An enum argument that is none of its type's enumerators.
+  void invalid(const char* param, long long v) { fail(std::string("invalid value ") + std::to_string(v) + " for '" + param + "'"); }
   bool finished() { return p_ == end_ || fail("unexpected trailing argument bytes"); }
   void fail_if_ok(const char* why) {
     if (reply_->error.empty()) fail(why);
