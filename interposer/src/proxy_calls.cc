@@ -33,10 +33,11 @@ Fn real(const char* name, const char* soname) {
   return reinterpret_cast<Fn>(resolve_real_symbol(name, soname));
 }
 
-cudaError_t launch(const void* func, dim3 grid, dim3 block, void** args, size_t shmem, cudaStream_t stream) {
+// The kernel `func` names (host stub or cudaKernel_t), registered with the proxy on first use.
+cudaError_t registered(const void* func, ClientKernel** out) {
   ClientKernel* k = session().kernels().find(func);
   if (k == nullptr) {
-    log_always("proxy mode: cudaLaunchKernel(%p): not a kernel registered by this process", func);
+    log_always("proxy mode: %p is not a kernel registered by this process", func);
     record_cuda_error(cudaErrorInvalidDeviceFunction);
     return cudaErrorInvalidDeviceFunction;
   }
@@ -59,6 +60,26 @@ cudaError_t launch(const void* func, dim3 grid, dim3 block, void** args, size_t 
       k->proxy_id = info.kernel_id;
     }
   }
+  *out = k;
+  return cudaSuccess;
+}
+
+// One kernel-attribute request (see proxy::KernelAttribute); `result`, if given, receives the reply.
+template <typename T>
+cudaError_t kernel_attribute(const void* func, proxy::KernelAttribute a, T* result) {
+  ClientKernel* k = nullptr;
+  if (cudaError_t e = registered(func, &k); e != cudaSuccess) return e;
+  a.kernel_id = static_cast<uint32_t>(k->proxy_id);
+  CallWriter w(static_cast<uint32_t>(Call::kKernelAttribute), false);
+  w.value(a);
+  Reply r = w.send("kernel attribute");
+  r.result(result);
+  return r.status<cudaError_t>();
+}
+
+cudaError_t launch(const void* func, dim3 grid, dim3 block, void** args, size_t shmem, cudaStream_t stream) {
+  ClientKernel* k = nullptr;
+  if (cudaError_t e = registered(func, &k); e != cudaSuccess) return e;
   proxy::LaunchKernel head{};
   head.kernel_id = static_cast<uint32_t>(k->proxy_id);
   head.grid[0] = grid.x, head.grid[1] = grid.y, head.grid[2] = grid.z;
@@ -279,6 +300,34 @@ cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t* config, const void* fu
   if (config->numAttrs != 0)
     return refuse<cudaError_t>("cudaLaunchKernelExC", "launch attributes are not forwarded yet");
   return launch(func, config->gridDim, config->blockDim, args, config->dynamicSmemBytes, config->stream);
+}
+
+cudaError_t cudaFuncGetAttributes(struct cudaFuncAttributes* attr, const void* func) {
+  if (attr == nullptr) return cudaErrorInvalidValue;
+  return kernel_attribute(func, proxy::KernelAttribute{0, proxy::KernelAttribute::kGet, 0, 0, 0, 0, 0}, attr);
+}
+
+cudaError_t cudaFuncSetAttribute(const void* func, enum cudaFuncAttribute attr, int value) {
+  return kernel_attribute<int>(func, {0, proxy::KernelAttribute::kSet, attr, value, 0, 0, 0}, nullptr);
+}
+
+cudaError_t cudaKernelSetAttributeForDevice(cudaKernel_t kernel, enum cudaFuncAttribute attr, int value, int device) {
+  return kernel_attribute<int>(kernel, {0, proxy::KernelAttribute::kSetForDevice, attr, value, device, 0, 0}, nullptr);
+}
+
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* numBlocks, const void* func, int blockSize,
+                                                                   size_t dynamicSMemSize, unsigned int flags) {
+  if (numBlocks == nullptr) return cudaErrorInvalidValue;
+  int32_t n = 0;
+  cudaError_t e = kernel_attribute(func, {0, proxy::KernelAttribute::kOccupancy, blockSize, static_cast<int32_t>(flags),
+                                          0, 0, dynamicSMemSize}, &n);
+  *numBlocks = n;
+  return e;
+}
+
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* numBlocks, const void* func, int blockSize,
+                                                          size_t dynamicSMemSize) {
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(numBlocks, func, blockSize, dynamicSMemSize, 0);
 }
 
 cudaError_t cudaGetLastError(void) {

@@ -38,6 +38,9 @@ SPECIAL: dict[str, str] = {
                         "source travels in the ring; a pageable destination waits, as on a GPU"),
     **{n: "stream-ordered launch by kernel name, no reply; parameter layout asked once per kernel "
           "(cudaFuncGetParamInfo in the proxy)" for n in ("cudaLaunchKernel", "cudaLaunchKernelExC")},
+    **{n: "kernel attributes: the kernel named by its registration with the proxy" for n in (
+        "cudaFuncGetAttributes", "cudaFuncSetAttribute", "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
+        "cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", "cudaKernelSetAttributeForDevice")},
 }
 
 # Answered in the client without a round trip.
@@ -75,9 +78,6 @@ REFUSED: dict[str, str] = {
     **{n: _NOT_YET + "__device__ variables and CUDA libraries (modules)" for n in (
         "cudaMemcpyToSymbol", "cudaGetSymbolAddress", "cudaLibraryLoadData", "cudaLibraryGetKernel",
         "cudaLibraryUnload")},
-    **{n: _NOT_YET + "kernel attributes" for n in (
-        "cudaFuncGetAttributes", "cudaFuncSetAttribute", "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
-        "cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", "cudaKernelSetAttributeForDevice")},
     **{n: _NOT_YET + "host callbacks (to run in the client when the proxy's stream reaches them)"
        for n in ("cudaLaunchHostFunc", "cudaStreamAddCallback")},
     "cudaGetDriverEntryPointByVersion": _NOT_YET + "driver entry points (torch's VMM calls)",

@@ -17,6 +17,7 @@
 extern "C" void** __cudaRegisterFatBinary(void* fatCubin);
 extern "C" void __cudaRegisterFatBinaryEnd(void** handle);
 extern "C" void __cudaUnregisterFatBinary(void** handle);
+extern "C" cudaError_t __cudaGetKernel(cudaKernel_t* kernel, const void* hostFun);
 extern "C" void __cudaRegisterFunction(void** handle, const char* hostFun, char* deviceFun, const char* deviceName,
                                        int threadLimit, uint3* tid, uint3* bid, dim3* bDim, dim3* gDim, int* wSize);
 
@@ -246,6 +247,8 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
       return register_kernel(args, nargs, out);
     case Call::kLaunchKernel:
       return launch_kernel(args, nargs, out);
+    case Call::kKernelAttribute:
+      return kernel_attribute(args, nargs, out);
   }
   fail(out, cudaErrorNotSupported, std::string(name) + ": not served by this proxy");
 }
@@ -321,6 +324,42 @@ void CallDispatcher::launch_kernel(const uint8_t* args, size_t nargs, Outcome* o
                                  dim3(a.block[0], a.block[1], a.block[2]), slot, a.shared_mem, stream);
   if (out->status != cudaSuccess)
     out->error = "cudaLaunchKernel(" + k.name + "): " + cudaGetErrorName(static_cast<cudaError_t>(out->status));
+}
+
+void CallDispatcher::kernel_attribute(const uint8_t* args, size_t nargs, Outcome* out) {
+  KernelAttribute a;
+  if (!take("kernel attribute", args, nargs, &a, out)) return;
+  if (a.kernel_id >= kernels_.size())
+    return fail(out, cudaErrorInvalidDeviceFunction, "kernel attribute: unknown kernel id " + std::to_string(a.kernel_id));
+  const void* fn = kernels_[a.kernel_id].stand_in.get();
+  // cudaFuncAttribute's enumerators, checked before the runtime sees the value (see generic_call.h).
+  const bool set = a.op == KernelAttribute::kSet || a.op == KernelAttribute::kSetForDevice;
+  if (set && (a.attribute < 0 || a.attribute >= cudaFuncAttributeMax))
+    return fail(out, cudaErrorInvalidValue, "kernel attribute: invalid cudaFuncAttribute " + std::to_string(a.attribute));
+  switch (a.op) {
+    case KernelAttribute::kGet: {
+      cudaFuncAttributes attr{};
+      out->status = cudaFuncGetAttributes(&attr, fn);
+      return out->result(attr);
+    }
+    case KernelAttribute::kSet:
+      out->status = cudaFuncSetAttribute(fn, static_cast<cudaFuncAttribute>(a.attribute), a.value);
+      return;
+    case KernelAttribute::kSetForDevice: {
+      cudaKernel_t k = nullptr;
+      out->status = __cudaGetKernel(&k, fn);
+      if (out->status == cudaSuccess)
+        out->status = cudaKernelSetAttributeForDevice(k, static_cast<cudaFuncAttribute>(a.attribute), a.value, a.device);
+      return;
+    }
+    case KernelAttribute::kOccupancy: {
+      int n = 0;
+      out->status = cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(&n, fn, a.attribute, a.shared_mem,
+                                                                           static_cast<unsigned>(a.value));
+      return out->result(int32_t{n});
+    }
+  }
+  fail(out, cudaErrorInvalidValue, "kernel attribute: unknown operation " + std::to_string(a.op));
 }
 
 void CallDispatcher::host_alloc(const uint8_t* args, size_t nargs, Outcome* out) {

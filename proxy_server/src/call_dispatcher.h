@@ -42,6 +42,7 @@ class CallDispatcher {
   void run_special(Call call, const char* name, const uint8_t* args, size_t nargs, Outcome* out);
   void register_kernel(const uint8_t* args, size_t nargs, Outcome* out);
   void launch_kernel(const uint8_t* args, size_t nargs, Outcome* out);
+  void kernel_attribute(const uint8_t* args, size_t nargs, Outcome* out);
   void host_alloc(const uint8_t* args, size_t nargs, Outcome* out);
   void host_free(uint64_t addr, Outcome* out);
 

@@ -24,6 +24,7 @@ const char* call_name(uint32_t call) {
     case Call::kMemset: return "cudaMemset";
     case Call::kHostAlloc: return "cudaHostAlloc";
     case Call::kHostFree: return "cudaFreeHost";
+    case Call::kKernelAttribute: return "kernel attribute";
   }
   return nullptr;
 }

@@ -35,6 +35,7 @@ enum class Call : uint32_t {
   kMemset = 15,               // args: Memset
   kHostAlloc = 16,            // args: HostAlloc; the memfd went first over the socket (SCM_RIGHTS)
   kHostFree = 17,             // args: PointerArg
+  kKernelAttribute = 18,      // args: KernelAttribute; reply: cudaFuncAttributes or int32 (see its `op`)
 };
 
 // Generated calls (proxy_functions.h): tag = kGenericBase + FunctionId.
@@ -93,6 +94,18 @@ struct LaunchKernel {
   uint32_t param_bytes;
   uint64_t shared_mem;
   uint64_t stream;  // a virtual handle (0, cudaStreamLegacy and cudaStreamPerThread as they are)
+};
+// The kernel-attribute calls, on a registered kernel: cudaFuncGetAttributes (reply: the struct),
+// cudaFuncSetAttribute / cudaKernelSetAttributeForDevice, and the occupancy query (reply: int32).
+struct KernelAttribute {
+  enum Op : uint32_t { kGet = 1, kSet = 2, kSetForDevice = 3, kOccupancy = 4 };
+  uint32_t kernel_id;
+  uint32_t op;
+  int32_t attribute;  // kSet*: the cudaFuncAttribute; kOccupancy: the block size
+  int32_t value;      // kSet*: the value; kOccupancy: the flags
+  int32_t device;     // kSetForDevice
+  uint32_t reserved;
+  uint64_t shared_mem;  // kOccupancy
 };
 struct MemcpyAddresses {
   uint64_t dst;

@@ -278,7 +278,7 @@ TEST(ProxyProcess, RandomRequestsNeverCrashTheProxy) {
   std::vector<uint32_t> tags;
   for (uint32_t id = 0; id < jitckpt::proxy::kFunctionCount; ++id)
     if (std::strncmp(jitckpt::proxy::function_name(id), "cuda", 4) == 0) tags.push_back(jitckpt::proxy::kGenericBase + id);
-  for (uint32_t c = 1; c <= 17; ++c)
+  for (uint32_t c = 1; c <= static_cast<uint32_t>(Call::kKernelAttribute); ++c)
     if (c != static_cast<uint32_t>(Call::kHostAlloc)) tags.push_back(c);
   for (int i = 0; i < 10000; ++i) {
     const uint32_t tag = tags[rng() % tags.size()];

@@ -69,7 +69,7 @@ def test_streams_pinned_sendrecv_step_count(ring_prog: Program) -> None:
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_streams_pinned_sendrecv_is_bitwise_the_same_in_proxy_mode(ring_prog: Program, nranks: int) -> None:
     direct, proxied = run_ring(ring_prog, nranks), run_ring(ring_prog, nranks, **PROXY)
-    for key in ("digest", "digest_sum", "acc_first", "acc_last"):
+    for key in ("digest", "digest_sum", "acc_first", "acc_last", "attr_max_threads", "attr_num_regs", "occupancy"):
         assert [kv[key] for kv in proxied] == [kv[key] for kv in direct], key
 
 

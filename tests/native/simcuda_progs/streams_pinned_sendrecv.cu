@@ -240,6 +240,14 @@ int main(int argc, char** argv) {
   std::printf("acc_first=%lld\nacc_last=%lld\n", acc[0], acc[N - 1]);
   std::printf("digest_sum=%016llx\n", static_cast<unsigned long long>(fnv1a(h_sum, N * sizeof(float))));
   std::printf("digest=%016llx\n", static_cast<unsigned long long>(digest));
+  // Kernel attributes (what torch asks of its kernels): the same answers directly and via a proxy.
+  cudaFuncAttributes attr{};
+  CUDACHECK(cudaFuncGetAttributes(&attr, mix));
+  CUDACHECK(cudaFuncSetAttribute(mix, cudaFuncAttributeMaxDynamicSharedMemorySize, 1024));
+  int blocks_per_sm = 0;
+  CUDACHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, accumulate, 128, 0));
+  std::printf("attr_max_threads=%d\nattr_num_regs=%d\noccupancy=%d\n", attr.maxThreadsPerBlock, attr.numRegs,
+              blocks_per_sm);
 
   NCCLCHECK(ncclCommDestroy(comm));
   for (cudaEvent_t ev : {uploaded, computed, communicated, accumulated, downloaded}) CUDACHECK(cudaEventDestroy(ev));
