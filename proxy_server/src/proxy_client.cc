@@ -23,7 +23,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int32_t kTransportFailure = 999;  // cudaErrorUnknown
 constexpr size_t kRingBytes = size_t{1} << 22;
-constexpr auto kWaitSlice = std::chrono::milliseconds(20);
+constexpr auto kWaitSlice = std::chrono::milliseconds(7);
 
 std::runtime_error start_error(const std::string& what) {
   return std::runtime_error("cannot start the jitckpt device proxy: " + what);

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <thread>
 #include <vector>
 
 __global__ void bump(int* counter, int by) {
@@ -48,7 +49,7 @@ int main(int argc, char** argv) {
   bump<<<1, 1, 0, stream>>>(counter, 0);  // first launch registers the kernel
   CHECK(cudaStreamSynchronize(stream));
 
-  std::vector<double> clock_ns, sync_ns, record_ns, launch_ns;
+  std::vector<double> clock_ns, sync_ns, cold_sync_ns, cold_step_ns, record_ns, launch_ns;
   for (int i = 0; i < iters; ++i) {
     auto a = Clock::now();
     auto b = Clock::now();
@@ -78,11 +79,33 @@ int main(int argc, char** argv) {
     if (i % batch == batch - 1) CHECK(cudaStreamSynchronize(stream));
   }
   CHECK(cudaStreamSynchronize(stream));
+  // The same call after 1 ms of quiet: through a proxy, the proxy has gone to sleep and must be
+  // woken (what a call costs at the start of a step); directly, nothing changes.
+  for (int i = 0; i < 200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    auto a = Clock::now();
+    cudaError_t e = cudaGetDevice(&device);
+    auto b = Clock::now();
+    if (e != cudaSuccess) return 3;
+    cold_sync_ns.push_back(std::chrono::duration<double, std::nano>(b - a).count());
+  }
+  // A kernel and a synchronize after 1 ms of quiet: the device's stream thread (and, through a
+  // proxy, the proxy) must be woken, and then the caller: the floor of a step that starts cold.
+  for (int i = 0; i < 200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    auto a = Clock::now();
+    bump<<<1, 1, 0, stream>>>(counter, 0);
+    cudaError_t e = cudaStreamSynchronize(stream);
+    auto b = Clock::now();
+    if (e != cudaSuccess) return 3;
+    cold_step_ns.push_back(std::chrono::duration<double, std::nano>(b - a).count());
+  }
   CHECK(cudaGetLastError());
   int total = 0;
   CHECK(cudaMemcpy(&total, counter, sizeof total, cudaMemcpyDeviceToHost));
-  std::printf("iters=%d\nclock_ns=%.0f\nsync_ns=%.0f\nevent_record_ns=%.0f\nlaunch_ns=%.0f\ncounter=%d\nok=%d\n", iters,
-              median_ns(clock_ns), median_ns(sync_ns), median_ns(record_ns), median_ns(launch_ns), total,
+  std::printf("iters=%d\nclock_ns=%.0f\nsync_ns=%.0f\ncold_sync_ns=%.0f\ncold_step_ns=%.0f\nevent_record_ns=%.0f\n"
+              "launch_ns=%.0f\ncounter=%d\nok=%d\n", iters, median_ns(clock_ns), median_ns(sync_ns),
+              median_ns(cold_sync_ns), median_ns(cold_step_ns), median_ns(record_ns), median_ns(launch_ns), total,
               total == iters ? 1 : 0);
   CHECK(cudaFree(counter));
   return total == iters ? 0 : 1;
