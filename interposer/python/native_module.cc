@@ -168,10 +168,11 @@ py::dict status() {
     out["preloaded"] = false;
     out["reason"] = kNotPreloaded;
   } else {
+    // The status grows between two calls while collectives are issued: retry until it fits.
     std::string buf(4096, '\0');
     size_t n = state.api()->status_json(buf.data(), buf.size());
-    if (n >= buf.size()) {
-      buf.assign(n + 1, '\0');
+    while (n >= buf.size()) {
+      buf.assign(2 * n + 1, '\0');
       n = state.api()->status_json(buf.data(), buf.size());
     }
     buf.resize(n);

@@ -87,7 +87,7 @@ std::string Registry::status_json() {
   const auto now = Clock::now();
   w.begin_object();
   w.key("preloaded").value(true);
-  w.key("mode").value("observe");
+  w.key("mode").value(proxy_.enabled() ? "proxy" : "observe");
   w.key("hang_timeout").value(hang_timeout());
   w.key("hang_timeout_policy").value(hang_timeout_.policy().text());
   w.key("step").value(step());

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -74,6 +75,18 @@ void send_ready(int sock, int status, const std::string& text) {
   (void)!send(sock, &r, sizeof r, MSG_NOSIGNAL);
 }
 
+// The proxy's lifetime is its client's even while a call blocks (a synchronize behind a collective
+// whose peer died never returns): this thread waits for the socket to close and ends the process.
+// It polls for hang-up only, so the memfds the dispatcher reads from the socket are not taken.
+void exit_with_client(int sock) {
+  std::thread([sock] {
+    while (true) {
+      pollfd p{sock, POLLRDHUP, 0};
+      if (poll(&p, 1, -1) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) != 0) _exit(0);
+    }
+  }).detach();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -96,6 +109,7 @@ int main(int argc, char** argv) {
     close(req_fd);
     close(rep_fd);
     send_ready(kSocketFd, 0, "");
+    exit_with_client(kSocketFd);
     CallDispatcher dispatcher(kSocketFd);
     bool ring_ok = true;
     while (true) {

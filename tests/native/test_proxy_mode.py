@@ -132,3 +132,23 @@ def test_killing_the_proxy_fails_the_application_clearly(tmp_path: Path) -> None
         assert "every CUDA/NCCL call of this process fails from now on" in err, err
     finally:
         kill_all([app])
+
+
+def test_a_proxy_blocked_in_a_call_still_ends_with_its_application(tmp_path: Path) -> None:
+    """Rank 0 of a 2-rank job alone: its proxy blocks in ncclCommInitRank, waiting for a peer that
+    never comes. Killing the application must still end the proxy (it does not wait for the call)."""
+    from simcuda_progs.simcuda_harness import build_program
+
+    prog = build_program("streams_pinned_sendrecv", kernels=True, nccl=True)
+    env = prog.env(LD_PRELOAD=str(LIBJIT), JITCKPT_MODE="proxy")
+    app = subprocess.Popen([str(prog.exe), "ring", "0", "2", "-", "5"], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        proxy = wait_for_proxy(app)
+        assert app.stdout is not None and app.stdout.readline().startswith("uid="), "rank 0 did not start"
+        app.send_signal(signal.SIGKILL)
+        app.wait(timeout=10)
+        gone, alive = psutil.wait_procs([proxy], timeout=10)
+        assert not alive, f"jitckpt-proxy {proxy.pid} outlived its application while blocked in a call"
+    finally:
+        kill_all([app])
