@@ -116,9 +116,10 @@ cudaError_t host_alloc(void** ptr, size_t size, unsigned int flags) {
   for (int attempt = 0; attempt < 8; ++attempt) {
     p = mmap(session().pinned_hint(pages), pages, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) break;
+    const uint64_t token = session().next_token();
     CallWriter w(static_cast<uint32_t>(Call::kHostAlloc), false);
-    w.value(proxy::HostAlloc{u64(p), pages, flags, 0});
-    Reply r = w.send("cudaHostAlloc", fd);
+    w.value(proxy::HostAlloc{u64(p), pages, token, flags, 0});
+    Reply r = w.send("cudaHostAlloc", fd, token);
     if (r.raw().status == cudaErrorMemoryAllocation && r.raw().error.find("File exists") != std::string::npos) {
       taken.push_back(p);
       p = MAP_FAILED;

@@ -117,8 +117,9 @@ class CallWriter {
     b.resize(at + n);
     if (n) std::memcpy(b.data() + at, p, n);
   }
-  Reply send(const char* name, int fd = -1) {
-    Reply r(session().call(tag_, buf(), no_reply_, fd));
+  // `fd`, if given, is handed over first, under `fd_token` (the request names the same token).
+  Reply send(const char* name, int fd = -1, uint64_t fd_token = 0) {
+    Reply r(session().call(tag_, buf(), no_reply_, fd, fd_token));
     r.name(name);
     return r;
   }

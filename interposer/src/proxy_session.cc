@@ -91,40 +91,60 @@ bool ProxySession::start_locked(std::string* why) {
 }
 
 pid_t ProxySession::proxy_pid() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(mu_);  // (client_ is set once, under mu_)
   std::string why;
   return start_locked(&why) ? client_->pid() : -1;
 }
 
-proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd) {
+proxy::ProxyChannel* ProxySession::channel(std::string* why) {
+  thread_local proxy::ProxyChannel* mine = nullptr;
+  if (mine != nullptr) return mine;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!start_locked(why)) return nullptr;
+  if (!primary_taken_) {
+    primary_taken_ = true;
+    mine = &client_->primary();
+    return mine;
+  }
+  try {
+    channels_.push_back(client_->open_channel());
+  } catch (const std::exception& e) {
+    *why = e.what();
+    return nullptr;
+  }
+  mine = channels_.back().get();
+  return mine;
+}
+
+proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd,
+                                     uint64_t fd_token) {
   proxy::CallResult r;
-  if (!Registry::instance().tracking()) {  // a forked child: the ring is its parent's
+  if (!Registry::instance().tracking()) {  // a forked child: the rings are its parent's
     r.status = 999;
     r.error = "a process forked from a proxy-mode process cannot make CUDA calls (the proxy is its parent's)";
     return r;
   }
-  std::lock_guard<std::mutex> lock(mu_);
   std::string why;
-  if (!start_locked(&why)) {
+  proxy::ProxyChannel* ch = channel(&why);
+  if (ch == nullptr) {
     r.status = 999;
     r.error = why;
     return r;
   }
-  const uint64_t seq = client_->next_seq();
+  const uint64_t seq = ch->next_seq();
   const proxy::RequestHead head{seq, no_reply ? proxy::kNoReply : 0u, 0};
   std::memcpy(payload.data(), &head, sizeof head);
-  if (fd >= 0 && !client_->send_fd(fd)) {
+  if (fd >= 0 && !client_->send_fd(fd, fd_token)) {
     r.status = 999;
     r.error = "cannot hand shared memory to the proxy: " + client_->death();
   } else if (no_reply) {
-    r.error = client_->post(tag, payload.data(), payload.size(), kWhileTheProxyLives);
+    r.error = ch->post(tag, payload.data(), payload.size(), kWhileTheProxyLives);
     if (!r.error.empty()) r.status = 999;
   } else {
-    r = client_->call_raw(tag, payload.data(), payload.size(), seq, kWhileTheProxyLives);
+    r = ch->call_raw(tag, payload.data(), payload.size(), seq, kWhileTheProxyLives);
     take_async_report(r);
   }
-  if (r.status == 999 && !death_reported_ && !client_->death().empty()) {
-    death_reported_ = true;
+  if (r.status == 999 && !client_->death().empty() && !death_reported_.exchange(true)) {
     log_always("proxy mode: %s; every CUDA/NCCL call of this process fails from now on (its device state "
                "was in the proxy)", client_->death().c_str());
   }

@@ -1,11 +1,15 @@
 // Proxy mode's connection to the device proxy (issue 15): started on the first CUDA call of a
-// process run with JITCKPT_MODE=proxy, shared by every thread (one ring, calls serialized), and
-// the tables the client keeps to classify pointers without a round trip: the device allocations
-// the proxy handed out and the pinned buffers shared with it.
+// process run with JITCKPT_MODE=proxy. Each thread that makes calls gets its own channel (a ring
+// pair the proxy serves on a thread of its own), so a thread blocked in a synchronize does not
+// hold up another thread's calls, and per-thread state (the current device, the per-thread
+// default stream) stays per thread in the proxy. Also the tables the client keeps to classify
+// pointers without a round trip: the device allocations the proxy handed out and the pinned
+// buffers shared with it.
 #pragma once
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -29,8 +33,10 @@ class ProxySession {
   // One request; `payload` starts with room for its RequestHead, which this fills in. A kNoReply
   // request returns once it is in the ring (status 0, or a transport failure). `fd` >= 0 is handed
   // over on the socket first (pinned memory). Starts the proxy on first use.
-  proxy::CallResult call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd = -1);
+  proxy::CallResult call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd = -1,
+                         uint64_t fd_token = 0);
   pid_t proxy_pid();
+  uint64_t next_token() { return ++tokens_; }
 
   // Where to ask the kernel to map the next pinned buffer of `size` bytes: a range that neither this
   // process nor the proxy uses (both must map it at the same address).
@@ -42,15 +48,20 @@ class ProxySession {
   Memory memory_of(const void* p, size_t count = 1) const;
 
  private:
+  // This thread's channel (opened on its first call), or nullptr with `why` if there is no proxy.
+  proxy::ProxyChannel* channel(std::string* why);
   bool start_locked(std::string* why);
   void take_async_report(const proxy::CallResult& r);
 
   const bool enabled_;
   ProxyKernels kernels_;
-  std::mutex mu_;  // the ring: one request (and its reply) at a time
+  std::mutex mu_;  // starting the proxy, opening channels
   std::unique_ptr<proxy::ProxyClient> client_;
+  bool primary_taken_ = false;
+  std::vector<std::unique_ptr<proxy::ProxyChannel>> channels_;  // of the other threads; never closed
   std::string start_failure_;
-  bool death_reported_ = false;
+  std::atomic<bool> death_reported_{false};
+  std::atomic<uint64_t> tokens_{0};
 
   mutable std::mutex memory_mu_;
   uintptr_t next_pinned_ = 0x5000'0000'0000;  // below where PIE executables, heaps and libraries go

@@ -63,8 +63,54 @@ struct FatbinWrapper {
 
 }  // namespace
 
-CallDispatcher::~CallDispatcher() {
+DeviceState::~DeviceState() {
   if (fatbin_handle_ != nullptr) __cudaUnregisterFatBinary(fatbin_handle_);
+}
+
+const DeviceState::Kernel* DeviceState::kernel(uint32_t id) {
+  std::lock_guard<std::mutex> lock(kernels_mu_);
+  return id < kernels_.size() && kernels_[id].usable ? &kernels_[id] : nullptr;
+}
+
+const DeviceState::Kernel* DeviceState::register_kernel(const std::string& name, uint32_t* id, std::string* error,
+                                                        int* status) {
+  std::lock_guard<std::mutex> lock(kernels_mu_);
+  for (size_t i = 0; i < kernels_.size(); ++i) {
+    if (kernels_[i].usable && kernels_[i].name == name) {
+      *id = static_cast<uint32_t>(i);
+      return &kernels_[i];
+    }
+  }
+  if (fatbin_handle_ == nullptr) {
+    fatbin_handle_ = __cudaRegisterFatBinary(const_cast<FatbinWrapper*>(&kNoFatbin));
+    __cudaRegisterFatBinaryEnd(fatbin_handle_);
+  }
+  Kernel k;
+  k.name = name;
+  k.stand_in = std::make_unique<char>();
+  // The runtime keeps the name pointer: it points into the deque's element, which never moves.
+  kernels_.push_back(std::move(k));
+  Kernel& added = kernels_.back();
+  __cudaRegisterFunction(fatbin_handle_, added.stand_in.get(), added.name.data(), added.name.c_str(), -1, nullptr,
+                         nullptr, nullptr, nullptr, nullptr);
+  for (size_t i = 0;; ++i) {
+    size_t offset = 0, size = 0;
+    cudaError_t e = cudaFuncGetParamInfo(added.stand_in.get(), i, &offset, &size);
+    if (e == cudaErrorInvalidValue) break;  // past the last parameter
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      *status = e;
+      *error = "kernel " + name + ": the device runtime has no code for it (" + cudaGetErrorName(e) +
+               "; on simcuda: is it in SIMCUDA_KERNEL_LIB?)";
+      added.usable = false;  // keeps its slot; a later registration of `name` tries again
+      return nullptr;
+    }
+    added.params.push_back(KernelParam{static_cast<uint32_t>(offset), static_cast<uint32_t>(size)});
+    added.param_bytes = std::max<uint32_t>(added.param_bytes, static_cast<uint32_t>(offset + size));
+  }
+  cudaGetLastError();  // the end-of-list probe is not the application's error
+  *id = static_cast<uint32_t>(kernels_.size() - 1);
+  return &added;
 }
 
 bool CallDispatcher::handle(uint32_t call, const uint8_t* data, size_t len, std::vector<uint8_t>* reply) {
@@ -107,7 +153,7 @@ bool CallDispatcher::handle(uint32_t call, const uint8_t* data, size_t len, std:
 void CallDispatcher::run(uint32_t call, const char* name, const uint8_t* args, size_t nargs, Outcome* out) {
   if (call >= kGenericBase) {
     ArgReader reader(name, std::strncmp(name, "nccl", 4) == 0, args, nargs, out);
-    run_generic(call - kGenericBase, reader, *out, handles_, memory_);
+    run_generic(call - kGenericBase, reader, *out, state_.handles, state_.memory);
     return;
   }
   run_special(static_cast<Call>(call), name, args, nargs, out);
@@ -120,7 +166,7 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
                                          ") is outside the device arena and the pinned memory of this proxy");
   };
   auto stream_of = [&](uint64_t virt, cudaStream_t* s) {
-    if (handles_.resolve(virt, s)) return true;
+    if (state_.handles.resolve(virt, s)) return true;
     fail(out, cudaErrorInvalidResourceHandle, std::string(name) + ": unknown stream handle " + hex(virt));
     return false;
   };
@@ -150,7 +196,7 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
       void* p = nullptr;
       out->status = cudaMalloc(&p, a.size);
       if (out->status == cudaSuccess && p != nullptr)
-        memory_.add(reinterpret_cast<uint64_t>(p), a.size, Kind::kDevice);
+        state_.memory.add(reinterpret_cast<uint64_t>(p), a.size, Kind::kDevice);
       return out->result(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)));
     }
     case Call::kFree: {
@@ -160,10 +206,10 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
         out->status = cudaFree(nullptr);
         return;
       }
-      if (memory_.size_of(a.ptr) == 0 || memory_.kind_of(a.ptr, 1) != Kind::kDevice)
+      if (state_.memory.size_of(a.ptr) == 0 || state_.memory.kind_of(a.ptr, 1) != Kind::kDevice)
         return fail(out, cudaErrorInvalidValue, "cudaFree: " + hex(a.ptr) + " is not a device allocation of this proxy");
       out->status = cudaFree(reinterpret_cast<void*>(a.ptr));
-      if (out->status == cudaSuccess) memory_.remove(a.ptr, Kind::kDevice);
+      if (out->status == cudaSuccess) state_.memory.remove(a.ptr, Kind::kDevice);
       return;
     }
     case Call::kMemcpyToDevice: {
@@ -172,14 +218,14 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
       if (a.count != nargs - sizeof a)
         return fail(out, cudaErrorInvalidValue, std::string(name) + ": " + std::to_string(nargs - sizeof a) +
                                                     " payload bytes for a copy of " + std::to_string(a.count));
-      if (memory_.kind_of(a.dst, a.count) == Kind::kNone) return outside(a.dst, a.count);
+      if (state_.memory.kind_of(a.dst, a.count) == Kind::kNone) return outside(a.dst, a.count);
       out->status = cudaMemcpy(reinterpret_cast<void*>(a.dst), args + sizeof a, a.count, cudaMemcpyDefault);
       return;
     }
     case Call::kMemcpyFromDevice: {
       MemcpyFromDevice a;
       if (!take(name, args, nargs, &a, out)) return;
-      if (memory_.kind_of(a.src, a.count) == Kind::kNone) return outside(a.src, a.count);
+      if (state_.memory.kind_of(a.src, a.count) == Kind::kNone) return outside(a.src, a.count);
       out->results.resize(a.count);
       out->status = cudaMemcpy(out->results.data(), reinterpret_cast<const void*>(a.src), a.count, cudaMemcpyDefault);
       return;
@@ -188,8 +234,8 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
     case Call::kMemcpyAsync: {
       MemcpyAddresses a;
       if (!take(name, args, nargs, &a, out)) return;
-      if (memory_.kind_of(a.dst, a.count) == Kind::kNone) return outside(a.dst, a.count);
-      if (memory_.kind_of(a.src, a.count) == Kind::kNone) return outside(a.src, a.count);
+      if (state_.memory.kind_of(a.dst, a.count) == Kind::kNone) return outside(a.dst, a.count);
+      if (state_.memory.kind_of(a.src, a.count) == Kind::kNone) return outside(a.src, a.count);
       if (a.kind < cudaMemcpyHostToHost || a.kind > cudaMemcpyDefault)
         return fail(out, cudaErrorInvalidMemcpyDirection, std::string(name) + ": invalid kind " + std::to_string(a.kind));
       auto* dst = reinterpret_cast<void*>(a.dst);
@@ -209,7 +255,7 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
       if (a.count != nargs - sizeof a)
         return fail(out, cudaErrorInvalidValue, std::string(name) + ": " + std::to_string(nargs - sizeof a) +
                                                     " payload bytes for a copy of " + std::to_string(a.count));
-      if (memory_.kind_of(a.device, a.count) == Kind::kNone) return outside(a.device, a.count);
+      if (state_.memory.kind_of(a.device, a.count) == Kind::kNone) return outside(a.device, a.count);
       cudaStream_t s;
       // The source is pageable here (the ring): the runtime stages it before returning, as CUDA does.
       if (stream_of(a.stream, &s))
@@ -220,7 +266,7 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
     case Call::kMemcpyFromDeviceAsync: {
       MemcpyInline a;
       if (!take(name, args, nargs, &a, out)) return;
-      if (memory_.kind_of(a.device, a.count) == Kind::kNone) return outside(a.device, a.count);
+      if (state_.memory.kind_of(a.device, a.count) == Kind::kNone) return outside(a.device, a.count);
       cudaStream_t s;
       if (!stream_of(a.stream, &s)) return;
       // A pageable destination: the runtime returns once the stream has done the copy.
@@ -232,7 +278,7 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
     case Call::kMemset: {
       Memset a;
       if (!take(name, args, nargs, &a, out)) return;
-      if (memory_.kind_of(a.dst, a.count) != Kind::kDevice) return outside(a.dst, a.count);
+      if (state_.memory.kind_of(a.dst, a.count) != Kind::kDevice) return outside(a.dst, a.count);
       out->status = cudaMemset(reinterpret_cast<void*>(a.dst), a.value, a.count);
       return;
     }
@@ -256,52 +302,28 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
 void CallDispatcher::register_kernel(const uint8_t* args, size_t nargs, Outcome* out) {
   if (nargs == 0 || nargs > kMaxKernelName || std::memchr(args, 0, nargs) != nullptr)
     return fail(out, cudaErrorInvalidValue, "kernel registration: the name must be 1 to 4096 bytes without NUL");
-  std::string name(reinterpret_cast<const char*>(args), nargs);
-  for (size_t i = 0; i < kernels_.size(); ++i) {
-    if (kernels_[i].name == name) {
-      out->result(KernelInfo{static_cast<uint32_t>(i), static_cast<uint32_t>(kernels_[i].params.size())});
-      for (const KernelParam& p : kernels_[i].params) out->result(p);
-      return;
-    }
-  }
-  if (fatbin_handle_ == nullptr) {
-    fatbin_handle_ = __cudaRegisterFatBinary(const_cast<FatbinWrapper*>(&kNoFatbin));
-    __cudaRegisterFatBinaryEnd(fatbin_handle_);
-  }
-  Kernel k;
-  k.name = std::move(name);
-  k.stand_in = std::make_unique<char>();
-  __cudaRegisterFunction(fatbin_handle_, k.stand_in.get(), k.name.data(), k.name.c_str(), -1, nullptr, nullptr,
-                         nullptr, nullptr, nullptr);
-  for (size_t i = 0;; ++i) {
-    size_t offset = 0, size = 0;
-    cudaError_t e = cudaFuncGetParamInfo(k.stand_in.get(), i, &offset, &size);
-    if (e == cudaErrorInvalidValue) break;  // past the last parameter
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      return fail(out, e, "kernel " + k.name + ": the device runtime has no code for it (" + cudaGetErrorName(e) +
-                              "; on simcuda: is it in SIMCUDA_KERNEL_LIB?)");
-    }
-    k.params.push_back(KernelParam{static_cast<uint32_t>(offset), static_cast<uint32_t>(size)});
-    k.param_bytes = std::max<uint32_t>(k.param_bytes, static_cast<uint32_t>(offset + size));
-  }
-  cudaGetLastError();  // the end-of-list probe is not the application's error
-  out->result(KernelInfo{static_cast<uint32_t>(kernels_.size()), static_cast<uint32_t>(k.params.size())});
-  for (const KernelParam& p : k.params) out->result(p);
-  kernels_.push_back(std::move(k));
+  uint32_t id = 0;
+  std::string error;
+  int status = 0;
+  const DeviceState::Kernel* k =
+      state_.register_kernel(std::string(reinterpret_cast<const char*>(args), nargs), &id, &error, &status);
+  if (k == nullptr) return fail(out, static_cast<cudaError_t>(status), error);
+  out->result(KernelInfo{id, static_cast<uint32_t>(k->params.size())});
+  for (const KernelParam& p : k->params) out->result(p);
 }
 
 void CallDispatcher::launch_kernel(const uint8_t* args, size_t nargs, Outcome* out) {
   LaunchKernel a;
   if (!take("cudaLaunchKernel", args, nargs, &a, out, true)) return;
-  if (a.kernel_id >= kernels_.size())
+  const DeviceState::Kernel* kp = state_.kernel(a.kernel_id);
+  if (kp == nullptr)
     return fail(out, cudaErrorInvalidDeviceFunction, "cudaLaunchKernel: unknown kernel id " + std::to_string(a.kernel_id));
-  const Kernel& k = kernels_[a.kernel_id];
+  const DeviceState::Kernel& k = *kp;
   if (a.param_bytes != k.param_bytes || nargs - sizeof a != a.param_bytes)
     return fail(out, cudaErrorInvalidValue, "cudaLaunchKernel(" + k.name + "): " + std::to_string(nargs - sizeof a) +
                                                 " parameter bytes, the kernel takes " + std::to_string(k.param_bytes));
   cudaStream_t stream;
-  if (!handles_.resolve(a.stream, &stream))
+  if (!state_.handles.resolve(a.stream, &stream))
     return fail(out, cudaErrorInvalidResourceHandle, "cudaLaunchKernel(" + k.name + "): unknown stream handle " + hex(a.stream));
   // Aligned copy of the parameters; the runtime copies them again before returning.
   alignas(16) uint8_t stack_buf[512];
@@ -329,9 +351,10 @@ void CallDispatcher::launch_kernel(const uint8_t* args, size_t nargs, Outcome* o
 void CallDispatcher::kernel_attribute(const uint8_t* args, size_t nargs, Outcome* out) {
   KernelAttribute a;
   if (!take("kernel attribute", args, nargs, &a, out)) return;
-  if (a.kernel_id >= kernels_.size())
+  const DeviceState::Kernel* k = state_.kernel(a.kernel_id);
+  if (k == nullptr)
     return fail(out, cudaErrorInvalidDeviceFunction, "kernel attribute: unknown kernel id " + std::to_string(a.kernel_id));
-  const void* fn = kernels_[a.kernel_id].stand_in.get();
+  const void* fn = k->stand_in.get();
   // cudaFuncAttribute's enumerators, checked before the runtime sees the value (see generic_call.h).
   const bool set = a.op == KernelAttribute::kSet || a.op == KernelAttribute::kSetForDevice;
   if (set && (a.attribute < 0 || a.attribute >= cudaFuncAttributeMax))
@@ -365,23 +388,8 @@ void CallDispatcher::kernel_attribute(const uint8_t* args, size_t nargs, Outcome
 void CallDispatcher::host_alloc(const uint8_t* args, size_t nargs, Outcome* out) {
   HostAlloc a;
   if (!take("cudaHostAlloc", args, nargs, &a, out)) return;
-  // The client sent the memfd just before this request.
-  int fd = -1;
-  pollfd p{socket_, POLLIN, 0};
-  if (poll(&p, 1, kFdWaitMs) > 0) {
-    char byte;
-    iovec iov{&byte, 1};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    if (recvmsg(socket_, &msg, MSG_CMSG_CLOEXEC) == 1) {
-      cmsghdr* c = CMSG_FIRSTHDR(&msg);
-      if (c && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int))) std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
-    }
-  }
+  // The memfd came on the socket, with this request's token (the listener thread received it).
+  const int fd = state_.mailbox.take(a.token, std::chrono::milliseconds(kFdWaitMs));
   if (fd < 0) return fail(out, cudaErrorMemoryAllocation, "cudaHostAlloc: the client's shared memory did not arrive");
   void* want = reinterpret_cast<void*>(a.addr);
   void* got = mmap(want, a.size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED_NOREPLACE, fd, 0);
@@ -396,13 +404,13 @@ void CallDispatcher::host_alloc(const uint8_t* args, size_t nargs, Outcome* out)
     munmap(want, a.size);
     return fail(out, e, std::string("cudaHostAlloc: registering the shared buffer: ") + cudaGetErrorName(e));
   }
-  memory_.add(a.addr, a.size, AddressBook::Kind::kPinned);
+  state_.memory.add(a.addr, a.size, AddressBook::Kind::kPinned);
   out->status = cudaSuccess;
 }
 
 void CallDispatcher::host_free(uint64_t addr, Outcome* out) {
-  const uint64_t size = memory_.size_of(addr);
-  if (size == 0 || !memory_.remove(addr, AddressBook::Kind::kPinned))
+  const uint64_t size = state_.memory.size_of(addr);
+  if (size == 0 || !state_.memory.remove(addr, AddressBook::Kind::kPinned))
     return fail(out, cudaErrorInvalidValue, "cudaFreeHost: " + hex(addr) + " is not pinned memory of this proxy");
   out->status = cudaHostUnregister(reinterpret_cast<void*>(addr));
   munmap(reinterpret_cast<void*>(addr), size);

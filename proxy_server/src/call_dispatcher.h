@@ -8,21 +8,51 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "address_book.h"
 #include "call_protocol.h"
+#include "fd_mailbox.h"
 #include "generic_call.h"
 #include "handle_table.h"
 
 namespace jitckpt::proxy {
 
+// What every channel of one proxy shares: the objects it created and the memory it knows.
+class DeviceState {
+ public:
+  DeviceState() = default;
+  ~DeviceState();
+  DeviceState(const DeviceState&) = delete;
+  DeviceState& operator=(const DeviceState&) = delete;
+
+  struct Kernel {
+    std::string name;                // stable: kernels are never moved or erased
+    std::unique_ptr<char> stand_in;  // the "host stub" this kernel is registered under here
+    std::vector<KernelParam> params;
+    uint32_t param_bytes = 0;
+    bool usable = true;  // false: the runtime had no code for it
+  };
+  HandleTable handles;
+  AddressBook memory;
+  FdMailbox mailbox;  // memfds of pinned buffers, from the socket's listener
+  // The kernel registered as `id`, or nullptr; a registered kernel never changes.
+  const Kernel* kernel(uint32_t id);
+  // Registers `name` with the runtime (once); its id, or the error.
+  const Kernel* register_kernel(const std::string& name, uint32_t* id, std::string* error, int* status);
+
+ private:
+  std::mutex kernels_mu_;
+  std::deque<Kernel> kernels_;
+  void** fatbin_handle_ = nullptr;
+};
+
+// One channel's side of the calls: each client thread has a channel, served by one proxy thread.
 class CallDispatcher {
  public:
-  // `socket`: the client's Unix socket (memfds of pinned memory arrive on it).
-  explicit CallDispatcher(int socket) : socket_(socket) {}
-  ~CallDispatcher();
+  explicit CallDispatcher(DeviceState& state) : state_(state) {}
   CallDispatcher(const CallDispatcher&) = delete;
   CallDispatcher& operator=(const CallDispatcher&) = delete;
 
@@ -31,12 +61,6 @@ class CallDispatcher {
   bool handle(uint32_t call, const uint8_t* data, size_t len, std::vector<uint8_t>* reply);
 
  private:
-  struct Kernel {
-    std::string name;                // stable: kernels_ is a deque
-    std::unique_ptr<char> stand_in;  // the "host stub" this kernel is registered under here
-    std::vector<KernelParam> params;
-    uint32_t param_bytes = 0;
-  };
   using Outcome = GenericReply;  // one call's status, message and results
   void run(uint32_t call, const char* name, const uint8_t* args, size_t nargs, Outcome* out);
   void run_special(Call call, const char* name, const uint8_t* args, size_t nargs, Outcome* out);
@@ -46,11 +70,7 @@ class CallDispatcher {
   void host_alloc(const uint8_t* args, size_t nargs, Outcome* out);
   void host_free(uint64_t addr, Outcome* out);
 
-  int socket_;
-  HandleTable handles_;
-  AddressBook memory_;
-  std::deque<Kernel> kernels_;
-  void** fatbin_handle_ = nullptr;
+  DeviceState& state_;
   // The first failure of a kNoReply call since the last reply.
   int32_t async_status_ = 0;
   uint32_t async_call_ = 0;

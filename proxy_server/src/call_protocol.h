@@ -14,7 +14,7 @@
 
 namespace jitckpt::proxy {
 
-inline constexpr uint32_t kProtocolVersion = 2;
+inline constexpr uint32_t kProtocolVersion = 3;
 inline constexpr uint32_t kHelloMagic = 0x4A505859;  // "JPXY"
 
 enum class Call : uint32_t {
@@ -127,10 +127,22 @@ struct Memset {
   uint32_t reserved;
 };
 struct HostAlloc {
-  uint64_t addr;  // where the client mapped the memfd; the proxy maps it at the same address
+  uint64_t addr;   // where the client mapped the memfd; the proxy maps it at the same address
   uint64_t size;
+  uint64_t token;  // the SocketMessage that carried the memfd
   uint32_t flags;
   uint32_t reserved;
+};
+
+// What the client sends on the Unix socket after the handshake, with file descriptors attached:
+// the memfd of a pinned buffer (one fd, named by the token its kHostAlloc request carries), or the
+// request and reply rings of a new channel (two fds): each client thread gets its own channel,
+// served by its own proxy thread, so one thread's blocking call does not hold up another's.
+struct SocketMessage {
+  enum Kind : uint32_t { kPinnedMemory = 1, kOpenChannel = 2 };
+  uint32_t kind;
+  uint32_t reserved;
+  uint64_t token;
 };
 
 // Handshake over the Unix socket the proxy inherits: the client sends Hello with the request and

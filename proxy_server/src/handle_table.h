@@ -1,10 +1,12 @@
 // Virtual handles (issue 15): the application holds these values for its streams, events,
 // communicators, ...; the proxy maps them to the physical objects it created, so a restarted proxy
 // can recreate the objects under the same values (issue 16). The values are not addresses of
-// anything in the application, and an unknown one is an error, never a wild dereference.
+// anything in the application, and an unknown one is an error, never a wild dereference. Shared by
+// the proxy's channel threads: every method locks.
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <unordered_map>
 
 namespace jitckpt::proxy {
@@ -15,6 +17,7 @@ class HandleTable {
   template <typename T>
   uint64_t mint(T physical, bool created) {
     if (!created || physical == nullptr) return 0;
+    std::lock_guard<std::mutex> lock(mu_);
     const uint64_t v = kBase + 16 * (++minted_);
     objects_[v] = reinterpret_cast<void*>(physical);
     return v;
@@ -27,18 +30,22 @@ class HandleTable {
       *physical = reinterpret_cast<T>(virt);
       return true;
     }
+    std::lock_guard<std::mutex> lock(mu_);
     auto it = objects_.find(virt);
     if (it == objects_.end()) return false;
     *physical = reinterpret_cast<T>(it->second);
     return true;
   }
-  void forget(uint64_t virt) { objects_.erase(virt); }
-  size_t size() const { return objects_.size(); }
+  void forget(uint64_t virt) {
+    std::lock_guard<std::mutex> lock(mu_);
+    objects_.erase(virt);
+  }
 
  private:
   // Far from where Linux maps anything on x86-64 and aarch64, so a handle is not mistaken for a
   // pointer by someone reading a core dump.
   static constexpr uint64_t kBase = 0x0000'7a00'0000'0000ull;
+  mutable std::mutex mu_;
   uint64_t minted_ = 0;
   std::unordered_map<uint64_t, void*> objects_;
 };

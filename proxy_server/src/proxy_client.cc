@@ -23,7 +23,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int32_t kTransportFailure = 999;  // cudaErrorUnknown
 constexpr size_t kRingBytes = size_t{1} << 22;
-constexpr auto kWaitSlice = std::chrono::milliseconds(7);
+constexpr auto kWaitSlice = std::chrono::milliseconds(20);
 
 std::runtime_error start_error(const std::string& what) {
   return std::runtime_error("cannot start the jitckpt device proxy: " + what);
@@ -83,16 +83,16 @@ std::unique_ptr<ProxyClient> ProxyClient::start(const std::string& binary, std::
   }
   std::unique_ptr<ProxyClient> client(new ProxyClient(pid, sv[0], std::move(requests), std::move(replies)));
   const Hello hello{kHelloMagic, kProtocolVersion};
-  const int fds[2] = {client->requests_.fd(), client->replies_.fd()};
+  const int fds[2] = {client->primary_.requests_.fd(), client->primary_.replies_.fd()};
   if (!send_with_fds(client->sock_, &hello, sizeof hello, fds, 2))
-    throw start_error("handshake: " + client->proxy_death());
+    throw start_error("handshake: " + client->death());
   pollfd p{client->sock_, POLLIN, 0};
   if (poll(&p, 1, static_cast<int>(timeout.count())) <= 0)
     throw start_error("no answer within " + std::to_string(timeout.count()) + " ms");
   Ready ready{};
   if (recv(client->sock_, &ready, sizeof ready, 0) != static_cast<ssize_t>(sizeof ready) ||
       ready.magic != kHelloMagic)
-    throw start_error(binary + " did not answer the handshake: " + client->proxy_death());
+    throw start_error(binary + " did not answer the handshake: " + client->death());
   if (ready.version != kProtocolVersion)
     throw start_error(binary + " speaks protocol " + std::to_string(ready.version) + ", this client " +
                       std::to_string(kProtocolVersion) + ": install matching versions");
@@ -104,7 +104,17 @@ std::unique_ptr<ProxyClient> ProxyClient::start(const std::string& binary, std::
 }
 
 ProxyClient::ProxyClient(pid_t pid, int sock, ShmRing requests, ShmRing replies)
-    : pid_(pid), sock_(sock), requests_(std::move(requests)), replies_(std::move(replies)) {}
+    : pid_(pid), sock_(sock), primary_(*this, std::move(requests), std::move(replies)) {}
+
+std::unique_ptr<ProxyChannel> ProxyClient::open_channel() {
+  auto channel = std::make_unique<ProxyChannel>(*this, ShmRing::create(kRingBytes), ShmRing::create(kRingBytes));
+  const SocketMessage m{SocketMessage::kOpenChannel, 0, 0};
+  const int fds[2] = {channel->requests_.fd(), channel->replies_.fd()};
+  std::lock_guard<std::mutex> lock(sock_mu_);
+  if (!send_with_fds(sock_, &m, sizeof m, fds, 2))
+    throw std::runtime_error("cannot open a channel to the jitckpt device proxy: " + death());
+  return channel;
+}
 
 ProxyClient::~ProxyClient() {
   close(sock_);  // the proxy sees the socket close and exits
@@ -117,7 +127,8 @@ ProxyClient::~ProxyClient() {
   waitpid(pid_, &wait_status_, 0);
 }
 
-std::string ProxyClient::proxy_death() const {
+std::string ProxyClient::death() const {
+  std::lock_guard<std::mutex> lock(death_mu_);
   if (!reaped_) {
     if (waitpid(pid_, &wait_status_, WNOHANG) == pid_)
       reaped_ = true;
@@ -132,7 +143,7 @@ std::string ProxyClient::proxy_death() const {
   return who + " exited with code " + std::to_string(WEXITSTATUS(wait_status_));
 }
 
-CallResult ProxyClient::call(Call c, const void* args, size_t len, std::chrono::milliseconds timeout) {
+CallResult ProxyChannel::call(Call c, const void* args, size_t len, std::chrono::milliseconds timeout) {
   std::vector<uint8_t> payload(sizeof(RequestHead) + len);
   const uint64_t seq = next_seq();
   const RequestHead head{seq, 0, 0};
@@ -141,24 +152,25 @@ CallResult ProxyClient::call(Call c, const void* args, size_t len, std::chrono::
   return call_raw(static_cast<uint32_t>(c), payload.data(), payload.size(), seq, timeout);
 }
 
-std::string ProxyClient::post(uint32_t tag, const void* payload, size_t len, std::chrono::milliseconds timeout) {
+std::string ProxyChannel::post(uint32_t tag, const void* payload, size_t len, std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   while (true) {
     RingStatus s = requests_.push(tag, payload, len, std::min(deadline, Clock::now() + kWaitSlice));
     if (s == RingStatus::kOk) return "";
     if (s == RingStatus::kTooLarge)
       return "a request of " + std::to_string(len) + " bytes exceeds the ring's " + std::to_string(requests_.max_payload());
-    if (std::string d = proxy_death(); !d.empty()) return d;
+    if (std::string d = owner_.death(); !d.empty()) return d;
     if (Clock::now() >= deadline) return "the request ring stayed full for " + std::to_string(timeout.count()) + " ms";
   }
 }
 
-bool ProxyClient::send_fd(int fd) {
-  const char byte = 'F';
-  return send_with_fds(sock_, &byte, 1, &fd, 1);
+bool ProxyClient::send_fd(int fd, uint64_t token) {
+  const SocketMessage m{SocketMessage::kPinnedMemory, 0, token};
+  std::lock_guard<std::mutex> lock(sock_mu_);
+  return send_with_fds(sock_, &m, sizeof m, &fd, 1);
 }
 
-CallResult ProxyClient::call_raw(uint32_t tag, const void* payload, size_t len, uint64_t seq,
+CallResult ProxyChannel::call_raw(uint32_t tag, const void* payload, size_t len, uint64_t seq,
                                  std::chrono::milliseconds timeout) {
   CallResult out;
   auto fail = [&](const std::string& why) {
@@ -173,7 +185,7 @@ CallResult ProxyClient::call_raw(uint32_t tag, const void* payload, size_t len, 
     if (s == RingStatus::kTooLarge)
       return fail("a request of " + std::to_string(len) + " bytes exceeds the ring's " +
                   std::to_string(requests_.max_payload()));
-    if (std::string d = proxy_death(); !d.empty()) return fail(d);
+    if (std::string d = owner_.death(); !d.empty()) return fail(d);
     if (Clock::now() >= deadline) return fail("the request ring stayed full for " +
                                               std::to_string(timeout.count()) + " ms");
   }
@@ -185,7 +197,7 @@ CallResult ProxyClient::call_raw(uint32_t tag, const void* payload, size_t len, 
     RingStatus s = replies_.peek(&rtag, &data, &rlen, std::min(deadline, Clock::now() + kWaitSlice), &error);
     if (s == RingStatus::kCorrupt) return fail("corrupt reply ring: " + error);
     if (s == RingStatus::kTimeout) {
-      if (std::string d = proxy_death(); !d.empty()) return fail(d);
+      if (std::string d = owner_.death(); !d.empty()) return fail(d);
       if (Clock::now() >= deadline) return fail("no reply within " + std::to_string(timeout.count()) + " ms");
       continue;
     }

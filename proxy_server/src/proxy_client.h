@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,37 @@ struct CallResult {
   uint64_t async_seq = 0;
 };
 
+class ProxyClient;
+
+// One pair of rings to the proxy, used by one thread at a time (the rings are single-producer,
+// single-consumer). The proxy serves each channel on its own thread.
+class ProxyChannel {
+ public:
+  ProxyChannel(ProxyClient& owner, ShmRing requests, ShmRing replies)
+      : owner_(owner), requests_(std::move(requests)), replies_(std::move(replies)) {}
+  ProxyChannel(const ProxyChannel&) = delete;
+  ProxyChannel& operator=(const ProxyChannel&) = delete;
+
+  // One synchronous call: `args` after the request head, the reply's results back.
+  CallResult call(Call call, const void* args, size_t len, std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  // A raw request (`payload` starts with its RequestHead) and its reply.
+  CallResult call_raw(uint32_t tag, const void* payload, size_t len, uint64_t seq,
+                      std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  // A kNoReply request: returns once it is in the ring. Empty, or why it could not be sent (the
+  // proxy died, the request is too large).
+  std::string post(uint32_t tag, const void* payload, size_t len,
+                   std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  uint64_t next_seq() { return ++seq_; }
+  ShmRing& request_ring() { return requests_; }  // for tests of the proxy's validation
+
+ private:
+  friend class ProxyClient;
+  ProxyClient& owner_;
+  ShmRing requests_;
+  ShmRing replies_;
+  uint64_t seq_ = 0;
+};
+
 class ProxyClient {
  public:
   // Starts `binary` with this process's environment; throws std::runtime_error naming the problem
@@ -43,31 +75,38 @@ class ProxyClient {
   ProxyClient& operator=(const ProxyClient&) = delete;
 
   pid_t pid() const { return pid_; }
-  // One synchronous call: `args` after the request head, the reply's results back.
-  CallResult call(Call call, const void* args, size_t len, std::chrono::milliseconds timeout = std::chrono::seconds(60));
-  // For tests of the proxy's validation: the raw request ring and a raw request.
-  ShmRing& request_ring() { return requests_; }
+  // The channel set up at the handshake (the first thread's).
+  ProxyChannel& primary() { return primary_; }
+  // A new channel, for another thread; throws std::runtime_error if the proxy cannot be told.
+  std::unique_ptr<ProxyChannel> open_channel();
+  // Hands a pinned buffer's memfd to the proxy; its kHostAlloc request names the same token.
+  bool send_fd(int fd, uint64_t token);
+  // Why the proxy is gone ("" while it runs). Any thread.
+  std::string death() const;
+
+  // The primary channel's calls (tests).
+  CallResult call(Call c, const void* args, size_t len, std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+    return primary_.call(c, args, len, timeout);
+  }
   CallResult call_raw(uint32_t tag, const void* payload, size_t len, uint64_t seq,
-                      std::chrono::milliseconds timeout = std::chrono::seconds(60));
-  uint64_t next_seq() { return ++seq_; }
-  // A kNoReply request (`payload` starts with its RequestHead): returns once it is in the ring.
-  // Empty, or why it could not be sent (the proxy died, the request is too large).
+                      std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+    return primary_.call_raw(tag, payload, len, seq, timeout);
+  }
   std::string post(uint32_t tag, const void* payload, size_t len,
-                   std::chrono::milliseconds timeout = std::chrono::seconds(60));
-  // Hands `fd` to the proxy over the socket (pinned memory); the next request tells it what it is.
-  bool send_fd(int fd);
-  // Why the proxy is gone ("" while it runs).
-  std::string death() const { return proxy_death(); }
+                   std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+    return primary_.post(tag, payload, len, timeout);
+  }
+  uint64_t next_seq() { return primary_.next_seq(); }
+  ShmRing& request_ring() { return primary_.request_ring(); }
 
  private:
   ProxyClient(pid_t pid, int sock, ShmRing requests, ShmRing replies);
-  std::string proxy_death() const;
 
   pid_t pid_;
   int sock_;
-  ShmRing requests_;
-  ShmRing replies_;
-  uint64_t seq_ = 0;
+  std::mutex sock_mu_;  // one message at a time on the socket
+  ProxyChannel primary_;
+  mutable std::mutex death_mu_;
   mutable bool reaped_ = false;
   mutable int wait_status_ = 0;
 };

@@ -1,22 +1,25 @@
 // jitckpt-proxy: the device proxy process (issue 15). One per device client; started by the
 // client (ProxyClient::start) with the Unix socket of its handshake as fd 3.
 //
-// It receives the request and reply rings over that socket, answers Ready, then executes the
-// calls it reads, on the real CUDA runtime it links (simcuda here). It lives as long as its client:
-// the socket's other end closes when the client process dies, whatever killed it, and the proxy
-// exits within one idle slice (a parent-death signal would fire on the death of the forking
-// thread, not of the process). A corrupt request ring is reported on stderr and to the client;
-// the proxy then stops reading it and waits for the client to go, rather than crashing.
+// It receives the first channel's request and reply rings over that socket, answers Ready, then
+// executes the calls it reads on the real CUDA runtime it links (simcuda here), one thread per
+// channel (the client opens one per thread that makes calls). It lives as long as its client: the
+// socket's other end closes when the client process dies, whatever killed it, and the proxy exits
+// at once, even if a channel is blocked in a call (a parent-death signal would fire on the death
+// of the forking thread, not of the process). A corrupt request ring is reported on stderr and to
+// the client; the proxy stops reading that ring rather than crashing.
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
-#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "call_dispatcher.h"
@@ -31,14 +34,6 @@ namespace {
 
 constexpr int kSocketFd = 3;
 constexpr auto kIdleSlice = std::chrono::milliseconds(100);
-
-bool client_gone(int sock) {
-  pollfd p{sock, POLLIN, 0};
-  if (poll(&p, 1, 0) <= 0) return false;
-  if (p.revents & (POLLHUP | POLLERR)) return true;
-  char c;
-  return recv(sock, &c, 1, MSG_DONTWAIT | MSG_PEEK) == 0;  // orderly close
-}
 
 // Receives Hello and the two ring fds; false with a message on stderr if the client sent junk.
 bool receive_rings(int sock, int* req_fd, int* rep_fd) {
@@ -75,16 +70,88 @@ void send_ready(int sock, int status, const std::string& text) {
   (void)!send(sock, &r, sizeof r, MSG_NOSIGNAL);
 }
 
-// The proxy's lifetime is its client's even while a call blocks (a synchronize behind a collective
-// whose peer died never returns): this thread waits for the socket to close and ends the process.
-// It polls for hang-up only, so the memfds the dispatcher reads from the socket are not taken.
-void exit_with_client(int sock) {
-  std::thread([sock] {
-    while (true) {
-      pollfd p{sock, POLLRDHUP, 0};
-      if (poll(&p, 1, -1) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) != 0) _exit(0);
+// Serves one channel (a client thread's rings) until its ring is corrupt or the client stops
+// reading replies; the process ends when the client goes (listen below).
+void serve_channel(ShmRing requests, ShmRing replies, DeviceState& state) {
+  CallDispatcher dispatcher(state);
+  std::vector<uint8_t> reply;
+  while (true) {
+    uint32_t call;
+    const uint8_t* data;
+    size_t len;
+    std::string error;
+    RingStatus s = requests.peek(&call, &data, &len, Clock::now() + kIdleSlice, &error);
+    if (s == RingStatus::kTimeout) continue;
+    if (s == RingStatus::kCorrupt) {
+      std::fprintf(stderr, "jitckpt-proxy: corrupt request ring: %s; no further calls are read from it\n",
+                   error.c_str());
+      ReplyHead head{};
+      head.status = 999;  // cudaErrorUnknown
+      head.has_text = 1;
+      std::snprintf(head.text, sizeof head.text, "corrupt request ring: %s", error.c_str());
+      replies.push(0, &head, sizeof head, Clock::now() + std::chrono::seconds(1));
+      return;
     }
-  }).detach();
+    const bool answer = dispatcher.handle(call, data, len, &reply);
+    requests.release();
+    if (!answer) continue;
+    if (reply.size() > replies.max_payload()) {  // a client that asked for more than a reply holds
+      ReplyHead head{};
+      std::memcpy(&head, reply.data(), sizeof head);
+      head.status = 1;  // cudaErrorInvalidValue
+      head.has_text = 1;
+      std::snprintf(head.text, sizeof head.text, "%s: a reply of %zu bytes exceeds the ring's %zu", call_name(call),
+                    reply.size(), replies.max_payload());
+      reply.assign(reinterpret_cast<const uint8_t*>(&head), reinterpret_cast<const uint8_t*>(&head) + sizeof head);
+    }
+    if (replies.push(call, reply.data(), reply.size(), Clock::now() + std::chrono::seconds(10)) != RingStatus::kOk) {
+      std::fprintf(stderr, "jitckpt-proxy: the client read no reply for 10 s; this channel stops\n");
+      return;
+    }
+  }
+}
+
+// The socket's one reader: memfds of pinned buffers (into the mailbox) and new channels (a thread
+// each). Returns when the client is gone, whatever killed it, even while a channel thread is
+// blocked in a call that never returns (a collective whose peer died).
+void listen(int sock, DeviceState& state) {
+  while (true) {
+    SocketMessage m{};
+    iovec iov{&m, sizeof m};
+    alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    const ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    if (n == 0 || (n < 0 && errno != EINTR)) return;
+    int fds[2] = {-1, -1};
+    size_t nfds = 0;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+        nfds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        std::memcpy(fds, CMSG_DATA(c), std::min<size_t>(nfds, 2) * sizeof(int));
+      }
+    }
+    if (n == static_cast<ssize_t>(sizeof m) && m.kind == SocketMessage::kPinnedMemory && nfds == 1) {
+      state.mailbox.put(m.token, fds[0]);
+    } else if (n == static_cast<ssize_t>(sizeof m) && m.kind == SocketMessage::kOpenChannel && nfds == 2) {
+      try {
+        ShmRing requests = ShmRing::attach(fds[0]);
+        ShmRing replies = ShmRing::attach(fds[1]);
+        std::thread(serve_channel, std::move(requests), std::move(replies), std::ref(state)).detach();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "jitckpt-proxy: a new channel's rings are unusable: %s\n", e.what());
+      }
+      close(fds[0]);
+      close(fds[1]);
+    } else {
+      std::fprintf(stderr, "jitckpt-proxy: a malformed message on the socket (%zd bytes, %zu fds) was dropped\n", n,
+                   nfds);
+      for (size_t i = 0; i < std::min<size_t>(nfds, 2); ++i) close(fds[i]);
+    }
+  }
 }
 
 }  // namespace
@@ -102,56 +169,17 @@ int main(int argc, char** argv) {
 #endif
   int req_fd = -1, rep_fd = -1;
   if (!receive_rings(kSocketFd, &req_fd, &rep_fd)) return 2;
-  std::vector<uint8_t> reply;
   try {
     ShmRing requests = ShmRing::attach(req_fd);
     ShmRing replies = ShmRing::attach(rep_fd);
     close(req_fd);
     close(rep_fd);
     send_ready(kSocketFd, 0, "");
-    exit_with_client(kSocketFd);
-    CallDispatcher dispatcher(kSocketFd);
-    bool ring_ok = true;
-    while (true) {
-      uint32_t call;
-      const uint8_t* data;
-      size_t len;
-      std::string error;
-      RingStatus s = ring_ok ? requests.peek(&call, &data, &len, Clock::now() + kIdleSlice, &error)
-                             : RingStatus::kTimeout;
-      if (s == RingStatus::kTimeout) {
-        if (client_gone(kSocketFd)) return 0;
-        if (!ring_ok) poll(nullptr, 0, static_cast<int>(kIdleSlice.count()));
-        continue;
-      }
-      if (s == RingStatus::kCorrupt) {
-        std::fprintf(stderr, "jitckpt-proxy: corrupt request ring: %s; no further calls are read\n", error.c_str());
-        ReplyHead head{};
-        head.status = 999;  // cudaErrorUnknown
-        head.has_text = 1;
-        std::snprintf(head.text, sizeof head.text, "corrupt request ring: %s", error.c_str());
-        replies.push(0, &head, sizeof head, Clock::now() + std::chrono::seconds(1));
-        ring_ok = false;
-        continue;
-      }
-      const bool answer = dispatcher.handle(call, data, len, &reply);
-      requests.release();
-      if (!answer) continue;
-      if (reply.size() > replies.max_payload()) {  // a client that asked for more than a reply holds
-        ReplyHead head{};
-        std::memcpy(&head, reply.data(), sizeof head);
-        head.status = 1;  // cudaErrorInvalidValue
-        head.has_text = 1;
-        std::snprintf(head.text, sizeof head.text, "%s: a reply of %zu bytes exceeds the ring's %zu",
-                      call_name(call), reply.size(), replies.max_payload());
-        reply.assign(reinterpret_cast<const uint8_t*>(&head), reinterpret_cast<const uint8_t*>(&head) + sizeof head);
-      }
-      if (replies.push(call, reply.data(), reply.size(), Clock::now() + std::chrono::seconds(10)) !=
-          RingStatus::kOk) {
-        std::fprintf(stderr, "jitckpt-proxy: the client read no reply for 10 s; exiting\n");
-        return 3;
-      }
-    }
+    static DeviceState state;  // outlives the channel threads, which the exit ends
+    std::thread(serve_channel, std::move(requests), std::move(replies), std::ref(state)).detach();
+    listen(kSocketFd, state);  // returns when the client is gone
+    std::fflush(stderr);
+    _exit(0);  // the channel threads may be inside a blocking call: do not wait for them
   } catch (const std::exception& e) {
     std::fprintf(stderr, "jitckpt-proxy: %s\n", e.what());
     send_ready(kSocketFd, 1, e.what());

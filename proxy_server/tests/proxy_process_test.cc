@@ -18,6 +18,7 @@
 
 #include "proxy_client.h"
 #include "proxy_functions.h"
+#include <nccl.h>
 
 using jitckpt::proxy::Call;
 using jitckpt::proxy::CallResult;
@@ -194,7 +195,7 @@ namespace {
 
 // A generic call's request: RequestHead, then the arguments as the generated layer writes them.
 CallResult generic(ProxyClient& proxy, jitckpt::proxy::FunctionId id, const std::vector<uint8_t>& args,
-                   bool no_reply = false) {
+                   bool no_reply = false, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
   std::vector<uint8_t> payload(sizeof(jitckpt::proxy::RequestHead));
   const uint64_t seq = proxy.next_seq();
   const jitckpt::proxy::RequestHead head{seq, no_reply ? jitckpt::proxy::kNoReply : 0u, 0};
@@ -206,7 +207,7 @@ CallResult generic(ProxyClient& proxy, jitckpt::proxy::FunctionId id, const std:
     r.error = proxy.post(tag, payload.data(), payload.size());
     return r;
   }
-  return proxy.call_raw(tag, payload.data(), payload.size(), seq, std::chrono::seconds(10));
+  return proxy.call_raw(tag, payload.data(), payload.size(), seq, timeout);
 }
 
 template <typename T>
@@ -316,4 +317,33 @@ TEST(ProxyProcess, DeviceMemoryIsAtTheFixedArenaByDefault) {
     EXPECT_LT(ptr, kArenaBase + (uint64_t{64} << 30));
   }
   EXPECT_EQ(first[0], first[1]);
+}
+
+// Each client thread has its own channel, served by its own proxy thread: while one channel is
+// blocked in a call that does not return (rank 0 of a 2-rank communicator waiting for rank 1),
+// another channel's calls are answered. The blocked call does not keep the proxy alive either.
+TEST(ProxyProcess, ABlockedChannelDoesNotHoldUpAnother) {
+  using jitckpt::proxy::FunctionId;
+  auto proxy = start_proxy();
+  std::vector<uint8_t> want_id;
+  put<uint8_t>(&want_id, 1);
+  want_id.resize(want_id.size() + sizeof(ncclUniqueId));
+  CallResult id = generic(*proxy, FunctionId::k_ncclGetUniqueId, want_id);
+  ASSERT_EQ(id.status, 0) << id.error;
+  ASSERT_EQ(id.results.size(), sizeof(ncclUniqueId));
+  std::vector<uint8_t> init;
+  put<uint8_t>(&init, 1);    // the communicator result is wanted
+  put<int32_t>(&init, 2);    // nranks: rank 1 never comes
+  init.insert(init.end(), id.results.begin(), id.results.end());
+  put<int32_t>(&init, 0);    // rank
+  auto t0 = Clock::now();
+  std::thread blocked([&] {
+    CallResult r = generic(*proxy, FunctionId::k_ncclCommInitRank, init, false, std::chrono::seconds(2));
+    EXPECT_NE(r.error.find("no reply"), std::string::npos) << r.error;
+  });
+  auto other = proxy->open_channel();
+  CallResult n = other->call(Call::kGetDeviceCount, nullptr, 0, std::chrono::seconds(5));
+  EXPECT_EQ(n.status, 0) << n.error;
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  blocked.join();
 }

@@ -94,14 +94,19 @@ def reference_final(jobs, work: Path) -> bytes:
 
 # ~45 s each on the shared 2-core machine (standby workers import torch); the crash case is also
 # covered without the launcher by test_interposer_dp.py, so here it runs with the slow tests.
-@pytest.mark.parametrize("mode", ["hang", pytest.param("crash", marks=pytest.mark.slow)])
-def test_launcher_resumes_from_libjit_detected_jit_checkpoint(jobs, tmp_path: Path, mode: str) -> None:
+# transparent: the same job with every CUDA/NCCL call of the workers in a jitckpt-proxy (proxy
+# mode): the survivors' watchdogs query their events on channels of their own while the main
+# threads are blocked in the hung synchronize, and the save's copies go through the proxy too.
+@pytest.mark.parametrize("mode, transparent", [("hang", False), pytest.param("crash", False, marks=pytest.mark.slow),
+                                               ("hang", True), pytest.param("crash", True, marks=pytest.mark.slow)])
+def test_launcher_resumes_from_libjit_detected_jit_checkpoint(jobs, tmp_path: Path, mode: str,
+                                                             transparent: bool) -> None:
     need_build()
     reference = reference_final(jobs, tmp_path)
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
     cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(WORLD), "--hang-timeout", "1",
            "--checkpoint-dir", str(ckpt), "--run-dir", str(run), "--max-restarts", "2", "--status-interval", "0",
-           "--preload", str(LIBJIT), str(DRIVER), "--jitckpt", "--lib-dir", str(DP_LIBS), "--steps", str(STEPS),
+           *(["--transparent"] if transparent else ["--preload", str(LIBJIT)]), str(DRIVER), "--jitckpt", "--lib-dir", str(DP_LIBS), "--steps", str(STEPS),
            "--out", str(tmp_path / "final{rank}.bin"), "--fail-gen0", f"{mode}:{FAIL_RANK}:{FAIL_AT}"]
     job = jobs(cmd, tmp_path / "launcher.log")
     rc = job.wait(TIMEOUT_S)
@@ -121,5 +126,10 @@ def test_launcher_resumes_from_libjit_detected_jit_checkpoint(jobs, tmp_path: Pa
         assert (tmp_path / f"final{r}.bin").read_bytes() == reference, f"rank {r} differs from the failure-free run"
     detected = [e for e in events if e["event"] == "failure_detected"]
     # A hang is first known through libjit.so; a crash (SIGKILL) is seen by the launcher first, while
-    # the survivors' libjit.so still detects their hung all-reduce (log check above) and saves.
-    assert detected and detected[0]["kind"] == ("hang" if mode == "hang" else "signal"), detected
+    # the survivors' libjit.so still detects their hung all-reduce (log check above) and saves. In
+    # proxy mode simcuda's crash kills the process that runs the collective, the worker's proxy:
+    # the worker's next call fails and the worker exits with that exception.
+    expected = "hang" if mode == "hang" else ("exception" if transparent else "signal")
+    assert detected and detected[0]["kind"] == expected, detected
+    if mode == "crash" and transparent:
+        assert "was killed by signal 9" in log, log
