@@ -35,25 +35,37 @@ namespace {
 constexpr int kSocketFd = 3;
 constexpr auto kIdleSlice = std::chrono::milliseconds(100);
 
-// Receives Hello and the two ring fds; false with a message on stderr if the client sent junk.
-bool receive_rings(int sock, int* req_fd, int* rep_fd) {
-  Hello hello{};
-  iovec iov{&hello, sizeof hello};
+// One message from the socket with up to two file descriptors (SCM_RIGHTS): its length (0: the
+// client closed the socket; < 0: an error) and the fds, in `fds`/`nfds`.
+ssize_t receive_with_fds(int sock, void* data, size_t len, int fds[2], size_t* nfds) {
+  iovec iov{data, len};
   alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))];
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
   msg.msg_control = control;
   msg.msg_controllen = sizeof control;
-  ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  if (n != static_cast<ssize_t>(sizeof hello) || hello.magic != kHelloMagic || c == nullptr ||
-      c->cmsg_type != SCM_RIGHTS || c->cmsg_len != CMSG_LEN(2 * sizeof(int))) {
+  const ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+  *nfds = 0;
+  for (cmsghdr* c = n > 0 ? CMSG_FIRSTHDR(&msg) : nullptr; c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      *nfds = std::min<size_t>((c->cmsg_len - CMSG_LEN(0)) / sizeof(int), 2);
+      std::memcpy(fds, CMSG_DATA(c), *nfds * sizeof(int));
+    }
+  }
+  return n;
+}
+
+// Receives Hello and the two ring fds; false with a message on stderr if the client sent junk.
+bool receive_rings(int sock, int* req_fd, int* rep_fd) {
+  Hello hello{};
+  int fds[2] = {-1, -1};
+  size_t nfds = 0;
+  const ssize_t n = receive_with_fds(sock, &hello, sizeof hello, fds, &nfds);
+  if (n != static_cast<ssize_t>(sizeof hello) || hello.magic != kHelloMagic || nfds != 2) {
     std::fprintf(stderr, "jitckpt-proxy: the client's hello is malformed (not a jitckpt proxy client?)\n");
     return false;
   }
-  int fds[2];
-  std::memcpy(fds, CMSG_DATA(c), sizeof fds);
   *req_fd = fds[0];
   *rep_fd = fds[1];
   return true;
@@ -117,23 +129,10 @@ void serve_channel(ShmRing requests, ShmRing replies, DeviceState& state) {
 void listen(int sock, DeviceState& state) {
   while (true) {
     SocketMessage m{};
-    iovec iov{&m, sizeof m};
-    alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))];
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    const ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-    if (n == 0 || (n < 0 && errno != EINTR)) return;
     int fds[2] = {-1, -1};
     size_t nfds = 0;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-        nfds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        std::memcpy(fds, CMSG_DATA(c), std::min<size_t>(nfds, 2) * sizeof(int));
-      }
-    }
+    const ssize_t n = receive_with_fds(sock, &m, sizeof m, fds, &nfds);
+    if (n == 0 || (n < 0 && errno != EINTR)) return;
     if (n == static_cast<ssize_t>(sizeof m) && m.kind == SocketMessage::kPinnedMemory && nfds == 1) {
       state.mailbox.put(m.token, fds[0]);
     } else if (n == static_cast<ssize_t>(sizeof m) && m.kind == SocketMessage::kOpenChannel && nfds == 2) {
@@ -149,7 +148,7 @@ void listen(int sock, DeviceState& state) {
     } else {
       std::fprintf(stderr, "jitckpt-proxy: a malformed message on the socket (%zd bytes, %zu fds) was dropped\n", n,
                    nfds);
-      for (size_t i = 0; i < std::min<size_t>(nfds, 2); ++i) close(fds[i]);
+      for (size_t i = 0; i < nfds; ++i) close(fds[i]);
     }
   }
 }
