@@ -140,14 +140,19 @@ cudaError_t host_alloc(void** ptr, size_t size, unsigned int flags) {
   return cudaSuccess;
 }
 
-// Synchronous copies whose pageable side travels in the ring.
-cudaError_t copy_to_device(void* dst, const void* src, size_t count) {
+// Copies whose pageable side travels in the ring; with a stream they are stream-ordered. To the
+// device, the bytes are staged at the call (as CUDA does), so the async form needs no reply.
+cudaError_t copy_to_device(void* dst, const void* src, size_t count, cudaStream_t* stream) {
   for (size_t off = 0; off < count; off += kChunk) {
     const size_t n = std::min(kChunk, count - off);
-    CallWriter w(static_cast<uint32_t>(Call::kMemcpyToDevice), false);
-    w.value(proxy::MemcpyToDevice{u64(dst) + off, n});
+    CallWriter w(static_cast<uint32_t>(stream ? Call::kMemcpyToDeviceAsync : Call::kMemcpyToDevice), stream != nullptr);
+    if (stream)
+      w.value(proxy::MemcpyInline{u64(dst) + off, n, u64(*stream)});
+    else
+      w.value(proxy::MemcpyToDevice{u64(dst) + off, n});
     w.bytes(static_cast<const uint8_t*>(src) + off, n);
-    if (cudaError_t e = w.send("cudaMemcpy").status<cudaError_t>(); e != cudaSuccess) return e;
+    if (cudaError_t e = w.send(stream ? "cudaMemcpyAsync" : "cudaMemcpy").status<cudaError_t>(); e != cudaSuccess)
+      return e;
   }
   return cudaSuccess;
 }
@@ -251,7 +256,7 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpy
   if (count == 0) return cudaSuccess;
   const Memory d = session().memory_of(dst, count), s = session().memory_of(src, count);
   if (d != Memory::kPageable && s == Memory::kPageable && kind != cudaMemcpyDeviceToDevice)
-    return copy_to_device(dst, src, count);
+    return copy_to_device(dst, src, count, nullptr);
   if (s != Memory::kPageable && d == Memory::kPageable && kind != cudaMemcpyDeviceToDevice)
     return copy_from_device(dst, src, count, nullptr);
   if (d == Memory::kPageable && s == Memory::kPageable && (kind == cudaMemcpyHostToHost || kind == cudaMemcpyDefault)) {
@@ -267,17 +272,8 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpy
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   const Memory d = session().memory_of(dst, count), s = session().memory_of(src, count);
-  if (d != Memory::kPageable && s == Memory::kPageable && kind != cudaMemcpyDeviceToDevice) {
-    // A pageable source is staged at the call, as CUDA does: the bytes travel in the ring.
-    for (size_t off = 0; off < count; off += kChunk) {
-      const size_t n = std::min(kChunk, count - off);
-      CallWriter w(static_cast<uint32_t>(Call::kMemcpyToDeviceAsync), true);
-      w.value(proxy::MemcpyInline{u64(dst) + off, n, u64(stream)});
-      w.bytes(static_cast<const uint8_t*>(src) + off, n);
-      if (cudaError_t e = w.send("cudaMemcpyAsync").status<cudaError_t>(); e != cudaSuccess) return e;
-    }
-    return cudaSuccess;
-  }
+  if (d != Memory::kPageable && s == Memory::kPageable && kind != cudaMemcpyDeviceToDevice)
+    return copy_to_device(dst, src, count, &stream);
   if (s != Memory::kPageable && d == Memory::kPageable && kind != cudaMemcpyDeviceToDevice)
     return copy_from_device(dst, src, count, &stream);  // returns once the copy is done, as CUDA does
   CallWriter w(static_cast<uint32_t>(Call::kMemcpyAsync), true);

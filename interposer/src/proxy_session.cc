@@ -90,12 +90,6 @@ bool ProxySession::start_locked(std::string* why) {
   }
 }
 
-pid_t ProxySession::proxy_pid() {
-  std::lock_guard<std::mutex> lock(mu_);  // (client_ is set once, under mu_)
-  std::string why;
-  return start_locked(&why) ? client_->pid() : -1;
-}
-
 proxy::ProxyChannel* ProxySession::channel(std::string* why) {
   thread_local proxy::ProxyChannel* mine = nullptr;
   if (mine != nullptr) return mine;

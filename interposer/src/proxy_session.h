@@ -35,7 +35,6 @@ class ProxySession {
   // over on the socket first (pinned memory). Starts the proxy on first use.
   proxy::CallResult call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd = -1,
                          uint64_t fd_token = 0);
-  pid_t proxy_pid();
   uint64_t next_token() { return ++tokens_; }
 
   // Where to ask the kernel to map the next pinned buffer of `size` bytes: a range that neither this

@@ -154,7 +154,7 @@ CallResult ProxyChannel::call(Call c, const void* args, size_t len, std::chrono:
 
 std::string ProxyChannel::post(uint32_t tag, const void* payload, size_t len, std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
-  while (true) {
+  while (true) {  // the ring may be full while the proxy works through earlier calls
     RingStatus s = requests_.push(tag, payload, len, std::min(deadline, Clock::now() + kWaitSlice));
     if (s == RingStatus::kOk) return "";
     if (s == RingStatus::kTooLarge)
@@ -179,16 +179,7 @@ CallResult ProxyChannel::call_raw(uint32_t tag, const void* payload, size_t len,
     return out;
   };
   const auto deadline = Clock::now() + timeout;
-  while (true) {  // the ring may be full while the proxy works through earlier calls
-    RingStatus s = requests_.push(tag, payload, len, std::min(deadline, Clock::now() + kWaitSlice));
-    if (s == RingStatus::kOk) break;
-    if (s == RingStatus::kTooLarge)
-      return fail("a request of " + std::to_string(len) + " bytes exceeds the ring's " +
-                  std::to_string(requests_.max_payload()));
-    if (std::string d = owner_.death(); !d.empty()) return fail(d);
-    if (Clock::now() >= deadline) return fail("the request ring stayed full for " +
-                                              std::to_string(timeout.count()) + " ms");
-  }
+  if (std::string why = post(tag, payload, len, timeout); !why.empty()) return fail(why);
   while (true) {
     uint32_t rtag;
     const uint8_t* data;
