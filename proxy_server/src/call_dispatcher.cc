@@ -171,25 +171,6 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
     return false;
   };
   switch (call) {
-    case Call::kGetDeviceCount: {
-      int n = 0;
-      out->status = cudaGetDeviceCount(&n);
-      return out->result(int32_t{n});
-    }
-    case Call::kGetDevice: {
-      int d = 0;
-      out->status = cudaGetDevice(&d);
-      return out->result(int32_t{d});
-    }
-    case Call::kSetDevice: {
-      DeviceArg a;
-      if (take(name, args, nargs, &a, out)) out->status = cudaSetDevice(a.device);
-      return;
-    }
-    case Call::kDeviceSynchronize:
-      if (nargs != 0) return fail(out, cudaErrorInvalidValue, std::string(name) + ": unexpected arguments");
-      out->status = cudaDeviceSynchronize();
-      return;
     case Call::kMalloc: {
       SizeArg a;
       if (!take(name, args, nargs, &a, out)) return;

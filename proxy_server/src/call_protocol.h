@@ -18,14 +18,11 @@ inline constexpr uint32_t kProtocolVersion = 3;
 inline constexpr uint32_t kHelloMagic = 0x4A505859;  // "JPXY"
 
 enum class Call : uint32_t {
-  kGetDeviceCount = 1,
-  kGetDevice = 2,
-  kSetDevice = 3,
+  // 1-3 and 8 were device queries, now generic calls like every value/handle/result function.
   kMalloc = 4,
   kFree = 5,
   kMemcpyToDevice = 6,    // args: MemcpyToDevice, then `count` bytes
   kMemcpyFromDevice = 7,  // reply: `count` bytes
-  kDeviceSynchronize = 8,
   kRegisterKernel = 9,        // args: the mangled name; reply: KernelInfo + KernelParam[num_params]
   kLaunchKernel = 10,         // args: LaunchKernel, then the packed parameter bytes (kNoReply)
   kMemcpy = 11,               // args: MemcpyAddresses (device or pinned on both sides)
@@ -61,9 +58,6 @@ struct ReplyHead {
   char text[240];
 };
 
-struct DeviceArg {
-  int32_t device;
-};
 struct SizeArg {
   uint64_t size;
 };

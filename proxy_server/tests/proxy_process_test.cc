@@ -76,15 +76,65 @@ bool gone_or_zombie(pid_t pid) {
 
 }  // namespace
 
+namespace {
+
+// A generic call's request: RequestHead, then the arguments as the generated layer writes them.
+CallResult generic(jitckpt::proxy::ProxyChannel& proxy, jitckpt::proxy::FunctionId id,
+                   const std::vector<uint8_t>& args, bool no_reply = false,
+                   std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  std::vector<uint8_t> payload(sizeof(jitckpt::proxy::RequestHead));
+  const uint64_t seq = proxy.next_seq();
+  const jitckpt::proxy::RequestHead head{seq, no_reply ? jitckpt::proxy::kNoReply : 0u, 0};
+  std::memcpy(payload.data(), &head, sizeof head);
+  payload.insert(payload.end(), args.begin(), args.end());
+  const uint32_t tag = jitckpt::proxy::kGenericBase + static_cast<uint32_t>(id);
+  if (no_reply) {
+    CallResult r;
+    r.error = proxy.post(tag, payload.data(), payload.size());
+    return r;
+  }
+  return proxy.call_raw(tag, payload.data(), payload.size(), seq, timeout);
+}
+
+CallResult generic(ProxyClient& proxy, jitckpt::proxy::FunctionId id, const std::vector<uint8_t>& args,
+                   bool no_reply = false, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  return generic(proxy.primary(), id, args, no_reply, timeout);
+}
+
+template <typename T>
+void put(std::vector<uint8_t>* v, T x) {
+  const auto* p = reinterpret_cast<const uint8_t*>(&x);
+  v->insert(v->end(), p, p + sizeof x);
+}
+
+// cudaGetDeviceCount, cudaSetDevice, cudaGetDevice and cudaDeviceSynchronize as the generated
+// layer sends them.
+CallResult device_count(jitckpt::proxy::ProxyChannel& proxy) {
+  return generic(proxy, jitckpt::proxy::FunctionId::k_cudaGetDeviceCount, {1, 0, 0, 0, 0});
+}
+CallResult device_count(ProxyClient& proxy) { return device_count(proxy.primary()); }
+CallResult set_device(ProxyClient& proxy, int32_t device) {
+  std::vector<uint8_t> a;
+  put(&a, device);
+  return generic(proxy, jitckpt::proxy::FunctionId::k_cudaSetDevice, a);
+}
+CallResult get_device(ProxyClient& proxy) {
+  return generic(proxy, jitckpt::proxy::FunctionId::k_cudaGetDevice, {1, 0, 0, 0, 0});
+}
+CallResult device_synchronize(ProxyClient& proxy) {
+  return generic(proxy, jitckpt::proxy::FunctionId::k_cudaDeviceSynchronize, {});
+}
+
+}  // namespace
+
 TEST(ProxyProcess, CallsRunInTheProxyAndDeviceMemoryIsMappedOnlyThere) {
   auto proxy = start_proxy();
-  CallResult n = proxy->call(Call::kGetDeviceCount, nullptr, 0);
+  CallResult n = device_count(*proxy);
   ASSERT_EQ(n.status, 0) << n.error;
   EXPECT_EQ(result_as<int32_t>(n), 2);
-  const int32_t dev = 1;
-  ASSERT_EQ(proxy->call(Call::kSetDevice, &dev, sizeof dev).status, 0);
-  EXPECT_EQ(result_as<int32_t>(proxy->call(Call::kGetDevice, nullptr, 0)), 1);
-  ASSERT_EQ(proxy->call(Call::kSetDevice, "\0\0\0\0", 4).status, 0);
+  ASSERT_EQ(set_device(*proxy, 1).status, 0);
+  EXPECT_EQ(result_as<int32_t>(get_device(*proxy)), 1);
+  ASSERT_EQ(set_device(*proxy, 0).status, 0);
   const uint64_t size = 1 << 16;
   CallResult m = proxy->call(Call::kMalloc, &size, sizeof size);
   ASSERT_EQ(m.status, 0) << m.error;
@@ -97,7 +147,7 @@ TEST(ProxyProcess, CallsRunInTheProxyAndDeviceMemoryIsMappedOnlyThere) {
   std::memcpy(req.data(), head, sizeof head);
   for (size_t i = 0; i < size; ++i) req[16 + i] = static_cast<uint8_t>(i * 31 + 7);
   ASSERT_EQ(proxy->call(Call::kMemcpyToDevice, req.data(), req.size()).status, 0);
-  ASSERT_EQ(proxy->call(Call::kDeviceSynchronize, nullptr, 0).status, 0);
+  ASSERT_EQ(device_synchronize(*proxy).status, 0);
   CallResult back = proxy->call(Call::kMemcpyFromDevice, head, sizeof head);
   ASSERT_EQ(back.status, 0) << back.error;
   ASSERT_EQ(back.results.size(), size);
@@ -125,7 +175,7 @@ TEST(ProxyProcess, BadRequestsGetClearErrorsAndTheProxyServesOn) {
   const uint8_t short_args[sizeof(jitckpt::proxy::RequestHead) + 3] = {};
   r = proxy->call_raw(static_cast<uint32_t>(Call::kMalloc), short_args, sizeof short_args, 0);
   EXPECT_NE(r.error.find("3 argument bytes, expected 8"), std::string::npos) << r.error;
-  CallResult n = proxy->call(Call::kGetDeviceCount, nullptr, 0);
+  CallResult n = device_count(*proxy);
   EXPECT_EQ(n.status, 0);
   EXPECT_EQ(result_as<int32_t>(n), 2);
 }
@@ -141,7 +191,7 @@ TEST(ProxyProcess, ACorruptRequestRingIsReportedNotACrash) {
   header->tail.store(tail + 16);
   header->data_word.fetch_add(1);
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header->data_word), 1 /*FUTEX_WAKE*/, 1, nullptr, nullptr, 0);
-  CallResult r = proxy->call(Call::kGetDeviceCount, nullptr, 0, std::chrono::seconds(10));
+  CallResult r = device_count(*proxy);
   EXPECT_NE(r.error.find("corrupt request ring"), std::string::npos) << r.error;
   EXPECT_EQ(kill(proxy->pid(), 0), 0);  // alive: it stopped reading the ring, it did not crash
   EXPECT_FALSE(gone_or_zombie(proxy->pid()));
@@ -149,10 +199,10 @@ TEST(ProxyProcess, ACorruptRequestRingIsReportedNotACrash) {
 
 TEST(ProxyProcess, AKilledProxyFailsTheNextCallClearlyAndPromptly) {
   auto proxy = start_proxy();
-  ASSERT_EQ(proxy->call(Call::kGetDeviceCount, nullptr, 0).status, 0);
+  ASSERT_EQ(device_count(*proxy).status, 0);
   kill(proxy->pid(), SIGKILL);
   auto t0 = Clock::now();
-  CallResult r = proxy->call(Call::kGetDeviceCount, nullptr, 0);
+  CallResult r = device_count(*proxy);
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(2));
   EXPECT_EQ(r.status, 999);
   EXPECT_NE(r.error.find("jitckpt-proxy (pid " + std::to_string(proxy->pid()) + ") was killed by"),
@@ -191,32 +241,6 @@ TEST(ProxyProcess, AMissingBinaryIsNamed) {
   }
 }
 
-namespace {
-
-// A generic call's request: RequestHead, then the arguments as the generated layer writes them.
-CallResult generic(ProxyClient& proxy, jitckpt::proxy::FunctionId id, const std::vector<uint8_t>& args,
-                   bool no_reply = false, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
-  std::vector<uint8_t> payload(sizeof(jitckpt::proxy::RequestHead));
-  const uint64_t seq = proxy.next_seq();
-  const jitckpt::proxy::RequestHead head{seq, no_reply ? jitckpt::proxy::kNoReply : 0u, 0};
-  std::memcpy(payload.data(), &head, sizeof head);
-  payload.insert(payload.end(), args.begin(), args.end());
-  const uint32_t tag = jitckpt::proxy::kGenericBase + static_cast<uint32_t>(id);
-  if (no_reply) {
-    CallResult r;
-    r.error = proxy.post(tag, payload.data(), payload.size());
-    return r;
-  }
-  return proxy.call_raw(tag, payload.data(), payload.size(), seq, timeout);
-}
-
-template <typename T>
-void put(std::vector<uint8_t>* v, T x) {
-  const auto* p = reinterpret_cast<const uint8_t*>(&x);
-  v->insert(v->end(), p, p + sizeof x);
-}
-
-}  // namespace
 
 TEST(ProxyProcess, HandlesAreVirtualAndAnUnknownOneIsRefusedByName) {
   using jitckpt::proxy::FunctionId;
@@ -248,7 +272,7 @@ TEST(ProxyProcess, HandlesAreVirtualAndAnUnknownOneIsRefusedByName) {
                 put<uint32_t>(&a, 0);
                 return a;
               }(), true).error.empty());
-  r = proxy->call(Call::kGetDeviceCount, nullptr, 0);
+  r = device_count(*proxy);
   EXPECT_EQ(r.status, 0);
   EXPECT_EQ(r.async_status, 400);
   EXPECT_STREQ(jitckpt::proxy::call_name(r.async_call), "cudaStreamWaitEvent");
@@ -296,7 +320,7 @@ TEST(ProxyProcess, RandomRequestsNeverCrashTheProxy) {
       ASSERT_NE(r.status, 999) << "request " << i << " (" << jitckpt::proxy::call_name(tag) << "): " << r.error;
     }
   }
-  CallResult n = proxy->call(Call::kGetDeviceCount, nullptr, 0);
+  CallResult n = device_count(*proxy);
   EXPECT_EQ(n.status, 0) << n.error;
   EXPECT_EQ(result_as<int32_t>(n), 2);
   EXPECT_FALSE(gone_or_zombie(proxy->pid()));
@@ -342,7 +366,7 @@ TEST(ProxyProcess, ABlockedChannelDoesNotHoldUpAnother) {
     EXPECT_NE(r.error.find("no reply"), std::string::npos) << r.error;
   });
   auto other = proxy->open_channel();
-  CallResult n = other->call(Call::kGetDeviceCount, nullptr, 0, std::chrono::seconds(5));
+  CallResult n = device_count(*other);
   EXPECT_EQ(n.status, 0) << n.error;
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
   blocked.join();
