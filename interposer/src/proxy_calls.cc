@@ -213,6 +213,7 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes* attributes, c
       attributes->devicePointer = const_cast<void*>(ptr);
       break;
     case Memory::kPinned:
+    case Memory::kRegistered:
       attributes->type = cudaMemoryTypeHost;
       attributes->devicePointer = attributes->hostPointer = const_cast<void*>(ptr);
       break;
@@ -227,6 +228,11 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes* attributes, c
 
 cudaError_t cudaMallocHost(void** ptr, size_t size) { return host_alloc(ptr, size, cudaHostAllocDefault); }
 cudaError_t cudaHostAlloc(void** pHost, size_t size, unsigned int flags) { return host_alloc(pHost, size, flags); }
+
+cudaError_t cudaHostRegister(void* ptr, size_t size, unsigned int flags) {
+  return session().registrations().add(ptr, size, flags);
+}
+cudaError_t cudaHostUnregister(void* ptr) { return session().registrations().remove(ptr); }
 
 cudaError_t cudaFreeHost(void* ptr) {
   if (ptr == nullptr) return cudaSuccess;
@@ -244,7 +250,8 @@ cudaError_t cudaFreeHost(void* ptr) {
 }
 
 cudaError_t cudaHostGetDevicePointer(void** pDevice, void* pHost, unsigned int flags) {
-  if (pDevice == nullptr || flags != 0 || session().memory_of(pHost) != Memory::kPinned) {
+  const Memory m = session().memory_of(pHost);
+  if (pDevice == nullptr || flags != 0 || (m != Memory::kPinned && m != Memory::kRegistered)) {
     record_cuda_error(cudaErrorInvalidValue);
     return cudaErrorInvalidValue;
   }

@@ -183,6 +183,14 @@ ProxySession::Memory ProxySession::memory_of(const void* p, size_t count) const 
   return it->second.kind;
 }
 
+bool ProxySession::overlaps_memory(uintptr_t base, size_t size) const {
+  std::lock_guard<std::mutex> lock(memory_mu_);
+  auto it = memory_.lower_bound(base + size);  // the first range starting at or after the end
+  if (it == memory_.begin()) return false;
+  --it;  // the last range starting before the end: the only one that can reach into [base, ...)
+  return it->first + it->second.size > base;
+}
+
 bool proxy_mode_resolve(const char* name, void** fn) {
   if (!Registry::instance().proxy().enabled()) return false;
   *fn = proxy_mode::forwarder(name);

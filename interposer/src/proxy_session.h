@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "host_registration.h"
 #include "proxy_client.h"
 #include "proxy_kernels.h"
 
@@ -24,11 +25,13 @@ namespace jitckpt {
 
 class ProxySession {
  public:
-  enum class Memory { kPageable, kDevice, kPinned };
+  // kPinned: from cudaHostAlloc/cudaMallocHost; kRegistered: whole pages around a cudaHostRegister.
+  enum class Memory { kPageable, kDevice, kPinned, kRegistered };
 
   ProxySession();  // reads JITCKPT_MODE
   bool enabled() const { return enabled_; }
   ProxyKernels& kernels() { return kernels_; }
+  HostRegistrations& registrations() { return registrations_; }
 
   // One request; `payload` starts with room for its RequestHead, which this fills in. A kNoReply
   // request returns once it is in the ring (status 0, or a transport failure). `fd` >= 0 is handed
@@ -45,6 +48,7 @@ class ProxySession {
   bool remove_memory(uintptr_t base, Memory kind, size_t* size = nullptr);
   // The kind of memory [p, p + count) is in (kPageable if it is not all in one known range).
   Memory memory_of(const void* p, size_t count = 1) const;
+  bool overlaps_memory(uintptr_t base, size_t size) const;
 
  private:
   // This thread's channel (opened on its first call), or nullptr with `why` if there is no proxy.
@@ -54,6 +58,7 @@ class ProxySession {
 
   const bool enabled_;
   ProxyKernels kernels_;
+  HostRegistrations registrations_;
   std::mutex mu_;  // starting the proxy, opening channels
   std::unique_ptr<proxy::ProxyClient> client_;
   bool primary_taken_ = false;

@@ -32,6 +32,8 @@ SPECIAL: dict[str, str] = {
     "cudaPointerGetAttributes": "answered from the client's table of device and pinned allocations",
     **{n: "pinned host memory: shared memory mapped at the same address in both processes"
        for n in ("cudaMallocHost", "cudaHostAlloc", "cudaFreeHost", "cudaHostGetDevicePointer")},
+    **{n: "registered host memory: its pages move into shared memory, mapped at the same address in the proxy"
+       for n in ("cudaHostRegister", "cudaHostUnregister")},
     **{n: "synchronous copy/set: pageable bytes travel in the ring (in chunks), device and pinned memory "
           "by address" for n in ("cudaMemcpy", "cudaMemset")},
     "cudaMemcpyAsync": ("stream-ordered copy: device and pinned memory by address and no reply; a pageable "
@@ -61,8 +63,6 @@ REFUSED: dict[str, str] = {
     **{n: "CUDA IPC hands device memory to another process; the proxy owns it"
        for n in ("cudaIpcGetMemHandle", "cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle", "cudaIpcGetEventHandle",
                  "cudaIpcOpenEventHandle")},
-    **{n: "registering memory the application allocated cannot share it with the proxy; "
-          "allocate pinned memory with cudaHostAlloc" for n in ("cudaHostRegister", "cudaHostUnregister")},
     **{n: _NOT_YET + "CUDA graphs and stream capture" for n in (
         "cudaStreamBeginCapture", "cudaStreamBeginCaptureToGraph", "cudaStreamEndCapture", "cudaStreamIsCapturing",
         "cudaStreamGetCaptureInfo", "cudaStreamUpdateCaptureDependencies", "cudaThreadExchangeStreamCaptureMode",

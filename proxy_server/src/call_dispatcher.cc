@@ -371,19 +371,19 @@ void CallDispatcher::host_alloc(const uint8_t* args, size_t nargs, Outcome* out)
   if (!take("cudaHostAlloc", args, nargs, &a, out)) return;
   // The memfd came on the socket, with this request's token (the listener thread received it).
   const int fd = state_.mailbox.take(a.token, std::chrono::milliseconds(kFdWaitMs));
-  if (fd < 0) return fail(out, cudaErrorMemoryAllocation, "cudaHostAlloc: the client's shared memory did not arrive");
+  if (fd < 0) return fail(out, cudaErrorMemoryAllocation, "the client's shared host memory did not arrive");
   void* want = reinterpret_cast<void*>(a.addr);
   void* got = mmap(want, a.size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED_NOREPLACE, fd, 0);
   close(fd);
   if (got != want) {
     if (got != MAP_FAILED) munmap(got, a.size);
-    return fail(out, cudaErrorMemoryAllocation, "cudaHostAlloc: cannot map the pinned buffer at " + hex(a.addr) +
+    return fail(out, cudaErrorMemoryAllocation, "cannot map the shared host memory at " + hex(a.addr) +
                                                     " in the proxy (" + std::strerror(errno) + ")");
   }
   cudaError_t e = cudaHostRegister(want, a.size, cudaHostRegisterDefault);
   if (e != cudaSuccess) {
     munmap(want, a.size);
-    return fail(out, e, std::string("cudaHostAlloc: registering the shared buffer: ") + cudaGetErrorName(e));
+    return fail(out, e, std::string("registering the shared host memory with the runtime: ") + cudaGetErrorName(e));
   }
   state_.memory.add(a.addr, a.size, AddressBook::Kind::kPinned);
   out->status = cudaSuccess;
