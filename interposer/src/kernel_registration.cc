@@ -1,8 +1,8 @@
 // nvcc's registration and launch-configuration ABI (__cudaRegisterFatBinary, __cudaRegisterFunction,
 // __cudaPushCallConfiguration, __cudaGetKernel, ...): not declared in the public headers, called by
 // the host code nvcc generates. Observe mode passes each to the real runtime. Proxy mode keeps
-// them in the client: registrations go into the kernel table (sent to the proxy by name when a
-// kernel is first launched, so they can be replayed into a new proxy), and the launch
+// them in the client: registrations go into the kernel table (each fat binary and its kernels are
+// sent to the proxy before the first use of one of them, and can be sent to a new proxy), and the launch
 // configuration is a per-thread stack, as in libcudart.
 #include <cuda_runtime_api.h>
 
@@ -63,8 +63,7 @@ extern "C" {
 void** __cudaRegisterFatBinary(void* fatCubin) {
   static NextSymbol<void** (*)(void*)> next{"__cudaRegisterFatBinary", kCudartSoname};
   if (!proxy()) return next.get()(fatCubin);
-  // libcudart's exit-time cleanup reads a structure behind the handle; keep one zeroed.
-  return static_cast<void**>(std::calloc(1, 0x58));
+  return session().kernels().add_module(fatCubin);
 }
 
 void __cudaRegisterFatBinaryEnd(void** handle) {
@@ -87,7 +86,7 @@ void __cudaRegisterFunction(void** handle, const char* hostFun, char* deviceFun,
   static NextSymbol<void (*)(void**, const char*, char*, const char*, int, uint3*, uint3*, dim3*, dim3*, int*)> next{
       "__cudaRegisterFunction", kCudartSoname};
   if (!proxy()) return next.get()(handle, hostFun, deviceFun, deviceName, threadLimit, tid, bid, bDim, gDim, wSize);
-  session().kernels().add(hostFun, deviceFun);
+  session().kernels().add(handle, hostFun, deviceFun);
 }
 
 void __cudaRegisterVar(void** handle, char* hostVar, char* deviceAddress, const char* deviceName, int ext,

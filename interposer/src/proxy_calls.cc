@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <tuple>
 #include <cstring>
 #include <string>
 
@@ -33,6 +35,37 @@ Fn real(const char* name, const char* soname) {
   return reinterpret_cast<Fn>(resolve_real_symbol(name, soname));
 }
 
+// Sends module `m` (its fat binary and kernel names, in a memfd) to the proxy, once.
+cudaError_t send_module(ClientModule* m) {
+  if (m->proxy_id >= 0) return cudaSuccess;
+  std::string names;
+  for (const std::string& n : m->kernel_names) names.append(n).push_back('\0');
+  const size_t total = m->image_size + names.size();
+  const int fd = memfd_create("jitckpt-module", MFD_CLOEXEC);
+  bool written = fd >= 0 && ftruncate(fd, static_cast<off_t>(total)) == 0;
+  for (const auto& [p, n, at] : {std::tuple<const void*, size_t, size_t>{m->image, m->image_size, 0},
+                                 {names.data(), names.size(), m->image_size}})
+    written = written && (n == 0 || pwrite(fd, p, n, static_cast<off_t>(at)) == static_cast<ssize_t>(n));
+  if (!written) {
+    if (fd >= 0) close(fd);
+    log_always("proxy mode: cannot stage a module of %zu bytes for the proxy: %s", total, std::strerror(errno));
+    record_cuda_error(cudaErrorMemoryAllocation);
+    return cudaErrorMemoryAllocation;
+  }
+  const uint64_t token = session().next_token();
+  CallWriter w(static_cast<uint32_t>(Call::kRegisterModule), false);
+  w.value(proxy::RegisterModule{token, m->image_size, names.size(), static_cast<uint32_t>(m->kernel_names.size()), 0});
+  Reply r = w.send("module registration", fd, token);
+  close(fd);
+  uint32_t id = 0;
+  r.result(&id);
+  if (cudaError_t e = r.status<cudaError_t>(); e != cudaSuccess) return e;
+  m->proxy_id = id;
+  log_verbose("proxy mode: module %u sent to the proxy: a fat binary of %zu bytes, %zu kernels", id, m->image_size,
+              m->kernel_names.size());
+  return cudaSuccess;
+}
+
 // The kernel `func` names (host stub or cudaKernel_t), registered with the proxy on first use.
 cudaError_t registered(const void* func, ClientKernel** out) {
   ClientKernel* k = session().kernels().find(func);
@@ -44,8 +77,9 @@ cudaError_t registered(const void* func, ClientKernel** out) {
   if (k->proxy_id < 0) {
     std::lock_guard<std::mutex> lock(session().kernels().registration_mutex());
     if (k->proxy_id < 0) {
+      if (cudaError_t e = send_module(k->module); e != cudaSuccess) return e;
       CallWriter w(static_cast<uint32_t>(Call::kRegisterKernel), false);
-      w.bytes(k->name.data(), k->name.size());
+      w.value(proxy::KernelRef{static_cast<uint32_t>(k->module->proxy_id), k->index});
       Reply r = w.send("kernel registration");
       const proxy::CallResult& raw = r.raw();
       if (raw.status != 0) return r.status<cudaError_t>();

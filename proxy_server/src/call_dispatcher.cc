@@ -12,20 +12,13 @@
 #include <cstring>
 #include <string>
 
-// nvcc's registration ABI (crt/host_runtime.h): the proxy registers each kernel it is asked for
-// under a stand-in host stub of its own.
-extern "C" void** __cudaRegisterFatBinary(void* fatCubin);
-extern "C" void __cudaRegisterFatBinaryEnd(void** handle);
-extern "C" void __cudaUnregisterFatBinary(void** handle);
+// cudaKernel_t of a registered kernel (nvcc's ABI, crt/host_runtime.h).
 extern "C" cudaError_t __cudaGetKernel(cudaKernel_t* kernel, const void* hostFun);
-extern "C" void __cudaRegisterFunction(void** handle, const char* hostFun, char* deviceFun, const char* deviceName,
-                                       int threadLimit, uint3* tid, uint3* bid, dim3* bDim, dim3* gDim, int* wSize);
 
 namespace jitckpt::proxy {
 
 namespace {
 
-constexpr size_t kMaxKernelName = 4096;
 constexpr int kFdWaitMs = 5000;
 
 std::string hex(uint64_t v) {
@@ -52,66 +45,7 @@ bool take(const char* name, const uint8_t* args, size_t nargs, T* v, GenericRepl
   return true;
 }
 
-// Stand-in for the fat binary: simcuda runs kernels from its host kernel library by name and reads
-// nothing here. On a GPU the client must send the application's fatbin (not built yet).
-struct FatbinWrapper {
-  int magic;
-  int version;
-  const void* data;
-  void* filename;
-} const kNoFatbin{0x466243b1, 1, nullptr, nullptr};
-
 }  // namespace
-
-DeviceState::~DeviceState() {
-  if (fatbin_handle_ != nullptr) __cudaUnregisterFatBinary(fatbin_handle_);
-}
-
-const DeviceState::Kernel* DeviceState::kernel(uint32_t id) {
-  std::lock_guard<std::mutex> lock(kernels_mu_);
-  return id < kernels_.size() && kernels_[id].usable ? &kernels_[id] : nullptr;
-}
-
-const DeviceState::Kernel* DeviceState::register_kernel(const std::string& name, uint32_t* id, std::string* error,
-                                                        int* status) {
-  std::lock_guard<std::mutex> lock(kernels_mu_);
-  for (size_t i = 0; i < kernels_.size(); ++i) {
-    if (kernels_[i].usable && kernels_[i].name == name) {
-      *id = static_cast<uint32_t>(i);
-      return &kernels_[i];
-    }
-  }
-  if (fatbin_handle_ == nullptr) {
-    fatbin_handle_ = __cudaRegisterFatBinary(const_cast<FatbinWrapper*>(&kNoFatbin));
-    __cudaRegisterFatBinaryEnd(fatbin_handle_);
-  }
-  Kernel k;
-  k.name = name;
-  k.stand_in = std::make_unique<char>();
-  // The runtime keeps the name pointer: it points into the deque's element, which never moves.
-  kernels_.push_back(std::move(k));
-  Kernel& added = kernels_.back();
-  __cudaRegisterFunction(fatbin_handle_, added.stand_in.get(), added.name.data(), added.name.c_str(), -1, nullptr,
-                         nullptr, nullptr, nullptr, nullptr);
-  for (size_t i = 0;; ++i) {
-    size_t offset = 0, size = 0;
-    cudaError_t e = cudaFuncGetParamInfo(added.stand_in.get(), i, &offset, &size);
-    if (e == cudaErrorInvalidValue) break;  // past the last parameter
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      *status = e;
-      *error = "kernel " + name + ": the device runtime has no code for it (" + cudaGetErrorName(e) +
-               "; on simcuda: is it in SIMCUDA_KERNEL_LIB?)";
-      added.usable = false;  // keeps its slot; a later registration of `name` tries again
-      return nullptr;
-    }
-    added.params.push_back(KernelParam{static_cast<uint32_t>(offset), static_cast<uint32_t>(size)});
-    added.param_bytes = std::max<uint32_t>(added.param_bytes, static_cast<uint32_t>(offset + size));
-  }
-  cudaGetLastError();  // the end-of-list probe is not the application's error
-  *id = static_cast<uint32_t>(kernels_.size() - 1);
-  return &added;
-}
 
 bool CallDispatcher::handle(uint32_t call, const uint8_t* data, size_t len, std::vector<uint8_t>* reply) {
   RequestHead req{};
@@ -270,6 +204,8 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
       if (take(name, args, nargs, &a, out)) host_free(a.ptr, out);
       return;
     }
+    case Call::kRegisterModule:
+      return register_module(args, nargs, out);
     case Call::kRegisterKernel:
       return register_kernel(args, nargs, out);
     case Call::kLaunchKernel:
@@ -280,14 +216,24 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
   fail(out, cudaErrorNotSupported, std::string(name) + ": not served by this proxy");
 }
 
+void CallDispatcher::register_module(const uint8_t* args, size_t nargs, Outcome* out) {
+  RegisterModule m;
+  if (!take("module registration", args, nargs, &m, out)) return;
+  const int fd = state_.mailbox.take(m.token, std::chrono::milliseconds(kFdWaitMs));
+  if (fd < 0) return fail(out, cudaErrorInvalidValue, "module registration: the client's memfd did not arrive");
+  std::string error;
+  const int64_t id = state_.kernels.add_module(fd, m, &error);
+  if (id < 0) return fail(out, cudaErrorInvalidKernelImage, error);
+  out->result(static_cast<uint32_t>(id));
+}
+
 void CallDispatcher::register_kernel(const uint8_t* args, size_t nargs, Outcome* out) {
-  if (nargs == 0 || nargs > kMaxKernelName || std::memchr(args, 0, nargs) != nullptr)
-    return fail(out, cudaErrorInvalidValue, "kernel registration: the name must be 1 to 4096 bytes without NUL");
+  KernelRef ref;
+  if (!take("kernel registration", args, nargs, &ref, out)) return;
   uint32_t id = 0;
   std::string error;
   int status = 0;
-  const DeviceState::Kernel* k =
-      state_.register_kernel(std::string(reinterpret_cast<const char*>(args), nargs), &id, &error, &status);
+  const KernelModules::Kernel* k = state_.kernels.resolve(ref, &id, &error, &status);
   if (k == nullptr) return fail(out, static_cast<cudaError_t>(status), error);
   out->result(KernelInfo{id, static_cast<uint32_t>(k->params.size())});
   for (const KernelParam& p : k->params) out->result(p);
@@ -296,10 +242,10 @@ void CallDispatcher::register_kernel(const uint8_t* args, size_t nargs, Outcome*
 void CallDispatcher::launch_kernel(const uint8_t* args, size_t nargs, Outcome* out) {
   LaunchKernel a;
   if (!take("cudaLaunchKernel", args, nargs, &a, out, true)) return;
-  const DeviceState::Kernel* kp = state_.kernel(a.kernel_id);
+  const KernelModules::Kernel* kp = state_.kernels.kernel(a.kernel_id);
   if (kp == nullptr)
     return fail(out, cudaErrorInvalidDeviceFunction, "cudaLaunchKernel: unknown kernel id " + std::to_string(a.kernel_id));
-  const DeviceState::Kernel& k = *kp;
+  const KernelModules::Kernel& k = *kp;
   if (a.param_bytes != k.param_bytes || nargs - sizeof a != a.param_bytes)
     return fail(out, cudaErrorInvalidValue, "cudaLaunchKernel(" + k.name + "): " + std::to_string(nargs - sizeof a) +
                                                 " parameter bytes, the kernel takes " + std::to_string(k.param_bytes));
@@ -332,7 +278,7 @@ void CallDispatcher::launch_kernel(const uint8_t* args, size_t nargs, Outcome* o
 void CallDispatcher::kernel_attribute(const uint8_t* args, size_t nargs, Outcome* out) {
   KernelAttribute a;
   if (!take("kernel attribute", args, nargs, &a, out)) return;
-  const DeviceState::Kernel* k = state_.kernel(a.kernel_id);
+  const KernelModules::Kernel* k = state_.kernels.kernel(a.kernel_id);
   if (k == nullptr)
     return fail(out, cudaErrorInvalidDeviceFunction, "kernel attribute: unknown kernel id " + std::to_string(a.kernel_id));
   const void* fn = k->stand_in.get();

@@ -17,6 +17,7 @@
 #include "fd_mailbox.h"
 #include "generic_call.h"
 #include "handle_table.h"
+#include "kernel_modules.h"
 
 namespace jitckpt::proxy {
 
@@ -24,29 +25,13 @@ namespace jitckpt::proxy {
 class DeviceState {
  public:
   DeviceState() = default;
-  ~DeviceState();
   DeviceState(const DeviceState&) = delete;
   DeviceState& operator=(const DeviceState&) = delete;
 
-  struct Kernel {
-    std::string name;                // stable: kernels are never moved or erased
-    std::unique_ptr<char> stand_in;  // the "host stub" this kernel is registered under here
-    std::vector<KernelParam> params;
-    uint32_t param_bytes = 0;
-    bool usable = true;  // false: the runtime had no code for it
-  };
   HandleTable handles;
   AddressBook memory;
-  FdMailbox mailbox;  // memfds of pinned buffers, from the socket's listener
-  // The kernel registered as `id`, or nullptr; a registered kernel never changes.
-  const Kernel* kernel(uint32_t id);
-  // Registers `name` with the runtime (once); its id, or the error.
-  const Kernel* register_kernel(const std::string& name, uint32_t* id, std::string* error, int* status);
-
- private:
-  std::mutex kernels_mu_;
-  std::deque<Kernel> kernels_;
-  void** fatbin_handle_ = nullptr;
+  FdMailbox mailbox;  // memfds of shared host memory and modules, from the socket's listener
+  KernelModules kernels;
 };
 
 // One channel's side of the calls: each client thread has a channel, served by one proxy thread.
@@ -64,6 +49,7 @@ class CallDispatcher {
   using Outcome = GenericReply;  // one call's status, message and results
   void run(uint32_t call, const char* name, const uint8_t* args, size_t nargs, Outcome* out);
   void run_special(Call call, const char* name, const uint8_t* args, size_t nargs, Outcome* out);
+  void register_module(const uint8_t* args, size_t nargs, Outcome* out);
   void register_kernel(const uint8_t* args, size_t nargs, Outcome* out);
   void launch_kernel(const uint8_t* args, size_t nargs, Outcome* out);
   void kernel_attribute(const uint8_t* args, size_t nargs, Outcome* out);

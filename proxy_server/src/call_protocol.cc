@@ -21,6 +21,7 @@ const char* call_name(uint32_t call) {
     case Call::kHostAlloc: return "cudaHostAlloc";
     case Call::kHostFree: return "cudaFreeHost";
     case Call::kKernelAttribute: return "kernel attribute";
+    case Call::kRegisterModule: return "module registration";
   }
   return nullptr;
 }

@@ -14,7 +14,7 @@
 
 namespace jitckpt::proxy {
 
-inline constexpr uint32_t kProtocolVersion = 3;
+inline constexpr uint32_t kProtocolVersion = 4;
 inline constexpr uint32_t kHelloMagic = 0x4A505859;  // "JPXY"
 
 enum class Call : uint32_t {
@@ -23,7 +23,7 @@ enum class Call : uint32_t {
   kFree = 5,
   kMemcpyToDevice = 6,    // args: MemcpyToDevice, then `count` bytes
   kMemcpyFromDevice = 7,  // reply: `count` bytes
-  kRegisterKernel = 9,        // args: the mangled name; reply: KernelInfo + KernelParam[num_params]
+  kRegisterKernel = 9,        // args: KernelRef; reply: KernelInfo + KernelParam[num_params]
   kLaunchKernel = 10,         // args: LaunchKernel, then the packed parameter bytes (kNoReply)
   kMemcpy = 11,               // args: MemcpyAddresses (device or pinned on both sides)
   kMemcpyAsync = 12,          // args: MemcpyAddresses (kNoReply)
@@ -33,6 +33,7 @@ enum class Call : uint32_t {
   kHostAlloc = 16,            // args: HostAlloc; the memfd went first over the socket (SCM_RIGHTS)
   kHostFree = 17,             // args: PointerArg
   kKernelAttribute = 18,      // args: KernelAttribute; reply: cudaFuncAttributes or int32 (see its `op`)
+  kRegisterModule = 19,       // args: RegisterModule; its memfd went first over the socket; reply: uint32 id
 };
 
 // Generated calls (proxy_functions.h): tag = kGenericBase + FunctionId.
@@ -71,6 +72,39 @@ struct MemcpyToDevice {
 struct MemcpyFromDevice {
   uint64_t src;
   uint64_t count;
+};
+
+// A fat binary and the kernels nvcc's code registered from it, sent once, before the first use of
+// one of them: the memfd holds the fatbin image (`image_size` bytes, 0 if the client could not
+// size it), then `names_size` bytes of `num_kernels` NUL-terminated mangled names.
+struct RegisterModule {
+  uint64_t token;  // the SocketMessage that carried the memfd
+  uint64_t image_size;
+  uint64_t names_size;
+  uint32_t num_kernels;
+  uint32_t reserved;
+};
+// Kernel `index` (in registration order) of module `module`.
+struct KernelRef {
+  uint32_t module;
+  uint32_t index;
+};
+// The start of a fat binary image (what __cudaRegisterFatBinary's wrapper points at): its size is
+// header_size + fat_size.
+struct FatbinHeader {
+  static constexpr uint32_t kMagic = 0xBA55ED50;
+  uint32_t magic;
+  uint16_t version;
+  uint16_t header_size;
+  uint64_t fat_size;
+};
+// What __cudaRegisterFatBinary receives (crt/host_runtime.h's __fatBinC_Wrapper_t).
+struct FatbinWrapper {
+  static constexpr int kMagic = 0x466243b1;
+  int magic;
+  int version;
+  const void* data;
+  void* filename_or_fatbins;
 };
 
 struct KernelInfo {
@@ -129,11 +163,11 @@ struct HostAlloc {
 };
 
 // What the client sends on the Unix socket after the handshake, with file descriptors attached:
-// the memfd of a pinned buffer (one fd, named by the token its kHostAlloc request carries), or the
+// a memfd (one fd, named by the token its kHostAlloc or kRegisterModule request carries), or the
 // request and reply rings of a new channel (two fds): each client thread gets its own channel,
 // served by its own proxy thread, so one thread's blocking call does not hold up another's.
 struct SocketMessage {
-  enum Kind : uint32_t { kPinnedMemory = 1, kOpenChannel = 2 };
+  enum Kind : uint32_t { kMemfd = 1, kOpenChannel = 2 };
   uint32_t kind;
   uint32_t reserved;
   uint64_t token;

@@ -1,5 +1,5 @@
 // File descriptors that arrived on the proxy's socket, waiting for the request that names them
-// (a pinned buffer's memfd and its kHostAlloc). The socket has one reader, the proxy's listener
+// (the memfd of shared host memory or of a module, and the kHostAlloc or kRegisterModule naming it). The socket has one reader, the proxy's listener
 // thread; the channel thread that needs the fd waits here, bounded.
 #pragma once
 

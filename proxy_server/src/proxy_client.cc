@@ -165,7 +165,7 @@ std::string ProxyChannel::post(uint32_t tag, const void* payload, size_t len, st
 }
 
 bool ProxyClient::send_fd(int fd, uint64_t token) {
-  const SocketMessage m{SocketMessage::kPinnedMemory, 0, token};
+  const SocketMessage m{SocketMessage::kMemfd, 0, token};
   std::lock_guard<std::mutex> lock(sock_mu_);
   return send_with_fds(sock_, &m, sizeof m, &fd, 1);
 }

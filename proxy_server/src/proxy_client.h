@@ -79,7 +79,7 @@ class ProxyClient {
   ProxyChannel& primary() { return primary_; }
   // A new channel, for another thread; throws std::runtime_error if the proxy cannot be told.
   std::unique_ptr<ProxyChannel> open_channel();
-  // Hands a pinned buffer's memfd to the proxy; its kHostAlloc request names the same token.
+  // Hands a memfd to the proxy (shared host memory, a module); the request that uses it names the same token.
   bool send_fd(int fd, uint64_t token);
   // Why the proxy is gone ("" while it runs). Any thread.
   std::string death() const;

@@ -123,7 +123,7 @@ void serve_channel(ShmRing requests, ShmRing replies, DeviceState& state) {
   }
 }
 
-// The socket's one reader: memfds of pinned buffers (into the mailbox) and new channels (a thread
+// The socket's one reader: memfds of shared host memory and modules (into the mailbox) and new channels (a thread
 // each). Returns when the client is gone, whatever killed it, even while a channel thread is
 // blocked in a call that never returns (a collective whose peer died).
 void listen(int sock, DeviceState& state) {
@@ -133,7 +133,7 @@ void listen(int sock, DeviceState& state) {
     size_t nfds = 0;
     const ssize_t n = receive_with_fds(sock, &m, sizeof m, fds, &nfds);
     if (n == 0 || (n < 0 && errno != EINTR)) return;
-    if (n == static_cast<ssize_t>(sizeof m) && m.kind == SocketMessage::kPinnedMemory && nfds == 1) {
+    if (n == static_cast<ssize_t>(sizeof m) && m.kind == SocketMessage::kMemfd && nfds == 1) {
       state.mailbox.put(m.token, fds[0]);
     } else if (n == static_cast<ssize_t>(sizeof m) && m.kind == SocketMessage::kOpenChannel && nfds == 2) {
       try {

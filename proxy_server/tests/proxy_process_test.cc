@@ -2,6 +2,7 @@
 // get clear errors without crashing it, and each side notices the other's death.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -278,19 +279,75 @@ TEST(ProxyProcess, HandlesAreVirtualAndAnUnknownOneIsRefusedByName) {
   EXPECT_STREQ(jitckpt::proxy::call_name(r.async_call), "cudaStreamWaitEvent");
 }
 
+// Sends a module (`image`, then the NUL-terminated `names`) as libjit.so does: the memfd first.
+CallResult register_module(ProxyClient& proxy, const std::string& image, const std::vector<std::string>& names,
+                           uint32_t num_kernels) {
+  std::string bytes = image;
+  size_t names_size = 0;
+  for (const std::string& n : names) names_size += n.size() + 1, bytes.append(n).push_back('\0');
+  const int fd = memfd_create("test-module", MFD_CLOEXEC);
+  EXPECT_EQ(pwrite(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+  static uint64_t token = 1000;
+  ++token;
+  EXPECT_TRUE(proxy.send_fd(fd, token));
+  close(fd);
+  const jitckpt::proxy::RegisterModule m{token, image.size(), names_size, num_kernels, 0};
+  return proxy.call(Call::kRegisterModule, &m, sizeof m);
+}
+
+std::string fatbin_image(uint64_t body) {
+  const jitckpt::proxy::FatbinHeader h{jitckpt::proxy::FatbinHeader::kMagic, 1, sizeof h, body};
+  return std::string(reinterpret_cast<const char*>(&h), sizeof h) + std::string(body, '\x7f');
+}
+
 TEST(ProxyProcess, UnknownKernelsAndLaunchesGetClearErrors) {
   auto proxy = start_proxy();
-  const std::string name = "_Z10no_such_kernelPi";
-  CallResult r = proxy->call(Call::kRegisterKernel, name.data(), name.size());
+  CallResult r = register_module(*proxy, fatbin_image(64), {"_Z10no_such_kernelPi"}, 1);
+  ASSERT_EQ(r.status, 0) << r.error;
+  ASSERT_EQ(result_as<uint32_t>(r), 0u);
+  const jitckpt::proxy::KernelRef first{0, 0}, missing{0, 1}, no_module{5, 0};
+  r = proxy->call(Call::kRegisterKernel, &first, sizeof first);
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.error.find("kernel _Z10no_such_kernelPi: the device runtime has no code for it"), std::string::npos)
       << r.error;
+  r = proxy->call(Call::kRegisterKernel, &missing, sizeof missing);
+  EXPECT_EQ(r.status, 98) << r.error;  // cudaErrorInvalidDeviceFunction
+  EXPECT_NE(r.error.find("no kernel 1 in module 0"), std::string::npos) << r.error;
+  r = proxy->call(Call::kRegisterKernel, &no_module, sizeof no_module);
+  EXPECT_NE(r.error.find("no kernel 0 in module 5"), std::string::npos) << r.error;
   jitckpt::proxy::LaunchKernel launch{};
   launch.kernel_id = 7;
   launch.grid[0] = launch.grid[1] = launch.grid[2] = 1;
   launch.block[0] = launch.block[1] = launch.block[2] = 1;
   r = proxy->call(Call::kLaunchKernel, &launch, sizeof launch);
   EXPECT_NE(r.error.find("unknown kernel id 7"), std::string::npos) << r.error;
+  // The first kernel is known to the proxy but has no code: it cannot be launched either.
+  launch.kernel_id = 0;
+  r = proxy->call(Call::kLaunchKernel, &launch, sizeof launch);
+  EXPECT_NE(r.error.find("unknown kernel id 0"), std::string::npos) << r.error;
+}
+
+TEST(ProxyProcess, MalformedModulesAreRefused) {
+  auto proxy = start_proxy();
+  CallResult r = register_module(*proxy, std::string(64, 'x'), {"_Z1kv"}, 1);
+  EXPECT_EQ(r.status, 200) << r.error;  // cudaErrorInvalidKernelImage
+  EXPECT_NE(r.error.find("the image is not a fat binary of 64 bytes"), std::string::npos) << r.error;
+  std::string cut = fatbin_image(64);
+  cut.resize(40);  // the header announces more than was sent
+  r = register_module(*proxy, cut, {"_Z1kv"}, 1);
+  EXPECT_NE(r.error.find("not a fat binary of 40 bytes"), std::string::npos) << r.error;
+  r = register_module(*proxy, fatbin_image(8), {"_Z1kv", "_Z1jv"}, 3);  // fewer names than announced
+  EXPECT_NE(r.error.find("the kernel names are not 3 NUL-terminated names"), std::string::npos) << r.error;
+  r = register_module(*proxy, fatbin_image(8), {""}, 1);
+  EXPECT_NE(r.error.find("NUL-terminated names of 1 to 4096 bytes"), std::string::npos) << r.error;
+  // A request whose memfd never came: a bounded wait, then an error, and the proxy serves on.
+  const jitckpt::proxy::RegisterModule orphan{424242, 16, 2, 1, 0};
+  r = proxy->call(Call::kRegisterModule, &orphan, sizeof orphan);
+  EXPECT_NE(r.error.find("the client's memfd did not arrive"), std::string::npos) << r.error;
+  // A well-formed module still registers after all that.
+  r = register_module(*proxy, fatbin_image(8), {"_Z1kv"}, 1);
+  EXPECT_EQ(r.status, 0) << r.error;
+  EXPECT_EQ(result_as<uint32_t>(r), 0u);
 }
 
 // Random tags, flags and argument bytes (generic CUDA runtime calls and the hand-written ones):

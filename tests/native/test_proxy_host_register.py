@@ -9,6 +9,7 @@ another registration. Verified on simcuda only.
 """
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -48,3 +49,17 @@ def test_proxy_mode_shares_registered_pages_with_the_proxy(prog: Program) -> Non
     # What cannot move into shared memory is refused with the reason, not silently copied.
     assert kv["file_register"] == "cudaErrorInvalidValue"
     assert "cudaHostRegister" in err and "part of it is a file mapping" in err
+
+
+def test_the_programs_fat_binary_goes_to_the_proxy(prog: Program) -> None:
+    """Before the first launch the client sends the module: the fat binary nvcc embedded (sized from
+    its header, which the proxy checks) and the kernel names, as the proxy on a GPU needs them."""
+    _, err = run(prog, JITCKPT_VERBOSE="1", **PROXY)
+    sent = re.findall(r"module (\d+) sent to the proxy: a fat binary of (\d+) bytes, (\d+) kernels", err)
+    assert len(sent) == 1, err
+    module, size, kernels = (int(v) for v in sent[0])
+    assert module == 0 and kernels == 2  # wait_for_flag and scale
+    sections = subprocess.run(["readelf", "-SW", str(prog.exe)], capture_output=True, text=True, check=True).stdout
+    fatbin = re.search(r"\.nv_fatbin\s+PROGBITS\s+[0-9a-f]+\s+[0-9a-f]+\s+([0-9a-f]+)", sections)
+    assert fatbin, sections
+    assert 0 < size <= int(fatbin.group(1), 16)
