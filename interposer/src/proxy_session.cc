@@ -1,8 +1,10 @@
 #include "proxy_session.h"
 
 #include <dlfcn.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -90,24 +92,57 @@ bool ProxySession::start_locked(std::string* why) {
   }
 }
 
+namespace {
+
+thread_local proxy::ProxyChannel* t_channel = nullptr;
+
+// Closes the channel of a thread other than the main one when it exits, so threads that come and go
+// leave no rings and no idle proxy thread behind. The main thread's stays open: static destructors
+// still make calls on it after its thread-local objects are gone.
+struct ChannelCloser {
+  bool armed = false;
+  ~ChannelCloser() {
+    if (armed && t_channel != nullptr && Registry::instance().tracking())  // not in a forked child
+      Registry::instance().proxy().close_channel(t_channel);
+    t_channel = nullptr;
+  }
+};
+thread_local ChannelCloser t_closer;
+
+}  // namespace
+
 proxy::ProxyChannel* ProxySession::channel(std::string* why) {
-  thread_local proxy::ProxyChannel* mine = nullptr;
-  if (mine != nullptr) return mine;
+  if (t_channel != nullptr) return t_channel;
   std::lock_guard<std::mutex> lock(mu_);
   if (!start_locked(why)) return nullptr;
   if (!primary_taken_) {
     primary_taken_ = true;
-    mine = &client_->primary();
-    return mine;
+    t_channel = &client_->primary();
+  } else {
+    try {
+      channels_.push_back(client_->open_channel());
+    } catch (const std::exception& e) {
+      *why = e.what();
+      return nullptr;
+    }
+    t_channel = channels_.back().get();
   }
-  try {
-    channels_.push_back(client_->open_channel());
-  } catch (const std::exception& e) {
-    *why = e.what();
-    return nullptr;
+  if (static_cast<pid_t>(syscall(SYS_gettid)) != getpid()) t_closer.armed = true;
+  return t_channel;
+}
+
+void ProxySession::close_channel(proxy::ProxyChannel* ch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (client_ != nullptr && client_->death().empty()) {
+    const proxy::RequestHead head{ch->next_seq(), proxy::kNoReply, 0};
+    // Everything the thread sent before is served first; a full ring after a second means the
+    // proxy is stuck in an earlier call of this thread, and the channel stays as it is.
+    if (!ch->post(static_cast<uint32_t>(proxy::Call::kCloseChannel), &head, sizeof head, std::chrono::seconds(1))
+             .empty())
+      return;
   }
-  mine = channels_.back().get();
-  return mine;
+  auto it = std::find_if(channels_.begin(), channels_.end(), [&](const auto& c) { return c.get() == ch; });
+  if (it != channels_.end()) channels_.erase(it);  // the primary channel belongs to the client
 }
 
 proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd,

@@ -39,6 +39,8 @@ class ProxySession {
   proxy::CallResult call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd = -1,
                          uint64_t fd_token = 0);
   uint64_t next_token() { return ++tokens_; }
+  // The thread that owns `ch` exited: the proxy thread serving it ends, its rings are unmapped.
+  void close_channel(proxy::ProxyChannel* ch);
 
   // Where to ask the kernel to map the next pinned buffer of `size` bytes: a range that neither this
   // process nor the proxy uses (both must map it at the same address).
@@ -61,8 +63,8 @@ class ProxySession {
   HostRegistrations registrations_;
   std::mutex mu_;  // starting the proxy, opening channels
   std::unique_ptr<proxy::ProxyClient> client_;
-  bool primary_taken_ = false;
-  std::vector<std::unique_ptr<proxy::ProxyChannel>> channels_;  // of the other threads; never closed
+  bool primary_taken_ = false;  // stays true once its thread exited: a new thread opens a channel
+  std::vector<std::unique_ptr<proxy::ProxyChannel>> channels_;  // of the other threads
   std::string start_failure_;
   std::atomic<bool> death_reported_{false};
   std::atomic<uint64_t> tokens_{0};

@@ -212,6 +212,8 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
       return launch_kernel(args, nargs, out);
     case Call::kKernelAttribute:
       return kernel_attribute(args, nargs, out);
+    case Call::kCloseChannel:
+      break;  // the channel's loop (proxy_main.cc) ends it before a dispatcher sees it
   }
   fail(out, cudaErrorNotSupported, std::string(name) + ": not served by this proxy");
 }

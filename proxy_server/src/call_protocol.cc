@@ -22,6 +22,7 @@ const char* call_name(uint32_t call) {
     case Call::kHostFree: return "cudaFreeHost";
     case Call::kKernelAttribute: return "kernel attribute";
     case Call::kRegisterModule: return "module registration";
+    case Call::kCloseChannel: return "channel close";
   }
   return nullptr;
 }

@@ -34,6 +34,7 @@ enum class Call : uint32_t {
   kHostFree = 17,             // args: PointerArg
   kKernelAttribute = 18,      // args: KernelAttribute; reply: cudaFuncAttributes or int32 (see its `op`)
   kRegisterModule = 19,       // args: RegisterModule; its memfd went first over the socket; reply: uint32 id
+  kCloseChannel = 20,         // no args (kNoReply): the client thread exited; the channel's proxy thread ends
 };
 
 // Generated calls (proxy_functions.h): tag = kGenericBase + FunctionId.

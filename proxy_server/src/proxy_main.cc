@@ -33,7 +33,8 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr int kSocketFd = 3;
-constexpr auto kIdleSlice = std::chrono::milliseconds(100);
+// An idle channel thread sleeps on its ring's futex; the listener, not this wait, ends the process.
+constexpr auto kIdleSlice = std::chrono::hours(1);
 
 // One message from the socket with up to two file descriptors (SCM_RIGHTS): its length (0: the
 // client closed the socket; < 0: an error) and the fds, in `fds`/`nfds`.
@@ -82,8 +83,9 @@ void send_ready(int sock, int status, const std::string& text) {
   (void)!send(sock, &r, sizeof r, MSG_NOSIGNAL);
 }
 
-// Serves one channel (a client thread's rings) until its ring is corrupt or the client stops
-// reading replies; the process ends when the client goes (listen below).
+// Serves one channel (a client thread's rings) until the client closes it (its thread exited), its
+// ring is corrupt or the client stops reading replies; the process ends when the client goes
+// (listen below).
 void serve_channel(ShmRing requests, ShmRing replies, DeviceState& state) {
   CallDispatcher dispatcher(state);
   std::vector<uint8_t> reply;
@@ -104,6 +106,7 @@ void serve_channel(ShmRing requests, ShmRing replies, DeviceState& state) {
       replies.push(0, &head, sizeof head, Clock::now() + std::chrono::seconds(1));
       return;
     }
+    if (call == static_cast<uint32_t>(Call::kCloseChannel)) return;  // everything before it was served
     const bool answer = dispatcher.handle(call, data, len, &reply);
     requests.release();
     if (!answer) continue;

@@ -23,8 +23,6 @@ using Clock = std::chrono::steady_clock;
 // How long a waiter spins before it sleeps: a reply that comes within this never pays for a
 // futex wake-up (a few microseconds each way), and an idle waiter costs no CPU for long.
 constexpr auto kSpin = std::chrono::microseconds(5);
-// Longest single futex sleep: the waiter re-checks its deadline at least this often.
-constexpr auto kSleepSlice = std::chrono::milliseconds(50);
 
 size_t round8(size_t n) { return (n + 7) & ~size_t{7}; }
 
@@ -78,7 +76,7 @@ bool spin_then_sleep(Ready ready, std::atomic<uint32_t>* sleeping, std::atomic<u
       sleeping->store(0, std::memory_order_relaxed);
       return ready(std::memory_order_acquire);
     }
-    futex_wait(word, seen, std::min<Clock::duration>(deadline - now, kSleepSlice));
+    futex_wait(word, seen, deadline - now);  // no wake-up is lost (above): sleep until the deadline
     sleeping->store(0, std::memory_order_relaxed);
   }
 }
