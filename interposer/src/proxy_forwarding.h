@@ -32,7 +32,9 @@ T status_of(const proxy::CallResult& r, const char* name) {
   constexpr bool cuda = std::is_same_v<T, cudaError_t>;
   int32_t s = r.status;
   if (s == 0 && r.async_status != 0) s = r.async_status;  // an earlier asynchronous failure surfaces here
-  if (!r.error.empty()) log_always("proxy mode: %s: %s", name, r.error.c_str());
+  // Once the proxy is gone every call fails the same way; the session said so once.
+  if (!r.error.empty() && !(r.status == 999 && session().proxy_gone()))
+    log_always("proxy mode: %s: %s", name, r.error.c_str());
   if constexpr (cuda) {
     if (s != 0) record_cuda_error(static_cast<cudaError_t>(s));
     return static_cast<cudaError_t>(s);

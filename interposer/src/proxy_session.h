@@ -39,6 +39,8 @@ class ProxySession {
   proxy::CallResult call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd = -1,
                          uint64_t fd_token = 0);
   uint64_t next_token() { return ++tokens_; }
+  // The proxy died and that was logged.
+  bool proxy_gone() const { return death_reported_.load(std::memory_order_relaxed); }
   // The thread that owns `ch` exited: the proxy thread serving it ends, its rings are unmapped.
   void close_channel(proxy::ProxyChannel* ch);
 
