@@ -6,12 +6,28 @@ them, keeps the tables free of typos and overlaps, and checks the report's numbe
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from jitckpt.proxy_api import coverage, dispositions, inventory
+from jitckpt.proxy_api import coverage, dispositions, forwarding, inventory
+
+REFERENCE = Path(__file__).resolve().parents[1] / "simcuda" / "tools"
+NCCL_DEVICE_API = {"ncclCommQueryProperties", "ncclDevCommCreate", "ncclDevCommDestroy", "ncclGetLsaDevicePointer",
+                   "ncclGetLsaMultimemDevicePointer", "ncclGetMultimemDevicePointer", "ncclGetPeerDevicePointer",
+                   "ncclGinBarrierCreateRequirement", "ncclLLA2ACalcSlots", "ncclLLA2ACreateRequirement",
+                   "ncclLsaBarrierCreateRequirement", "ncclTeamLsa", "ncclTeamRail", "ncclTeamRankToLsa",
+                   "ncclTeamRankToWorld", "ncclTeamWorld"}
+
+
+def reference_exports() -> set[str]:
+    """What NVIDIA's libcudart.so.13 and libnccl.so.2 export (the version node aside)."""
+    return {line.split()[0] for lib in ("libcudart", "libnccl")
+            for line in (REFERENCE / f"reference_{lib}_exports.txt").read_text().splitlines()
+            if line.strip()} - {"libcudart.so.13"}
 
 
 def test_committed_inventory_matches_the_headers():
@@ -33,6 +49,10 @@ def test_the_inventory_reads_signatures_right():
     assert kinds("ncclAllReduce") == ["memory", "memory", "value", "value", "value", "handle", "handle"]
     assert fns["cudaGetErrorString"].returns == "const char*"
     assert kinds("ncclGroupStart") == []
+    # nccl_device.h: ``extern "C"`` declarations, ``T const*`` parameters, struct and int results.
+    assert {f.name for f in inventory.load()["nccl_device"]} == NCCL_DEVICE_API
+    assert kinds("ncclDevCommCreate") == ["handle", "in_struct", "out"]
+    assert fns["ncclTeamWorld"].returns == "ncclTeam_t" and fns["ncclLLA2ACalcSlots"].returns == "int"
 
 
 def test_tables_are_disjoint_and_name_real_symbols():
@@ -51,7 +71,8 @@ def test_tables_are_disjoint_and_name_real_symbols():
     ("cudaEventRecord", "async"), ("cudaMemcpyAsync_ptsz", "special"), ("cudaStreamSynchronize", "generic"),
     ("cudaGetDevice", "generic"), ("cudaGetErrorString", "client"), ("cudaMallocManaged", "refused"),
     ("__cudaRegisterFatBinary", "special"), ("cublasSgemm_v2", "other library"),
-    ("ncclGetPeerDevicePointer", "undeclared"),
+    ("ncclGetPeerDevicePointer", "refused"), ("ncclTeamWorld", "refused"), ("pncclAllReduce", "async"),
+    ("pncclMemAlloc", "refused"), ("cudaDeviceGetSharedMemConfig", "undeclared"),
 ])
 def test_symbols_get_their_class(symbol, cls):
     declared = {f.name: f for funcs in inventory.load().values() for f in funcs}
@@ -97,3 +118,30 @@ def test_the_generated_layer_covers_every_declared_function(tmp_path):
         assert f"k_{name} =" in files["proxy_functions.h"], name
     hand = files["proxy_calls.h"]
     assert all(f" {n}(" in hand for n in (*dispositions.SPECIAL, *dispositions.CLIENT))
+
+
+def test_refusals_without_an_error_channel_abort():
+    """A refused function returning a value (not a status) logs and aborts; the rest return an error."""
+    files = forwarding.generate(inventory.load(), set(), set())
+    fwd = files["proxy_forwarders.cc"]
+    assert 'refuse_and_abort("ncclTeamWorld", ' in fwd and 'refuse_and_abort("ncclLLA2ACalcSlots", ' in fwd
+    assert 'return refuse<ncclResult_t>("ncclDevCommCreate", ' in fwd
+    assert "#include <nccl_device.h>" in fwd
+    declared = [f for funcs in inventory.load().values() for f in funcs]
+    aborting = {f.name for f in declared if forwarding.disposition(f)[0] == "refused"
+                and f.returns not in forwarding.STATUS_TYPES}
+    assert aborting == {"ncclTeamWorld", "ncclTeamLsa", "ncclTeamRail", "ncclTeamRankToWorld", "ncclTeamRankToLsa",
+                        "ncclLLA2ACalcSlots"}
+
+
+def test_pnccl_twins_go_where_their_nccl_twins_go():
+    exports = reference_exports()
+    files = forwarding.generate(inventory.load(), set(), exports)
+    fwd = files["proxy_forwarders.cc"]
+    assert '{"pncclAllReduce", reinterpret_cast<void*>(&fwd_ncclAllReduce)}' in fwd
+    assert '{"pncclGetVersion", reinterpret_cast<void*>(&proxy_call::ncclGetVersion)}' in fwd
+    # A refusal names the symbol called.
+    assert '{"pncclMemAlloc", reinterpret_cast<void*>(&fwd_pncclMemAlloc)}' in fwd
+    assert 'return refuse<ncclResult_t>("pncclMemAlloc", ' in fwd
+    assert 'jitckpt_next{"pncclAllReduce", jitckpt::kNcclSoname}' in fwd
+

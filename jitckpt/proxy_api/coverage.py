@@ -33,7 +33,7 @@ PROFILER = {n: "profiler marker (cuda_profiler_api.h): a no-op in proxy mode" fo
                                                                                      "cudaProfilerStop")}
 REFUSED_ABI = {n: "__device__/__managed__ variables are not forwarded yet" for n in ("__cudaRegisterVar",
                                                                                    "__cudaRegisterManagedVar")}
-_PREFIXES = (("__cuda", "cudart"), ("cuda", "cudart"), ("nccl", "NCCL"), ("cublasLt", "cuBLASLt"),
+_PREFIXES = (("__cuda", "cudart"), ("cuda", "cudart"), ("nccl", "NCCL"), ("pnccl", "NCCL"), ("cublasLt", "cuBLASLt"),
              ("cublas", "cuBLAS"), ("cudnn", "cuDNN"), ("cusparseLt", "cuSPARSELt"), ("cusparse", "cuSPARSE"),
              ("cusolver", "cuSOLVER"), ("cufft", "cuFFT"), ("cuFile", "cuFile"), ("nvrtc", "NVRTC"),
              ("nvshmem", "NVSHMEM"), ("cupti", "CUPTI"), ("cu", "driver"))
@@ -66,10 +66,11 @@ def classify(symbol: str, declared: dict[str, inventory.Function]) -> SymbolClas
     if symbol in REFUSED_ABI:
         return SymbolClass(symbol, lib, "refused", REFUSED_ABI[symbol])
     base = symbol[:-5] if symbol.endswith(("_ptsz", "_ptds")) else symbol
+    base = base[1:] if base.startswith("pnccl") else base  # NCCL's profiling name: its nccl twin's class
     fn = declared.get(symbol) or declared.get(base)
     if fn is None:
-        return SymbolClass(symbol, lib, "undeclared", "not declared in cuda_runtime_api.h or nccl.h: proxy mode does "
-                                                      "not define it")
+        return SymbolClass(symbol, lib, "undeclared", "not declared in cuda_runtime_api.h, nccl.h or nccl_device.h: "
+                                                      "proxy mode does not define it")
     return SymbolClass(symbol, lib, *forwarding.disposition(fn))
 
 
@@ -114,9 +115,9 @@ def render(rows: list[SymbolClass], *, as_json: bool = False, verbose: bool = Fa
     console.print(t)
     console.print("forwarded: run in the proxy under LD_PRELOAD=libjit.so JITCKPT_MODE=proxy (verified on simcuda with "
                   "nvcc-built CUDA+NCCL programs; the generated layer forwards the rest without a test each).\n"
-                  "refused: fails with an error naming the symbol. undeclared: libjit.so does not define it, so in "
-                  "proxy mode it would run in the application process (a gap). other library: not forwarded. "
-                  "Details: --verbose.")
+                  "refused: fails with an error naming the symbol (or, returning no status, aborts naming it). "
+                  "undeclared: libjit.so does not define it, so in proxy mode it would run in the application "
+                  "process (a gap). other library: not forwarded. Details: --verbose.")
     if verbose:
         for r in rows:
             console.print(f"{r.library:10s} {r.cls:14s} {r.symbol:55s} {r.reason}")
