@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jitckpt.proxy_api import coverage, dispositions, forwarding, inventory
+from jitckpt.proxy_api import coverage, dispositions, forwarding, inventory, trampolines
 
 REFERENCE = Path(__file__).resolve().parents[1] / "simcuda" / "tools"
 NCCL_DEVICE_API = {"ncclCommQueryProperties", "ncclDevCommCreate", "ncclDevCommDestroy", "ncclGetLsaDevicePointer",
@@ -72,7 +72,7 @@ def test_tables_are_disjoint_and_name_real_symbols():
     ("cudaGetDevice", "generic"), ("cudaGetErrorString", "client"), ("cudaMallocManaged", "refused"),
     ("__cudaRegisterFatBinary", "special"), ("cublasSgemm_v2", "other library"),
     ("ncclGetPeerDevicePointer", "refused"), ("ncclTeamWorld", "refused"), ("pncclAllReduce", "async"),
-    ("pncclMemAlloc", "refused"), ("cudaDeviceGetSharedMemConfig", "undeclared"),
+    ("pncclMemAlloc", "refused"), ("cudaDeviceGetSharedMemConfig", "refused"), ("ncclResetDebugInit", "refused"),
 ])
 def test_symbols_get_their_class(symbol, cls):
     declared = {f.name: f for funcs in inventory.load().values() for f in funcs}
@@ -145,3 +145,53 @@ def test_pnccl_twins_go_where_their_nccl_twins_go():
     assert 'return refuse<ncclResult_t>("pncclMemAlloc", ' in fwd
     assert 'jitckpt_next{"pncclAllReduce", jitckpt::kNcclSoname}' in fwd
 
+
+def hand_written() -> set[str]:
+    """The entry points libjit.so defines by hand (the build passes the same files)."""
+    src = Path(__file__).resolve().parents[1] / "interposer" / "src"
+    return forwarding.hooked_names(src / f for f in ("cuda_hooks.cc", "nccl_hooks.cc", "kernel_registration.cc",
+                                                     "profiler_markers.cc"))
+
+
+def trampolined() -> list[tuple[str, str]]:
+    """(symbol, group) of every trampoline the build generates."""
+    files = forwarding.generate(inventory.load(), hand_written(), reference_exports())
+    return re.findall(r'^    \{"(\w+)", "not forwarded \(([^:]+):', files["proxy_trampolines.cc"], re.M)
+
+
+def test_trampolines_cover_the_rest_of_the_exports():
+    """What the real libraries export beyond the declared functions, their twins and libjit.so's
+    hand-written entry points gets a trampoline, each with its group; nothing declared does."""
+    exports, hooked = reference_exports(), hand_written()
+    files = forwarding.generate(inventory.load(), hooked, exports)
+    listed = trampolined()
+    names = {n for n, _ in listed}
+    declared = {f.name for funcs in inventory.load().values() for f in funcs}
+    assert names and not names & declared and not names & hooked
+    assert {"cudaDeviceGetSharedMemConfig", "cudaGLSetGLDevice", "__cudaGetProcAddress", "ncclResetDebugInit",
+            "pncclResetDebugInit", "cudaGetDriverEntryPoint_ptsz"} <= names
+    assert {g for _, g in listed} == {"internal ABI", "graphics interop", "deprecated", "NCCL device API",
+                                      "NCCL debug internals"}
+    code = files["proxy_trampolines.cc"]
+    for name in names:
+        assert code.count(f"\n{name}:\n") == 2, name  # x86-64 and aarch64
+    assert "__cudaRegisterFatBinary" in hooked and "cudaProfilerStart" in hooked  # hand-written, not trampolined
+    assert trampolines.group_of("pncclResetDebugInit") == trampolines.group_of("ncclResetDebugInit")
+
+
+def test_deprecated_trampolines_are_deprecated_in_the_header():
+    """The "deprecated" group's reason is checked against cuda_runtime_api.h itself."""
+    dirs = inventory.header_dirs()
+    if dirs is None:
+        pytest.skip("needs the CUDA toolkit headers and the nvidia-nccl-cu13 wheel")
+    header = (Path(dirs[0]) / "cuda_runtime_api.h").read_text()
+    deprecated = [n for n, group in trampolined() if group == "deprecated"]
+    assert deprecated
+    for name in {re.sub(r"_pt[sd][sz]$", "", n) for n in deprecated}:
+        assert re.search(rf"__CUDA_DEPRECATED[^;]*\b{name}\(", header), name
+
+
+def test_every_cuda_symbol_torch_imports_is_exported_by_the_real_libraries():
+    """So the doctor's "refused" for an undeclared one is right: libjit.so has a trampoline for it."""
+    imported = {s for s in coverage.imported_symbols() if coverage.library_of(s) in ("cudart", "NCCL")}
+    assert imported and not imported - reference_exports()

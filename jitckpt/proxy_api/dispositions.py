@@ -8,6 +8,10 @@ handler". A refused call fails with an error naming the symbol; it never misbeha
 A refused function that returns a value rather than a status (``ncclTeamWorld`` returns an
 ``ncclTeam_t``, ``ncclLLA2ACalcSlots`` an ``int``) has no error to return: it logs the same message
 and aborts the process, because a made-up value would be used silently.
+
+Symbols the real libraries export that no header read by the inventory declares (deprecated and
+graphics-interop runtime functions, internal ABI, ...) are not listed here: libjit.so exports a
+trampoline for each that refuses it in proxy mode (:mod:`.trampolines`).
 """
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ never by hand; writes four files:
     becoming ``cudaStreamPerThread`` for ``_ptsz``). The ``pnccl`` twin of an NCCL function (its
     name for profiling tools, same signature) calls the next ``pncclX`` in observe mode and
     ``ncclX``'s forwarder in proxy mode.
+``proxy_trampolines.cc`` (libjit.so)
+    What the real libraries export beyond all that (:mod:`.trampolines`), as trampolines.
 ``proxy_generic_calls.cc`` (the proxy)
     Decodes each generic call, translates virtual handles and checks device addresses, runs the
     real function, and encodes its results.
@@ -38,7 +40,7 @@ import sys
 from pathlib import Path
 from typing import Iterable, Optional
 
-from . import dispositions
+from . import dispositions, trampolines
 from .inventory import INVENTORY, Function, Param, load, load_enums
 
 STATUS_TYPES = {"cudaError_t": "cudaErrorNotSupported", "ncclResult_t": "ncclInvalidUsage"}
@@ -46,7 +48,8 @@ STATUS_TYPES = {"cudaError_t": "cudaErrorNotSupported", "ncclResult_t": "ncclInv
 LIBRARIES = {"cudart": "jitckpt::kCudartSoname", "nccl": "jitckpt::kNcclSoname", "nccl_device": "jitckpt::kNcclSoname"}
 # Objects a destroy call ends: the proxy forgets the virtual handle once the call succeeded.
 _DESTROYS = re.compile(r"(Destroy|Abort|Unload|FreeArray|FreeMipmappedArray|Release)$")
-_HOOK_DEF = re.compile(r"^(?:cudaError_t|ncclResult_t)\s+(\w+)\s*\(", re.M)
+# A definition of an entry point at the start of a line (``void** __cudaRegisterFatBinary(void* fatCubin) {``).
+_HOOK_DEF = re.compile(r"^[A-Za-z_][\w \t\*]*?\b((?:__|p)?(?:cuda|nccl)\w*)\s*\([^;{}]*\)\s*\{", re.M)
 
 
 def _bare(ptype: str) -> str:
@@ -231,6 +234,7 @@ def generate(inv: dict[str, list[Function]], hooked: set[str], exports: set[str]
                 c.append(f"  return jitckpt_fn({', '.join(names)});")
                 c.append("}")
     c += ['}  // extern "C"', '#pragma GCC visibility pop', ""]
+    defined = hooked | {n for f in funcs for n in (f.name, *_ptsz_twins(f, exports), *_pnccl_twin(f, exports))}
 
     used_enums = sorted({e for f in generic for prm in f.params if prm.kind == "value"
                          for e in [_enum_of(prm.type, enums)] if e and e not in _OPEN_ENUMS})
@@ -302,18 +306,19 @@ def generate(inv: dict[str, list[Function]], hooked: set[str], exports: set[str]
           "  a.fail_if_ok(\"unknown generic call\");",
           "}", "", "}  // namespace jitckpt::proxy", ""]
     return {"proxy_functions.h": "\n".join(h), "proxy_calls.h": "\n".join(d), "proxy_forwarders.cc": "\n".join(c),
-            "proxy_generic_calls.cc": "\n".join(p)}
+            "proxy_generic_calls.cc": "\n".join(p),
+            "proxy_trampolines.cc": trampolines.generate(trampolines.unforwarded(exports, defined))}
 
 
 def hooked_names(files: Iterable[str]) -> set[str]:
-    """Entry points libjit.so's observe-mode hook files define by hand."""
+    """Entry points libjit.so's hand-written files define (observe-mode hooks, nvcc's ABI, ...)."""
     return {m for path in files for m in _HOOK_DEF.findall(Path(path).read_text())}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jitckpt.proxy_api.forwarding", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory for the generated files")
-    ap.add_argument("--hooked", nargs="*", default=[], help="libjit.so source files that define entry points")
+    ap.add_argument("--hooked", nargs="*", default=[], help="libjit.so source files that define entry points by hand")
     ap.add_argument("--exports", nargs="*", default=[], help="lists of a real library's exported symbols")
     args = ap.parse_args(argv)
     exports = {line.split()[0] for path in args.exports for line in Path(path).read_text().splitlines()
