@@ -34,7 +34,8 @@ _HANDLE_TYPEDEF = re.compile(r"typedef\s+struct\s+\w+\s*\*\s*(\w+)\s*;")
 # ``extern "C"`` as nccl_device.h writes it (NCCL_EXTERN_C) on each declaration; a declaration with an
 # attribute (``__CUDA_DEPRECATED``, ``inline __attribute__((always_inline))``) does not match, so the
 # deprecated runtime functions and the header-inline NCCL helpers stay out.
-_FUNC_START = re.compile(r"(?:^|[;}\n])\s*(?:extern\s+(?:\"C\"\s+)?)?([A-Za-z_][\w\s\*]*?)\s*\b((?:__)?(?:cuda|nccl)\w*)\s*\(")
+_FUNC_START = re.compile(r"(?:^|[;}\n])\s*(?:extern\s+(?:\"C\"\s+)?)?"
+                         r"([A-Za-z_][\w\s\*]*?)\s*\b((?:__)?(?:cuda|nccl)\w*)\s*\(")
 
 
 @dataclass(frozen=True)

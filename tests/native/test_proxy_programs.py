@@ -124,7 +124,8 @@ def run_unforwarded(prog: Program, what: str, **env: str) -> subprocess.Complete
 
 # simcuda's answers: ncclDevCommCreate and the deprecated cudaDeviceGetSharedMemConfig are
 # unsupported stubs there (ncclInvalidUsage = 5, cudaErrorNotSupported = 801); pncclX is ncclX.
-SIMCUDA_ANSWERS = {"dev_comm_create": "5", "pnccl_get_version": "0", "pnccl_user_rank": "0", "rank": "0", "pnccl_mem_alloc": "0", "pnccl_mem_allocated": "1", "pnccl_mem_free": "0",
+SIMCUDA_ANSWERS = {"dev_comm_create": "5", "pnccl_get_version": "0", "pnccl_user_rank": "0", "rank": "0",
+                   "pnccl_mem_alloc": "0", "pnccl_mem_allocated": "1", "pnccl_mem_free": "0",
                    "shared_mem_config_found": "1", "shared_mem_config_0": "801", "shared_mem_config_1": "801",
                    "destroy": "0", "done": "1"}
 
