@@ -6,12 +6,28 @@ them, keeps the tables free of typos and overlaps, and checks the report's numbe
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from jitckpt.proxy_api import coverage, dispositions, inventory
+from jitckpt.proxy_api import coverage, dispositions, forwarding, inventory, trampolines
+
+REFERENCE = Path(__file__).resolve().parents[1] / "simcuda" / "tools"
+NCCL_DEVICE_API = {"ncclCommQueryProperties", "ncclDevCommCreate", "ncclDevCommDestroy", "ncclGetLsaDevicePointer",
+                   "ncclGetLsaMultimemDevicePointer", "ncclGetMultimemDevicePointer", "ncclGetPeerDevicePointer",
+                   "ncclGinBarrierCreateRequirement", "ncclLLA2ACalcSlots", "ncclLLA2ACreateRequirement",
+                   "ncclLsaBarrierCreateRequirement", "ncclTeamLsa", "ncclTeamRail", "ncclTeamRankToLsa",
+                   "ncclTeamRankToWorld", "ncclTeamWorld"}
+
+
+def reference_exports() -> set[str]:
+    """What NVIDIA's libcudart.so.13 and libnccl.so.2 export (the version node aside)."""
+    return {line.split()[0] for lib in ("libcudart", "libnccl")
+            for line in (REFERENCE / f"reference_{lib}_exports.txt").read_text().splitlines()
+            if line.strip()} - {"libcudart.so.13"}
 
 
 def test_committed_inventory_matches_the_headers():
@@ -33,6 +49,10 @@ def test_the_inventory_reads_signatures_right():
     assert kinds("ncclAllReduce") == ["memory", "memory", "value", "value", "value", "handle", "handle"]
     assert fns["cudaGetErrorString"].returns == "const char*"
     assert kinds("ncclGroupStart") == []
+    # nccl_device.h: ``extern "C"`` declarations, ``T const*`` parameters, struct and int results.
+    assert {f.name for f in inventory.load()["nccl_device"]} == NCCL_DEVICE_API
+    assert kinds("ncclDevCommCreate") == ["handle", "in_struct", "out"]
+    assert fns["ncclTeamWorld"].returns == "ncclTeam_t" and fns["ncclLLA2ACalcSlots"].returns == "int"
 
 
 def test_tables_are_disjoint_and_name_real_symbols():
@@ -51,7 +71,8 @@ def test_tables_are_disjoint_and_name_real_symbols():
     ("cudaEventRecord", "async"), ("cudaMemcpyAsync_ptsz", "special"), ("cudaStreamSynchronize", "generic"),
     ("cudaGetDevice", "generic"), ("cudaGetErrorString", "client"), ("cudaMallocManaged", "refused"),
     ("__cudaRegisterFatBinary", "special"), ("cublasSgemm_v2", "other library"),
-    ("ncclGetPeerDevicePointer", "undeclared"),
+    ("ncclGetPeerDevicePointer", "refused"), ("ncclTeamWorld", "refused"), ("pncclAllReduce", "async"),
+    ("pncclMemAlloc", "refused"), ("cudaDeviceGetSharedMemConfig", "refused"), ("ncclResetDebugInit", "refused"),
 ])
 def test_symbols_get_their_class(symbol, cls):
     declared = {f.name: f for funcs in inventory.load().values() for f in funcs}
@@ -97,3 +118,80 @@ def test_the_generated_layer_covers_every_declared_function(tmp_path):
         assert f"k_{name} =" in files["proxy_functions.h"], name
     hand = files["proxy_calls.h"]
     assert all(f" {n}(" in hand for n in (*dispositions.SPECIAL, *dispositions.CLIENT))
+
+
+def test_refusals_without_an_error_channel_abort():
+    """A refused function returning a value (not a status) logs and aborts; the rest return an error."""
+    files = forwarding.generate(inventory.load(), set(), set())
+    fwd = files["proxy_forwarders.cc"]
+    assert 'refuse_and_abort("ncclTeamWorld", ' in fwd and 'refuse_and_abort("ncclLLA2ACalcSlots", ' in fwd
+    assert 'return refuse<ncclResult_t>("ncclDevCommCreate", ' in fwd
+    assert "#include <nccl_device.h>" in fwd
+    declared = [f for funcs in inventory.load().values() for f in funcs]
+    aborting = {f.name for f in declared if forwarding.disposition(f)[0] == "refused"
+                and f.returns not in forwarding.STATUS_TYPES}
+    assert aborting == {"ncclTeamWorld", "ncclTeamLsa", "ncclTeamRail", "ncclTeamRankToWorld", "ncclTeamRankToLsa",
+                        "ncclLLA2ACalcSlots"}
+
+
+def test_pnccl_twins_go_where_their_nccl_twins_go():
+    exports = reference_exports()
+    files = forwarding.generate(inventory.load(), set(), exports)
+    fwd = files["proxy_forwarders.cc"]
+    assert '{"pncclAllReduce", reinterpret_cast<void*>(&fwd_ncclAllReduce)}' in fwd
+    assert '{"pncclGetVersion", reinterpret_cast<void*>(&proxy_call::ncclGetVersion)}' in fwd
+    # A refusal names the symbol called.
+    assert '{"pncclMemAlloc", reinterpret_cast<void*>(&fwd_pncclMemAlloc)}' in fwd
+    assert 'return refuse<ncclResult_t>("pncclMemAlloc", ' in fwd
+    assert 'jitckpt_next{"pncclAllReduce", jitckpt::kNcclSoname}' in fwd
+
+
+def hand_written() -> set[str]:
+    """The entry points libjit.so defines by hand (the build passes the same files)."""
+    src = Path(__file__).resolve().parents[1] / "interposer" / "src"
+    return forwarding.hooked_names(src / f for f in ("cuda_hooks.cc", "nccl_hooks.cc", "kernel_registration.cc",
+                                                     "profiler_markers.cc"))
+
+
+def trampolined() -> list[tuple[str, str]]:
+    """(symbol, group) of every trampoline the build generates."""
+    files = forwarding.generate(inventory.load(), hand_written(), reference_exports())
+    return re.findall(r'^    \{"(\w+)", "not forwarded \(([^:]+):', files["proxy_trampolines.cc"], re.M)
+
+
+def test_trampolines_cover_the_rest_of_the_exports():
+    """What the real libraries export beyond the declared functions, their twins and libjit.so's
+    hand-written entry points gets a trampoline, each with its group; nothing declared does."""
+    exports, hooked = reference_exports(), hand_written()
+    files = forwarding.generate(inventory.load(), hooked, exports)
+    listed = trampolined()
+    names = {n for n, _ in listed}
+    declared = {f.name for funcs in inventory.load().values() for f in funcs}
+    assert names and not names & declared and not names & hooked
+    assert {"cudaDeviceGetSharedMemConfig", "cudaGLSetGLDevice", "__cudaGetProcAddress", "ncclResetDebugInit",
+            "pncclResetDebugInit", "cudaGetDriverEntryPoint_ptsz"} <= names
+    assert {g for _, g in listed} == {"internal ABI", "graphics interop", "deprecated", "NCCL device API",
+                                      "NCCL debug internals"}
+    code = files["proxy_trampolines.cc"]
+    for name in names:
+        assert code.count(f"\n{name}:\n") == 2, name  # x86-64 and aarch64
+    assert "__cudaRegisterFatBinary" in hooked and "cudaProfilerStart" in hooked  # hand-written, not trampolined
+    assert trampolines.group_of("pncclResetDebugInit") == trampolines.group_of("ncclResetDebugInit")
+
+
+def test_deprecated_trampolines_are_deprecated_in_the_header():
+    """The "deprecated" group's reason is checked against cuda_runtime_api.h itself."""
+    dirs = inventory.header_dirs()
+    if dirs is None:
+        pytest.skip("needs the CUDA toolkit headers and the nvidia-nccl-cu13 wheel")
+    header = (Path(dirs[0]) / "cuda_runtime_api.h").read_text()
+    deprecated = [n for n, group in trampolined() if group == "deprecated"]
+    assert deprecated
+    for name in {re.sub(r"_pt[sd][sz]$", "", n) for n in deprecated}:
+        assert re.search(rf"__CUDA_DEPRECATED[^;]*\b{name}\(", header), name
+
+
+def test_every_cuda_symbol_torch_imports_is_exported_by_the_real_libraries():
+    """So the doctor's "refused" for an undeclared one is right: libjit.so has a trampoline for it."""
+    imported = {s for s in coverage.imported_symbols() if coverage.library_of(s) in ("cudart", "NCCL")}
+    assert imported and not imported - reference_exports()

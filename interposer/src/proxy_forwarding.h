@@ -7,6 +7,7 @@
 #include <nccl.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -58,12 +59,25 @@ T refuse(const char* name, const char* why) {
   }
 }
 
+// A refused call that returns a value, not a status (ncclTeamWorld, ncclLLA2ACalcSlots): it has no
+// error to return, and a made-up value would be used silently, so the process stops here.
+[[noreturn]] inline void refuse_and_abort(const char* name, const char* why) {
+  log_always("proxy mode: %s is not supported: %s (it returns no status: aborting)", name, why);
+  std::abort();
+}
+
 // Observe mode found no next definition (the real library lacks the symbol).
 template <typename T>
 T missing(const char* name) {
   log_always("%s: the CUDA runtime or NCCL loaded in this process does not define it", name);
   if constexpr (std::is_same_v<T, cudaError_t>) return cudaErrorNotSupported;
   else return ncclInvalidUsage;
+}
+// The same for a function that returns a value, not a status (as refuse_and_abort).
+[[noreturn]] inline void missing_and_abort(const char* name) {
+  log_always("%s: the CUDA runtime or NCCL loaded in this process does not define it (it returns no status: "
+             "aborting)", name);
+  std::abort();
 }
 
 // With --default-stream per-thread the null stream is the calling thread's default stream.

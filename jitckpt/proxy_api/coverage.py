@@ -5,10 +5,10 @@ The denominator is every CUDA-family symbol PyTorch 2.14's CUDA 13.0 wheel impor
 the class the generated forwarding layer gives it (:func:`jitckpt.proxy_api.forwarding.disposition`):
 ``async`` (enqueued without a reply), ``generic`` (forwarded synchronously by generated code),
 ``special`` (hand-written), ``client`` (answered in the client), ``refused`` (fails with an error
-naming the symbol and the reason), ``undeclared`` (not in the runtime/NCCL headers, so libjit.so
-does not define it: in proxy mode such a call would reach the real library in the application
-process, which is a gap, not a refusal), ``other library`` (cuBLAS, cuDNN, ...: not forwarded).
-``forwarded`` counts the symbols proxy mode runs in the proxy: async, generic, special, client.
+naming the symbol and the reason; a symbol the headers do not declare is refused by libjit.so's
+trampoline for it, :mod:`jitckpt.proxy_api.trampolines`), ``other library`` (cuBLAS, cuDNN, ...:
+not forwarded). ``forwarded`` counts the symbols proxy mode runs in the proxy: async, generic,
+special, client.
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from jitckpt.proxy_api import forwarding, inventory
+from jitckpt.proxy_api import forwarding, inventory, trampolines
 
 IMPORTS = Path(__file__).resolve().parent / "torch_cu130_imports.txt"
-CLASSES = ("async", "generic", "special", "client", "refused", "undeclared", "other library")
+CLASSES = ("async", "generic", "special", "client", "refused", "other library")
 FORWARDED = frozenset({"async", "generic", "special", "client"})
 # nvcc's registration and launch ABI, kept in the client by interposer/src/kernel_registration.cc.
 REGISTRATION_ABI = {
@@ -33,7 +33,7 @@ PROFILER = {n: "profiler marker (cuda_profiler_api.h): a no-op in proxy mode" fo
                                                                                      "cudaProfilerStop")}
 REFUSED_ABI = {n: "__device__/__managed__ variables are not forwarded yet" for n in ("__cudaRegisterVar",
                                                                                    "__cudaRegisterManagedVar")}
-_PREFIXES = (("__cuda", "cudart"), ("cuda", "cudart"), ("nccl", "NCCL"), ("cublasLt", "cuBLASLt"),
+_PREFIXES = (("__cuda", "cudart"), ("cuda", "cudart"), ("nccl", "NCCL"), ("pnccl", "NCCL"), ("cublasLt", "cuBLASLt"),
              ("cublas", "cuBLAS"), ("cudnn", "cuDNN"), ("cusparseLt", "cuSPARSELt"), ("cusparse", "cuSPARSE"),
              ("cusolver", "cuSOLVER"), ("cufft", "cuFFT"), ("cuFile", "cuFile"), ("nvrtc", "NVRTC"),
              ("nvshmem", "NVSHMEM"), ("cupti", "CUPTI"), ("cu", "driver"))
@@ -66,10 +66,12 @@ def classify(symbol: str, declared: dict[str, inventory.Function]) -> SymbolClas
     if symbol in REFUSED_ABI:
         return SymbolClass(symbol, lib, "refused", REFUSED_ABI[symbol])
     base = symbol[:-5] if symbol.endswith(("_ptsz", "_ptds")) else symbol
+    base = base[1:] if base.startswith("pnccl") else base  # NCCL's profiling name: its nccl twin's class
     fn = declared.get(symbol) or declared.get(base)
-    if fn is None:
-        return SymbolClass(symbol, lib, "undeclared", "not declared in cuda_runtime_api.h or nccl.h: proxy mode does "
-                                                      "not define it")
+    if fn is None:  # exported by the real library (tests/test_proxy_api.py checks): a trampoline
+        group, why = trampolines.group_of(symbol)
+        return SymbolClass(symbol, lib, "refused", f"not declared in the headers ({group}: {why}): libjit.so's "
+                                                   "trampoline refuses it")
     return SymbolClass(symbol, lib, *forwarding.disposition(fn))
 
 
@@ -114,9 +116,8 @@ def render(rows: list[SymbolClass], *, as_json: bool = False, verbose: bool = Fa
     console.print(t)
     console.print("forwarded: run in the proxy under LD_PRELOAD=libjit.so JITCKPT_MODE=proxy (verified on simcuda with "
                   "nvcc-built CUDA+NCCL programs; the generated layer forwards the rest without a test each).\n"
-                  "refused: fails with an error naming the symbol. undeclared: libjit.so does not define it, so in "
-                  "proxy mode it would run in the application process (a gap). other library: not forwarded. "
-                  "Details: --verbose.")
+                  "refused: fails with an error naming the symbol (or, returning no status, aborts naming it). "
+                  "other library: not forwarded. Details: --verbose.")
     if verbose:
         for r in rows:
             console.print(f"{r.library:10s} {r.cls:14s} {r.symbol:55s} {r.reason}")

@@ -5,6 +5,13 @@ handles or plain results (:attr:`~jitckpt.proxy_api.inventory.Function.generic`)
 synchronously by the generated layer, its handles translated through the virtual-handle table.
 Anything else is refused with the reason below, or, when unlisted, with "needs a hand-written
 handler". A refused call fails with an error naming the symbol; it never misbehaves silently.
+A refused function that returns a value rather than a status (``ncclTeamWorld`` returns an
+``ncclTeam_t``, ``ncclLLA2ACalcSlots`` an ``int``) has no error to return: it logs the same message
+and aborts the process, because a made-up value would be used silently.
+
+Symbols the real libraries export that no header read by the inventory declares (deprecated and
+graphics-interop runtime functions, internal ABI, ...) are not listed here: libjit.so exports a
+trampoline for each that refuses it in proxy mode (:mod:`.trampolines`).
 """
 from __future__ import annotations
 
@@ -89,6 +96,19 @@ REFUSED: dict[str, str] = {
         "cudaMemPoolGetAttribute", "cudaMemPoolSetAttribute", "cudaDeviceGetGraphMemAttribute",
         "cudaDeviceSetGraphMemAttribute", "cudaMemPoolSetAccess")},
     "ncclRedOpCreatePreMulSum": _NOT_YET + "the scalar is passed by pointer (host or device memory)",
+    # nccl_device.h: the host side of NCCL's device API, for kernels that communicate by themselves
+    # through symmetric memory. Their device state (windows, device communicators) would live in the
+    # proxy and their kernels run there, so nothing of it is forwarded yet.
+    **{n: _NOT_YET + "NCCL device API (device communicators for kernels that communicate themselves)"
+       for n in ("ncclDevCommCreate", "ncclDevCommDestroy", "ncclCommQueryProperties")},
+    **{n: _NOT_YET + "NCCL device API (device pointers into symmetric memory windows)"
+       for n in ("ncclGetLsaDevicePointer", "ncclGetLsaMultimemDevicePointer", "ncclGetMultimemDevicePointer",
+                 "ncclGetPeerDevicePointer")},
+    **{n: _NOT_YET + "NCCL device API (resources of device-side barriers and all-to-all)"
+       for n in ("ncclGinBarrierCreateRequirement", "ncclLsaBarrierCreateRequirement", "ncclLLA2ACreateRequirement",
+                 "ncclLLA2ACalcSlots")},
+    **{n: _NOT_YET + "NCCL device API (teams of ranks of a device communicator)"
+       for n in ("ncclTeamWorld", "ncclTeamLsa", "ncclTeamRail", "ncclTeamRankToWorld", "ncclTeamRankToLsa")},
 }
 
 # Libraries proxy mode does not forward at their own API. cuBLAS(Lt), cuDNN and NCCL link the CUDA

@@ -1,9 +1,11 @@
 """Every function the CUDA runtime and NCCL headers declare, and what its parameters are.
 
 Generated from the real headers (the CUDA toolkit's ``cuda_runtime_api.h``, the
-``nvidia-nccl-cu13`` wheel's ``nccl.h``), preprocessed by the C++ compiler so that macros are
-gone, into ``cuda_api_inventory.json`` next to this module: the doctor and the coming code
-generator read the file, so neither needs the headers at run time. Regenerate with
+``nvidia-nccl-cu13`` wheel's ``nccl.h`` and ``nccl_device.h``), preprocessed by the C++ compiler so
+that macros are gone, into ``cuda_api_inventory.json`` next to this module: the doctor and the
+code generator read the file, so neither needs the headers at run time. Three libraries:
+``cudart``, ``nccl`` (``nccl.h``) and ``nccl_device`` (the host functions of NCCL's device API that
+``nccl_device.h`` adds, exported by libnccl.so.2 like the rest). Regenerate with
 ``python -m jitckpt.proxy_api.inventory --write``.
 
 Each parameter gets a kind from its type alone: ``value`` (scalars, enums, structs by value),
@@ -29,7 +31,11 @@ HERE = Path(__file__).resolve().parent
 INVENTORY = HERE / "cuda_api_inventory.json"
 GENERIC_KINDS = frozenset({"value", "handle", "out"})
 _HANDLE_TYPEDEF = re.compile(r"typedef\s+struct\s+\w+\s*\*\s*(\w+)\s*;")
-_FUNC_START = re.compile(r"(?:^|[;}\n])\s*(?:extern\s+)?([A-Za-z_][\w\s\*]*?)\s*\b((?:__)?(?:cuda|nccl)\w*)\s*\(")
+# ``extern "C"`` as nccl_device.h writes it (NCCL_EXTERN_C) on each declaration; a declaration with an
+# attribute (``__CUDA_DEPRECATED``, ``inline __attribute__((always_inline))``) does not match, so the
+# deprecated runtime functions and the header-inline NCCL helpers stay out.
+_FUNC_START = re.compile(r"(?:^|[;}\n])\s*(?:extern\s+(?:\"C\"\s+)?)?"
+                         r"([A-Za-z_][\w\s\*]*?)\s*\b((?:__)?(?:cuda|nccl)\w*)\s*\(")
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ def _param(text: str, handles: set[str]) -> Param:
         ptype += " *"
     stars = ptype.count("*")
     bare = ptype.replace("*", "").replace("const", "").replace("struct", "").replace("enum", "").strip()
-    const = ptype.startswith("const")
+    const = ptype.startswith("const") or ptype.endswith("const *")  # ``T const *`` (nccl_device.h)
     if stars == 0:
         kind = "handle" if bare in handles else "value"
     elif stars >= 2:
@@ -128,10 +134,10 @@ def parse_enums(preprocessed: str) -> dict[str, list[str]]:
     return dict(sorted(found.items()))
 
 
-def _preprocess(header: str, includes: list[str]) -> str:
+def _preprocess(header: str, includes: list[str], prelude: str = "") -> str:
     cmd = [os.environ.get("CXX", "c++"), "-E", "-P", "-x", "c++", *[f"-I{d}" for d in includes], "-"]
-    return subprocess.run(cmd, input=f"#include <{header}>\n", capture_output=True, text=True, check=True,
-                          timeout=60).stdout
+    return subprocess.run(cmd, input=f"{prelude}#include <{header}>\n", capture_output=True, text=True,
+                          check=True, timeout=60).stdout
 
 
 def header_dirs() -> Optional[tuple[str, str]]:
@@ -150,9 +156,12 @@ def header_dirs() -> Optional[tuple[str, str]]:
 
 def from_headers(cuda_include: str, nccl_include: str) -> dict[str, list[Function]]:
     """The inventory, read from the headers now."""
-    return {"cudart": parse(_preprocess("cuda_runtime_api.h", [cuda_include])),
-            "nccl": [f for f in parse(_preprocess("nccl.h", [cuda_include, nccl_include]))
-                     if f.name.startswith("nccl")]}
+    nccl = [f for f in parse(_preprocess("nccl.h", [cuda_include, nccl_include])) if f.name.startswith("nccl")]
+    in_nccl_h = {f.name for f in nccl}
+    # nccl_device.h needs cuda_runtime.h first (it is written for nvcc, which includes it implicitly).
+    device = parse(_preprocess("nccl_device.h", [cuda_include, nccl_include], "#include <cuda_runtime.h>\n"))
+    return {"cudart": parse(_preprocess("cuda_runtime_api.h", [cuda_include])), "nccl": nccl,
+            "nccl_device": [f for f in device if f.name.startswith("nccl") and f.name not in in_nccl_h]}
 
 
 def enums_from_headers(cuda_include: str, nccl_include: str) -> dict[str, list[str]]:

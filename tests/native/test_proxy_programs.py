@@ -4,19 +4,21 @@ Proxy mode forwards every CUDA/NCCL call of a process to a device-proxy process;
 bitwise the same results either way. The program checks its results against its own host reference
 (ok=1) and prints digests of its final device buffers, which must be the same on every run and in
 every mode: direct, ``LD_PRELOAD=libjit.so JITCKPT_MODE=proxy``, and ``jitckpt run --transparent
---no-python``. Verified on simcuda only.
+--no-python``. A call proxy mode does not forward fails with an error naming the symbol, whichever
+kind of definition libjit.so has for it (unforwarded_calls.cu). Verified on simcuda only.
 """
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from simcuda_progs.simcuda_harness import BUILD, REPO, SIMCUDA_LIBS, Program, RankGroup, build_program
+from simcuda_progs.simcuda_harness import BUILD, REPO, SIMCUDA_LIBS, Program, RankGroup, build_program, parse_kv
 
 pytestmark = pytest.mark.native
 TIMEOUT_S = 60
@@ -87,3 +89,86 @@ def test_jitckpt_run_transparent_no_python(ring_prog: Program, tmp_path: Path) -
     assert re.findall(r"^ok=1$", out, re.M) == ["ok=1", "ok=1"], out
     # The workers' lines are not prefixed and may interleave: compare the set of digests.
     assert sorted(re.findall(r"^digest=([0-9a-f]{16})$", out, re.M)) == sorted(kv["digest"] for kv in direct), out
+
+
+def reference_exports() -> set[str]:
+    """Every symbol NVIDIA's libcudart.so.13 and libnccl.so.2 export (simcuda/tools' reference lists)."""
+    names = set()
+    for lib in ("libcudart", "libnccl"):
+        text = (REPO / "simcuda" / "tools" / f"reference_{lib}_exports.txt").read_text()
+        names |= {line.split()[0] for line in text.splitlines() if line.strip()}
+    return names - {"libcudart.so.13"}  # the version node
+
+
+def test_libjit_exports_every_symbol_the_real_libraries_export() -> None:
+    """Each is forwarded, refused naming itself, or (observe mode) passed on: none reaches the
+    application's own library unseen in proxy mode."""
+    if not LIBJIT.exists():
+        pytest.skip(f"{LIBJIT} missing: run `make native` (or set JITCKPT_BUILD_DIR)")
+    out = subprocess.run(["nm", "-D", "--defined-only", str(LIBJIT)], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    exported = {line.split()[-1].split("@")[0] for line in out.splitlines() if line.strip()}
+    missing = sorted(reference_exports() - exported)
+    assert not missing, f"libjit.so does not define {len(missing)}: {missing}"
+
+
+@pytest.fixture(scope="module")
+def unforwarded_prog() -> Program:
+    return build_program("unforwarded_calls", kernels=False, nccl=True)
+
+
+def run_unforwarded(prog: Program, what: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(prog.exe), what], env=prog.env(**env), capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+
+
+# simcuda's answers: ncclDevCommCreate and the deprecated cudaDeviceGetSharedMemConfig are
+# unsupported stubs there (ncclInvalidUsage = 5, cudaErrorNotSupported = 801); pncclX is ncclX.
+SIMCUDA_ANSWERS = {"dev_comm_create": "5", "pnccl_get_version": "0", "pnccl_user_rank": "0", "rank": "0",
+                   "pnccl_mem_alloc": "0", "pnccl_mem_allocated": "1", "pnccl_mem_free": "0",
+                   "shared_mem_config_found": "1", "shared_mem_config_0": "801", "shared_mem_config_1": "801",
+                   "destroy": "0", "done": "1"}
+
+
+def test_unforwarded_calls_pass_through_in_observe_mode(unforwarded_prog: Program) -> None:
+    """Observe mode: libjit.so's definitions (nccl_device.h, pnccl, a trampoline) reach simcuda."""
+    direct = run_unforwarded(unforwarded_prog, "status")
+    observe = run_unforwarded(unforwarded_prog, "status", LD_PRELOAD=str(LIBJIT), JITCKPT_VERBOSE="1")
+    for proc in (direct, observe):
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        kv = parse_kv(proc.stdout)
+        assert int(kv.pop("version")) > 0 and kv == SIMCUDA_ANSWERS, proc.stdout
+    assert "not supported" not in observe.stderr, observe.stderr
+    # The trampoline's slot was resolved to simcuda's definition once; the second call used it.
+    for name in ("cudaDeviceGetSharedMemConfig", "pncclMemAlloc", "ncclDevCommCreate"):
+        assert len(re.findall(rf"interposed {name} -> 0x", observe.stderr)) == 1, (name, observe.stderr)
+    value = run_unforwarded(unforwarded_prog, "value", LD_PRELOAD=str(LIBJIT))
+    assert value.returncode == 0 and parse_kv(value.stdout) == {"team_rank_to_world": "5"}, value
+
+
+def test_unforwarded_calls_fail_naming_the_symbol_in_proxy_mode(unforwarded_prog: Program) -> None:
+    direct = parse_kv(run_unforwarded(unforwarded_prog, "status").stdout)
+    proc = run_unforwarded(unforwarded_prog, "status", **PROXY)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kv = parse_kv(proc.stdout)
+    # Refused: ncclInvalidUsage / cudaErrorNotSupported, and nothing allocated in this process.
+    assert kv["dev_comm_create"] == "5" and kv["pnccl_mem_alloc"] == "5" and kv["pnccl_mem_allocated"] == "0"
+    assert kv["shared_mem_config_0"] == kv["shared_mem_config_1"] == "801"
+    # pnccl names are forwarded as their nccl twins are: the proxy knows the communicator.
+    assert (kv["pnccl_get_version"], kv["pnccl_user_rank"], kv["rank"]) == ("0", "0", "0")
+    assert kv["version"] == direct["version"]
+    assert kv["destroy"] == "0" and kv["done"] == "1"
+    err = proc.stderr
+    assert "proxy mode: ncclDevCommCreate is not supported: not forwarded yet: NCCL device API" in err, err
+    assert "proxy mode: pncclMemAlloc is not supported: not forwarded yet: NCCL-allocated memory" in err, err
+    refusal = "proxy mode: cudaDeviceGetSharedMemConfig is not supported: not forwarded (deprecated: "
+    assert err.count(refusal) == 2, err
+
+
+def test_a_refused_call_without_a_status_aborts_naming_the_symbol(unforwarded_prog: Program) -> None:
+    """ncclTeamRankToWorld returns an int: no error to return, and a made-up rank would be used."""
+    proc = run_unforwarded(unforwarded_prog, "value", **PROXY)
+    assert proc.returncode == -signal.SIGABRT, (proc.returncode, proc.stdout, proc.stderr)
+    assert "team_rank_to_world" not in proc.stdout
+    assert ("proxy mode: ncclTeamRankToWorld is not supported: not forwarded yet: NCCL device API (teams of ranks "
+            "of a device communicator) (it returns no status: aborting)") in proc.stderr, proc.stderr

@@ -1,0 +1,59 @@
+// Calls proxy mode does not forward, one of each kind libjit.so defines for them
+// (tests/native/test_unforwarded_calls.py): an NCCL device-API function (nccl_device.h), NCCL's
+// profiling-interface names (pnccl*), and a symbol no header declares, found with dlsym and called
+// through libjit.so's trampoline. Each result is printed, not checked: the test knows what observe
+// mode (simcuda's answer) and proxy mode (a refusal naming the symbol) must give.
+// argv[1]: "status" (calls that return a status) or "value" (ncclTeamRankToWorld, which returns an
+// int: proxy mode has no error to give it and aborts).
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <cstdio>
+#include <cstring>
+
+int main(int argc, char** argv) {
+  const bool value_mode = argc > 1 && std::strcmp(argv[1], "value") == 0;
+  ncclUniqueId id;
+  ncclComm_t comm = nullptr;
+  if (ncclGetUniqueId(&id) != ncclSuccess || ncclCommInitRank(&comm, 1, id, 0) != ncclSuccess) {
+    std::printf("FAIL communicator\n");
+    return 1;
+  }
+  std::fflush(stdout);
+  if (value_mode) {
+    const ncclTeam_t team{1, 0, 1};
+    std::printf("team_rank_to_world=%d\n", ncclTeamRankToWorld(comm, team, 0));
+    return 0;
+  }
+
+  ncclDevCommRequirements_t reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+  ncclDevComm_t dev_comm;
+  std::printf("dev_comm_create=%d\n", static_cast<int>(ncclDevCommCreate(comm, &reqs, &dev_comm)));
+
+  // pnccl names: forwarded as their nccl twin is (version: in the client; rank: by the proxy, which
+  // knows the communicator), refused as it is (NCCL-allocated memory).
+  int version = 0, rank = -1;
+  std::printf("pnccl_get_version=%d\n", static_cast<int>(pncclGetVersion(&version)));
+  std::printf("version=%d\n", version);
+  std::printf("pnccl_user_rank=%d\n", static_cast<int>(pncclCommUserRank(comm, &rank)));
+  std::printf("rank=%d\n", rank);
+  void* mem = nullptr;
+  std::printf("pnccl_mem_alloc=%d\n", static_cast<int>(pncclMemAlloc(&mem, 1024)));
+  std::printf("pnccl_mem_allocated=%d\n", mem != nullptr);
+  if (mem != nullptr) std::printf("pnccl_mem_free=%d\n", static_cast<int>(pncclMemFree(mem)));
+
+  // Deprecated: declared __CUDA_DEPRECATED, which the inventory leaves out, so a trampoline. Twice:
+  // the first call resolves its slot, the second goes through the resolved slot.
+  using GetConfig = int (*)(int*);
+  auto get_config = reinterpret_cast<GetConfig>(dlsym(RTLD_DEFAULT, "cudaDeviceGetSharedMemConfig"));
+  std::printf("shared_mem_config_found=%d\n", get_config != nullptr);
+  if (get_config == nullptr) return 1;
+  int config = -1;
+  for (int i = 0; i < 2; ++i) std::printf("shared_mem_config_%d=%d\n", i, get_config(&config));
+
+  std::printf("destroy=%d\n", static_cast<int>(ncclCommDestroy(comm)));
+  std::printf("done=1\n");
+  return 0;
+}
