@@ -116,6 +116,7 @@ int main() {
   data[1] = 42.0f;  // still ordinary writable memory
   std::printf("kept_after_unregister=%d\n", kept && data[1] == 42.0f);
   CHECK(cudaHostUnregister(big));
+  std::free(big);
 
   // A shared file mapping: proxy mode cannot move it into shared memory without cutting it off
   // from its file.
@@ -132,6 +133,9 @@ int main() {
   CHECK(cudaFree(dev));
   CHECK(cudaFreeHost(flag));
   CHECK(cudaStreamDestroy(s));
+  munmap(file_map, page);
+  close(fd);
+  std::free(block);
   std::printf("ok=1\n");
   return 0;
 }
