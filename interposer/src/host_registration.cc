@@ -11,6 +11,7 @@
 #include <string>
 
 #include "proxy_forwarding.h"
+#include "shared_memfd.h"
 
 namespace jitckpt {
 namespace {
@@ -54,26 +55,6 @@ std::string unshareable(uintptr_t base, size_t size, bool read_only) {
   return why;
 }
 
-// Copies the pages into a new memfd: the backing both processes will map.
-int copy_to_memfd(uintptr_t base, size_t size) {
-  const int fd = memfd_create("jitckpt-registered", MFD_CLOEXEC);
-  if (fd < 0) return -1;
-  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
-    close(fd);
-    return -1;
-  }
-  for (size_t done = 0; done < size;) {
-    const ssize_t n = pwrite(fd, reinterpret_cast<const void*>(base + done), size - done, static_cast<off_t>(done));
-    if (n <= 0) {
-      if (n < 0 && errno == EINTR) continue;
-      close(fd);
-      return -1;
-    }
-    done += static_cast<size_t>(n);
-  }
-  return fd;
-}
-
 // The same bytes as a private mapping: what the pages are when the proxy no longer shares them.
 void make_private(uintptr_t base, size_t size, int prot, int fd) {
   if (mmap(reinterpret_cast<void*>(base), size, prot, MAP_PRIVATE | MAP_FIXED, fd, 0) == MAP_FAILED)
@@ -111,7 +92,8 @@ cudaError_t HostRegistrations::add(void* ptr, size_t size, unsigned int flags) {
                 range);
   if (std::string why = unshareable(base, len, read_only); !why.empty())
     return fail(cudaErrorInvalidValue, "proxy mode: cudaHostRegister%s", std::string(range) + ": " + why);
-  const int fd = copy_to_memfd(base, len);
+  // The pages' bytes in a new memfd: the backing both processes will map.
+  const int fd = shared_memfd("jitckpt-registered", len, {{reinterpret_cast<const void*>(base), len}});
   if (fd < 0) return fail(cudaErrorMemoryAllocation, "proxy mode: cudaHostRegister: %s", std::strerror(errno));
   if (mmap(reinterpret_cast<void*>(base), len, prot, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
     const std::string err = std::strerror(errno);

@@ -6,13 +6,13 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <tuple>
 #include <cstring>
 #include <string>
 
 #include "proxy_calls.h"
 #include "proxy_forwarding.h"
 #include "real_api.h"
+#include "shared_memfd.h"
 
 namespace jitckpt::proxy_mode {
 namespace {
@@ -41,13 +41,8 @@ cudaError_t send_module(ClientModule* m) {
   std::string names;
   for (const std::string& n : m->kernel_names) names.append(n).push_back('\0');
   const size_t total = m->image_size + names.size();
-  const int fd = memfd_create("jitckpt-module", MFD_CLOEXEC);
-  bool written = fd >= 0 && ftruncate(fd, static_cast<off_t>(total)) == 0;
-  for (const auto& [p, n, at] : {std::tuple<const void*, size_t, size_t>{m->image, m->image_size, 0},
-                                 {names.data(), names.size(), m->image_size}})
-    written = written && (n == 0 || pwrite(fd, p, n, static_cast<off_t>(at)) == static_cast<ssize_t>(n));
-  if (!written) {
-    if (fd >= 0) close(fd);
+  const int fd = shared_memfd("jitckpt-module", total, {{m->image, m->image_size}, {names.data(), names.size()}});
+  if (fd < 0) {
     log_always("proxy mode: cannot stage a module of %zu bytes for the proxy: %s", total, std::strerror(errno));
     record_cuda_error(cudaErrorMemoryAllocation);
     return cudaErrorMemoryAllocation;
@@ -136,9 +131,8 @@ cudaError_t host_alloc(void** ptr, size_t size, unsigned int flags) {
   *ptr = nullptr;
   if (size == 0) return cudaSuccess;
   const size_t pages = (size + 4095) / 4096 * 4096;
-  int fd = memfd_create("jitckpt-pinned", MFD_CLOEXEC);
-  if (fd < 0 || ftruncate(fd, static_cast<off_t>(pages)) != 0) {
-    if (fd >= 0) close(fd);
+  const int fd = shared_memfd("jitckpt-pinned", pages);
+  if (fd < 0) {
     record_cuda_error(cudaErrorMemoryAllocation);
     return cudaErrorMemoryAllocation;
   }
