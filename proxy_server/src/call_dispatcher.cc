@@ -99,6 +99,13 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
     fail(out, cudaErrorInvalidValue, std::string(name) + ": [" + hex(p) + ", +" + std::to_string(n) +
                                          ") is outside the device arena and the pinned memory of this proxy");
   };
+  // A copy whose bytes travel in the request: exactly `count` of them must follow its arguments.
+  auto payload_is = [&](uint64_t count, size_t head) {
+    if (count == nargs - head) return true;
+    fail(out, cudaErrorInvalidValue, std::string(name) + ": " + std::to_string(nargs - head) +
+                                         " payload bytes for a copy of " + std::to_string(count));
+    return false;
+  };
   auto stream_of = [&](uint64_t virt, cudaStream_t* s) {
     if (state_.handles.resolve(virt, s)) return true;
     fail(out, cudaErrorInvalidResourceHandle, std::string(name) + ": unknown stream handle " + hex(virt));
@@ -130,9 +137,7 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
     case Call::kMemcpyToDevice: {
       MemcpyToDevice a;
       if (!take(name, args, nargs, &a, out, true)) return;
-      if (a.count != nargs - sizeof a)
-        return fail(out, cudaErrorInvalidValue, std::string(name) + ": " + std::to_string(nargs - sizeof a) +
-                                                    " payload bytes for a copy of " + std::to_string(a.count));
+      if (!payload_is(a.count, sizeof a)) return;
       if (state_.memory.kind_of(a.dst, a.count) == Kind::kNone) return outside(a.dst, a.count);
       out->status = cudaMemcpy(reinterpret_cast<void*>(a.dst), args + sizeof a, a.count, cudaMemcpyDefault);
       return;
@@ -167,9 +172,7 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
     case Call::kMemcpyToDeviceAsync: {
       MemcpyInline a;
       if (!take(name, args, nargs, &a, out, true)) return;
-      if (a.count != nargs - sizeof a)
-        return fail(out, cudaErrorInvalidValue, std::string(name) + ": " + std::to_string(nargs - sizeof a) +
-                                                    " payload bytes for a copy of " + std::to_string(a.count));
+      if (!payload_is(a.count, sizeof a)) return;
       if (state_.memory.kind_of(a.device, a.count) == Kind::kNone) return outside(a.device, a.count);
       cudaStream_t s;
       // The source is pageable here (the ring): the runtime stages it before returning, as CUDA does.
