@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
 
     reference = {line.split("\t")[0].strip() for line in Path(args.reference).read_text().splitlines()} - {""}
-    wanted = [name for name in reference if any(name.startswith(p) for p in args.prefix)]
+    wanted = sorted(name for name in reference if any(name.startswith(p) for p in args.prefix))
     pattern = re.compile(re.escape(args.macro) + r"\s+[^;{(]*?\b(\w+)\s*\(")
     implemented = set()
     for src in args.sources:
