@@ -8,7 +8,7 @@
   observe mode and under proxy mode, alternating, the median step time of each, for a model of
   dim = batch = 1024 (``step``, the target's row) and of the tests' 256 (``step_small``).
 
-    .venv/bin/python bench/bench_proxy.py [--quick] [--out FILE]
+    .venv/bin/python bench/bench_proxy.py [--quick] [--reps N] [--out FILE]
 
 Verified on simcuda only: the proxy's cost is the ring and the second process, which a GPU does
 not change; the kernels and collectives are simcuda's CPU versions.
@@ -82,9 +82,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer calls and steps (make bench)")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="observe/proxy run pairs per model size (default 9, 3 with --quick): more narrow the "
+                         "median on a noisy machine")
     args = ap.parse_args()
+    if args.reps is not None and args.reps < 1:
+        ap.error("--reps must be at least 1")
     need_build()
     iters, rounds, steps, reps = (5000, 2, 200, 3) if args.quick else (20000, 3, 400, 9)
+    reps = args.reps or reps
     calls = call_latency(iters, rounds)
     # Two model sizes: the tests' small one (steps of ~0.3 ms on simcuda, where the proxy's fixed
     # cost per step shows most) and a larger one (~ms steps, still far below a GPU training step).
