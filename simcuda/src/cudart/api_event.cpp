@@ -26,11 +26,15 @@ cudaError_t record(cudaEvent_t event, cudaStream_t handle, bool ptsz) {
   if (!e || !s) return api_result(cudaErrorInvalidResourceHandle);
   auto m = std::make_shared<EventMarker>();
   m->stream = s;
-  EventMarker* raw = m.get();
-  // The marker op only timestamps; completion itself is the stream reaching m->seq.
-  m->seq = rt.device(s->device()).submit(s, [raw] {
-    std::lock_guard<std::mutex> lock(raw->mu);
-    raw->at = std::chrono::steady_clock::now();
+  // The marker op only timestamps; completion itself is the stream reaching m->seq. It holds the
+  // marker weakly: re-recording or destroying the event before the stream gets there is legal, and
+  // then nobody can ask for this recording's time.
+  std::weak_ptr<EventMarker> weak = m;
+  m->seq = rt.device(s->device()).submit(s, [weak] {
+    if (auto marker = weak.lock()) {
+      std::lock_guard<std::mutex> lock(marker->mu);
+      marker->at = std::chrono::steady_clock::now();
+    }
   });
   e->set_marker(std::move(m));
   return cudaSuccess;

@@ -1,5 +1,9 @@
 #include "fault_plan.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -38,6 +42,7 @@ FaultPlan::FaultPlan() {
     if ((at && *at && *end) || n < 1)
       error_ = std::string("SIMCUDA_FAIL_AT='") + (at ? at : "") + "' is invalid; use N >= 1 (the Nth collective)";
     at_ = static_cast<uint64_t>(n);
+    if (const char* once = std::getenv("SIMCUDA_FAIL_ONCE"); once && *once) once_ = once;
   }
   if (!error_.empty()) {
     std::fprintf(stderr, "simcuda: %s\n", error_.c_str());
@@ -47,7 +52,18 @@ FaultPlan::FaultPlan() {
 
 FaultMode FaultPlan::on_call(int rank) {
   if (mode_ == FaultMode::None || (!any_rank_ && rank != rank_)) return FaultMode::None;
-  return count_.fetch_add(1) + 1 == at_ ? mode_ : FaultMode::None;
+  if (count_.fetch_add(1) + 1 != at_) return FaultMode::None;
+  if (!once_.empty()) {
+    // A transient fault happens once: the first process to create the marker file fails, any
+    // process after it (a restarted one replaying the same calls) does not.
+    const int fd = open(once_.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      if (errno != EEXIST) std::fprintf(stderr, "simcuda: SIMCUDA_FAIL_ONCE=%s: %s\n", once_.c_str(), std::strerror(errno));
+      return FaultMode::None;
+    }
+    close(fd);
+  }
+  return mode_;
 }
 
 }  // namespace simcuda::nccl

@@ -26,6 +26,7 @@ class FaultPlan {
   int rank_ = -1;
   uint64_t at_ = 0;
   std::atomic<uint64_t> count_{0};
+  std::string once_;  // SIMCUDA_FAIL_ONCE: a marker file; the fault fires only where it creates it
   std::string error_;
 };
 
