@@ -168,6 +168,12 @@ cudaError_t host_alloc(void** ptr, size_t size, unsigned int flags) {
   return cudaSuccess;
 }
 
+// A copy from pinned or registered memory to the device: the application may rewrite the source
+// once the copy is done, so the replay journal keeps the bytes it reads (ProxySession::SourceCopy).
+bool shared_host_to_device(Memory d, Memory s) {
+  return d == Memory::kDevice && (s == Memory::kPinned || s == Memory::kRegistered);
+}
+
 // Copies whose pageable side travels in the ring; with a stream they are stream-ordered. To the
 // device, the bytes are staged at the call (as CUDA does), so the async form needs no reply.
 cudaError_t copy_to_device(void* dst, const void* src, size_t count, cudaStream_t* stream) {
@@ -301,7 +307,8 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpy
   // Both sides in memory the proxy knows, or a pointer it does not: the proxy checks and says which.
   CallWriter w(static_cast<uint32_t>(Call::kMemcpy), false);
   w.value(proxy::MemcpyAddresses{u64(dst), u64(src), count, static_cast<int32_t>(kind), 0, 0});
-  return w.send("cudaMemcpy").status<cudaError_t>();
+  const ProxySession::SourceCopy source{{u64(dst), 0, false}, src, count};
+  return w.send("cudaMemcpy", -1, 0, shared_host_to_device(d, s) ? &source : nullptr).status<cudaError_t>();
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind, cudaStream_t stream) {
@@ -313,7 +320,8 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaM
     return copy_from_device(dst, src, count, &stream);  // returns once the copy is done, as CUDA does
   CallWriter w(static_cast<uint32_t>(Call::kMemcpyAsync), true);
   w.value(proxy::MemcpyAddresses{u64(dst), u64(src), count, static_cast<int32_t>(kind), 0, u64(stream)});
-  return w.send("cudaMemcpyAsync").status<cudaError_t>();
+  const ProxySession::SourceCopy source{{u64(dst), u64(stream), true}, src, count};
+  return w.send("cudaMemcpyAsync", -1, 0, shared_host_to_device(d, s) ? &source : nullptr).status<cudaError_t>();
 }
 
 cudaError_t cudaMemset(void* devPtr, int value, size_t count) {

@@ -134,8 +134,10 @@ class CallWriter {
     if (n) std::memcpy(b.data() + at, p, n);
   }
   // `fd`, if given, is handed over first, under `fd_token` (the request names the same token).
-  Reply send(const char* name, int fd = -1, uint64_t fd_token = 0) {
-    Reply r(session().call(tag_, buf(), no_reply_, fd, fd_token));
+  // `source`: a copy from shared host memory, journaled with the bytes it reads now.
+  Reply send(const char* name, int fd = -1, uint64_t fd_token = 0,
+             const ProxySession::SourceCopy* source = nullptr) {
+    Reply r(session().call(tag_, buf(), no_reply_, fd, fd_token, source));
     r.name(name);
     return r;
   }

@@ -1,6 +1,9 @@
 #include "proxy_session.h"
 
+#include <cuda_runtime_api.h>
+#include <nccl.h>
 #include <dlfcn.h>
+#include <signal.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -71,8 +74,6 @@ std::vector<std::string> proxy_environment() {
 
 }  // namespace
 
-ProxySession::ProxySession() : enabled_(mode_is_proxy()) {}
-
 bool ProxySession::start_locked(std::string* why) {
   if (client_) return true;
   if (!start_failure_.empty()) {
@@ -94,7 +95,11 @@ bool ProxySession::start_locked(std::string* why) {
 
 namespace {
 
+// This thread's channel, the proxy generation it belongs to, and its index (which survives a
+// replacement of the proxy: the thread gets the new proxy's channel of the same index).
 thread_local proxy::ProxyChannel* t_channel = nullptr;
+thread_local uint64_t t_generation = 0;
+thread_local uint32_t t_index = 0;
 
 // Closes the channel of a thread other than the main one when it exits, so threads that come and go
 // leave no rings and no idle proxy thread behind. The main thread's stays open: static destructors
@@ -109,15 +114,49 @@ struct ChannelCloser {
 };
 thread_local ChannelCloser t_closer;
 
+size_t replay_limit() {
+  const char* env = std::getenv("JITCKPT_REPLAY_LIMIT_MB");
+  if (env == nullptr || *env == '\0') return size_t{1024} << 20;
+  char* end = nullptr;
+  const unsigned long long mb = std::strtoull(env, &end, 10);
+  if (*end != '\0' || mb > (size_t{1} << 24)) {
+    log_always("ignoring JITCKPT_REPLAY_LIMIT_MB=%s: expected a number of MiB (0 turns the replay journal off)", env);
+    return size_t{1024} << 20;
+  }
+  return static_cast<size_t>(mb) << 20;
+}
+
+// Errors after which a CUDA context is unusable until it is destroyed: on a GPU that means a new
+// process, here a new proxy.
+bool sticky_cuda_error(uint32_t tag, int32_t status) {
+  if (status == 0) return false;
+  const char* name = proxy::call_name(tag);
+  if (name != nullptr && std::strncmp(name, "nccl", 4) == 0) return false;  // an ncclResult_t
+  switch (static_cast<cudaError_t>(status)) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
+
 }  // namespace
 
-proxy::ProxyChannel* ProxySession::channel(std::string* why) {
-  if (t_channel != nullptr) return t_channel;
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!start_locked(why)) return nullptr;
-  if (!primary_taken_) {
-    primary_taken_ = true;
-    t_channel = &client_->primary();
+ProxySession::ProxySession() : enabled_(mode_is_proxy()), journal_(enabled_ ? replay_limit() : 0) {}
+
+proxy::ProxyChannel* ProxySession::channel_for_index_locked(uint32_t index, std::string* why) {
+  if (index < by_index_.size() && by_index_[index] != nullptr) return by_index_[index];
+  if (by_index_.size() <= index) by_index_.resize(index + 1, nullptr);
+  if (index == 0) {
+    by_index_[0] = &client_->primary();
   } else {
     try {
       channels_.push_back(client_->open_channel());
@@ -125,13 +164,29 @@ proxy::ProxyChannel* ProxySession::channel(std::string* why) {
       *why = e.what();
       return nullptr;
     }
-    t_channel = channels_.back().get();
+    by_index_[index] = channels_.back().get();
   }
-  if (static_cast<pid_t>(syscall(SYS_gettid)) != getpid()) t_closer.armed = true;
+  return by_index_[index];
+}
+
+// Called with recovery_mu_ held shared, so the generation cannot change meanwhile.
+proxy::ProxyChannel* ProxySession::channel(std::string* why) {
+  if (t_channel != nullptr && t_generation == generation_) return t_channel;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!start_locked(why)) return nullptr;
+  const bool first = t_channel == nullptr;
+  if (first) t_index = next_index_++;
+  proxy::ProxyChannel* ch = channel_for_index_locked(t_index, why);
+  if (ch == nullptr) return nullptr;
+  t_channel = ch;
+  t_generation = generation_;
+  if (first && static_cast<pid_t>(syscall(SYS_gettid)) != getpid()) t_closer.armed = true;
   return t_channel;
 }
 
 void ProxySession::close_channel(proxy::ProxyChannel* ch) {
+  std::shared_lock<std::shared_mutex> shared(recovery_mu_);
+  if (t_generation != generation_) return;  // a channel of a replaced proxy: gone with it
   std::lock_guard<std::mutex> lock(mu_);
   if (client_ != nullptr && client_->death().empty()) {
     const proxy::RequestHead head{ch->next_seq(), proxy::kNoReply, 0};
@@ -141,43 +196,229 @@ void ProxySession::close_channel(proxy::ProxyChannel* ch) {
              .empty())
       return;
   }
+  for (auto& p : by_index_)
+    if (p == ch) p = nullptr;  // a replay that needs this index opens a new channel for it
   auto it = std::find_if(channels_.begin(), channels_.end(), [&](const auto& c) { return c.get() == ch; });
   if (it != channels_.end()) channels_.erase(it);  // the primary channel belongs to the client
 }
 
 proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd,
-                                     uint64_t fd_token) {
+                                     uint64_t fd_token, const SourceCopy* source) {
   proxy::CallResult r;
   if (!Registry::instance().tracking()) {  // a forked child: the rings are its parent's
     r.status = 999;
     r.error = "a process forked from a proxy-mode process cannot make CUDA calls (the proxy is its parent's)";
     return r;
   }
-  std::string why;
-  proxy::ProxyChannel* ch = channel(&why);
-  if (ch == nullptr) {
-    r.status = 999;
-    r.error = why;
+  const bool journaled = !ReplayJournal::stateless(tag);
+  for (;;) {
+    std::shared_lock<std::shared_mutex> shared(recovery_mu_);
+    if (!lost_.empty()) {
+      r.status = 999;
+      r.error = lost_;
+      return r;
+    }
+    std::string why;
+    proxy::ProxyChannel* ch = channel(&why);
+    if (ch == nullptr) {
+      r.status = 999;
+      r.error = why;
+      return r;
+    }
+    const uint64_t generation = generation_;
+    const uint64_t seq = ch->next_seq();
+    const proxy::RequestHead head{seq, no_reply ? proxy::kNoReply : 0u, 0};
+    std::memcpy(payload.data(), &head, sizeof head);
+    const int64_t index = !journaled ? -1
+                          : journal_.append(tag, t_index, no_reply, payload.data(), payload.size(), fd, fd_token,
+                                            source ? &source->source : nullptr, source ? source->bytes : nullptr,
+                                            source ? source->size : 0);
+    if (fd >= 0 && !client_->send_fd(fd, fd_token)) {
+      r.status = 999;
+      r.error = "cannot hand shared memory to the proxy: " + client_->death();
+    } else if (no_reply) {
+      r.error = ch->post(tag, payload.data(), payload.size(), kWhileTheProxyLives);
+      if (!r.error.empty()) r.status = 999;
+    } else {
+      r = ch->call_raw(tag, payload.data(), payload.size(), seq, kWhileTheProxyLives);
+    }
+    const std::string death = r.status == 999 ? client_->death() : std::string();
+    const bool sticky_status = death.empty() && sticky_cuda_error(tag, r.status);
+    const bool sticky = sticky_status || (death.empty() && sticky_cuda_error(r.async_call, r.async_status));
+    if (death.empty() && !sticky) {
+      if (!no_reply) {
+        journal_.completed(index, r);
+        take_async_report(r);
+      }
+      return r;
+    }
+    shared.unlock();
+    std::string what = death;
+    if (sticky) {
+      const char* name = proxy::call_name(sticky_status ? tag : r.async_call);
+      what = std::string("the device got the sticky error ") +
+             cudaGetErrorName(static_cast<cudaError_t>(sticky_status ? r.status : r.async_status)) + " (in " +
+             (name ? name : "?") + ")";
+    }
+    // A journaled call comes back with its replayed result; a stateless one is made again.
+    proxy::CallResult replayed;
+    if (recover(generation, index, what, &replayed)) {
+      if (journaled) return replayed;
+      continue;
+    }
+    if (!death.empty() && !death_reported_.exchange(true)) {
+      log_always("proxy mode: %s; every CUDA/NCCL call of this process fails from now on (its device state "
+                 "was in the proxy)", death.c_str());
+    }
+    if (!no_reply) take_async_report(r);
     return r;
   }
-  const uint64_t seq = ch->next_seq();
-  const proxy::RequestHead head{seq, no_reply ? proxy::kNoReply : 0u, 0};
-  std::memcpy(payload.data(), &head, sizeof head);
-  if (fd >= 0 && !client_->send_fd(fd, fd_token)) {
-    r.status = 999;
-    r.error = "cannot hand shared memory to the proxy: " + client_->death();
-  } else if (no_reply) {
-    r.error = ch->post(tag, payload.data(), payload.size(), kWhileTheProxyLives);
-    if (!r.error.empty()) r.status = 999;
+}
+
+bool ProxySession::recover(uint64_t failed_generation, int64_t index, const std::string& what,
+                           proxy::CallResult* out) {
+  std::unique_lock<std::shared_mutex> exclusive(recovery_mu_);
+  if (!lost_.empty()) return false;
+  if (generation_ == failed_generation) {
+    std::string why;
+    if (!replay_locked(what, &why)) {
+      lost_ = "the device state of this process is lost: " + what + "; transparent recovery failed: " + why;
+      log_always("proxy mode: %s; every CUDA/NCCL call of this process fails from now on", lost_.c_str());
+      death_reported_ = true;
+      return false;
+    }
+  }
+  auto it = replayed_.find(index);
+  *out = it == replayed_.end() ? proxy::CallResult{} : std::move(it->second);  // a no-reply call: posted again
+  if (it != replayed_.end()) replayed_.erase(it);
+  return true;
+}
+
+bool ProxySession::replay_locked(const std::string& what, std::string* why) {
+  if (std::string off = journal_.off_reason(); !off.empty()) {
+    *why = "the replay journal is off (" + off + ")";
+    return false;
+  }
+  if (std::string alone = journal_.cannot_replay_alone(); !alone.empty()) {
+    *why = alone;
+    return false;
+  }
+  if (journal_.size() == journal_at_last_recovery_) {
+    *why = "the same failure came back in the replay, before any new call (a fault in the program, not the device?)";
+    return false;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  log_always("proxy mode: %s; starting a new jitckpt-proxy and replaying this process's %zu calls (%zu bytes)",
+             what.c_str(), journal_.size(), journal_.total_bytes());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (client_ != nullptr) {
+    if (client_->death().empty()) kill(client_->pid(), SIGKILL);  // a sticky error: the old context is useless
+    channels_.clear();
+    by_index_.clear();
+    client_.reset();
+  }
+  if (!start_locked(why)) return false;
+  ++generation_;
+  replayed_.clear();
+  std::vector<uint8_t> request;
+  std::map<std::string, std::string> unique_ids;  // recorded -> the new proxy's
+  for (size_t i = 0; i < journal_.size(); ++i) {
+    const ReplayJournal::Entry& e = journal_.entry(i);
+    // A call that failed changed nothing (cudaHostAlloc's retries at another address, a query
+    // that was not ready, an NCCL call refused): the replay leaves it out.
+    if (e.completed && e.status != 0) continue;
+    proxy::ProxyChannel* ch = channel_for_index_locked(e.channel, why);
+    if (ch == nullptr) return false;
+    const char* name = proxy::call_name(e.tag);
+    auto fail = [&](const std::string& problem) {
+      *why = "replaying call " + std::to_string(i) + " (" + (name ? name : "?") + "): " + problem;
+      return false;
+    };
+    if (e.fd >= 0 && !client_->send_fd(e.fd, e.fd_token)) return fail("cannot hand over its memfd: " + client_->death());
+    if (e.has_source) {  // a copy from shared host memory, from the bytes it read at the call
+      const uint8_t* src = journal_.bytes(e);
+      constexpr size_t kChunk = size_t{1} << 20;
+      for (size_t off = 0; off < e.size; off += kChunk) {
+        const size_t n = std::min(kChunk, e.size - off);
+        request.resize(sizeof(proxy::RequestHead));
+        const uint64_t seq = ch->next_seq();
+        uint32_t tag;
+        if (e.source.async) {
+          const proxy::MemcpyInline m{e.source.dst + off, n, e.source.stream};
+          request.insert(request.end(), reinterpret_cast<const uint8_t*>(&m), reinterpret_cast<const uint8_t*>(&m + 1));
+          tag = static_cast<uint32_t>(proxy::Call::kMemcpyToDeviceAsync);
+        } else {
+          const proxy::MemcpyToDevice m{e.source.dst + off, n};
+          request.insert(request.end(), reinterpret_cast<const uint8_t*>(&m), reinterpret_cast<const uint8_t*>(&m + 1));
+          tag = static_cast<uint32_t>(proxy::Call::kMemcpyToDevice);
+        }
+        request.insert(request.end(), src + off, src + off + n);
+        const proxy::RequestHead head{seq, e.source.async ? proxy::kNoReply : 0u, 0};
+        std::memcpy(request.data(), &head, sizeof head);
+        proxy::CallResult r;
+        if (e.source.async) {
+          r.error = ch->post(tag, request.data(), request.size(), kWhileTheProxyLives);
+          if (!r.error.empty()) return fail(r.error);
+        } else {
+          r = ch->call_raw(tag, request.data(), request.size(), seq, kWhileTheProxyLives);
+          if (!r.error.empty() && r.status == 999) return fail(r.error);
+          if (!e.completed) replayed_[static_cast<int64_t>(i)] = r;
+        }
+      }
+      continue;
+    }
+    request.assign(journal_.bytes(e), journal_.bytes(e) + e.size);
+    // A unique id names a rendezvous of the proxy that made it: the replay uses the new proxy's.
+    if (e.tag == ReplayJournal::comm_init_rank_tag() && request.size() >= ReplayJournal::kCommIdOffset + sizeof(ncclUniqueId)) {
+      const std::string old_id(reinterpret_cast<const char*>(request.data()) + ReplayJournal::kCommIdOffset, sizeof(ncclUniqueId));
+      if (auto it = unique_ids.find(old_id); it != unique_ids.end())
+        std::memcpy(request.data() + ReplayJournal::kCommIdOffset, it->second.data(), it->second.size());
+    }
+    const uint64_t seq = ch->next_seq();
+    const proxy::RequestHead head{seq, e.no_reply ? proxy::kNoReply : 0u, 0};
+    std::memcpy(request.data(), &head, sizeof head);
+    if (e.no_reply) {
+      if (std::string err = ch->post(e.tag, request.data(), request.size(), kWhileTheProxyLives); !err.empty())
+        return fail(err);
+      continue;
+    }
+    proxy::CallResult r = ch->call_raw(e.tag, request.data(), request.size(), seq, kWhileTheProxyLives);
+    if (r.status == 999 && !client_->death().empty()) return fail(client_->death());
+    if (sticky_cuda_error(e.tag, r.status) || sticky_cuda_error(r.async_call, r.async_status))
+      return fail("the device got a sticky error again");
+    if (e.completed && ReplayJournal::creates(e.tag) && (r.status != e.status || r.results != e.results))
+      return fail("it did not give the pointer or handle the application holds (status " + std::to_string(r.status) +
+                  "): the replay diverged");
+    if (e.tag == ReplayJournal::unique_id_tag() && e.completed && r.status == 0 && r.results.size() == e.results.size())
+      unique_ids[std::string(e.results.begin(), e.results.end())] = std::string(r.results.begin(), r.results.end());
+    if (!e.completed) replayed_[static_cast<int64_t>(i)] = std::move(r);
+  }
+  // The replayed work has run before the application goes on: a fault it hits again (a
+  // deterministic one, which a replay cannot get past) is found here, not by a later call.
+  if (proxy::ProxyChannel* ch = channel_for_index_locked(0, why)) {
+    const uint32_t sync = proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_cudaDeviceSynchronize);
+    request.assign(sizeof(proxy::RequestHead), 0);
+    const uint64_t seq = ch->next_seq();
+    const proxy::RequestHead head{seq, 0u, 0};
+    std::memcpy(request.data(), &head, sizeof head);
+    proxy::CallResult r = ch->call_raw(sync, request.data(), request.size(), seq, kWhileTheProxyLives);
+    if (r.status == 999 && !client_->death().empty()) {
+      *why = "after the replay: " + client_->death();
+      return false;
+    }
+    if (sticky_cuda_error(sync, r.status) || sticky_cuda_error(r.async_call, r.async_status)) {
+      *why = "the replayed work got a sticky error again (a fault in the program, not the device?)";
+      return false;
+    }
   } else {
-    r = ch->call_raw(tag, payload.data(), payload.size(), seq, kWhileTheProxyLives);
-    take_async_report(r);
+    return false;
   }
-  if (r.status == 999 && !client_->death().empty() && !death_reported_.exchange(true)) {
-    log_always("proxy mode: %s; every CUDA/NCCL call of this process fails from now on (its device state "
-               "was in the proxy)", client_->death().c_str());
-  }
-  return r;
+  journal_at_last_recovery_ = journal_.size();
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  log_always("proxy mode: recovered: jitckpt-proxy pid %d took over after replaying %zu calls in %.1f ms",
+             static_cast<int>(client_->pid()), journal_.size(), ms);
+  death_reported_ = false;
+  return true;
 }
 
 void ProxySession::take_async_report(const proxy::CallResult& r) {

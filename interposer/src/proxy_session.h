@@ -14,12 +14,14 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
 #include "host_registration.h"
 #include "proxy_client.h"
 #include "proxy_kernels.h"
+#include "replay_journal.h"
 
 namespace jitckpt {
 
@@ -33,11 +35,20 @@ class ProxySession {
   ProxyKernels& kernels() { return kernels_; }
   HostRegistrations& registrations() { return registrations_; }
 
+  // A copy from host memory the proxy shares, and the bytes it reads (see ReplayJournal::HostSource).
+  struct SourceCopy {
+    ReplayJournal::HostSource source;
+    const void* bytes;
+    size_t size;
+  };
+
   // One request; `payload` starts with room for its RequestHead, which this fills in. A kNoReply
   // request returns once it is in the ring (status 0, or a transport failure). `fd` >= 0 is handed
-  // over on the socket first (pinned memory). Starts the proxy on first use.
+  // over on the socket first (pinned memory). Starts the proxy on first use. Every request goes in
+  // the replay journal; if the proxy dies or its device gets a sticky error, a new proxy is started,
+  // the journal replayed into it, and the call returns what its replay returned (issue 16).
   proxy::CallResult call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd = -1,
-                         uint64_t fd_token = 0);
+                         uint64_t fd_token = 0, const SourceCopy* source = nullptr);
   uint64_t next_token() { return ++tokens_; }
   // The proxy died and that was logged.
   bool proxy_gone() const { return death_reported_.load(std::memory_order_relaxed); }
@@ -57,17 +68,31 @@ class ProxySession {
  private:
   // This thread's channel (opened on its first call), or nullptr with `why` if there is no proxy.
   proxy::ProxyChannel* channel(std::string* why);
+  proxy::ProxyChannel* channel_for_index_locked(uint32_t index, std::string* why);
   bool start_locked(std::string* why);
   void take_async_report(const proxy::CallResult& r);
+  // After a call of generation `failed_generation` found the proxy lost: replaces it (unless another
+  // thread did already) and gives entry `index`'s replayed result. False: the state is lost.
+  bool recover(uint64_t failed_generation, int64_t index, const std::string& what, proxy::CallResult* out);
+  bool replay_locked(const std::string& what, std::string* why);
 
   const bool enabled_;
   ProxyKernels kernels_;
   HostRegistrations registrations_;
   std::mutex mu_;  // starting the proxy, opening channels
   std::unique_ptr<proxy::ProxyClient> client_;
-  bool primary_taken_ = false;  // stays true once its thread exited: a new thread opens a channel
+  uint32_t next_index_ = 0;  // channel indices, one per thread that made calls (0: the primary channel)
   std::vector<std::unique_ptr<proxy::ProxyChannel>> channels_;  // of the other threads
+  std::vector<proxy::ProxyChannel*> by_index_;                  // the current proxy's channel of each index
   std::string start_failure_;
+
+  // Calls hold it shared; replacing the proxy holds it exclusively, so no call runs meanwhile.
+  std::shared_mutex recovery_mu_;
+  uint64_t generation_ = 0;  // proxies replaced so far
+  ReplayJournal journal_;
+  std::map<int64_t, proxy::CallResult> replayed_;  // results of calls that were waiting when the proxy was lost
+  size_t journal_at_last_recovery_ = SIZE_MAX;
+  std::string lost_;  // why the device state is gone for good ("" while it is not)
   std::atomic<bool> death_reported_{false};
   std::atomic<uint64_t> tokens_{0};
 

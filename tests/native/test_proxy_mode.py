@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import psutil
 import pytest
@@ -38,11 +39,13 @@ def dp_env(mode: str) -> dict[str, str]:
     return env
 
 
-def start_rank(tmp: Path, mode: str, rank: int, world: int, steps: int, *extra: str) -> subprocess.Popen:
+def start_rank(tmp: Path, mode: str, rank: int, world: int, steps: int, *extra: str,
+               env: Optional[dict] = None) -> subprocess.Popen:
     cmd = [sys.executable, str(DRIVER), "--lib-dir", str(DP_LIBS), "--rank", str(rank), "--world", str(world),
            "--id-file", str(tmp / "id"), "--steps", str(steps), "--ckpt-dir", str(tmp / "ckpt"),
            "--out", str(tmp / "out{rank}.bin"), *extra]
-    return subprocess.Popen(cmd, env=dp_env(mode), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env={**dp_env(mode), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def kill_all(procs: list[psutil.Process | subprocess.Popen]) -> None:
@@ -121,14 +124,17 @@ def test_killing_the_application_leaves_no_proxy(tmp_path: Path) -> None:
         kill_all([app])
 
 
-def test_killing_the_proxy_fails_the_application_clearly(tmp_path: Path) -> None:
-    app = start_rank(tmp_path, "proxy", 0, 1, 10**7)
+def test_killing_the_proxy_fails_the_application_clearly_without_the_replay_journal(tmp_path: Path) -> None:
+    """With the journal on, a new proxy takes over (test_transparent_recovery.py); without it the
+    device state is gone with the proxy, and the application is told once."""
+    app = start_rank(tmp_path, "proxy", 0, 1, 10**7, env={"JITCKPT_REPLAY_LIMIT_MB": "0"})
     try:
         proxy = wait_for_proxy(app)
         proxy.send_signal(signal.SIGKILL)
         out, err = app.communicate(timeout=30)
         assert app.returncode != 0
         assert f"jitckpt-proxy (pid {proxy.pid}) was killed by signal 9" in err, err
+        assert "transparent recovery failed: the replay journal is off (JITCKPT_REPLAY_LIMIT_MB=0)" in err, err
         assert err.count("every CUDA/NCCL call of this process fails from now on") == 1, err
         assert err.count("was killed by signal 9") == 1, err  # said once, not by every failing call
     finally:

@@ -1,0 +1,94 @@
+// Proxy mode's replay journal (issue 16): every request this process sent to its device proxy, in
+// the order the calls were made, with what a new proxy needs to redo them: the memfds handed over
+// (pinned buffers, registered pages, modules; kept open here) and the bytes of pinned sources as
+// they were at the call. When the proxy dies, or its device gets a sticky error, ProxySession
+// starts a new proxy and replays the journal into it, so the device state the application holds
+// (pointers, virtual handles, contents) is rebuilt and the application sees only a pause.
+//
+// Without minibatch marks the journal holds every call since the first one, up to a byte limit
+// (JITCKPT_REPLAY_LIMIT_MB): past it the journal is dropped and a lost proxy is a failure again,
+// said once on stderr. Thread-safe: calls append from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "proxy_client.h"
+
+namespace jitckpt {
+
+class ReplayJournal {
+ public:
+  // A copy whose source is host memory the proxy shares (pinned or registered): replayed from the
+  // bytes the source held at the call, since the application may have rewritten them since.
+  struct HostSource {
+    uint64_t dst;
+    uint64_t stream;
+    bool async;
+  };
+  struct Entry {
+    uint32_t tag;
+    uint32_t channel;  // the index of the calling thread's channel (0: the first thread's)
+    bool no_reply;
+    bool completed = false;  // the application has its reply
+    int32_t status = 0;      // the status it got
+    bool has_source = false;
+    HostSource source{};
+    size_t offset = 0, size = 0;  // the request (or, with a source, the copied bytes) in the byte store
+    int fd = -1;                  // a duplicate of the memfd handed over with the request
+    uint64_t fd_token = 0;
+    std::vector<uint8_t> results;  // of a call that creates what the application holds, as it got them
+  };
+
+  explicit ReplayJournal(size_t limit_bytes);
+  ~ReplayJournal();
+  ReplayJournal(const ReplayJournal&) = delete;
+  ReplayJournal& operator=(const ReplayJournal&) = delete;
+
+  // Records a request about to be sent; its index, or -1 when the journal is off. `source`: replay
+  // it as an inline copy of the `source_bytes` instead of `payload`.
+  int64_t append(uint32_t tag, uint32_t channel, bool no_reply, const uint8_t* payload, size_t size, int fd,
+                 uint64_t fd_token, const HostSource* source = nullptr, const void* source_bytes = nullptr,
+                 size_t source_size = 0);
+  // The application got `r` for entry `index`.
+  void completed(int64_t index, const proxy::CallResult& r);
+
+  bool on() const;
+  std::string off_reason() const;
+  // Whether a new proxy can rebuild the state alone: not if a communicator has peers in other
+  // processes (they would have to rebuild it with this one). Empty, or why not.
+  std::string cannot_replay_alone() const;
+
+  // Under the caller's guarantee that nobody appends meanwhile (ProxySession's recovery lock).
+  size_t size() const { return entries_.size(); }
+  const Entry& entry(size_t i) const { return entries_[i]; }
+  const uint8_t* bytes(const Entry& e) const { return bytes_.data() + e.offset; }
+  size_t total_bytes() const { return bytes_.size(); }
+
+  // Whether a call with this tag hands the application something it keeps (a device pointer, a
+  // virtual handle, a kernel or module id), which a replay must reproduce exactly.
+  static bool creates(uint32_t tag);
+  // Whether a call leaves device state as it found it (queries, synchronizes, copies to the host):
+  // it is not journaled; one that was waiting when the proxy was lost is made again on the new one.
+  static bool stateless(uint32_t tag);
+  // ncclGetUniqueId (its results are kept: a replay maps the old id to the new one) and
+  // ncclCommInitRank (request: head, the communicator's presence byte, nranks, the id, rank).
+  static uint32_t unique_id_tag();
+  static uint32_t comm_init_rank_tag();
+  static constexpr size_t kCommIdOffset = 16 + 1 + 4;
+
+ private:
+  void turn_off_locked(const std::string& why);
+
+  const size_t limit_;
+  mutable std::mutex mu_;
+  std::vector<Entry> entries_;
+  std::vector<uint8_t> bytes_;
+  std::string off_;
+  int multi_rank_comms_ = 0;
+};
+
+}  // namespace jitckpt
