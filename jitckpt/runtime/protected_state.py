@@ -372,26 +372,6 @@ class Protected:
         step = self.load_state_dict(sd)
         rt.report_restored(path, step, time.monotonic() - t0)
         return step
-        from jitckpt.checkpoint_store import list_candidates, verify_checkpoint
-
-        step = rt.selected_step
-        for c in list_candidates(rt.checkpoint_dir):
-            if c.step != step or c.path == Path(path):
-                continue
-            try:
-                meta = verify_checkpoint(c.path)
-                if (meta.shard_id, meta.num_shards) != (rt.shard_id, rt.num_shards):
-                    continue
-                other = read_state(str(c.path))
-            except (OSError, CheckpointError):
-                continue
-            if other.get("buffers_authoritative", True):
-                return str(c.path), other
-        log.warning("rank %d: resuming step %s with rank-local model buffers (BatchNorm statistics): "
-                    "no saved copy holds the buffers DDP broadcasts (rank 0 was lost before its "
-                    "broadcast at the start of this minibatch reached the others); the buffers, "
-                    "not the parameters, differ from a failure-free run", rt.rank, step)
-        return path, sd
 
     def _read_loadable(self, rt: Any) -> Optional[tuple[str, dict]]:
         """The newest complete checkpoint whose state loads, read but not yet applied.
