@@ -58,9 +58,9 @@ def call_latency(iters: int, rounds: int) -> dict:
     return best
 
 
-def dp_step_times(mode: str, steps: int, size: int, tmp: Path) -> list[float]:
+def dp_step_times(mode: str, steps: int, size: int, tmp: Path, **extra_env: str) -> list[float]:
     tmp.mkdir(parents=True)
-    env = clean_env(SIMCUDA_KERNEL_LIB=str(DP_LIBS / "libdp_train_kernels.so"), **MODES[mode])
+    env = clean_env(SIMCUDA_KERNEL_LIB=str(DP_LIBS / "libdp_train_kernels.so"), **MODES[mode], **extra_env)
     procs = [subprocess.Popen([sys.executable, str(DRIVER), "--lib-dir", str(DP_LIBS), "--rank", str(r), "--world", "2",
                                "--id-file", str(tmp / "id"), "--steps", str(steps), "--ckpt-dir", str(tmp / "ck"),
                                "--out", str(tmp / "out{rank}.bin"), "--dim", str(size), "--batch", str(size),

@@ -108,7 +108,7 @@ struct ChannelCloser {
   bool armed = false;
   ~ChannelCloser() {
     if (armed && t_channel != nullptr && Registry::instance().tracking())  // not in a forked child
-      Registry::instance().proxy().close_channel(t_channel);
+      Registry::instance().proxy().close_channel(t_index);
     t_channel = nullptr;
   }
 };
@@ -184,10 +184,12 @@ proxy::ProxyChannel* ProxySession::channel(std::string* why) {
   return t_channel;
 }
 
-void ProxySession::close_channel(proxy::ProxyChannel* ch) {
+void ProxySession::close_channel(uint32_t index) {
   std::shared_lock<std::shared_mutex> shared(recovery_mu_);
-  if (t_generation != generation_) return;  // a channel of a replaced proxy: gone with it
   std::lock_guard<std::mutex> lock(mu_);
+  // The current proxy's channel of this index (a replay may have opened it for the thread).
+  proxy::ProxyChannel* ch = index < by_index_.size() ? by_index_[index] : nullptr;
+  if (ch == nullptr) return;
   if (client_ != nullptr && client_->death().empty()) {
     const proxy::RequestHead head{ch->next_seq(), proxy::kNoReply, 0};
     // Everything the thread sent before is served first; a full ring after a second means the
@@ -211,7 +213,11 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     return r;
   }
   const bool journaled = !ReplayJournal::stateless(tag);
+  const bool ordered = journaled && ReplayJournal::ordered(tag);
   for (;;) {
+    // Taken before the recovery lock and let go before a recovery: see ReplayJournal::ordered.
+    std::unique_lock<std::mutex> order(order_mu_, std::defer_lock);
+    if (ordered) order.lock();
     std::shared_lock<std::shared_mutex> shared(recovery_mu_);
     if (!lost_.empty()) {
       r.status = 999;
@@ -253,6 +259,7 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
       return r;
     }
     shared.unlock();
+    if (order.owns_lock()) order.unlock();
     std::string what = death;
     if (sticky) {
       const char* name = proxy::call_name(sticky_status ? tag : r.async_call);

@@ -52,8 +52,9 @@ class ProxySession {
   uint64_t next_token() { return ++tokens_; }
   // The proxy died and that was logged.
   bool proxy_gone() const { return death_reported_.load(std::memory_order_relaxed); }
-  // The thread that owns `ch` exited: the proxy thread serving it ends, its rings are unmapped.
-  void close_channel(proxy::ProxyChannel* ch);
+  // The thread whose channel index is `index` exited: the proxy thread serving its channel ends,
+  // the rings are unmapped.
+  void close_channel(uint32_t index);
 
   // Where to ask the kernel to map the next pinned buffer of `size` bytes: a range that neither this
   // process nor the proxy uses (both must map it at the same address).
@@ -88,6 +89,7 @@ class ProxySession {
 
   // Calls hold it shared; replacing the proxy holds it exclusively, so no call runs meanwhile.
   std::shared_mutex recovery_mu_;
+  std::mutex order_mu_;  // calls whose outcome depends on their order (ReplayJournal::ordered), one at a time
   uint64_t generation_ = 0;  // proxies replaced so far
   ReplayJournal journal_;
   std::map<int64_t, proxy::CallResult> replayed_;  // results of calls that were waiting when the proxy was lost

@@ -44,6 +44,13 @@ bool ReplayJournal::creates(uint32_t tag) {
                              std::strstr(name, "ncclMemAlloc") != nullptr);
 }
 
+bool ReplayJournal::ordered(uint32_t tag) {
+  if (tag == static_cast<uint32_t>(proxy::Call::kFree) || tag == static_cast<uint32_t>(proxy::Call::kHostFree)) return true;
+  const char* name = proxy::call_name(tag);
+  if (name == nullptr || std::strncmp(name, "nccl", 4) == 0) return false;
+  return creates(tag) || std::strncmp(name, "cudaFree", 8) == 0;
+}
+
 bool ReplayJournal::stateless(uint32_t tag) {
   using proxy::Call;
   switch (static_cast<Call>(tag)) {

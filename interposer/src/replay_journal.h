@@ -71,6 +71,11 @@ class ReplayJournal {
   // Whether a call with this tag hands the application something it keeps (a device pointer, a
   // virtual handle, a kernel or module id), which a replay must reproduce exactly.
   static bool creates(uint32_t tag);
+  // Whether a call's outcome depends on the order of such calls across threads (the runtime's
+  // first-fit allocator, the proxy's handle numbering): CUDA calls that create or free. ProxySession
+  // makes them one at a time, so the journal's order is the order they ran in. NCCL's are not
+  // (threads of one process initialize communicators together, each waiting for the others).
+  static bool ordered(uint32_t tag);
   // Whether a call leaves device state as it found it (queries, synchronizes, copies to the host):
   // it is not journaled; one that was waiting when the proxy was lost is made again on the new one.
   static bool stateless(uint32_t tag);

@@ -159,3 +159,26 @@ def test_a_rank_whose_communicator_has_peers_elsewhere_is_not_replayed_alone(pro
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
+
+
+def test_threads_keep_their_device_stream_and_buffer_across_a_replaced_proxy() -> None:
+    """Four threads, each on its own channel with its own current device (of two), stream and
+    buffer: after the proxy is killed, each thread's channel is the new proxy's channel of the same
+    index, replayed in the order the calls were made."""
+    threads = build_program("threads_recovery", kernels=True, nccl=False)
+    env = threads.env(**PROXY, SIMCUDA_DEVICES="2")
+    t0 = time.monotonic()
+    clean = subprocess.run([str(threads.exe), "4", "1500"], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    undisturbed = time.monotonic() - t0
+    assert clean.returncode == 0 and "ok=1" in clean.stdout, clean.stdout + clean.stderr
+    proc = subprocess.Popen([str(threads.exe), "4", "1500"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + random.uniform(0.2, 0.5) * undisturbed
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.005)  # polling a clock: the moment is meant to be random
+    victims = proxies_of(proc.pid)
+    assert len(victims) == 1 and proc.poll() is None, "the run ended before the kill"
+    victims[0].kill()
+    rc, kv, out = finish(proc)
+    assert rc == 0 and kv.get("ok") == "1" and kv.get("bad") == "0", out
+    assert "recovered: jitckpt-proxy pid" in out, out
