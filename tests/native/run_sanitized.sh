@@ -42,7 +42,7 @@ for san in ${SANITIZERS:-address thread}; do
   JITCKPT_BUILD_DIR="$PWD/$build" JITCKPT_SANITIZER_RUNTIME="$runtime" \
     "$PY" -m pytest -q -p no:cacheprovider tests/native/test_simcuda_runtime.py \
       tests/native/test_simcuda_nccl.py tests/native/test_swift_nccl_logging.py tests/native/test_proxy_programs.py \
-      tests/native/test_proxy_channels.py \
+      tests/native/test_proxy_channels.py tests/native/test_transparent_recovery.py \
       --deselect tests/native/test_swift_nccl_logging.py::test_python_api \
       --deselect tests/native/test_proxy_programs.py::test_jitckpt_run_transparent_no_python || status=$?
   # A report is an error (ASan/LSan/UBSan "ERROR:" or "runtime error:", TSan "WARNING:
