@@ -325,6 +325,7 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why) {
     client_.reset();
   }
   if (!start_locked(why)) return false;
+  const auto started = std::chrono::steady_clock::now();
   ++generation_;
   replayed_.clear();
   std::vector<uint8_t> request;
@@ -400,6 +401,7 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why) {
       unique_ids[std::string(e.results.begin(), e.results.end())] = std::string(r.results.begin(), r.results.end());
     if (!e.completed) replayed_[static_cast<int64_t>(i)] = std::move(r);
   }
+  const auto replayed = std::chrono::steady_clock::now();
   // The replayed work has run before the application goes on: a fault it hits again (a
   // deterministic one, which a replay cannot get past) is found here, not by a later call.
   if (proxy::ProxyChannel* ch = channel_for_index_locked(0, why)) {
@@ -421,9 +423,12 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why) {
     return false;
   }
   journal_at_last_recovery_ = journal_.size();
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  log_always("proxy mode: recovered: jitckpt-proxy pid %d took over after replaying %zu calls in %.1f ms",
-             static_cast<int>(client_->pid()), journal_.size(), ms);
+  using Ms = std::chrono::duration<double, std::milli>;
+  const auto done = std::chrono::steady_clock::now();
+  log_always("proxy mode: recovered: jitckpt-proxy pid %d took over after replaying %zu calls in %.1f ms (new proxy "
+             "%.1f ms, replay %.1f ms, device synchronize %.1f ms)",
+             static_cast<int>(client_->pid()), journal_.size(), Ms(done - t0).count(), Ms(started - t0).count(),
+             Ms(replayed - started).count(), Ms(done - replayed).count());
   death_reported_ = false;
   return true;
 }
