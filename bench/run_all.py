@@ -105,6 +105,16 @@ BENCHES = [
            Ratio("  ceiling: after 1 ms idle, kernel + synchronize directly on simcuda (no proxy)",
                  lambda d: d["cold_step_direct_median_ns"] / 1000, "{:.0f} us", "(physical floor: waking an idle thread)")),
           timeout=600.0),
+    Bench("transparent_recovery", lambda out: [sys.executable, str(BENCH / "bench_transparent_recovery.py"), "--quick",
+                                               "--out", str(out)],
+          (Ratio("replay journal: dp_cuda step time, journal on vs off (2 ranks, proxy mode)",
+                 lambda d: d["journal"]["overhead"], "{:+.2%}", "< 3 %", lambda v: v < 0.03),
+           Ratio("lost proxy, 1 rank: time lost, user-level restart / transparent replacement",
+                 lambda d: d["recovery"]["speedup"], "{:.2f}x", ">= 10x", lambda v: v >= 10),
+           Ratio("  transparent: replay time (the whole run so far: no minibatch marks yet)",
+                 lambda d: statistics.median(r["ms"] for r in d["recovery"]["replays"]), "{:.0f} ms",
+                 "(for reference)")),
+          timeout=900.0),
 ]
 
 

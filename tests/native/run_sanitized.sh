@@ -22,7 +22,8 @@ for san in ${SANITIZERS:-address thread}; do
     address) runtime=$($CXX_BIN -print-file-name=libasan.so)
              # use_tls=0: GCC 12's LeakSanitizer misreads glibc's dynamic-TLS vector of
              # simcuda's threads and crashes in its tracer; the heap is still scanned.
-             export ASAN_OPTIONS="log_path=$PWD/$build/reports/asan" LSAN_OPTIONS=use_tls=0 ;;
+             export ASAN_OPTIONS="log_path=$PWD/$build/reports/asan" \
+               LSAN_OPTIONS="use_tls=0:suppressions=$PWD/tests/native/lsan.supp" ;;
     thread)  runtime=$($CXX_BIN -print-file-name=libtsan.so)
              export TSAN_OPTIONS="log_path=$PWD/$build/reports/tsan" ;;
     *) echo "unknown sanitizer $san (address or thread)" >&2; exit 2 ;;
