@@ -78,6 +78,16 @@ def dp_step_times(mode: str, steps: int, size: int, tmp: Path, **extra_env: str)
     return json.loads((tmp / "times0.json").read_text())[5:]  # without the first steps (warm-up)
 
 
+def emit(result: dict, out: Path | None) -> int:
+    """The result as JSON, to `out` or stdout; the exit status."""
+    text = json.dumps(result, indent=1)
+    if out:
+        out.write_text(text)
+    else:
+        print(text)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer calls and steps (make bench)")
@@ -126,12 +136,7 @@ def main() -> int:
         "step_small": steps_by_size[256],
         "fast_path": "spin-then-futex ring; stream-ordered calls are one message with no reply",
     }
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.write_text(text)
-    else:
-        print(text)
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":
