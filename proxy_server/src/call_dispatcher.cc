@@ -1,5 +1,7 @@
 #include "call_dispatcher.h"
 
+#include <shared_mutex>
+
 #include <cuda_runtime_api.h>
 #include <poll.h>
 #include <sys/mman.h>
@@ -87,6 +89,14 @@ bool CallDispatcher::handle(uint32_t call, const uint8_t* data, size_t len, std:
 void CallDispatcher::run(uint32_t call, const char* name, const uint8_t* args, size_t nargs, Outcome* out) {
   if (call >= kGenericBase) {
     ArgReader reader(name, std::strncmp(name, "nccl", 4) == 0, args, nargs, out);
+    std::shared_lock<std::shared_mutex> query(state_.comm_lifetime, std::defer_lock);
+    std::unique_lock<std::shared_mutex> end(state_.comm_lifetime, std::defer_lock);
+    if (std::strncmp(name, "ncclComm", 8) == 0 && std::strncmp(name, "ncclCommInit", 12) != 0 &&
+        std::strncmp(name, "ncclCommSplit", 13) != 0) {  // not the ones that wait for peers
+      const bool ends = std::strstr(name, "Destroy") || std::strstr(name, "Abort") || std::strstr(name, "Finalize");
+      if (ends) end.lock();
+      else query.lock();
+    }
     run_generic(call - kGenericBase, reader, *out, state_.handles, state_.memory);
     return;
   }

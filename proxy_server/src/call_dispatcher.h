@@ -9,6 +9,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,11 @@ class DeviceState {
   AddressBook memory;
   FdMailbox mailbox;  // memfds of shared host memory and modules, from the socket's listener
   KernelModules kernels;
+  // Communicator queries (ncclCommGetAsyncError, ...) hold it shared, ncclCommDestroy/Abort/Finalize
+  // exclusively. The client orders them already (libjit.so's watchdog polls a communicator only
+  // while it is registered), but through another process, which this one's threads cannot see: a
+  // client that did race them would free a communicator under a query here.
+  std::shared_mutex comm_lifetime;
 };
 
 // One channel's side of the calls: each client thread has a channel, served by one proxy thread.

@@ -39,11 +39,16 @@ for san in ${SANITIZERS:-address thread}; do
   cmake --build "$build" -j"$JOBS"
   rm -rf "$build/reports"; mkdir -p "$build/reports"
   status=0
+  # Transparent recovery relies on the device arena at its fixed address, so a new proxy hands out
+  # the same pointers; ThreadSanitizer keeps that range for its shadow memory, so under it the replay
+  # finds other pointers and refuses (as it should; proxy_process_test skips the arena test too).
+  recovery_tests=""
+  [ "$san" = address ] && recovery_tests=tests/native/test_transparent_recovery.py
   ctest --test-dir "$build" --output-on-failure -j"$JOBS" || status=$?
   JITCKPT_BUILD_DIR="$PWD/$build" JITCKPT_SANITIZER_RUNTIME="$runtime" \
     "$PY" -m pytest -q -p no:cacheprovider tests/native/test_simcuda_runtime.py \
       tests/native/test_simcuda_nccl.py tests/native/test_swift_nccl_logging.py tests/native/test_proxy_programs.py \
-      tests/native/test_proxy_channels.py tests/native/test_transparent_recovery.py \
+      tests/native/test_proxy_channels.py $recovery_tests \
       --deselect tests/native/test_swift_nccl_logging.py::test_python_api \
       --deselect tests/native/test_proxy_programs.py::test_jitckpt_run_transparent_no_python || status=$?
   # A report is an error (ASan/LSan/UBSan "ERROR:" or "runtime error:", TSan "WARNING:
