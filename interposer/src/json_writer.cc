@@ -12,7 +12,7 @@ JsonWriter& JsonWriter::value(double v) {
     return *this;
   }
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.6g", v);
+  std::snprintf(buf, sizeof buf, "%.15g", v);  // Unix times to the microsecond
   out_ += buf;
   return *this;
 }

@@ -288,7 +288,12 @@ bool ProxySession::recover(uint64_t failed_generation, int64_t index, const std:
   if (!lost_.empty()) return false;
   if (generation_ == failed_generation) {
     std::string why;
-    if (!replay_locked(what, &why)) {
+    RecoveryRecord record;
+    record.cause = what;
+    record.recovered = replay_locked(what, &why, &record);
+    if (!record.recovered) record.reason = why;
+    append_recovery_event(record);
+    if (!record.recovered) {
       lost_ = "the device state of this process is lost: " + what + "; transparent recovery failed: " + why;
       log_always("proxy mode: %s; every CUDA/NCCL call of this process fails from now on", lost_.c_str());
       death_reported_ = true;
@@ -301,7 +306,7 @@ bool ProxySession::recover(uint64_t failed_generation, int64_t index, const std:
   return true;
 }
 
-bool ProxySession::replay_locked(const std::string& what, std::string* why) {
+bool ProxySession::replay_locked(const std::string& what, std::string* why, RecoveryRecord* record) {
   if (std::string off = journal_.off_reason(); !off.empty()) {
     *why = "the replay journal is off (" + off + ")";
     return false;
@@ -315,6 +320,8 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why) {
     return false;
   }
   const auto t0 = std::chrono::steady_clock::now();
+  record->calls = journal_.size();
+  record->bytes = journal_.total_bytes();
   log_always("proxy mode: %s; starting a new jitckpt-proxy and replaying this process's %zu calls (%zu bytes)",
              what.c_str(), journal_.size(), journal_.total_bytes());
   std::lock_guard<std::mutex> lock(mu_);
@@ -424,7 +431,12 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why) {
   }
   journal_at_last_recovery_ = journal_.size();
   using Ms = std::chrono::duration<double, std::milli>;
+  using S = std::chrono::duration<double>;
   const auto done = std::chrono::steady_clock::now();
+  record->new_proxy_s = S(started - t0).count();
+  record->replay_s = S(replayed - started).count();
+  record->synchronize_s = S(done - replayed).count();
+  record->total_s = S(done - t0).count();
   log_always("proxy mode: recovered: jitckpt-proxy pid %d took over after replaying %zu calls in %.1f ms (new proxy "
              "%.1f ms, replay %.1f ms, device synchronize %.1f ms)",
              static_cast<int>(client_->pid()), journal_.size(), Ms(done - t0).count(), Ms(started - t0).count(),

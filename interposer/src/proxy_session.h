@@ -21,6 +21,7 @@
 #include "host_registration.h"
 #include "proxy_client.h"
 #include "proxy_kernels.h"
+#include "recovery_event.h"
 #include "replay_journal.h"
 
 namespace jitckpt {
@@ -75,7 +76,7 @@ class ProxySession {
   // After a call of generation `failed_generation` found the proxy lost: replaces it (unless another
   // thread did already) and gives entry `index`'s replayed result. False: the state is lost.
   bool recover(uint64_t failed_generation, int64_t index, const std::string& what, proxy::CallResult* out);
-  bool replay_locked(const std::string& what, std::string* why);
+  bool replay_locked(const std::string& what, std::string* why, RecoveryRecord* record);
 
   const bool enabled_;
   ProxyKernels kernels_;

@@ -31,7 +31,7 @@ from jitckpt.protocol.worker_spec import SnapshotSpec, WorkerSpec
 from jitckpt.protocol.control_messages import (Assign, ExitReady, FailureReport, Hello, Message, PeerExit,
                                                Restored, Resumed, Saved, SaveFailed, SaveNow, StageCaughtUp,
                                                Status, Verdict, WorkerWarning)
-from jitckpt.observability.events import EventLog
+from jitckpt.observability.events import EVENTS_FILE, EventLog
 from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
 from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED
 from jitckpt.launcher.config import LaunchConfig, check_writable_dir
@@ -265,6 +265,9 @@ class Launcher:
             env["LD_PRELOAD"] = cfg.preload
         if cfg.transparent:
             env["JITCKPT_MODE"] = "proxy"  # libjit.so starts the worker's proxy on its first CUDA call
+            # libjit.so records a lost proxy it replaced (and replayed) in the job's event log.
+            env["JITCKPT_EVENT_LOG"] = str(Path(spec.run_dir) / EVENTS_FILE)
+            env["JITCKPT_EVENT_GEN"] = str(gen)
         return env
 
     def _worker_spec(self, gen: int, local_rank: int, role: str) -> WorkerSpec:

@@ -38,6 +38,10 @@ event                     fields
                           previous_exit (its exit code)
 ``stage_replaced``        rank, generation, restart_count (--recovery stage: the dead rank got a
                           replacement; the other ranks kept running)
+``transparent_recovery``  rank, pid, cause, recovered (bool), reason (when not), calls, bytes,
+                          new_proxy_s, replay_s, synchronize_s, total_s (--transparent: written by
+                          libjit.so when it replaced a worker's lost device proxy and replayed
+                          the worker's calls into the new one; the worker was not restarted)
 ========================  ======================================================================
 
 Writers append whole lines with one ``write`` on a file opened with O_APPEND, so lines from
@@ -78,6 +82,7 @@ EVENT_TYPES = (
     "stage_replaced",
     "death_after_verdict",
     "warning",
+    "transparent_recovery",
 )
 
 EVENTS_FILE = "events.jsonl"

@@ -52,6 +52,22 @@ class Recovery:
 
 
 @dataclass
+class TransparentRecovery:
+    """A worker's lost device proxy, replaced and its calls replayed (``transparent_recovery``)."""
+
+    t: float
+    rank: int | None
+    cause: str
+    recovered: bool
+    reason: str
+    calls: int
+    new_proxy_s: float
+    replay_s: float
+    synchronize_s: float
+    total_s: float
+
+
+@dataclass
 class RunSummary:
     """Everything ``report`` shows about one job; times in seconds, bytes in bytes."""
 
@@ -71,6 +87,8 @@ class RunSummary:
     checkpoint_bytes: int = 0
     checkpoint_failures: int = 0
     last_step: int | None = None
+    # --transparent: lost device proxies libjit.so replaced in place (no restart), as logged.
+    transparent: list[TransparentRecovery] = field(default_factory=list)
 
     @property
     def duration_s(self) -> float | None:
@@ -133,6 +151,7 @@ class RunSummary:
         d.pop("step_points")
         d.pop("step_times")
         d["recoveries"] = [asdict(r) for r in self.recoveries]
+        d["transparent"] = [asdict(r) for r in self.transparent]
         for name in (
             "duration_s",
             "failures",
@@ -243,6 +262,14 @@ def summarize(events: Iterable[dict], run_dir: str = "") -> RunSummary:
             open_failures.append(e)
         elif kind == "recovery_summary":
             close(e)
+        elif kind == "transparent_recovery":
+            rank = e.get("rank")
+            s.transparent.append(TransparentRecovery(
+                t=_num(e.get("t")), rank=rank if isinstance(rank, int) and rank >= 0 else None,
+                cause=str(e.get("cause", "")), recovered=bool(e.get("recovered")), reason=str(e.get("reason", "")),
+                calls=int(_num(e.get("calls"))), new_proxy_s=_num(e.get("new_proxy_s")),
+                replay_s=_num(e.get("replay_s")), synchronize_s=_num(e.get("synchronize_s")),
+                total_s=_num(e.get("total_s"))))
     if open_failures:
         close(None)
     s.checkpoint_seconds = list(ckpt_groups.values())
@@ -308,6 +335,7 @@ def print_summary(s: RunSummary, file=None) -> None:
         ["wall-clock duration (s)", _fmt(s.duration_s, ".1f")],
         ["last step", _fmt(s.last_step, "")],
         ["failures", str(s.failures)],
+        ["transparent recoveries (no restart)", f"{sum(r.recovered for r in s.transparent)} of {len(s.transparent)}"],
         ["restarts", str(s.restarts)],
         ["recovery time, total (s)", _fmt(s.recovery_total_s, ".2f")],
         ["steps redone, total", str(s.steps_redone)],
@@ -319,6 +347,16 @@ def print_summary(s: RunSummary, file=None) -> None:
         ["est. wasted GPU time (GPU-s)", _fmt(s.wasted_gpu_seconds, ".1f")],
     ]
     console.print(_table("Job", ["quantity", "value"], job))
+    if s.transparent:
+        t0 = s.t_start or 0.0
+        rows = [[str(i), f"{r.t - t0:.1f}", _fmt(r.rank, ""), r.cause, str(r.calls), f"{r.new_proxy_s:.3f}",
+                 f"{r.replay_s:.3f}", f"{r.synchronize_s:.3f}", f"{r.total_s:.3f}",
+                 "recovered" if r.recovered else f"not recovered: {r.reason}"]
+                for i, r in enumerate(s.transparent)]
+        cols = ["#", "at (s)", "rank", "kind", "calls replayed", "new proxy (s)", "replay (s)", "synchronize (s)",
+                "total (s)", "outcome"]
+        console.print(_table("Transparent recoveries: lost device proxies replaced in place (--transparent)", cols,
+                             rows))
     if not s.recoveries:
         console.print("No failures recorded.")
         return

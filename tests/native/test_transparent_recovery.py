@@ -182,3 +182,42 @@ def test_threads_keep_their_device_stream_and_buffer_across_a_replaced_proxy() -
     rc, kv, out = finish(proc)
     assert rc == 0 and kv.get("ok") == "1" and kv.get("bad") == "0", out
     assert "recovered: jitckpt-proxy pid" in out, out
+
+
+def test_jitckpt_run_records_a_transparent_recovery_and_report_shows_its_breakdown(prog: Program,
+                                                                                    tmp_path: Path) -> None:
+    """Under `jitckpt run --transparent` the worker's proxy is killed by simcuda's crash fault: the
+    worker is not restarted, the event log gets a transparent_recovery record with the breakdown
+    (new proxy, replay, synchronize), and `jitckpt report` shows it."""
+    import json
+    import sys
+
+    from simcuda_progs.simcuda_harness import REPO
+
+    env = {k: v for k, v in prog.env().items() if not k.startswith("JITCKPT_")}
+    env.update(PYTHONPATH=str(REPO), SIMCUDA_FAIL_MODE="crash", SIMCUDA_FAIL_AT="40",
+               SIMCUDA_FAIL_ONCE=str(tmp_path / "fault-fired"))
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", "1", "--transparent", "--no-python",
+           "--checkpoint-dir", str(tmp_path / "ckpt"), "--run-dir", str(run), "--max-restarts", "0",
+           "--status-interval", "0", str(prog.exe), "ring", "env", "env", str(tmp_path / "uid"), "200"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "ok=1" in out, out
+    assert (tmp_path / "fault-fired").exists(), "the fault was not injected"
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    assert [e["event"] for e in events].count("worker_start") == 1, "the worker was restarted"
+    recs = [e for e in events if e["event"] == "transparent_recovery"]
+    assert len(recs) == 1, events
+    rec = recs[0]
+    assert rec["recovered"] is True and rec["rank"] == 0 and rec["gen"] == 0 and rec["calls"] > 0, rec
+    assert "was killed by signal 9" in rec["cause"], rec
+    parts = rec["new_proxy_s"] + rec["replay_s"] + rec["synchronize_s"]
+    assert 0 < parts <= rec["total_s"] + 1e-6, rec
+    report = subprocess.run([sys.executable, "-m", "jitckpt", "report", str(run)], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "Transparent recoveries" in report.stdout and "recovered" in report.stdout, report.stdout
+    assert re.search(r"transparent recoveries \(no restart\) +1 of 1", report.stdout), report.stdout
+    started = min(e["t"] for e in events)
+    assert 0 <= rec["t"] - started < TIMEOUT_S, (rec["t"], started)  # the same clock as the launcher's
