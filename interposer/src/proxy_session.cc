@@ -267,6 +267,12 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
              cudaGetErrorName(static_cast<cudaError_t>(sticky_status ? r.status : r.async_status)) + " (in " +
              (name ? name : "?") + ")";
     }
+    if (sticky) {
+      // Kill the useless proxy first: a thread blocked in a call on it then sees it die and lets
+      // the recovery lock go, instead of holding it up.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (generation_ == generation && client_ != nullptr && client_->death().empty()) kill(client_->pid(), SIGKILL);
+    }
     // A journaled call comes back with its replayed result; a stateless one is made again.
     proxy::CallResult replayed;
     if (recover(generation, index, what, &replayed)) {

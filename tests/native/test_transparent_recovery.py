@@ -56,6 +56,15 @@ def finish(proc: subprocess.Popen) -> tuple[int, dict[str, str], str]:
     return proc.returncode, parse_kv(out), out + err
 
 
+def read_line(proc: subprocess.Popen, timeout: float = 60) -> str:
+    """The next line of `proc`'s stdout, waiting at most `timeout` seconds."""
+    import select
+
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no output from pid {proc.pid} within {timeout} s"
+    return proc.stdout.readline().strip()
+
+
 def proxies_of(pid: int) -> list[psutil.Process]:
     try:
         return [c for c in psutil.Process(pid).children() if c.name().startswith("jitckpt-proxy")]
@@ -140,13 +149,12 @@ def test_a_rank_whose_communicator_has_peers_elsewhere_is_not_replayed_alone(pro
                              stderr=subprocess.STDOUT, text=True)
     rank1 = None
     try:
-        uid = rank0.stdout.readline().strip()  # "uid=<hex>", printed before anything else
+        uid = read_line(rank0)  # "uid=<hex>", printed before anything else
         assert uid.startswith("uid="), uid
         rank1 = subprocess.Popen([str(prog.exe), "ring", "1", "2", uid[4:], steps], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 30
-        while not proxies_of(rank1.pid) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # After the communicator exists (a proxy lost before that is replaced: nothing to rebuild).
+        assert read_line(rank1) == "init_done=1"
         victims = proxies_of(rank1.pid)
         assert len(victims) == 1
         victims[0].kill()
