@@ -148,6 +148,37 @@ bool sticky_cuda_error(uint32_t tag, int32_t status) {
   }
 }
 
+// NCCL's errors that say the communicator or the network failed, not the caller: a new proxy with
+// new communicators may get past them. (ncclInvalidArgument/ncclInvalidUsage are the caller's.)
+bool failed_nccl(uint32_t tag, int32_t status) {
+  if (status == 0) return false;
+  const char* name = proxy::call_name(tag);
+  if (name == nullptr || std::strncmp(name, "nccl", 4) != 0) return false;
+  switch (static_cast<ncclResult_t>(status)) {
+    case ncclUnhandledCudaError:
+    case ncclSystemError:
+    case ncclInternalError:
+    case ncclRemoteError:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Why a reply says the proxy's state is unusable ("" if it does not).
+std::string unusable(uint32_t tag, const proxy::CallResult& r) {
+  for (auto [t, status] : {std::pair<uint32_t, int32_t>{tag, r.status}, {r.async_call, r.async_status}}) {
+    const char* name = proxy::call_name(t);
+    if (sticky_cuda_error(t, status))
+      return std::string("the device got the sticky error ") + cudaGetErrorName(static_cast<cudaError_t>(status)) +
+             " (in " + (name ? name : "?") + ")";
+    if (failed_nccl(t, status))
+      return std::string("NCCL failed: ") + ncclGetErrorString(static_cast<ncclResult_t>(status)) + " (in " +
+             (name ? name : "?") + ")";
+  }
+  return "";
+}
+
 }  // namespace
 
 ProxySession::ProxySession() : enabled_(mode_is_proxy()), journal_(enabled_ ? replay_limit() : 0) {}
@@ -249,8 +280,11 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
       r = ch->call_raw(tag, payload.data(), payload.size(), seq, kWhileTheProxyLives);
     }
     const std::string death = r.status == 999 ? client_->death() : std::string();
-    const bool sticky_status = death.empty() && sticky_cuda_error(tag, r.status);
-    const bool sticky = sticky_status || (death.empty() && sticky_cuda_error(r.async_call, r.async_status));
+    // A sticky CUDA error or an NCCL failure, with the journal able to rebuild the state alone (else
+    // the caller gets the error, as without a proxy).
+    const std::string broken = death.empty() && journal_.on() && journal_.cannot_replay_alone().empty()
+                                   ? unusable(tag, r) : std::string();
+    const bool sticky = !broken.empty();
     if (death.empty() && !sticky) {
       if (!no_reply) {
         journal_.completed(index, r);
@@ -260,13 +294,7 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     }
     shared.unlock();
     if (order.owns_lock()) order.unlock();
-    std::string what = death;
-    if (sticky) {
-      const char* name = proxy::call_name(sticky_status ? tag : r.async_call);
-      what = std::string("the device got the sticky error ") +
-             cudaGetErrorName(static_cast<cudaError_t>(sticky_status ? r.status : r.async_status)) + " (in " +
-             (name ? name : "?") + ")";
-    }
+    const std::string what = sticky ? broken : death;
     if (sticky) {
       // Kill the useless proxy first: a thread blocked in a call on it then sees it die and lets
       // the recovery lock go, instead of holding it up.
@@ -286,6 +314,22 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     if (!no_reply) take_async_report(r);
     return r;
   }
+}
+
+bool ProxySession::recover_now(const std::string& what) {
+  uint64_t generation;
+  {
+    std::shared_lock<std::shared_mutex> shared(recovery_mu_);
+    if (!enabled_ || !lost_.empty() || client_ == nullptr || !journal_.on() || !journal_.cannot_replay_alone().empty())
+      return false;
+    generation = generation_;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (generation_ == generation && client_ != nullptr && client_->death().empty()) kill(client_->pid(), SIGKILL);
+  }
+  proxy::CallResult ignored;
+  return recover(generation, -1, what, &ignored);
 }
 
 bool ProxySession::recover(uint64_t failed_generation, int64_t index, const std::string& what,
@@ -405,8 +449,7 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
     }
     proxy::CallResult r = ch->call_raw(e.tag, request.data(), request.size(), seq, kWhileTheProxyLives);
     if (r.status == 999 && !client_->death().empty()) return fail(client_->death());
-    if (sticky_cuda_error(e.tag, r.status) || sticky_cuda_error(r.async_call, r.async_status))
-      return fail("the device got a sticky error again");
+    if (std::string again = unusable(e.tag, r); !again.empty()) return fail(again + ", again");
     if (e.completed && ReplayJournal::creates(e.tag) && (r.status != e.status || r.results != e.results))
       return fail("it did not give the pointer or handle the application holds (status " + std::to_string(r.status) +
                   "): the replay diverged");
@@ -428,8 +471,8 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
       *why = "after the replay: " + client_->death();
       return false;
     }
-    if (sticky_cuda_error(sync, r.status) || sticky_cuda_error(r.async_call, r.async_status)) {
-      *why = "the replayed work got a sticky error again (a fault in the program, not the device?)";
+    if (std::string again = unusable(sync, r); !again.empty()) {
+      *why = "the replayed work failed again: " + again + " (a fault in the program, not the device?)";
       return false;
     }
   } else {

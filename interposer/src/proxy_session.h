@@ -51,6 +51,10 @@ class ProxySession {
   proxy::CallResult call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd = -1,
                          uint64_t fd_token = 0, const SourceCopy* source = nullptr);
   uint64_t next_token() { return ++tokens_; }
+  // The proxy's state is unusable though its calls succeed (the watchdog found a communicator's
+  // asynchronous error): replace it now, if the journal can rebuild the state alone. False: the
+  // failure is the caller's to handle, as without a proxy.
+  bool recover_now(const std::string& what);
   // The proxy died and that was logged.
   bool proxy_gone() const { return death_reported_.load(std::memory_order_relaxed); }
   // The thread whose channel index is `index` exited: the proxy thread serving its channel ends,

@@ -97,7 +97,8 @@ void Watchdog::poll() {
       error = detail;
     }
   });
-  if (!error.empty()) registry_.report_failure("nccl_async_error", error);
+  // In proxy mode a process that can rebuild its device state alone gets a new proxy instead.
+  if (!error.empty() && !registry_.proxy().recover_now(error)) registry_.report_failure("nccl_async_error", error);
 }
 
 void Watchdog::dispatch(const Failure& failure) {
