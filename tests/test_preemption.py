@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -229,7 +230,9 @@ def test_death_after_exit_verdict_is_not_a_failure(tmp_path):
     assert not res.ev("restart") and not res.ev("failure_detected"), res.out[-4000:]
     assert len(res.ev("worker_start")) == 2
     late = res.ev("death_after_verdict")
-    assert [e["rank"] for e in late] == [1] and "SIGABRT" in late[0]["detail"], late
+    # SIGABRT from the injection; now and then torch's threads crash during the interpreter's
+    # shutdown first (SIGSEGV, seen in CI): a death after the verdict all the same.
+    assert [e["rank"] for e in late] == [1] and re.search(r"SIGABRT|SIGSEGV", late[0]["detail"]), late
     assert res.ev("job_end")[-1]["status"] == "ok"
 
 
