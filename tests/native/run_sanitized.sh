@@ -50,7 +50,9 @@ for san in ${SANITIZERS:-address thread}; do
       tests/native/test_simcuda_nccl.py tests/native/test_swift_nccl_logging.py tests/native/test_proxy_programs.py \
       tests/native/test_proxy_channels.py $recovery_tests \
       --deselect tests/native/test_swift_nccl_logging.py::test_python_api \
-      --deselect tests/native/test_proxy_programs.py::test_jitckpt_run_transparent_no_python || status=$?
+      --deselect tests/native/test_proxy_programs.py::test_jitckpt_run_transparent_no_python \
+      --deselect tests/native/test_transparent_recovery.py::test_jitckpt_run_records_a_transparent_recovery_and_report_shows_its_breakdown \
+      || status=$?
   # A report is an error (ASan/LSan/UBSan "ERROR:" or "runtime error:", TSan "WARNING:
   # ThreadSanitizer:"); LeakSanitizer's own notes (e.g. "Unable to get registers from thread" when
   # it scans a process whose threads are exiting) are shown, not counted.
