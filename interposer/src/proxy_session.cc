@@ -282,8 +282,11 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     const std::string death = r.status == 999 ? client_->death() : std::string();
     // A sticky CUDA error or an NCCL failure, with the journal able to rebuild the state alone (else
     // the caller gets the error, as without a proxy).
-    const std::string broken = death.empty() && journal_.on() && journal_.cannot_replay_alone().empty()
-                                   ? unusable(tag, r) : std::string();
+    std::string broken;
+    if (death.empty() && (r.status != 0 || r.async_status != 0)) {  // the common case stays lock-free
+      broken = unusable(tag, r);
+      if (!broken.empty() && (!journal_.on() || !journal_.cannot_replay_alone().empty())) broken.clear();
+    }
     const bool sticky = !broken.empty();
     if (death.empty() && !sticky) {
       if (!no_reply) {
