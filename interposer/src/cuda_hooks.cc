@@ -8,11 +8,13 @@
 #include <cstdio>
 
 #include "blocking_call.h"
+#include "device_fault.h"
 #include "diagnostics.h"
 #include "real_api.h"
 #include "registry.h"
 
 using jitckpt::BlockingCallScope;
+using jitckpt::is_device_fault;
 using jitckpt::NextSymbol;
 using jitckpt::real_cuda;
 using jitckpt::Registry;
@@ -26,28 +28,6 @@ cudaError_t synchronize_save_stream(Registry& r) {
   BlockingCallScope blocking;
   auto sync = real_cuda.streamSynchronize.get();
   return sync ? sync(r.redirect().stream()) : kMissing;
-}
-
-// Errors that mean the device (or its link) failed; they are sticky on a GPU. Other errors (bad
-// handles, no device/driver) are returned without a failure report.
-bool is_device_fault(cudaError_t e) {
-  switch (e) {
-    case cudaErrorECCUncorrectable:
-    case cudaErrorNvlinkUncorrectable:
-    case cudaErrorIllegalAddress:
-    case cudaErrorLaunchTimeout:
-    case cudaErrorAssert:
-    case cudaErrorHardwareStackError:
-    case cudaErrorIllegalInstruction:
-    case cudaErrorMisalignedAddress:
-    case cudaErrorInvalidAddressSpace:
-    case cudaErrorInvalidPc:
-    case cudaErrorLaunchFailure:
-    case cudaErrorExternalDevice:
-      return true;
-    default:
-      return false;
-  }
 }
 
 __attribute__((noinline)) void report_device_fault(const char* call, cudaError_t e) {

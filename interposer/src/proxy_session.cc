@@ -13,6 +13,7 @@
 #include <string>
 
 #include "call_protocol.h"
+#include "device_fault.h"
 #include "diagnostics.h"
 #include "proxy_forwarding.h"
 #include "proxy_functions.h"
@@ -126,26 +127,12 @@ size_t replay_limit() {
   return static_cast<size_t>(mb) << 20;
 }
 
-// Errors after which a CUDA context is unusable until it is destroyed: on a GPU that means a new
-// process, here a new proxy.
+// A CUDA call's status that leaves the proxy's context unusable (an ncclResult_t is not one).
 bool sticky_cuda_error(uint32_t tag, int32_t status) {
   if (status == 0) return false;
   const char* name = proxy::call_name(tag);
-  if (name != nullptr && std::strncmp(name, "nccl", 4) == 0) return false;  // an ncclResult_t
-  switch (static_cast<cudaError_t>(status)) {
-    case cudaErrorIllegalAddress:
-    case cudaErrorLaunchTimeout:
-    case cudaErrorHardwareStackError:
-    case cudaErrorIllegalInstruction:
-    case cudaErrorMisalignedAddress:
-    case cudaErrorInvalidAddressSpace:
-    case cudaErrorInvalidPc:
-    case cudaErrorLaunchFailure:
-    case cudaErrorECCUncorrectable:
-      return true;
-    default:
-      return false;
-  }
+  if (name != nullptr && std::strncmp(name, "nccl", 4) == 0) return false;
+  return is_device_fault(static_cast<cudaError_t>(status));
 }
 
 // NCCL's errors that say the communicator or the network failed, not the caller: a new proxy with
