@@ -26,7 +26,10 @@ uint32_t ReplayJournal::comm_init_rank_tag() {
   return proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_ncclCommInitRank);
 }
 
-bool ReplayJournal::creates(uint32_t tag) {
+namespace {
+
+// What a call is, from its tag and name (the generated FunctionIds carry the header's names).
+bool creates_by_name(uint32_t tag) {
   using proxy::Call;
   switch (static_cast<Call>(tag)) {
     case Call::kMalloc:
@@ -44,14 +47,14 @@ bool ReplayJournal::creates(uint32_t tag) {
                              std::strstr(name, "ncclMemAlloc") != nullptr);
 }
 
-bool ReplayJournal::ordered(uint32_t tag) {
+bool ordered_by_name(uint32_t tag) {
   if (tag == static_cast<uint32_t>(proxy::Call::kFree) || tag == static_cast<uint32_t>(proxy::Call::kHostFree)) return true;
   const char* name = proxy::call_name(tag);
   if (name == nullptr || std::strncmp(name, "nccl", 4) == 0) return false;
-  return creates(tag) || std::strncmp(name, "cudaFree", 8) == 0;
+  return creates_by_name(tag) || std::strncmp(name, "cudaFree", 8) == 0;
 }
 
-bool ReplayJournal::stateless(uint32_t tag) {
+bool stateless_by_name(uint32_t tag) {
   using proxy::Call;
   switch (static_cast<Call>(tag)) {
     case Call::kMemcpyFromDevice:
@@ -60,11 +63,38 @@ bool ReplayJournal::stateless(uint32_t tag) {
     default:
       break;
   }
-  if (tag < proxy::kGenericBase || tag == unique_id_tag()) return false;
+  if (tag < proxy::kGenericBase || tag == ReplayJournal::unique_id_tag()) return false;
   const char* name = proxy::call_name(tag);
   return name != nullptr && (std::strstr(name, "Query") != nullptr || std::strstr(name, "Get") != nullptr ||
                              std::strstr(name, "Synchronize") != nullptr || std::strstr(name, "ElapsedTime") != nullptr);
 }
+
+enum Kind : uint8_t { kCreates = 1, kOrdered = 2, kStateless = 4 };
+constexpr uint32_t kSpecialTags = 32;  // proxy::Call values are below this
+
+uint8_t kinds_by_name(uint32_t tag) {
+  return (creates_by_name(tag) ? kCreates : 0) | (ordered_by_name(tag) ? kOrdered : 0) |
+         (stateless_by_name(tag) ? kStateless : 0);
+}
+
+// Every call's kinds, worked out once: they are asked for on every call.
+uint8_t kinds(uint32_t tag) {
+  static const std::vector<uint8_t> table = [] {
+    std::vector<uint8_t> t(kSpecialTags + proxy::kFunctionCount);
+    for (uint32_t i = 0; i < t.size(); ++i)
+      t[i] = kinds_by_name(i < kSpecialTags ? i : proxy::kGenericBase + (i - kSpecialTags));
+    return t;
+  }();
+  const uint32_t i = tag < kSpecialTags ? tag : tag >= proxy::kGenericBase ? kSpecialTags + (tag - proxy::kGenericBase)
+                                                                            : UINT32_MAX;
+  return i < table.size() ? table[i] : kinds_by_name(tag);
+}
+
+}  // namespace
+
+bool ReplayJournal::creates(uint32_t tag) { return (kinds(tag) & kCreates) != 0; }
+bool ReplayJournal::ordered(uint32_t tag) { return (kinds(tag) & kOrdered) != 0; }
+bool ReplayJournal::stateless(uint32_t tag) { return (kinds(tag) & kStateless) != 0; }
 
 int64_t ReplayJournal::append(uint32_t tag, uint32_t channel, bool no_reply, const uint8_t* payload, size_t size,
                               int fd, uint64_t fd_token, const HostSource* source, const void* source_bytes,
