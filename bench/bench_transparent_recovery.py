@@ -4,13 +4,15 @@ program of the tests (dp_cuda, dim = batch = 1024):
 * ``journal``: the replay journal's steady-state cost. 2 ranks in proxy mode with the journal on
   (the default) and off (``JITCKPT_REPLAY_LIMIT_MB=0``), alternating; the median of the paired
   ratios of each run's median step time.
-* ``recovery``: one rank under ``jitckpt run --transparent``, its jitckpt-proxy SIGKILLed at the
-  same moment of the run (``--kill-after`` s after the proxy starts). Time lost = the job's wall
+* ``recovery``: one rank under ``jitckpt run --transparent``; the all-reduce of step ``--fail-at``
+  returns ncclSystemError (simcuda's ``SIMCUDA_FAIL_MODE=error``, once). Time lost = the job's wall
   time minus a failure-free job's, each the median of ``--reps`` runs:
-  - transparent: the journal on; libjit.so starts a new proxy and replays (the log line gives the
-    replay time and the number of calls);
-  - user-level: the journal off, so the worker fails and the launcher restarts it (one rank has no
-    replica to save from: it starts again from its newest checkpoint, here none).
+  - transparent: the journal on. dp_train marks its minibatches, so libjit.so saves the buffers of
+    the minibatch's start from the old proxy, starts a new one, recreates the handles and the
+    communicator, restores the buffers and replays the minibatch (the log line gives the breakdown);
+  - user-level: the journal off (``JITCKPT_REPLAY_LIMIT_MB=0``), so the error reaches the program:
+    the jitckpt runtime saves a JIT checkpoint, the launcher restarts the worker, which resumes
+    from it.
   Multi-rank transparent recovery (communicators rebuilt with the peers) is not built, so the
   comparison is on one rank.
 
@@ -29,7 +31,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
@@ -51,71 +52,58 @@ def journal_overhead(steps: int, reps: int, tmp: Path) -> dict:
             "dim": SIZE, "batch": SIZE, "ranks": 2}
 
 
-def launcher_job(tmp: Path, steps: int, kill_after: float | None, journal: bool) -> dict:
-    """One rank under jitckpt run --transparent; its proxy killed `kill_after` s after it started."""
+def launcher_job(tmp: Path, steps: int, fail_at: int | None, journal: bool) -> dict:
+    """One rank under jitckpt run --transparent; the all-reduce of step `fail_at` fails once."""
     tmp.mkdir(parents=True)
     env = clean_env(SIMCUDA_KERNEL_LIB=str(DP_LIBS / "libdp_train_kernels.so"))
+    if fail_at is not None:
+        env.update(SIMCUDA_FAIL_MODE="error", SIMCUDA_FAIL_AT=str(fail_at), SIMCUDA_FAIL_ONCE=str(tmp / "fired"))
     if not journal:
         env["JITCKPT_REPLAY_LIMIT_MB"] = "0"
     cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", "1", "--checkpoint-dir", str(tmp / "ckpt"),
            "--run-dir", str(tmp / "run"), "--max-restarts", "1", "--status-interval", "0", "--transparent",
            str(DRIVER), "--jitckpt", "--lib-dir", str(DP_LIBS), "--steps", str(steps), "--dim", str(SIZE),
            "--batch", str(SIZE), "--out", str(tmp / "final{rank}.bin")]
-    log = open(tmp / "launcher.log", "w")
     t0 = time.monotonic()
-    job = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    try:
-        victim = None
-        if kill_after is not None:
-            deadline = time.monotonic() + 60
-            while victim is None and time.monotonic() < deadline and job.poll() is None:
-                found = [p for p in psutil.Process(job.pid).children(recursive=True) if p.name() == "jitckpt-proxy"]
-                victim = found[0] if found else None
-                time.sleep(0.01)  # polling for the proxy to exist, bounded by the deadline
-            if victim is None:
-                raise SystemExit(f"no jitckpt-proxy appeared:\n{(tmp / 'launcher.log').read_text()}")
-            time.sleep(kill_after)
-            victim.kill()
-        rc = job.wait(timeout=600)
-    finally:
-        if job.poll() is None:
-            for p in psutil.Process(job.pid).children(recursive=True):
-                p.kill()
-            job.kill()
-        log.close()
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                          timeout=600)
     wall = time.monotonic() - t0
-    text = (tmp / "launcher.log").read_text()
-    if rc != 0:
-        raise SystemExit(f"the job failed (rc {rc}):\n{text[-4000:]}")
-    m = re.search(r"replaying (\d+) calls in ([0-9.]+) ms", text)
+    if proc.returncode != 0:
+        raise SystemExit(f"the job failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}")
+    if fail_at is not None and not (tmp / "fired").exists():
+        raise SystemExit(f"the fault was not injected:\n{proc.stdout[-4000:]}")
+    m = re.search(r"replaying (\d+) calls \((\d+) of this minibatch\) in ([0-9.]+) ms \(([^)]*)\)", proc.stdout)
     return {"wall_s": wall, "replayed_calls": int(m.group(1)) if m else None,
-            "replay_ms": float(m.group(2)) if m else None, "restarted": "restarting" in text,
+            "minibatch_calls": int(m.group(2)) if m else None, "recovery_ms": float(m.group(3)) if m else None,
+            "breakdown": m.group(4) if m else None, "restarted": "restarting" in proc.stdout,
             "final": (tmp / "final0.bin").read_bytes()}
 
 
-def recovery(steps: int, kill_after: float, reps: int, tmp: Path) -> dict:
+def recovery(steps: int, fail_at: int, reps: int, tmp: Path) -> dict:
     walls: dict[str, list[float]] = {"clean": [], "transparent": [], "user_level": []}
     replays, finals = [], set()
     for rep in range(reps):
         clean = launcher_job(tmp / f"clean{rep}", steps, None, True)
-        transparent = launcher_job(tmp / f"transparent{rep}", steps, kill_after, True)
-        user = launcher_job(tmp / f"user{rep}", steps, kill_after, False)
-        if transparent["replay_ms"] is None or transparent["restarted"]:
+        transparent = launcher_job(tmp / f"transparent{rep}", steps, fail_at, True)
+        user = launcher_job(tmp / f"user{rep}", steps, fail_at, False)
+        if transparent["recovery_ms"] is None or transparent["restarted"]:
             raise SystemExit("the transparent run did not recover in place")
         if not user["restarted"]:
             raise SystemExit("the user-level run did not restart")
         walls["clean"].append(clean["wall_s"])
         walls["transparent"].append(transparent["wall_s"])
         walls["user_level"].append(user["wall_s"])
-        replays.append({"calls": transparent["replayed_calls"], "ms": transparent["replay_ms"]})
+        replays.append({k: transparent[k] for k in ("replayed_calls", "minibatch_calls", "recovery_ms", "breakdown")})
         finals.update({clean["final"], transparent["final"], user["final"]})
     clean = statistics.median(walls["clean"])
     lost_t = statistics.median(walls["transparent"]) - clean
     lost_u = statistics.median(walls["user_level"]) - clean
+    in_place_s = statistics.median(r["recovery_ms"] for r in replays) / 1e3
     return {"clean_s": clean, "transparent_lost_s": lost_t, "user_level_lost_s": lost_u,
-            "speedup": lost_u / lost_t if lost_t > 0 else float("inf"), "replays": replays,
-            "bitwise_equal_finals": len(finals) == 1, "walls_s": walls, "steps": steps, "kill_after_s": kill_after,
-            "dim": SIZE, "batch": SIZE, "ranks": 1}
+            "speedup": lost_u / lost_t if lost_t > 0 else float("inf"),
+            "transparent_recovery_s": in_place_s, "speedup_vs_recovery_time": lost_u / in_place_s,
+            "replays": replays, "bitwise_equal_finals": len(finals) == 1, "walls_s": walls, "steps": steps,
+            "fail_at": fail_at, "dim": SIZE, "batch": SIZE, "ranks": 1}
 
 
 def main() -> int:
@@ -131,7 +119,7 @@ def main() -> int:
     reps = args.reps or reps
     with tempfile.TemporaryDirectory() as d:
         result = {"journal": journal_overhead(steps, reps, Path(d) / "journal"),
-                  "recovery": recovery(steps * 2, 1.0, reps, Path(d) / "recovery")}
+                  "recovery": recovery(steps * 2, steps, reps, Path(d) / "recovery")}
     return emit(result, args.out)
 
 

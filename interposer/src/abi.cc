@@ -1,4 +1,5 @@
-// jitckpt_api_v1: the C ABI the Python module uses (include/jitckpt/jit_abi.h).
+// jitckpt_api_v1: the C ABI the Python module uses (include/jitckpt/jit_abi.h), and the minibatch
+// marks native programs call (include/jitckpt/marks.h).
 #include <cstring>
 #include <string>
 
@@ -72,3 +73,14 @@ constexpr jitckpt_api kApi = {JITCKPT_ABI_VERSION, configure,        mark_miniba
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) const jitckpt_api* jitckpt_api_v1(void) { return &kApi; }
+
+// The minibatch marks of native programs (include/jitckpt/marks.h).
+extern "C" __attribute__((visibility("default"))) void jitckpt_mark_minibatch(void) {
+  // Not the step number: a Python runtime in the same process owns that (jitckpt_api_v1).
+  Registry::instance().proxy().mark_minibatch();
+  Registry::instance().set_phase("forward");
+}
+
+extern "C" __attribute__((visibility("default"))) void jitckpt_mark_optimizer_step(void) {
+  Registry::instance().set_phase("optimizer");
+}

@@ -18,6 +18,7 @@
 #include "proxy_forwarding.h"
 #include "proxy_functions.h"
 #include "registry.h"
+#include "shared_memfd.h"
 
 extern char** environ;
 
@@ -152,10 +153,12 @@ bool failed_nccl(uint32_t tag, int32_t status) {
   }
 }
 
-// Why a reply says the proxy's state is unusable ("" if it does not).
-std::string unusable(uint32_t tag, const proxy::CallResult& r) {
+// Why a reply says the proxy's state is unusable ("" if it does not); `device_fault`: because its
+// device context is (else its communicators are, and its device memory can still be read).
+std::string unusable(uint32_t tag, const proxy::CallResult& r, bool* device_fault = nullptr) {
   for (auto [t, status] : {std::pair<uint32_t, int32_t>{tag, r.status}, {r.async_call, r.async_status}}) {
     const char* name = proxy::call_name(t);
+    if (device_fault) *device_fault = sticky_cuda_error(t, status);
     if (sticky_cuda_error(t, status))
       return std::string("the device got the sticky error ") + cudaGetErrorName(static_cast<cudaError_t>(status)) +
              " (in " + (name ? name : "?") + ")";
@@ -164,6 +167,17 @@ std::string unusable(uint32_t tag, const proxy::CallResult& r) {
              (name ? name : "?") + ")";
   }
   return "";
+}
+
+// A kSaveDevice / kRestoreDevice request.
+std::vector<uint8_t> device_copy_request(uint64_t token, uint64_t seq, const std::vector<proxy::DeviceRange>& ranges) {
+  const proxy::RequestHead head{seq, 0u, 0};
+  const proxy::DeviceCopy c{token, ranges.size()};
+  std::vector<uint8_t> request(sizeof head + sizeof c + ranges.size() * sizeof(proxy::DeviceRange));
+  std::memcpy(request.data(), &head, sizeof head);
+  std::memcpy(request.data() + sizeof head, &c, sizeof c);
+  if (!ranges.empty()) std::memcpy(request.data() + sizeof head + sizeof c, ranges.data(), ranges.size() * sizeof ranges[0]);
+  return request;
 }
 
 }  // namespace
@@ -270,8 +284,9 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     // A sticky CUDA error or an NCCL failure, with the journal able to rebuild the state alone (else
     // the caller gets the error, as without a proxy).
     std::string broken;
+    bool device_fault = false;
     if (death.empty() && (r.status != 0 || r.async_status != 0)) {  // the common case stays lock-free
-      broken = unusable(tag, r);
+      broken = unusable(tag, r, &device_fault);
       if (!broken.empty() && (!journal_.on() || !journal_.cannot_replay_alone().empty())) broken.clear();
     }
     const bool sticky = !broken.empty();
@@ -282,6 +297,7 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
       }
       return r;
     }
+    if (sticky && !device_fault) save_device(ch, generation);  // NCCL failed; the device memory is readable
     shared.unlock();
     if (order.owns_lock()) order.unlock();
     const std::string what = sticky ? broken : death;
@@ -313,6 +329,8 @@ bool ProxySession::recover_now(const std::string& what) {
     if (!enabled_ || !lost_.empty() || client_ == nullptr || !journal_.on() || !journal_.cannot_replay_alone().empty())
       return false;
     generation = generation_;
+    std::string why;
+    if (proxy::ProxyChannel* ch = channel(&why)) save_device(ch, generation);
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -355,9 +373,34 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
     *why = alone;
     return false;
   }
-  if (journal_.size() == journal_at_last_recovery_) {
+  if (journal_.next_id() == journal_at_last_recovery_) {
     *why = "the same failure came back in the replay, before any new call (a fault in the program, not the device?)";
     return false;
+  }
+  // With minibatch marks the journal holds only the current minibatch's device work: the buffers'
+  // contents at its start come from the old proxy (save_device), or from nowhere.
+  const ReplayJournal::Phase phase = journal_.phase();
+  bool restore = false;
+  if (phase == ReplayJournal::Phase::kOptimizerStep) {
+    *why = "the failure was found during the optimizer step, which changes parameters and optimizer state in "
+           "place (they may be partly updated); taking them from a data-parallel replica that finished the step is "
+           "not built yet";
+    return false;
+  }
+  if (phase == ReplayJournal::Phase::kMinibatch) {
+    std::lock_guard<std::mutex> lock(save_mu_);
+    if (save_.generation != generation_ || (!save_.saved && save_.failure.empty())) {
+      *why = "the parameters and optimizer state were in the lost proxy's device memory (the journal holds only "
+             "this minibatch's work since minibatch marks began); copying them from a data-parallel replica is not "
+             "built yet";
+      return false;
+    }
+    if (!save_.saved) {
+      *why = save_.failure;
+      return false;
+    }
+    restore = true;
+    record->save_s = save_.seconds;
   }
   const auto t0 = std::chrono::steady_clock::now();
   record->calls = journal_.size();
@@ -377,7 +420,16 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   replayed_.clear();
   std::vector<uint8_t> request;
   std::map<std::string, std::string> unique_ids;  // recorded -> the new proxy's
-  for (size_t i = 0; i < journal_.size(); ++i) {
+  auto recreated = started;
+  for (size_t i = 0; i <= journal_.size(); ++i) {
+    // The buffers go back once what existed at the minibatch's start exists again.
+    if (restore && (i == journal_.size() || journal_.entry(i).id >= journal_.minibatch_start())) {
+      restore = false;
+      recreated = std::chrono::steady_clock::now();
+      if (!restore_device_locked(why)) return false;
+      record->restore_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - recreated).count();
+    }
+    if (i == journal_.size()) break;
     const ReplayJournal::Entry& e = journal_.entry(i);
     // A call that failed changed nothing (cudaHostAlloc's retries at another address, a query
     // that was not ready, an NCCL call refused): the replay leaves it out.
@@ -386,7 +438,7 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
     if (ch == nullptr) return false;
     const char* name = proxy::call_name(e.tag);
     auto fail = [&](const std::string& problem) {
-      *why = "replaying call " + std::to_string(i) + " (" + (name ? name : "?") + "): " + problem;
+      *why = "replaying call " + std::to_string(e.id) + " (" + (name ? name : "?") + "): " + problem;
       return false;
     };
     if (e.fd >= 0 && !client_->send_fd(e.fd, e.fd_token)) return fail("cannot hand over its memfd: " + client_->death());
@@ -417,7 +469,7 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
         } else {
           r = ch->call_raw(tag, request.data(), request.size(), seq, kWhileTheProxyLives);
           if (!r.error.empty() && r.status == 999) return fail(r.error);
-          if (!e.completed) replayed_[static_cast<int64_t>(i)] = r;
+          if (!e.completed) replayed_[static_cast<int64_t>(e.id)] = r;
         }
       }
       continue;
@@ -445,7 +497,7 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
                   "): the replay diverged");
     if (e.tag == ReplayJournal::unique_id_tag() && e.completed && r.status == 0 && r.results.size() == e.results.size())
       unique_ids[std::string(e.results.begin(), e.results.end())] = std::string(r.results.begin(), r.results.end());
-    if (!e.completed) replayed_[static_cast<int64_t>(i)] = std::move(r);
+    if (!e.completed) replayed_[static_cast<int64_t>(e.id)] = std::move(r);
   }
   const auto replayed = std::chrono::steady_clock::now();
   // The replayed work has run before the application goes on: a fault it hits again (a
@@ -468,19 +520,101 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   } else {
     return false;
   }
-  journal_at_last_recovery_ = journal_.size();
-  using Ms = std::chrono::duration<double, std::milli>;
+  journal_at_last_recovery_ = journal_.next_id();
   using S = std::chrono::duration<double>;
   const auto done = std::chrono::steady_clock::now();
   record->new_proxy_s = S(started - t0).count();
-  record->replay_s = S(replayed - started).count();
+  if (phase == ReplayJournal::Phase::kMinibatch) {
+    record->recreate_s = S(recreated - started).count();
+    record->replay_s = S(replayed - recreated).count() - record->restore_s;
+  } else {
+    record->replay_s = S(replayed - started).count();
+  }
   record->synchronize_s = S(done - replayed).count();
-  record->total_s = S(done - t0).count();
-  log_always("proxy mode: recovered: jitckpt-proxy pid %d took over after replaying %zu calls in %.1f ms (new proxy "
-             "%.1f ms, replay %.1f ms, device synchronize %.1f ms)",
-             static_cast<int>(client_->pid()), journal_.size(), Ms(done - t0).count(), Ms(started - t0).count(),
-             Ms(replayed - started).count(), Ms(done - replayed).count());
+  record->total_s = S(done - t0).count() + record->save_s;
+  size_t minibatch_calls = 0;
+  for (size_t i = 0; i < journal_.size(); ++i) minibatch_calls += journal_.entry(i).id >= journal_.minibatch_start();
+  record->minibatch_calls = minibatch_calls;
+  log_always("proxy mode: recovered: jitckpt-proxy pid %d took over after replaying %zu calls (%zu of this "
+             "minibatch) in %.1f ms (save buffers %.1f ms, new proxy %.1f ms, recreate handles and communicators "
+             "%.1f ms, restore buffers %.1f ms, replay %.1f ms, device synchronize %.1f ms)",
+             static_cast<int>(client_->pid()), journal_.size(), minibatch_calls, record->total_s * 1e3, record->save_s * 1e3,
+             record->new_proxy_s * 1e3, record->recreate_s * 1e3, record->restore_s * 1e3, record->replay_s * 1e3,
+             record->synchronize_s * 1e3);
   death_reported_ = false;
+  return true;
+}
+
+void ProxySession::mark_minibatch() {
+  if (!enabled_) return;
+  std::vector<ReplayJournal::DeviceRange> live;
+  {
+    std::lock_guard<std::mutex> lock(memory_mu_);
+    for (const auto& [base, range] : memory_)
+      if (range.kind == Memory::kDevice) live.push_back({base, range.size});
+  }
+  journal_.mark_minibatch(std::move(live));
+}
+
+void ProxySession::mark_optimizer_step() {
+  if (enabled_) journal_.mark_optimizer_step();
+}
+
+void ProxySession::save_device(proxy::ProxyChannel* ch, uint64_t generation) {
+  std::lock_guard<std::mutex> lock(save_mu_);
+  if (save_.generation == generation) return;  // another thread's failure came first
+  if (save_.fd >= 0) close(save_.fd);
+  save_ = DeviceSave{};
+  save_.generation = generation;
+  if (journal_.phase() != ReplayJournal::Phase::kMinibatch) return;  // a full replay, or no use (optimizer step)
+  const auto t0 = std::chrono::steady_clock::now();
+  uint64_t total = 0;
+  for (const ReplayJournal::DeviceRange& a : journal_.allocations_at_mark()) {
+    save_.ranges.push_back(proxy::DeviceRange{a.base, a.size, total});
+    total += (a.size + 4095) / 4096 * 4096;
+  }
+  save_.fd = shared_memfd("jitckpt-device-save", std::max<uint64_t>(total, 4096));
+  if (save_.fd < 0) {
+    save_.failure = std::string("cannot make a memfd for the device buffers: ") + std::strerror(errno);
+    return;
+  }
+  const uint64_t token = next_token(), seq = ch->next_seq();
+  const std::vector<uint8_t> request = device_copy_request(token, seq, save_.ranges);
+  proxy::CallResult r;
+  if (!client_->send_fd(save_.fd, token)) {
+    r.status = 999;
+    r.error = client_->death();
+  } else {
+    // Bounded: a device that does not finish its queued work is not one to copy from.
+    r = ch->call_raw(static_cast<uint32_t>(proxy::Call::kSaveDevice), request.data(), request.size(), seq,
+                     std::chrono::seconds(60));
+  }
+  if (r.status != 0) {
+    save_.failure = "copying the " + std::to_string(save_.ranges.size()) + " buffers live at the minibatch's start (" +
+                    std::to_string(total >> 20) + " MiB) out of the old proxy failed: " +
+                    (r.error.empty() ? "status " + std::to_string(r.status) : r.error);
+    return;
+  }
+  save_.saved = true;
+  save_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+bool ProxySession::restore_device_locked(std::string* why) {
+  std::lock_guard<std::mutex> lock(save_mu_);
+  proxy::ProxyChannel* ch = channel_for_index_locked(0, why);
+  if (ch == nullptr) return false;
+  const uint64_t token = next_token(), seq = ch->next_seq();
+  const std::vector<uint8_t> request = device_copy_request(token, seq, save_.ranges);
+  if (!client_->send_fd(save_.fd, token)) {
+    *why = "cannot hand the saved buffers to the new proxy: " + client_->death();
+    return false;
+  }
+  const proxy::CallResult r = ch->call_raw(static_cast<uint32_t>(proxy::Call::kRestoreDevice), request.data(),
+                                           request.size(), seq, kWhileTheProxyLives);
+  if (r.status != 0) {
+    *why = "putting the saved buffers into the new proxy failed: " + (r.error.empty() ? "status " + std::to_string(r.status) : r.error);
+    return false;
+  }
   return true;
 }
 

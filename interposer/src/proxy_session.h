@@ -55,6 +55,10 @@ class ProxySession {
   // asynchronous error): replace it now, if the journal can rebuild the state alone. False: the
   // failure is the caller's to handle, as without a proxy.
   bool recover_now(const std::string& what);
+  // Minibatch marks (jitckpt_mark_minibatch(), the Python runtime's step hooks): the journal keeps
+  // only the current minibatch's device work from here on (see ReplayJournal).
+  void mark_minibatch();
+  void mark_optimizer_step();
   // The proxy died and that was logged.
   bool proxy_gone() const { return death_reported_.load(std::memory_order_relaxed); }
   // The thread whose channel index is `index` exited: the proxy thread serving its channel ends,
@@ -81,6 +85,11 @@ class ProxySession {
   // thread did already) and gives entry `index`'s replayed result. False: the state is lost.
   bool recover(uint64_t failed_generation, int64_t index, const std::string& what, proxy::CallResult* out);
   bool replay_locked(const std::string& what, std::string* why, RecoveryRecord* record);
+  // Before a proxy whose communicators failed (its device still works) is replaced: copies the
+  // allocations live at the minibatch's start into a memfd, for the new proxy (save_).
+  void save_device(proxy::ProxyChannel* ch, uint64_t generation);
+  // Puts save_ into the new proxy; false with `why`.
+  bool restore_device_locked(std::string* why);
 
   const bool enabled_;
   ProxyKernels kernels_;
@@ -98,7 +107,19 @@ class ProxySession {
   uint64_t generation_ = 0;  // proxies replaced so far
   ReplayJournal journal_;
   std::map<int64_t, proxy::CallResult> replayed_;  // results of calls that were waiting when the proxy was lost
-  size_t journal_at_last_recovery_ = SIZE_MAX;
+  uint64_t journal_at_last_recovery_ = UINT64_MAX;
+
+  // The buffers of proxy generation `generation`, saved by save_device.
+  struct DeviceSave {
+    uint64_t generation = UINT64_MAX;
+    bool saved = false;
+    std::string failure;  // why not, if it was tried
+    int fd = -1;
+    std::vector<proxy::DeviceRange> ranges;
+    double seconds = 0;
+  };
+  std::mutex save_mu_;
+  DeviceSave save_;
   std::string lost_;  // why the device state is gone for good ("" while it is not)
   std::atomic<bool> death_reported_{false};
   std::atomic<uint64_t> tokens_{0};

@@ -38,8 +38,12 @@ void append_recovery_event(const RecoveryRecord& r) {
   w.key("recovered").value(r.recovered);
   if (!r.recovered) w.key("reason").value(r.reason);
   w.key("calls").value(static_cast<uint64_t>(r.calls));
+  w.key("minibatch_calls").value(static_cast<uint64_t>(r.minibatch_calls));
   w.key("bytes").value(static_cast<uint64_t>(r.bytes));
+  w.key("save_s").value(r.save_s);
   w.key("new_proxy_s").value(r.new_proxy_s);
+  w.key("recreate_s").value(r.recreate_s);
+  w.key("restore_s").value(r.restore_s);
   w.key("replay_s").value(r.replay_s);
   w.key("synchronize_s").value(r.synchronize_s);
   w.key("total_s").value(r.total_s);

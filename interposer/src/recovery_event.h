@@ -14,10 +14,13 @@ struct RecoveryRecord {
   bool recovered = false;
   std::string reason;  // why not, when not recovered
   size_t calls = 0;    // journal entries replayed
+  size_t minibatch_calls = 0;  // of them, the current minibatch's (all of them without marks)
   size_t bytes = 0;
-  // The breakdown (JIT paper Table 7's phases that apply): start a new proxy; replay the calls,
-  // which recreates handles, communicators and buffers; synchronize the replayed work.
-  double new_proxy_s = 0, replay_s = 0, synchronize_s = 0, total_s = 0;
+  // The breakdown (JIT paper Table 7's phases that apply): copy the buffers live at the minibatch's
+  // start out of the old proxy (with minibatch marks); start a new proxy; recreate what the program
+  // built (allocations, handles, communicators: the journal's calls before the minibatch); put the
+  // buffers back; replay the minibatch's calls (without marks: every call); synchronize.
+  double save_s = 0, new_proxy_s = 0, recreate_s = 0, restore_s = 0, replay_s = 0, synchronize_s = 0, total_s = 0;
 };
 
 // Appends `r` as one line with one write on the O_APPEND log, as the launcher's own writers do.

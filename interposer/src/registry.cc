@@ -43,7 +43,13 @@ bool Registry::configure(const std::string& mode, const std::string& hang_timeou
   return true;
 }
 
+void Registry::mark_minibatch(int64_t step) {
+  step_.store(step, std::memory_order_relaxed);
+  proxy_.mark_minibatch();
+}
+
 void Registry::set_phase(std::string phase) {
+  if (phase == "optimizer") proxy_.mark_optimizer_step();
   std::lock_guard<std::mutex> lock(mu_);
   phase_ = std::move(phase);
 }

@@ -49,8 +49,11 @@ class Registry {
   double hang_timeout() const { return hang_timeout_.current(); }
   HangTimeout& hang_timeouts() { return hang_timeout_; }
 
-  void mark_minibatch(int64_t step) { step_.store(step, std::memory_order_relaxed); }
+  // A minibatch starts (the Python runtime's step, or jitckpt_mark_minibatch()): also proxy mode's
+  // replay journal starts over (see ReplayJournal).
+  void mark_minibatch(int64_t step);
   int64_t step() const { return step_.load(std::memory_order_relaxed); }
+  // "optimizer" starts the optimizer step for proxy mode's journal too.
   void set_phase(std::string phase);
   std::string phase() const;
 

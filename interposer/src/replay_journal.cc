@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <map>
 
 #include "call_protocol.h"
 #include "diagnostics.h"
@@ -69,12 +71,38 @@ bool stateless_by_name(uint32_t tag) {
                              std::strstr(name, "Synchronize") != nullptr || std::strstr(name, "ElapsedTime") != nullptr);
 }
 
-enum Kind : uint8_t { kCreates = 1, kOrdered = 2, kStateless = 4 };
+bool work_by_name(uint32_t tag) {
+  using proxy::Call;
+  switch (static_cast<Call>(tag)) {
+    case Call::kLaunchKernel:
+    case Call::kMemcpyToDevice:
+    case Call::kMemcpy:
+    case Call::kMemcpyAsync:
+    case Call::kMemcpyToDeviceAsync:
+    case Call::kMemset:
+      return true;
+    default:
+      break;
+  }
+  if (tag < proxy::kGenericBase) return false;
+  const char* name = proxy::call_name(tag);
+  if (name == nullptr) return false;
+  for (const char* prefix : {"cudaMemset", "cudaMemcpy", "cudaEventRecord", "cudaStreamWaitEvent", "cudaLaunch",
+                             "cudaGraphLaunch"})
+    if (std::strncmp(name, prefix, std::strlen(prefix)) == 0) return true;
+  for (const char* nccl : {"ncclAllGather", "ncclAllReduce", "ncclAlltoAll", "ncclBcast", "ncclBroadcast", "ncclGather",
+                           "ncclRecv", "ncclReduce", "ncclReduceScatter", "ncclScatter", "ncclSend", "ncclSignal",
+                           "ncclWaitSignal"})
+    if (std::strcmp(name, nccl) == 0) return true;
+  return false;
+}
+
+enum Kind : uint8_t { kCreates = 1, kOrdered = 2, kStateless = 4, kWork = 8 };
 constexpr uint32_t kSpecialTags = 32;  // proxy::Call values are below this
 
 uint8_t kinds_by_name(uint32_t tag) {
   return (creates_by_name(tag) ? kCreates : 0) | (ordered_by_name(tag) ? kOrdered : 0) |
-         (stateless_by_name(tag) ? kStateless : 0);
+         (stateless_by_name(tag) ? kStateless : 0) | (work_by_name(tag) ? kWork : 0);
 }
 
 // Every call's kinds, worked out once: they are asked for on every call.
@@ -95,6 +123,7 @@ uint8_t kinds(uint32_t tag) {
 bool ReplayJournal::creates(uint32_t tag) { return (kinds(tag) & kCreates) != 0; }
 bool ReplayJournal::ordered(uint32_t tag) { return (kinds(tag) & kOrdered) != 0; }
 bool ReplayJournal::stateless(uint32_t tag) { return (kinds(tag) & kStateless) != 0; }
+bool ReplayJournal::work(uint32_t tag) { return (kinds(tag) & kWork) != 0; }
 
 int64_t ReplayJournal::append(uint32_t tag, uint32_t channel, bool no_reply, const uint8_t* payload, size_t size,
                               int fd, uint64_t fd_token, const HostSource* source, const void* source_bytes,
@@ -108,6 +137,7 @@ int64_t ReplayJournal::append(uint32_t tag, uint32_t channel, bool no_reply, con
     return -1;
   }
   Entry e;
+  e.id = next_id_++;
   e.tag = tag;
   e.channel = channel;
   e.no_reply = no_reply;
@@ -138,16 +168,95 @@ int64_t ReplayJournal::append(uint32_t tag, uint32_t channel, bool no_reply, con
     if (nranks > 1) ++multi_rank_comms_;
   }
   entries_.push_back(std::move(e));
-  return static_cast<int64_t>(entries_.size() - 1);
+  return static_cast<int64_t>(entries_.back().id);
 }
 
-void ReplayJournal::completed(int64_t index, const proxy::CallResult& r) {
+void ReplayJournal::completed(int64_t id, const proxy::CallResult& r) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (index < 0 || static_cast<size_t>(index) >= entries_.size()) return;  // dropped meanwhile
-  Entry& e = entries_[static_cast<size_t>(index)];
+  if (id < 0) return;
+  auto it = std::lower_bound(entries_.begin(), entries_.end(), static_cast<uint64_t>(id),
+                             [](const Entry& e, uint64_t v) { return e.id < v; });
+  if (it == entries_.end() || it->id != static_cast<uint64_t>(id)) return;  // dropped meanwhile
+  Entry& e = *it;
   e.completed = true;
   e.status = r.status;
   if (creates(e.tag) || e.tag == unique_id_tag()) e.results = r.results;
+}
+
+void ReplayJournal::mark_minibatch(std::vector<DeviceRange> live_allocations) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!off_.empty()) return;
+  compact_locked();
+  phase_ = Phase::kMinibatch;
+  mark_id_ = next_id_;
+  mark_allocations_ = std::move(live_allocations);
+}
+
+void ReplayJournal::mark_optimizer_step() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (phase_ != Phase::kUnmarked) phase_ = Phase::kOptimizerStep;
+}
+
+ReplayJournal::Phase ReplayJournal::phase() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return phase_;
+}
+
+std::vector<ReplayJournal::DeviceRange> ReplayJournal::allocations_at_mark() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return mark_allocations_;
+}
+
+// Keeps what built state (see the header) and drops device work, failed calls, and NCCL groups
+// left empty; the kept entries' bytes move to a new store. The kept part is what the program
+// created and set up, so it stays small while the program does not create something every step.
+void ReplayJournal::compact_locked() {
+  const uint32_t group_start = proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_ncclGroupStart);
+  const uint32_t group_end = proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_ncclGroupEnd);
+  std::vector<Entry> kept;
+  std::vector<uint8_t> bytes;
+  struct OpenGroup {
+    size_t at;  // the ncclGroupStart's position in `kept`
+    bool holds_kept = false;
+  };
+  std::map<uint32_t, std::vector<OpenGroup>> groups;  // per channel: groups are per thread
+  auto keep = [&](Entry& e) {
+    const size_t offset = bytes.size();
+    bytes.insert(bytes.end(), bytes_.begin() + static_cast<std::ptrdiff_t>(e.offset),
+                 bytes_.begin() + static_cast<std::ptrdiff_t>(e.offset + e.size));
+    e.offset = offset;
+    kept.push_back(std::move(e));
+    e.fd = -1;
+  };
+  auto drop = [](Entry& e) {
+    if (e.fd >= 0) close(e.fd);
+    e.fd = -1;
+  };
+  for (Entry& e : entries_) {
+    std::vector<OpenGroup>& open = groups[e.channel];
+    if (e.tag == group_start) {
+      open.push_back(OpenGroup{kept.size()});
+      keep(e);
+    } else if (e.tag == group_end && !open.empty()) {
+      const OpenGroup g = open.back();
+      open.pop_back();
+      if (g.holds_kept) {
+        keep(e);
+        if (!open.empty()) open.back().holds_kept = true;
+      } else {  // only the start is left of this group
+        bytes.resize(kept[g.at].offset);
+        kept.resize(g.at);
+        drop(e);
+      }
+    } else if ((e.completed && e.status != 0) || (work(e.tag) && e.completed) || (work(e.tag) && e.no_reply)) {
+      drop(e);
+    } else {
+      keep(e);
+      if (!open.empty()) open.back().holds_kept = true;
+    }
+  }
+  entries_ = std::move(kept);
+  bytes_ = std::move(bytes);
 }
 
 bool ReplayJournal::on() const {

@@ -5,9 +5,14 @@
 // starts a new proxy and replays the journal into it, so the device state the application holds
 // (pointers, virtual handles, contents) is rebuilt and the application sees only a pause.
 //
-// Without minibatch marks the journal holds every call since the first one, up to a byte limit
-// (JITCKPT_REPLAY_LIMIT_MB): past it the journal is dropped and a lost proxy is a failure again,
-// said once on stderr. Thread-safe: calls append from any thread.
+// Without minibatch marks the journal holds every call since the first one. At each minibatch mark
+// (jitckpt_mark_minibatch(), or PyTorch's optimizer hooks through the Python runtime) it drops the
+// device work of the minibatch that ended (launches, copies, memsets, collectives, event records)
+// and keeps what built the state the application holds (allocations, streams, events, modules,
+// communicators, settings): a replay then rebuilds the objects, the caller puts the buffers' contents
+// back, and only the current minibatch's work runs again. A byte limit (JITCKPT_REPLAY_LIMIT_MB)
+// bounds it: past it the journal is dropped and a lost proxy is a failure again, said once on
+// stderr. Thread-safe: calls append from any thread.
 #pragma once
 
 #include <cstddef>
@@ -30,6 +35,7 @@ class ReplayJournal {
     bool async;
   };
   struct Entry {
+    uint64_t id;  // the call's number in this process (ids only grow; a mark drops some)
     uint32_t tag;
     uint32_t channel;  // the index of the calling thread's channel (0: the first thread's)
     bool no_reply;
@@ -48,13 +54,28 @@ class ReplayJournal {
   ReplayJournal(const ReplayJournal&) = delete;
   ReplayJournal& operator=(const ReplayJournal&) = delete;
 
-  // Records a request about to be sent; its index, or -1 when the journal is off. `source`: replay
+  // Where the current minibatch is (see mark_minibatch).
+  enum class Phase { kUnmarked, kMinibatch, kOptimizerStep };
+  struct DeviceRange {
+    uint64_t base, size;
+  };
+
+  // Records a request about to be sent; its id, or -1 when the journal is off. `source`: replay
   // it as an inline copy of the `source_bytes` instead of `payload`.
   int64_t append(uint32_t tag, uint32_t channel, bool no_reply, const uint8_t* payload, size_t size, int fd,
                  uint64_t fd_token, const HostSource* source = nullptr, const void* source_bytes = nullptr,
                  size_t source_size = 0);
-  // The application got `r` for entry `index`.
-  void completed(int64_t index, const proxy::CallResult& r);
+  // The application got `r` for the call with id `id`.
+  void completed(int64_t id, const proxy::CallResult& r);
+
+  // A minibatch starts: drops the ended minibatch's device work (see above) and remembers the device
+  // allocations live now, whose contents a replay must put back before the minibatch's calls.
+  void mark_minibatch(std::vector<DeviceRange> live_allocations);
+  // The optimizer step starts: from here to the next mark, parameters and optimizer state change.
+  void mark_optimizer_step();
+  Phase phase() const;
+  // The device allocations live when the current minibatch started.
+  std::vector<DeviceRange> allocations_at_mark() const;
 
   bool on() const;
   std::string off_reason() const;
@@ -64,6 +85,9 @@ class ReplayJournal {
 
   // Under the caller's guarantee that nobody appends meanwhile (ProxySession's recovery lock).
   size_t size() const { return entries_.size(); }
+  uint64_t next_id() const { return next_id_; }
+  // The first call of the current minibatch.
+  uint64_t minibatch_start() const { return mark_id_; }
   const Entry& entry(size_t i) const { return entries_[i]; }
   const uint8_t* bytes(const Entry& e) const { return bytes_.data() + e.offset; }
   size_t total_bytes() const { return bytes_.size(); }
@@ -76,6 +100,10 @@ class ReplayJournal {
   // makes them one at a time, so the journal's order is the order they ran in. NCCL's are not
   // (threads of one process initialize communicators together, each waiting for the others).
   static bool ordered(uint32_t tag);
+  // Device work whose effect on the buffers is all there is to it (a launch, a copy into the device,
+  // a collective, an event record): a minibatch mark drops the ended minibatch's. Everything else
+  // (an unknown call too) is kept.
+  static bool work(uint32_t tag);
   // Whether a call leaves device state as it found it (queries, synchronizes, copies to the host):
   // it is not journaled; one that was waiting when the proxy was lost is made again on the new one.
   static bool stateless(uint32_t tag);
@@ -87,6 +115,7 @@ class ReplayJournal {
 
  private:
   void turn_off_locked(const std::string& why);
+  void compact_locked();
 
   const size_t limit_;
   mutable std::mutex mu_;
@@ -94,6 +123,10 @@ class ReplayJournal {
   std::vector<uint8_t> bytes_;
   std::string off_;
   int multi_rank_comms_ = 0;
+  uint64_t next_id_ = 0;
+  Phase phase_ = Phase::kUnmarked;
+  uint64_t mark_id_ = 0;
+  std::vector<DeviceRange> mark_allocations_;
 };
 
 }  // namespace jitckpt

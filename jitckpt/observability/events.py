@@ -38,10 +38,12 @@ event                     fields
                           previous_exit (its exit code)
 ``stage_replaced``        rank, generation, restart_count (--recovery stage: the dead rank got a
                           replacement; the other ranks kept running)
-``transparent_recovery``  rank, pid, cause, recovered (bool), reason (when not), calls, bytes,
-                          new_proxy_s, replay_s, synchronize_s, total_s (--transparent: written by
-                          libjit.so when it replaced a worker's lost device proxy and replayed
-                          the worker's calls into the new one; the worker was not restarted)
+``transparent_recovery``  rank, pid, cause, recovered (bool), reason (when not), calls,
+                          minibatch_calls (of them, the current minibatch's), bytes,
+                          save_s, new_proxy_s, recreate_s, restore_s, replay_s, synchronize_s,
+                          total_s (--transparent: written by libjit.so when it replaced a worker's
+                          device proxy and replayed the worker's calls into the new one, or why
+                          it could not; the worker was not restarted if it did)
 ========================  ======================================================================
 
 Writers append whole lines with one ``write`` on a file opened with O_APPEND, so lines from

@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -225,6 +226,9 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
       return launch_kernel(args, nargs, out);
     case Call::kKernelAttribute:
       return kernel_attribute(args, nargs, out);
+    case Call::kSaveDevice:
+    case Call::kRestoreDevice:
+      return copy_device(call == Call::kSaveDevice, args, nargs, out);
     case Call::kCloseChannel:
       break;  // the channel's loop (proxy_main.cc) ends it before a dispatcher sees it
   }
@@ -348,6 +352,41 @@ void CallDispatcher::host_alloc(const uint8_t* args, size_t nargs, Outcome* out)
   }
   state_.memory.add(a.addr, a.size, AddressBook::Kind::kPinned);
   out->status = cudaSuccess;
+}
+
+void CallDispatcher::copy_device(bool save, const uint8_t* args, size_t nargs, Outcome* out) {
+  const char* name = save ? "device memory save" : "device memory restore";
+  DeviceCopy c;
+  if (!take(name, args, nargs, &c, out, true)) return;
+  if (c.count > (nargs - sizeof c) / sizeof(DeviceRange) || nargs - sizeof c != c.count * sizeof(DeviceRange))
+    return fail(out, cudaErrorInvalidValue, std::string(name) + ": " + std::to_string(nargs - sizeof c) +
+                                                " bytes of ranges for " + std::to_string(c.count));
+  const int fd = state_.mailbox.take(c.token, std::chrono::milliseconds(kFdWaitMs));
+  if (fd < 0) return fail(out, cudaErrorInvalidValue, std::string(name) + ": the client's memfd did not arrive");
+  struct stat st{};
+  const bool sized = fstat(fd, &st) == 0 && st.st_size > 0;
+  void* map = sized ? mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                    : MAP_FAILED;
+  close(fd);
+  if (map == MAP_FAILED) return fail(out, cudaErrorInvalidValue, std::string(name) + ": cannot map the client's memfd");
+  const auto size = static_cast<uint64_t>(st.st_size);
+  // Whatever the device still has queued (the last minibatch's optimizer step) lands first.
+  out->status = cudaDeviceSynchronize();
+  for (uint64_t i = 0; i < c.count && out->status == cudaSuccess; ++i) {
+    DeviceRange r;
+    std::memcpy(&r, args + sizeof c + i * sizeof r, sizeof r);
+    if (state_.memory.size_of(r.base) != r.size || state_.memory.kind_of(r.base, r.size) != AddressBook::Kind::kDevice ||
+        r.offset > size || r.size > size - r.offset) {
+      fail(out, cudaErrorInvalidValue, std::string(name) + ": [" + hex(r.base) + ", +" + std::to_string(r.size) +
+                                           ") is not a device allocation of this proxy, or not inside the memfd");
+      break;
+    }
+    char* host = static_cast<char*>(map) + r.offset;
+    auto* device = reinterpret_cast<void*>(r.base);
+    out->status = save ? cudaMemcpy(host, device, r.size, cudaMemcpyDeviceToHost)
+                       : cudaMemcpy(device, host, r.size, cudaMemcpyHostToDevice);
+  }
+  munmap(map, size);
 }
 
 void CallDispatcher::host_free(uint64_t addr, Outcome* out) {

@@ -61,6 +61,7 @@ class CallDispatcher {
   void kernel_attribute(const uint8_t* args, size_t nargs, Outcome* out);
   void host_alloc(const uint8_t* args, size_t nargs, Outcome* out);
   void host_free(uint64_t addr, Outcome* out);
+  void copy_device(bool save, const uint8_t* args, size_t nargs, Outcome* out);
 
   DeviceState& state_;
   // The first failure of a kNoReply call since the last reply.

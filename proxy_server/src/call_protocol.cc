@@ -23,6 +23,8 @@ const char* call_name(uint32_t call) {
     case Call::kKernelAttribute: return "kernel attribute";
     case Call::kRegisterModule: return "module registration";
     case Call::kCloseChannel: return "channel close";
+    case Call::kSaveDevice: return "device memory save";
+    case Call::kRestoreDevice: return "device memory restore";
   }
   return nullptr;
 }

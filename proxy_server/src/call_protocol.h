@@ -35,6 +35,8 @@ enum class Call : uint32_t {
   kKernelAttribute = 18,      // args: KernelAttribute; reply: cudaFuncAttributes or int32 (see its `op`)
   kRegisterModule = 19,       // args: RegisterModule; its memfd went first over the socket; reply: uint32 id
   kCloseChannel = 20,         // no args (kNoReply): the client thread exited; the channel's proxy thread ends
+  kSaveDevice = 21,           // args: DeviceCopy, DeviceRange[count]; the memfd went first over the socket
+  kRestoreDevice = 22,        // the same, the other way
 };
 
 // Generated calls (proxy_functions.h): tag = kGenericBase + FunctionId.
@@ -161,6 +163,19 @@ struct HostAlloc {
   uint64_t token;  // the SocketMessage that carried the memfd
   uint32_t flags;
   uint32_t reserved;
+};
+
+// Device allocations copied whole to (kSaveDevice) or from (kRestoreDevice) a memfd of the client's,
+// after the device has finished its work: how transparent recovery (issue 16) carries parameters and
+// optimizer state from a proxy whose communicators failed to the proxy that replaces it.
+struct DeviceCopy {
+  uint64_t token;  // the SocketMessage that carried the memfd
+  uint64_t count;  // DeviceRange entries that follow
+};
+struct DeviceRange {
+  uint64_t base;    // a device allocation's base
+  uint64_t size;    // its size
+  uint64_t offset;  // where its bytes are in the memfd
 };
 
 // What the client sends on the Unix socket after the handshake, with file descriptors attached:

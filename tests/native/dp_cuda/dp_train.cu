@@ -14,6 +14,8 @@
 #include <cstdio>
 #include <cstring>
 #include <vector>
+
+#include "jitckpt/marks.h"
 #endif
 
 __global__ void generate_batch(float* x, float* y, long long step, int rank, int batch, int dim) {
@@ -150,6 +152,7 @@ int dp_step(long long step) {
   if (t == nullptr) return fail("dp_step before dp_init", 1);
   float* params = t->state;
   float* velocity = t->state + t->n();
+  jitckpt_minibatch();  // proxy mode's replay journal keeps this minibatch's calls only
   generate_batch<<<blocks(t->batch, 64), 64, 0, t->compute>>>(t->x, t->y, step, t->rank, t->batch, t->dim);
   forward<<<blocks(t->batch, 64), 64, 0, t->compute>>>(t->x, t->y, params, t->residual, t->batch, t->dim);
   backward<<<blocks(t->n(), 64), 64, 0, t->compute>>>(t->x, t->residual, t->grad, t->batch, t->dim);
@@ -160,6 +163,7 @@ int dp_step(long long step) {
   NCCL_OK(ncclAllReduce(t->grad, t->grad, t->n(), ncclFloat32, ncclSum, t->comm, t->comm_stream));
   CUDA_OK(cudaEventRecord(t->reduced, t->comm_stream));
   CUDA_OK(cudaStreamWaitEvent(t->compute, t->reduced, 0));
+  jitckpt_optimizer_step();
   sgd_momentum<<<blocks(t->n(), 64), 64, 0, t->compute>>>(params, velocity, t->grad, t->n(), t->world, t->lr,
                                                           t->momentum);
   CUDA_OK(cudaGetLastError());
