@@ -75,6 +75,8 @@ void CollectiveTracker::group_end(bool enqueued) {
 }
 
 cudaEvent_t CollectiveTracker::take_event(int device) {
+  uint64_t oldest = 0;
+  cudaEvent_t candidate = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = free_events_.begin(); it != free_events_.end(); ++it) {
@@ -83,6 +85,26 @@ cudaEvent_t CollectiveTracker::take_event(int device) {
         free_events_.erase(it);
         return e;
       }
+    }
+    for (const auto& r : in_flight_)
+      if (r.device == device && r.sentinel != nullptr) {
+        oldest = r.seq;
+        candidate = r.sentinel;
+        break;
+      }
+  }
+  // The pool is empty until the watchdog's next poll retires what finished. Collectives faster than
+  // its polls would grow it by an event each (in proxy mode, each a call the replay journal keeps):
+  // the oldest collective, if done, is retired here and its event taken instead.
+  auto query = real_cuda.eventQuery.get();
+  if (candidate != nullptr && query != nullptr && query(candidate) == cudaSuccess) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find_if(in_flight_.begin(), in_flight_.end(),
+                           [&](const CollectiveRecord& r) { return r.seq == oldest && r.sentinel == candidate; });
+    if (it != in_flight_.end()) {
+      in_flight_.erase(it);
+      ++completed_;
+      return candidate;
     }
   }
   cudaEvent_t e = nullptr;

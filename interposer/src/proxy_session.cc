@@ -155,10 +155,12 @@ bool failed_nccl(uint32_t tag, int32_t status) {
 
 // Why a reply says the proxy's state is unusable ("" if it does not); `device_fault`: because its
 // device context is (else its communicators are, and its device memory can still be read).
-std::string unusable(uint32_t tag, const proxy::CallResult& r, bool* device_fault = nullptr) {
+// `earlier`: the failure is an earlier call's (ReplyHead::async_*), not this one's.
+std::string unusable(uint32_t tag, const proxy::CallResult& r, bool* device_fault = nullptr, bool* earlier = nullptr) {
   for (auto [t, status] : {std::pair<uint32_t, int32_t>{tag, r.status}, {r.async_call, r.async_status}}) {
     const char* name = proxy::call_name(t);
     if (device_fault) *device_fault = sticky_cuda_error(t, status);
+    if (earlier) *earlier = t == r.async_call && status == r.async_status && status != r.status;
     if (sticky_cuda_error(t, status))
       return std::string("the device got the sticky error ") + cudaGetErrorName(static_cast<cudaError_t>(status)) +
              " (in " + (name ? name : "?") + ")";
@@ -268,7 +270,7 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     const proxy::RequestHead head{seq, no_reply ? proxy::kNoReply : 0u, 0};
     std::memcpy(payload.data(), &head, sizeof head);
     const int64_t index = !journaled ? -1
-                          : journal_.append(tag, t_index, no_reply, payload.data(), payload.size(), fd, fd_token,
+                          : journal_.append(tag, t_index, seq, no_reply, payload.data(), payload.size(), fd, fd_token,
                                             source ? &source->source : nullptr, source ? source->bytes : nullptr,
                                             source ? source->size : 0);
     if (fd >= 0 && !client_->send_fd(fd, fd_token)) {
@@ -284,9 +286,9 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     // A sticky CUDA error or an NCCL failure, with the journal able to rebuild the state alone (else
     // the caller gets the error, as without a proxy).
     std::string broken;
-    bool device_fault = false;
+    bool device_fault = false, earlier = false;
     if (death.empty() && (r.status != 0 || r.async_status != 0)) {  // the common case stays lock-free
-      broken = unusable(tag, r, &device_fault);
+      broken = unusable(tag, r, &device_fault, &earlier);
       if (!broken.empty() && (!journal_.on() || !journal_.cannot_replay_alone().empty())) broken.clear();
     }
     const bool sticky = !broken.empty();
@@ -297,7 +299,11 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
       }
       return r;
     }
-    if (sticky && !device_fault) save_device(ch, generation);  // NCCL failed; the device memory is readable
+    if (sticky && !device_fault) {  // NCCL failed; the device memory is readable
+      // The proxy ran no device work after the failed call (it is fenced): its phase is what counts.
+      const int64_t failed = earlier ? journal_.find(t_index, r.async_seq, r.async_call) : index;
+      save_device(ch, generation, journal_.phase_of(failed));
+    }
     shared.unlock();
     if (order.owns_lock()) order.unlock();
     const std::string what = sticky ? broken : death;
@@ -330,7 +336,8 @@ bool ProxySession::recover_now(const std::string& what) {
       return false;
     generation = generation_;
     std::string why;
-    if (proxy::ProxyChannel* ch = channel(&why)) save_device(ch, generation);
+    // An asynchronous error: the device may have run anything posted since, so the phase is now's.
+    if (proxy::ProxyChannel* ch = channel(&why)) save_device(ch, generation, journal_.phase());
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -379,7 +386,11 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   }
   // With minibatch marks the journal holds only the current minibatch's device work: the buffers'
   // contents at its start come from the old proxy (save_device), or from nowhere.
-  const ReplayJournal::Phase phase = journal_.phase();
+  ReplayJournal::Phase phase = journal_.phase();
+  {
+    std::lock_guard<std::mutex> lock(save_mu_);
+    if (save_.generation == generation_) phase = save_.phase;  // the failed call's
+  }
   bool restore = false;
   if (phase == ReplayJournal::Phase::kOptimizerStep) {
     *why = "the failure was found during the optimizer step, which changes parameters and optimizer state in "
@@ -520,6 +531,13 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   } else {
     return false;
   }
+  if (fence_requested_) {
+    proxy::ProxyChannel* ch = channel_for_index_locked(0, why);
+    if (ch == nullptr || !request_fence(ch)) {
+      *why = "the new proxy did not take the fence request" + (why->empty() ? "" : ": " + *why);
+      return false;
+    }
+  }
   journal_at_last_recovery_ = journal_.next_id();
   using S = std::chrono::duration<double>;
   const auto done = std::chrono::steady_clock::now();
@@ -553,20 +571,34 @@ void ProxySession::mark_minibatch() {
     for (const auto& [base, range] : memory_)
       if (range.kind == Memory::kDevice) live.push_back({base, range.size});
   }
+  std::shared_lock<std::shared_mutex> shared(recovery_mu_);  // not while a replay reads the journal
   journal_.mark_minibatch(std::move(live));
+  // On this thread's channel, once it has one (a mark must not start a proxy nobody else needs).
+  if (!fence_requested_ && t_channel != nullptr && t_generation == generation_ && journal_.on() &&
+      journal_.cannot_replay_alone().empty())
+    fence_requested_ = request_fence(t_channel);
+}
+
+bool ProxySession::request_fence(proxy::ProxyChannel* ch) {
+  const uint64_t seq = ch->next_seq();
+  const proxy::RequestHead head{seq, 0u, 0};
+  return ch->call_raw(static_cast<uint32_t>(proxy::Call::kFence), &head, sizeof head, seq).status == 0;
 }
 
 void ProxySession::mark_optimizer_step() {
-  if (enabled_) journal_.mark_optimizer_step();
+  if (!enabled_) return;
+  std::shared_lock<std::shared_mutex> shared(recovery_mu_);
+  journal_.mark_optimizer_step();
 }
 
-void ProxySession::save_device(proxy::ProxyChannel* ch, uint64_t generation) {
+void ProxySession::save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase) {
   std::lock_guard<std::mutex> lock(save_mu_);
   if (save_.generation == generation) return;  // another thread's failure came first
   if (save_.fd >= 0) close(save_.fd);
   save_ = DeviceSave{};
   save_.generation = generation;
-  if (journal_.phase() != ReplayJournal::Phase::kMinibatch) return;  // a full replay, or no use (optimizer step)
+  save_.phase = phase;
+  if (phase != ReplayJournal::Phase::kMinibatch) return;  // a full replay, or no use (optimizer step)
   const auto t0 = std::chrono::steady_clock::now();
   uint64_t total = 0;
   for (const ReplayJournal::DeviceRange& a : journal_.allocations_at_mark()) {
@@ -611,6 +643,8 @@ bool ProxySession::restore_device_locked(std::string* why) {
   }
   const proxy::CallResult r = ch->call_raw(static_cast<uint32_t>(proxy::Call::kRestoreDevice), request.data(),
                                            request.size(), seq, kWhileTheProxyLives);
+  close(save_.fd);  // the buffers are in the new proxy (or lost with it): the host copy goes
+  save_.fd = -1;
   if (r.status != 0) {
     *why = "putting the saved buffers into the new proxy failed: " + (r.error.empty() ? "status " + std::to_string(r.status) : r.error);
     return false;

@@ -87,7 +87,9 @@ class ProxySession {
   bool replay_locked(const std::string& what, std::string* why, RecoveryRecord* record);
   // Before a proxy whose communicators failed (its device still works) is replaced: copies the
   // allocations live at the minibatch's start into a memfd, for the new proxy (save_).
-  void save_device(proxy::ProxyChannel* ch, uint64_t generation);
+  void save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase);
+  // Asks a proxy to stop device work at a failed NCCL call (see proxy_server's DeviceState::fenced).
+  static bool request_fence(proxy::ProxyChannel* ch);
   // Puts save_ into the new proxy; false with `why`.
   bool restore_device_locked(std::string* why);
 
@@ -112,6 +114,7 @@ class ProxySession {
   // The buffers of proxy generation `generation`, saved by save_device.
   struct DeviceSave {
     uint64_t generation = UINT64_MAX;
+    ReplayJournal::Phase phase = ReplayJournal::Phase::kUnmarked;  // of the failed call
     bool saved = false;
     std::string failure;  // why not, if it was tried
     int fd = -1;
@@ -120,6 +123,7 @@ class ProxySession {
   };
   std::mutex save_mu_;
   DeviceSave save_;
+  std::atomic<bool> fence_requested_{false};  // sent to the proxy at the first minibatch mark
   std::string lost_;  // why the device state is gone for good ("" while it is not)
   std::atomic<bool> death_reported_{false};
   std::atomic<uint64_t> tokens_{0};

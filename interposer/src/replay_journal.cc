@@ -125,7 +125,7 @@ bool ReplayJournal::ordered(uint32_t tag) { return (kinds(tag) & kOrdered) != 0;
 bool ReplayJournal::stateless(uint32_t tag) { return (kinds(tag) & kStateless) != 0; }
 bool ReplayJournal::work(uint32_t tag) { return (kinds(tag) & kWork) != 0; }
 
-int64_t ReplayJournal::append(uint32_t tag, uint32_t channel, bool no_reply, const uint8_t* payload, size_t size,
+int64_t ReplayJournal::append(uint32_t tag, uint32_t channel, uint64_t seq, bool no_reply, const uint8_t* payload, size_t size,
                               int fd, uint64_t fd_token, const HostSource* source, const void* source_bytes,
                               size_t source_size) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -140,6 +140,7 @@ int64_t ReplayJournal::append(uint32_t tag, uint32_t channel, bool no_reply, con
   e.id = next_id_++;
   e.tag = tag;
   e.channel = channel;
+  e.seq = seq;
   e.no_reply = no_reply;
   e.offset = bytes_.size();
   e.size = n;
@@ -194,7 +195,22 @@ void ReplayJournal::mark_minibatch(std::vector<DeviceRange> live_allocations) {
 
 void ReplayJournal::mark_optimizer_step() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (phase_ != Phase::kUnmarked) phase_ = Phase::kOptimizerStep;
+  if (phase_ != Phase::kMinibatch) return;
+  phase_ = Phase::kOptimizerStep;
+  optimizer_id_ = next_id_;
+}
+
+ReplayJournal::Phase ReplayJournal::phase_of(int64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (phase_ != Phase::kOptimizerStep || id < 0) return phase_;
+  return static_cast<uint64_t>(id) < optimizer_id_ ? Phase::kMinibatch : Phase::kOptimizerStep;
+}
+
+int64_t ReplayJournal::find(uint32_t channel, uint64_t seq, uint32_t tag) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = entries_.rbegin(); it != entries_.rend(); ++it)
+    if (it->channel == channel && it->seq == seq && it->tag == tag) return static_cast<int64_t>(it->id);
+  return -1;
 }
 
 ReplayJournal::Phase ReplayJournal::phase() const {

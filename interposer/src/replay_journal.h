@@ -38,6 +38,7 @@ class ReplayJournal {
     uint64_t id;  // the call's number in this process (ids only grow; a mark drops some)
     uint32_t tag;
     uint32_t channel;  // the index of the calling thread's channel (0: the first thread's)
+    uint64_t seq;      // its request's number on that channel
     bool no_reply;
     bool completed = false;  // the application has its reply
     int32_t status = 0;      // the status it got
@@ -62,7 +63,7 @@ class ReplayJournal {
 
   // Records a request about to be sent; its id, or -1 when the journal is off. `source`: replay
   // it as an inline copy of the `source_bytes` instead of `payload`.
-  int64_t append(uint32_t tag, uint32_t channel, bool no_reply, const uint8_t* payload, size_t size, int fd,
+  int64_t append(uint32_t tag, uint32_t channel, uint64_t seq, bool no_reply, const uint8_t* payload, size_t size, int fd,
                  uint64_t fd_token, const HostSource* source = nullptr, const void* source_bytes = nullptr,
                  size_t source_size = 0);
   // The application got `r` for the call with id `id`.
@@ -74,6 +75,10 @@ class ReplayJournal {
   // The optimizer step starts: from here to the next mark, parameters and optimizer state change.
   void mark_optimizer_step();
   Phase phase() const;
+  // The phase the call with this id was made in (the current one if the id is unknown).
+  Phase phase_of(int64_t id) const;
+  // The id of the request `seq` of channel `channel` with this tag, or -1.
+  int64_t find(uint32_t channel, uint64_t seq, uint32_t tag) const;
   // The device allocations live when the current minibatch started.
   std::vector<DeviceRange> allocations_at_mark() const;
 
@@ -126,6 +131,7 @@ class ReplayJournal {
   uint64_t next_id_ = 0;
   Phase phase_ = Phase::kUnmarked;
   uint64_t mark_id_ = 0;
+  uint64_t optimizer_id_ = 0;  // the first call of the optimizer step (phase_ kOptimizerStep)
   std::vector<DeviceRange> mark_allocations_;
 };
 

@@ -3,6 +3,7 @@
 #include <shared_mutex>
 
 #include <cuda_runtime_api.h>
+#include <nccl.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -61,9 +62,18 @@ bool CallDispatcher::handle(uint32_t call, const uint8_t* data, size_t len, std:
     fail(&out, cudaErrorNotSupported, "unknown call " + std::to_string(call));
   else if (len < sizeof req)
     fail(&out, cudaErrorInvalidValue, std::string(name) + ": truncated request");
+  else if (state_.fenced.load() && !runs_when_fenced(call, name))
+    out.status = std::strncmp(name, "nccl", 4) == 0 ? static_cast<int32_t>(ncclInvalidUsage)
+                                                     : static_cast<int32_t>(cudaErrorNotPermitted);
   else
     run(call, name, data + sizeof req, len - sizeof req, &out);
   if (!out.error.empty()) std::fprintf(stderr, "jitckpt-proxy: %s\n", out.error.c_str());
+  if (state_.fence_on_nccl_failure && !state_.fenced.load()) fence_if_nccl_failed(call, name, req.seq, out);
+  if (state_.fenced.load() && async_status_ == 0) {  // every reply tells of the failure
+    async_status_ = state_.fence_status.load();
+    async_call_ = state_.fence_call.load();
+    async_seq_ = state_.fence_seq.load();
+  }
   if (no_reply) {
     if (out.status != 0 && async_status_ == 0) {
       async_status_ = out.status;
@@ -85,6 +95,38 @@ bool CallDispatcher::handle(uint32_t call, const uint8_t* data, size_t len, std:
   std::memcpy(reply->data(), &head, sizeof head);
   if (!out.results.empty()) std::memcpy(reply->data() + sizeof head, out.results.data(), out.results.size());
   return true;
+}
+
+bool CallDispatcher::runs_when_fenced(uint32_t call, const char* name) {
+  switch (static_cast<Call>(call)) {
+    case Call::kSaveDevice:
+    case Call::kMemcpyFromDevice:
+    case Call::kMemcpyFromDeviceAsync:
+    case Call::kCloseChannel:
+      return true;
+    default:
+      break;
+  }
+  return call >= kGenericBase && (std::strstr(name, "Query") || std::strstr(name, "Get") ||
+                                  std::strstr(name, "Synchronize") || std::strstr(name, "ElapsedTime"));
+}
+
+void CallDispatcher::fence_if_nccl_failed(uint32_t call, const char* name, uint64_t seq, const Outcome& out) {
+  if (name == nullptr || std::strncmp(name, "nccl", 4) != 0) return;
+  switch (static_cast<ncclResult_t>(out.status)) {
+    case ncclUnhandledCudaError:
+    case ncclSystemError:
+    case ncclInternalError:
+    case ncclRemoteError:
+      break;
+    default:
+      return;
+  }
+  state_.fence_status = out.status;
+  state_.fence_call = call;
+  state_.fence_seq = seq;
+  state_.fenced = true;
+  std::fprintf(stderr, "jitckpt-proxy: %s failed; no more device work runs here (fenced for recovery)\n", name);
 }
 
 void CallDispatcher::run(uint32_t call, const char* name, const uint8_t* args, size_t nargs, Outcome* out) {
@@ -229,6 +271,10 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
     case Call::kSaveDevice:
     case Call::kRestoreDevice:
       return copy_device(call == Call::kSaveDevice, args, nargs, out);
+    case Call::kFence:
+      state_.fence_on_nccl_failure = true;
+      out->status = cudaSuccess;
+      return;
     case Call::kCloseChannel:
       break;  // the channel's loop (proxy_main.cc) ends it before a dispatcher sees it
   }

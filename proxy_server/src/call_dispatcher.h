@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -38,6 +39,18 @@ class DeviceState {
   // while it is registered), but through another process, which this one's threads cannot see: a
   // client that did race them would free a communicator under a query here.
   std::shared_mutex comm_lifetime;
+
+  // Once the client asked for it (kFence: it can recover transparently from saved buffers): after an NCCL
+  // call fails for a reason a new proxy may get past (system, internal, remote, CUDA error), the
+  // proxy runs no more device work, so its buffers stay as they were at the failed call (the
+  // optimizer step the program posts after a failed all-reduce must not run on them). Queries,
+  // synchronizes, copies to the host and kSaveDevice still run, and every reply carries the failure
+  // (ReplyHead::async_*), so whichever thread asks next learns of it.
+  std::atomic<bool> fence_on_nccl_failure{false};
+  std::atomic<bool> fenced{false};
+  std::atomic<int32_t> fence_status{0};
+  std::atomic<uint32_t> fence_call{0};
+  std::atomic<uint64_t> fence_seq{0};
 };
 
 // One channel's side of the calls: each client thread has a channel, served by one proxy thread.
@@ -62,6 +75,9 @@ class CallDispatcher {
   void host_alloc(const uint8_t* args, size_t nargs, Outcome* out);
   void host_free(uint64_t addr, Outcome* out);
   void copy_device(bool save, const uint8_t* args, size_t nargs, Outcome* out);
+  // Whether `call` may run while the proxy is fenced (see DeviceState::fenced).
+  static bool runs_when_fenced(uint32_t call, const char* name);
+  void fence_if_nccl_failed(uint32_t call, const char* name, uint64_t seq, const Outcome& out);
 
   DeviceState& state_;
   // The first failure of a kNoReply call since the last reply.

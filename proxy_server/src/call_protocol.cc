@@ -25,6 +25,7 @@ const char* call_name(uint32_t call) {
     case Call::kCloseChannel: return "channel close";
     case Call::kSaveDevice: return "device memory save";
     case Call::kRestoreDevice: return "device memory restore";
+    case Call::kFence: return "fence on NCCL failure";
   }
   return nullptr;
 }

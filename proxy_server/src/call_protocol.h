@@ -37,6 +37,7 @@ enum class Call : uint32_t {
   kCloseChannel = 20,         // no args (kNoReply): the client thread exited; the channel's proxy thread ends
   kSaveDevice = 21,           // args: DeviceCopy, DeviceRange[count]; the memfd went first over the socket
   kRestoreDevice = 22,        // the same, the other way
+  kFence = 23,                // no args: from now on, a failed NCCL call stops device work (DeviceState::fenced)
 };
 
 // Generated calls (proxy_functions.h): tag = kGenericBase + FunctionId.

@@ -41,8 +41,8 @@ def reference(prog: Program) -> dict[str, str]:
     return kv
 
 
-def start(prog: Program, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([str(prog.exe), "ring", "0", "1", "", str(STEPS)], env=prog.env(**PROXY, **env),
+def start(prog: Program, *extra: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([str(prog.exe), "ring", "0", "1", "", str(STEPS), *extra], env=prog.env(**PROXY, **env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -118,6 +118,26 @@ def test_a_transient_device_fault_is_recovered_without_the_program_seeing_it(pro
     cause = {"sticky": "sticky error cudaErrorIllegalAddress", "crash": "was killed by signal 9",
              "error": "NCCL failed: unhandled system error"}[mode]
     assert cause in out and "recovered: jitckpt-proxy pid" in out, out
+
+
+def test_with_minibatch_marks_an_nccl_failure_replays_only_its_minibatch(prog: Program, reference: dict,
+                                                                      tmp_path: Path) -> None:
+    """The program marks each step and its optimizer part (`marks`): at a random NCCL operation
+    (a grouped send or recv, or the all-reduce) NCCL fails; the buffers of the step's start are
+    saved from the old proxy, restored into the new one, and only that step's calls are replayed,
+    the failed call among them. (test_minibatch_replay.py does the same with dp_train.)"""
+    at = random.randrange(10, 3 * STEPS - 10)  # send, recv and all-reduce: 3 operations a step
+    marker = tmp_path / "fault-fired"
+    rc, kv, out = finish(start(prog, "marks", SIMCUDA_FAIL_MODE="error", SIMCUDA_FAIL_AT=str(at),
+                               SIMCUDA_FAIL_ONCE=str(marker)))
+    assert marker.exists(), "the fault was not injected"
+    assert rc == 0, (at, out)
+    assert_same_result(kv, reference, out)
+    m = re.search(r"recovered: jitckpt-proxy pid \d+ took over after replaying (\d+) calls \((\d+) of this minibatch\)",
+                  out)
+    assert m, (at, out)
+    # One step makes about 25 calls; without marks the journal would hold every step's.
+    assert 0 < int(m.group(2)) <= 30 and int(m.group(1)) < 120, (at, out)
 
 
 def test_a_fault_that_comes_back_in_the_replay_fails_the_program_with_the_reason(prog: Program,

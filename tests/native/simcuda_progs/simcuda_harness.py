@@ -26,6 +26,7 @@ BUILD = Path(os.environ.get("JITCKPT_BUILD_DIR", REPO / "build" / "native"))
 SIMCUDA_LIBS = BUILD / "lib" / "simcuda"
 CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 NVCC = CUDA_HOME / "bin" / "nvcc"
+MARKS_H = REPO / "interposer" / "include" / "jitckpt" / "marks.h"
 COMPILE_TIMEOUT_S = 180
 # `make sanitize` runs these programs on an ASan or TSan build of simcuda and libjit.so: the
 # sanitizer's runtime must be loaded first, before the uninstrumented program's libraries.
@@ -80,6 +81,7 @@ def build_program(name: str, *, kernels: bool, nccl: bool, nvcc_flags: tuple[str
     ``headers``: extra headers the program includes (their directories go on nvcc's include path
     as ``<dir>/..`` of ``<dir>/<name>``, and their contents into the cache key)."""
     require_toolchain()
+    headers = (*headers, MARKS_H)  # any program may mark its minibatches
     src = PROGS / f"{name}.cu"
     header = REPO / "simcuda" / "include" / "simcuda" / "host_kernel.h"
     extra = b"".join(h.read_bytes() for h in (*headers, *sorted(PROGS.glob("*.h"))))  # shared headers too

@@ -1,7 +1,9 @@
 // Streams, events, pinned memory and NCCL point-to-point in one program: a test program for proxy
 // mode (every CUDA/NCCL call forwarded to a device proxy must give bitwise the same results as a
-// direct run on simcuda). Usage: streams_pinned_sendrecv ring <rank> <nranks> [uid-hex] [steps]
+// direct run on simcuda). Usage: streams_pinned_sendrecv ring <rank> <nranks> [uid-hex] [steps] [marks]
 // (steps: default 5; 0 also means 5). Rank 0 creates the NCCL unique id and prints "uid=<hex>".
+// "marks": each step starts with jitckpt_mark_minibatch() and calls jitckpt_mark_optimizer_step()
+// before `accumulate`, the only kernel that changes a buffer kept across steps (jitckpt/marks.h).
 //
 // Per step s, with all inputs generated from (rank, step, index):
 //   host    writes the step's input into pinned memory (cudaHostAlloc), only after the previous
@@ -69,6 +71,7 @@ SIMCUDA_EXPORT_KERNEL(accumulate)
 #include <string>
 #include <vector>
 
+#include "jitckpt/marks.h"
 #include "nccl_rank_setup.h"
 
 constexpr int N = 3001;  // not a multiple of the block size
@@ -170,7 +173,9 @@ int main(int argc, char** argv) {
 
   std::vector<long long> ref_acc(acc);
   long recv_mismatches = 0, sum_mismatches = 0, event_not_success = 0;
+  const bool marks = argc > 6 && std::string(argv[6]) == "marks";
   for (int s = 0; s < steps; ++s) {
+    if (marks) jitckpt_minibatch();
     // The previous upload has read h_in (a no-op wait in step 0: the event was never recorded).
     CUDACHECK(cudaEventSynchronize(uploaded));
     for (int i = 0; i < N; ++i) h_in[i] = input(rank, s, i);
@@ -198,6 +203,7 @@ int main(int argc, char** argv) {
     CUDACHECK(cudaEventRecord(communicated, comm_stream));
 
     CUDACHECK(cudaStreamWaitEvent(0, communicated, 0));  // legacy stream: no implicit order with these
+    if (marks) jitckpt_optimizer_step();
     accumulate<<<GRID, BLOCK>>>(d_acc, d_recv, d_sum, static_cast<long long>(s + 1) << 20, N);
     CUDACHECK(cudaGetLastError());
     CUDACHECK(cudaEventRecord(accumulated, 0));
