@@ -15,10 +15,11 @@
 #include "call_protocol.h"
 #include "device_fault.h"
 #include "diagnostics.h"
+#include "journal_replay.h"
+#include "proxy_failure.h"
 #include "proxy_forwarding.h"
 #include "proxy_functions.h"
 #include "registry.h"
-#include "shared_memfd.h"
 
 extern char** environ;
 
@@ -128,60 +129,6 @@ size_t replay_limit() {
   return static_cast<size_t>(mb) << 20;
 }
 
-// A CUDA call's status that leaves the proxy's context unusable (an ncclResult_t is not one).
-bool sticky_cuda_error(uint32_t tag, int32_t status) {
-  if (status == 0) return false;
-  const char* name = proxy::call_name(tag);
-  if (name != nullptr && std::strncmp(name, "nccl", 4) == 0) return false;
-  return is_device_fault(static_cast<cudaError_t>(status));
-}
-
-// NCCL's errors that say the communicator or the network failed, not the caller: a new proxy with
-// new communicators may get past them. (ncclInvalidArgument/ncclInvalidUsage are the caller's.)
-bool failed_nccl(uint32_t tag, int32_t status) {
-  if (status == 0) return false;
-  const char* name = proxy::call_name(tag);
-  if (name == nullptr || std::strncmp(name, "nccl", 4) != 0) return false;
-  switch (static_cast<ncclResult_t>(status)) {
-    case ncclUnhandledCudaError:
-    case ncclSystemError:
-    case ncclInternalError:
-    case ncclRemoteError:
-      return true;
-    default:
-      return false;
-  }
-}
-
-// Why a reply says the proxy's state is unusable ("" if it does not); `device_fault`: because its
-// device context is (else its communicators are, and its device memory can still be read).
-// `earlier`: the failure is an earlier call's (ReplyHead::async_*), not this one's.
-std::string unusable(uint32_t tag, const proxy::CallResult& r, bool* device_fault = nullptr, bool* earlier = nullptr) {
-  for (auto [t, status] : {std::pair<uint32_t, int32_t>{tag, r.status}, {r.async_call, r.async_status}}) {
-    const char* name = proxy::call_name(t);
-    if (device_fault) *device_fault = sticky_cuda_error(t, status);
-    if (earlier) *earlier = t == r.async_call && status == r.async_status && status != r.status;
-    if (sticky_cuda_error(t, status))
-      return std::string("the device got the sticky error ") + cudaGetErrorName(static_cast<cudaError_t>(status)) +
-             " (in " + (name ? name : "?") + ")";
-    if (failed_nccl(t, status))
-      return std::string("NCCL failed: ") + ncclGetErrorString(static_cast<ncclResult_t>(status)) + " (in " +
-             (name ? name : "?") + ")";
-  }
-  return "";
-}
-
-// A kSaveDevice / kRestoreDevice request.
-std::vector<uint8_t> device_copy_request(uint64_t token, uint64_t seq, const std::vector<proxy::DeviceRange>& ranges) {
-  const proxy::RequestHead head{seq, 0u, 0};
-  const proxy::DeviceCopy c{token, ranges.size()};
-  std::vector<uint8_t> request(sizeof head + sizeof c + ranges.size() * sizeof(proxy::DeviceRange));
-  std::memcpy(request.data(), &head, sizeof head);
-  std::memcpy(request.data() + sizeof head, &c, sizeof c);
-  if (!ranges.empty()) std::memcpy(request.data() + sizeof head + sizeof c, ranges.data(), ranges.size() * sizeof ranges[0]);
-  return request;
-}
-
 }  // namespace
 
 ProxySession::ProxySession() : enabled_(mode_is_proxy()), journal_(enabled_ ? replay_limit() : 0) {}
@@ -288,7 +235,7 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     std::string broken;
     bool device_fault = false, earlier = false;
     if (death.empty() && (r.status != 0 || r.async_status != 0)) {  // the common case stays lock-free
-      broken = unusable(tag, r, &device_fault, &earlier);
+      broken = proxy_unusable(tag, r, &device_fault, &earlier);
       if (!broken.empty() && (!journal_.on() || !journal_.cannot_replay_alone().empty())) broken.clear();
     }
     const bool sticky = !broken.empty();
@@ -429,108 +376,16 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   const auto started = std::chrono::steady_clock::now();
   ++generation_;
   replayed_.clear();
-  std::vector<uint8_t> request;
-  std::map<std::string, std::string> unique_ids;  // recorded -> the new proxy's
-  auto recreated = started;
-  for (size_t i = 0; i <= journal_.size(); ++i) {
-    // The buffers go back once what existed at the minibatch's start exists again.
-    if (restore && (i == journal_.size() || journal_.entry(i).id >= journal_.minibatch_start())) {
-      restore = false;
-      recreated = std::chrono::steady_clock::now();
-      if (!restore_device_locked(why)) return false;
-      record->restore_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - recreated).count();
-    }
-    if (i == journal_.size()) break;
-    const ReplayJournal::Entry& e = journal_.entry(i);
-    // A call that failed changed nothing (cudaHostAlloc's retries at another address, a query
-    // that was not ready, an NCCL call refused): the replay leaves it out.
-    if (e.completed && e.status != 0) continue;
-    proxy::ProxyChannel* ch = channel_for_index_locked(e.channel, why);
-    if (ch == nullptr) return false;
-    const char* name = proxy::call_name(e.tag);
-    auto fail = [&](const std::string& problem) {
-      *why = "replaying call " + std::to_string(e.id) + " (" + (name ? name : "?") + "): " + problem;
-      return false;
-    };
-    if (e.fd >= 0 && !client_->send_fd(e.fd, e.fd_token)) return fail("cannot hand over its memfd: " + client_->death());
-    if (e.has_source) {  // a copy from shared host memory, from the bytes it read at the call
-      const uint8_t* src = journal_.bytes(e);
-      constexpr size_t kChunk = size_t{1} << 20;
-      for (size_t off = 0; off < e.size; off += kChunk) {
-        const size_t n = std::min(kChunk, e.size - off);
-        request.resize(sizeof(proxy::RequestHead));
-        const uint64_t seq = ch->next_seq();
-        uint32_t tag;
-        if (e.source.async) {
-          const proxy::MemcpyInline m{e.source.dst + off, n, e.source.stream};
-          request.insert(request.end(), reinterpret_cast<const uint8_t*>(&m), reinterpret_cast<const uint8_t*>(&m + 1));
-          tag = static_cast<uint32_t>(proxy::Call::kMemcpyToDeviceAsync);
-        } else {
-          const proxy::MemcpyToDevice m{e.source.dst + off, n};
-          request.insert(request.end(), reinterpret_cast<const uint8_t*>(&m), reinterpret_cast<const uint8_t*>(&m + 1));
-          tag = static_cast<uint32_t>(proxy::Call::kMemcpyToDevice);
-        }
-        request.insert(request.end(), src + off, src + off + n);
-        const proxy::RequestHead head{seq, e.source.async ? proxy::kNoReply : 0u, 0};
-        std::memcpy(request.data(), &head, sizeof head);
-        proxy::CallResult r;
-        if (e.source.async) {
-          r.error = ch->post(tag, request.data(), request.size(), kWhileTheProxyLives);
-          if (!r.error.empty()) return fail(r.error);
-        } else {
-          r = ch->call_raw(tag, request.data(), request.size(), seq, kWhileTheProxyLives);
-          if (!r.error.empty() && r.status == 999) return fail(r.error);
-          if (!e.completed) replayed_[static_cast<int64_t>(e.id)] = r;
-        }
-      }
-      continue;
-    }
-    request.assign(journal_.bytes(e), journal_.bytes(e) + e.size);
-    // A unique id names a rendezvous of the proxy that made it: the replay uses the new proxy's.
-    if (e.tag == ReplayJournal::comm_init_rank_tag() && request.size() >= ReplayJournal::kCommIdOffset + sizeof(ncclUniqueId)) {
-      const std::string old_id(reinterpret_cast<const char*>(request.data()) + ReplayJournal::kCommIdOffset, sizeof(ncclUniqueId));
-      if (auto it = unique_ids.find(old_id); it != unique_ids.end())
-        std::memcpy(request.data() + ReplayJournal::kCommIdOffset, it->second.data(), it->second.size());
-    }
-    const uint64_t seq = ch->next_seq();
-    const proxy::RequestHead head{seq, e.no_reply ? proxy::kNoReply : 0u, 0};
-    std::memcpy(request.data(), &head, sizeof head);
-    if (e.no_reply) {
-      if (std::string err = ch->post(e.tag, request.data(), request.size(), kWhileTheProxyLives); !err.empty())
-        return fail(err);
-      continue;
-    }
-    proxy::CallResult r = ch->call_raw(e.tag, request.data(), request.size(), seq, kWhileTheProxyLives);
-    if (r.status == 999 && !client_->death().empty()) return fail(client_->death());
-    if (std::string again = unusable(e.tag, r); !again.empty()) return fail(again + ", again");
-    if (e.completed && ReplayJournal::creates(e.tag) && (r.status != e.status || r.results != e.results))
-      return fail("it did not give the pointer or handle the application holds (status " + std::to_string(r.status) +
-                  "): the replay diverged");
-    if (e.tag == ReplayJournal::unique_id_tag() && e.completed && r.status == 0 && r.results.size() == e.results.size())
-      unique_ids[std::string(e.results.begin(), e.results.end())] = std::string(r.results.begin(), r.results.end());
-    if (!e.completed) replayed_[static_cast<int64_t>(e.id)] = std::move(r);
+  ReplayTarget target{*client_, [this](uint32_t index, std::string* w) { return channel_for_index_locked(index, w); },
+                      [this] { return next_token(); }};
+  ReplayOutcome outcome;
+  DeviceBuffers buffers;
+  if (restore) {
+    std::lock_guard<std::mutex> lock(save_mu_);
+    buffers = std::move(save_.buffers);  // in the new proxy, or lost with it, after this
   }
-  const auto replayed = std::chrono::steady_clock::now();
-  // The replayed work has run before the application goes on: a fault it hits again (a
-  // deterministic one, which a replay cannot get past) is found here, not by a later call.
-  if (proxy::ProxyChannel* ch = channel_for_index_locked(0, why)) {
-    const uint32_t sync = proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_cudaDeviceSynchronize);
-    request.assign(sizeof(proxy::RequestHead), 0);
-    const uint64_t seq = ch->next_seq();
-    const proxy::RequestHead head{seq, 0u, 0};
-    std::memcpy(request.data(), &head, sizeof head);
-    proxy::CallResult r = ch->call_raw(sync, request.data(), request.size(), seq, kWhileTheProxyLives);
-    if (r.status == 999 && !client_->death().empty()) {
-      *why = "after the replay: " + client_->death();
-      return false;
-    }
-    if (std::string again = unusable(sync, r); !again.empty()) {
-      *why = "the replayed work failed again: " + again + " (a fault in the program, not the device?)";
-      return false;
-    }
-  } else {
-    return false;
-  }
+  if (!replay_journal(journal_, target, restore ? &buffers : nullptr, &outcome, why)) return false;
+  replayed_ = std::move(outcome.results);
   if (fence_requested_) {
     proxy::ProxyChannel* ch = channel_for_index_locked(0, why);
     if (ch == nullptr || !request_fence(ch)) {
@@ -543,15 +398,15 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   const auto done = std::chrono::steady_clock::now();
   record->new_proxy_s = S(started - t0).count();
   if (phase == ReplayJournal::Phase::kMinibatch) {
-    record->recreate_s = S(recreated - started).count();
-    record->replay_s = S(replayed - recreated).count() - record->restore_s;
+    record->recreate_s = S(outcome.recreated - started).count();
+    record->restore_s = S(outcome.restored - outcome.recreated).count();
+    record->replay_s = S(outcome.replayed - outcome.restored).count();
   } else {
-    record->replay_s = S(replayed - started).count();
+    record->replay_s = S(outcome.replayed - started).count();
   }
-  record->synchronize_s = S(done - replayed).count();
+  record->synchronize_s = S(done - outcome.replayed).count();
   record->total_s = S(done - t0).count() + record->save_s;
-  size_t minibatch_calls = 0;
-  for (size_t i = 0; i < journal_.size(); ++i) minibatch_calls += journal_.entry(i).id >= journal_.minibatch_start();
+  const size_t minibatch_calls = outcome.minibatch_calls;
   record->minibatch_calls = minibatch_calls;
   log_always("proxy mode: recovered: jitckpt-proxy pid %d took over after replaying %zu calls (%zu of this "
              "minibatch) in %.1f ms (save buffers %.1f ms, new proxy %.1f ms, recreate handles and communicators "
@@ -594,62 +449,17 @@ void ProxySession::mark_optimizer_step() {
 void ProxySession::save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase) {
   std::lock_guard<std::mutex> lock(save_mu_);
   if (save_.generation == generation) return;  // another thread's failure came first
-  if (save_.fd >= 0) close(save_.fd);
   save_ = DeviceSave{};
   save_.generation = generation;
   save_.phase = phase;
   if (phase != ReplayJournal::Phase::kMinibatch) return;  // a full replay, or no use (optimizer step)
   const auto t0 = std::chrono::steady_clock::now();
-  uint64_t total = 0;
-  for (const ReplayJournal::DeviceRange& a : journal_.allocations_at_mark()) {
-    save_.ranges.push_back(proxy::DeviceRange{a.base, a.size, total});
-    total += (a.size + 4095) / 4096 * 4096;
-  }
-  save_.fd = shared_memfd("jitckpt-device-save", std::max<uint64_t>(total, 4096));
-  if (save_.fd < 0) {
-    save_.failure = std::string("cannot make a memfd for the device buffers: ") + std::strerror(errno);
+  // Bounded: a device that does not finish its queued work is not one to copy from.
+  if (!save_.buffers.save(*client_, *ch, next_token(), journal_.allocations_at_mark(), std::chrono::seconds(60),
+                          &save_.failure))
     return;
-  }
-  const uint64_t token = next_token(), seq = ch->next_seq();
-  const std::vector<uint8_t> request = device_copy_request(token, seq, save_.ranges);
-  proxy::CallResult r;
-  if (!client_->send_fd(save_.fd, token)) {
-    r.status = 999;
-    r.error = client_->death();
-  } else {
-    // Bounded: a device that does not finish its queued work is not one to copy from.
-    r = ch->call_raw(static_cast<uint32_t>(proxy::Call::kSaveDevice), request.data(), request.size(), seq,
-                     std::chrono::seconds(60));
-  }
-  if (r.status != 0) {
-    save_.failure = "copying the " + std::to_string(save_.ranges.size()) + " buffers live at the minibatch's start (" +
-                    std::to_string(total >> 20) + " MiB) out of the old proxy failed: " +
-                    (r.error.empty() ? "status " + std::to_string(r.status) : r.error);
-    return;
-  }
   save_.saved = true;
   save_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-bool ProxySession::restore_device_locked(std::string* why) {
-  std::lock_guard<std::mutex> lock(save_mu_);
-  proxy::ProxyChannel* ch = channel_for_index_locked(0, why);
-  if (ch == nullptr) return false;
-  const uint64_t token = next_token(), seq = ch->next_seq();
-  const std::vector<uint8_t> request = device_copy_request(token, seq, save_.ranges);
-  if (!client_->send_fd(save_.fd, token)) {
-    *why = "cannot hand the saved buffers to the new proxy: " + client_->death();
-    return false;
-  }
-  const proxy::CallResult r = ch->call_raw(static_cast<uint32_t>(proxy::Call::kRestoreDevice), request.data(),
-                                           request.size(), seq, kWhileTheProxyLives);
-  close(save_.fd);  // the buffers are in the new proxy (or lost with it): the host copy goes
-  save_.fd = -1;
-  if (r.status != 0) {
-    *why = "putting the saved buffers into the new proxy failed: " + (r.error.empty() ? "status " + std::to_string(r.status) : r.error);
-    return false;
-  }
-  return true;
 }
 
 void ProxySession::take_async_report(const proxy::CallResult& r) {

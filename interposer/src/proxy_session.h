@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "device_buffers.h"
 #include "host_registration.h"
 #include "proxy_client.h"
 #include "proxy_kernels.h"
@@ -90,8 +91,6 @@ class ProxySession {
   void save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase);
   // Asks a proxy to stop device work at a failed NCCL call (see proxy_server's DeviceState::fenced).
   static bool request_fence(proxy::ProxyChannel* ch);
-  // Puts save_ into the new proxy; false with `why`.
-  bool restore_device_locked(std::string* why);
 
   const bool enabled_;
   ProxyKernels kernels_;
@@ -117,8 +116,7 @@ class ProxySession {
     ReplayJournal::Phase phase = ReplayJournal::Phase::kUnmarked;  // of the failed call
     bool saved = false;
     std::string failure;  // why not, if it was tried
-    int fd = -1;
-    std::vector<proxy::DeviceRange> ranges;
+    DeviceBuffers buffers;
     double seconds = 0;
   };
   std::mutex save_mu_;

@@ -1,0 +1,46 @@
+// Device allocations copied whole into a memfd of this process (kSaveDevice) and from it into a
+// proxy (kRestoreDevice), issue 16: how the buffers of a minibatch's start (parameters, optimizer
+// state) go from a proxy whose communicators failed to the one that replaces it, and what the
+// replay validation compares.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "proxy_client.h"
+#include "replay_journal.h"
+
+namespace jitckpt {
+
+class DeviceBuffers {
+ public:
+  DeviceBuffers() = default;
+  ~DeviceBuffers();
+  DeviceBuffers(DeviceBuffers&& other) noexcept;
+  DeviceBuffers& operator=(DeviceBuffers&& other) noexcept;
+  DeviceBuffers(const DeviceBuffers&) = delete;
+  DeviceBuffers& operator=(const DeviceBuffers&) = delete;
+
+  // Copies `allocations` out of the proxy behind `ch` once its device has finished its queued work
+  // (bounded by `timeout`). False with `why`; `token` names the memfd on the proxy's socket.
+  bool save(proxy::ProxyClient& client, proxy::ProxyChannel& ch, uint64_t token,
+            const std::vector<ReplayJournal::DeviceRange>& allocations, std::chrono::milliseconds timeout,
+            std::string* why);
+  // Puts them into the proxy behind `ch` (the allocations must exist there, at the same addresses).
+  bool restore(proxy::ProxyClient& client, proxy::ProxyChannel& ch, uint64_t token, std::string* why) const;
+  // The first allocation whose bytes differ from `other`'s (saved from the same allocations), or "".
+  std::string first_difference(const DeviceBuffers& other) const;
+  bool empty() const { return fd_ < 0; }
+  uint64_t bytes() const { return total_; }
+
+ private:
+  void reset();
+
+  int fd_ = -1;
+  std::vector<proxy::DeviceRange> ranges_;
+  uint64_t total_ = 0;
+};
+
+}  // namespace jitckpt

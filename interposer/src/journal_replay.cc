@@ -1,0 +1,154 @@
+#include "journal_replay.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "call_protocol.h"
+#include "proxy_failure.h"
+#include "proxy_functions.h"
+#include "shared_memfd.h"
+
+namespace jitckpt {
+namespace {
+
+constexpr auto kWhileTheProxyLives = std::chrono::hours(24 * 365);
+
+// A new memfd with the contents of `fd`, or -1 (errno set).
+int private_copy(int fd) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return -1;
+  const size_t size = static_cast<size_t>(st.st_size);
+  void* src = size ? mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0) : nullptr;
+  if (src == MAP_FAILED) return -1;
+  const int copy = shared_memfd("jitckpt-replay-copy", size, {{src, size}});
+  const int saved = errno;
+  if (src != nullptr) munmap(src, size);
+  errno = saved;
+  return copy;
+}
+
+}  // namespace
+
+bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const DeviceBuffers* buffers,
+                    ReplayOutcome* out, std::string* why) {
+  proxy::ProxyClient& client = target.client;
+  std::vector<uint8_t> request;
+  std::map<std::string, std::string> unique_ids;  // recorded -> the new proxy's
+  out->recreated = out->restored = std::chrono::steady_clock::now();
+  bool restore = buffers != nullptr;
+  for (size_t i = 0; i <= journal.size(); ++i) {
+    // The buffers go back once what existed at the minibatch's start exists again.
+    if (restore && (i == journal.size() || journal.entry(i).id >= journal.minibatch_start())) {
+      restore = false;
+      out->recreated = std::chrono::steady_clock::now();
+      proxy::ProxyChannel* ch = target.channel(0, why);
+      if (ch == nullptr || !buffers->restore(client, *ch, target.next_token(), why)) return false;
+      out->restored = std::chrono::steady_clock::now();
+    }
+    if (i == journal.size()) break;
+    const ReplayJournal::Entry& e = journal.entry(i);
+    // A call that failed changed nothing (cudaHostAlloc's retries at another address, a query
+    // that was not ready, an NCCL call refused): the replay leaves it out.
+    if (e.completed && e.status != 0) continue;
+    proxy::ProxyChannel* ch = target.channel(e.channel, why);
+    if (ch == nullptr) return false;
+    const char* name = proxy::call_name(e.tag);
+    auto fail = [&](const std::string& problem) {
+      *why = "replaying call " + std::to_string(e.id) + " (" + (name ? name : "?") + "): " + problem;
+      return false;
+    };
+    if (e.fd >= 0) {
+      const int fd = target.private_memfds ? private_copy(e.fd) : e.fd;
+      const bool sent = fd >= 0 && client.send_fd(fd, e.fd_token);
+      if (fd >= 0 && fd != e.fd) close(fd);
+      if (!sent) return fail("cannot hand over its memfd: " + (fd < 0 ? std::string(std::strerror(errno)) : client.death()));
+    }
+    if (e.has_source) {  // a copy from shared host memory, from the bytes it read at the call
+      const uint8_t* src = journal.bytes(e);
+      constexpr size_t kChunk = size_t{1} << 20;
+      for (size_t off = 0; off < e.size; off += kChunk) {
+        const size_t n = std::min(kChunk, e.size - off);
+        request.resize(sizeof(proxy::RequestHead));
+        const uint64_t seq = ch->next_seq();
+        uint32_t tag;
+        if (e.source.async) {
+          const proxy::MemcpyInline m{e.source.dst + off, n, e.source.stream};
+          request.insert(request.end(), reinterpret_cast<const uint8_t*>(&m), reinterpret_cast<const uint8_t*>(&m + 1));
+          tag = static_cast<uint32_t>(proxy::Call::kMemcpyToDeviceAsync);
+        } else {
+          const proxy::MemcpyToDevice m{e.source.dst + off, n};
+          request.insert(request.end(), reinterpret_cast<const uint8_t*>(&m), reinterpret_cast<const uint8_t*>(&m + 1));
+          tag = static_cast<uint32_t>(proxy::Call::kMemcpyToDevice);
+        }
+        request.insert(request.end(), src + off, src + off + n);
+        const proxy::RequestHead head{seq, e.source.async ? proxy::kNoReply : 0u, 0};
+        std::memcpy(request.data(), &head, sizeof head);
+        proxy::CallResult r;
+        if (e.source.async) {
+          r.error = ch->post(tag, request.data(), request.size(), kWhileTheProxyLives);
+          if (!r.error.empty()) return fail(r.error);
+        } else {
+          r = ch->call_raw(tag, request.data(), request.size(), seq, kWhileTheProxyLives);
+          if (!r.error.empty() && r.status == 999) return fail(r.error);
+          if (!e.completed) out->results[static_cast<int64_t>(e.id)] = r;
+        }
+      }
+      continue;
+    }
+    request.assign(journal.bytes(e), journal.bytes(e) + e.size);
+    // A unique id names a rendezvous of the proxy that made it: the replay uses the new proxy's.
+    if (e.tag == ReplayJournal::comm_init_rank_tag() && request.size() >= ReplayJournal::kCommIdOffset + sizeof(ncclUniqueId)) {
+      const std::string old_id(reinterpret_cast<const char*>(request.data()) + ReplayJournal::kCommIdOffset, sizeof(ncclUniqueId));
+      if (auto it = unique_ids.find(old_id); it != unique_ids.end())
+        std::memcpy(request.data() + ReplayJournal::kCommIdOffset, it->second.data(), it->second.size());
+    }
+    const uint64_t seq = ch->next_seq();
+    const proxy::RequestHead head{seq, e.no_reply ? proxy::kNoReply : 0u, 0};
+    std::memcpy(request.data(), &head, sizeof head);
+    if (e.no_reply) {
+      if (std::string err = ch->post(e.tag, request.data(), request.size(), kWhileTheProxyLives); !err.empty())
+        return fail(err);
+      continue;
+    }
+    proxy::CallResult r = ch->call_raw(e.tag, request.data(), request.size(), seq, kWhileTheProxyLives);
+    if (r.status == 999 && !client.death().empty()) return fail(client.death());
+    if (std::string again = proxy_unusable(e.tag, r); !again.empty()) return fail(again + ", again");
+    if (e.completed && ReplayJournal::creates(e.tag) && (r.status != e.status || r.results != e.results))
+      return fail("it did not give the pointer or handle the application holds (status " + std::to_string(r.status) +
+                  "): the replay diverged");
+    if (e.tag == ReplayJournal::unique_id_tag() && e.completed && r.status == 0 && r.results.size() == e.results.size())
+      unique_ids[std::string(e.results.begin(), e.results.end())] = std::string(r.results.begin(), r.results.end());
+    if (!e.completed) out->results[static_cast<int64_t>(e.id)] = std::move(r);
+  }
+  out->replayed = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < journal.size(); ++i) out->minibatch_calls += journal.entry(i).id >= journal.minibatch_start();
+  // The replayed work has run before the application goes on: a fault it hits again (a
+  // deterministic one, which a replay cannot get past) is found here, not by a later call.
+  proxy::ProxyChannel* ch = target.channel(0, why);
+  if (ch == nullptr) return false;
+  const uint32_t sync = proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_cudaDeviceSynchronize);
+  request.assign(sizeof(proxy::RequestHead), 0);
+  const uint64_t seq = ch->next_seq();
+  const proxy::RequestHead head{seq, 0u, 0};
+  std::memcpy(request.data(), &head, sizeof head);
+  proxy::CallResult r = ch->call_raw(sync, request.data(), request.size(), seq, kWhileTheProxyLives);
+  if (r.status == 999 && !client.death().empty()) {
+    *why = "after the replay: " + client.death();
+    return false;
+  }
+  if (std::string again = proxy_unusable(sync, r); !again.empty()) {
+    *why = "the replayed work failed again: " + again + " (a fault in the program, not the device?)";
+    return false;
+  }
+  return true;
+}
+
+}  // namespace jitckpt

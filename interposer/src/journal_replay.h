@@ -1,0 +1,43 @@
+// Replays a ReplayJournal into a proxy (issue 16): into the new proxy that replaces a lost one, or
+// into a scratch proxy that checks the journal (replay validation). Entries go on the target's
+// channel of the index they were made on; NCCL unique ids are mapped to the target's; what a call
+// created must come back bitwise equal, else the replay has diverged and stops. With saved buffers,
+// they are put back once the objects of the minibatch's start exist again, before its calls.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+
+#include "device_buffers.h"
+#include "proxy_client.h"
+#include "replay_journal.h"
+
+namespace jitckpt {
+
+struct ReplayTarget {
+  proxy::ProxyClient& client;
+  // The target's channel of a given index (opened on first use), or nullptr with `why`.
+  std::function<proxy::ProxyChannel*(uint32_t index, std::string* why)> channel;
+  std::function<uint64_t()> next_token;  // names memfds on the target's socket
+  // Hand the target copies of the journal's memfds instead of the memfds themselves, so that what
+  // it writes into pinned memory does not reach the application's (a scratch proxy).
+  bool private_memfds = false;
+};
+
+struct ReplayOutcome {
+  std::map<int64_t, proxy::CallResult> results;  // of calls the application was still waiting for
+  size_t minibatch_calls = 0;                    // entries of the current minibatch
+  // When the objects were recreated, the buffers restored, the calls replayed (steady clock).
+  std::chrono::steady_clock::time_point recreated, restored, replayed;
+};
+
+// Replays `journal` (under the caller's guarantee that nobody appends meanwhile) into `target`,
+// restoring `buffers` (if any) before the current minibatch's first entry, and ends with a device
+// synchronize. False with `why`.
+bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const DeviceBuffers* buffers,
+                    ReplayOutcome* out, std::string* why);
+
+}  // namespace jitckpt
