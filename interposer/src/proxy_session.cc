@@ -52,11 +52,14 @@ std::string proxy_binary() {
 }
 
 // The application's environment without what would make the proxy a client of itself.
-std::vector<std::string> proxy_environment() {
+// A scratch proxy (replay validation) gets no simcuda failure injection: a fault meant for the
+// application's proxy must not fire, or use up its SIMCUDA_FAIL_ONCE marker, in the scratch one.
+std::vector<std::string> proxy_environment(bool scratch = false) {
   std::vector<std::string> env;
   for (char** e = environ; e && *e; ++e) {
     std::string kv(*e);
     if (kv.rfind("JITCKPT_MODE=", 0) == 0) continue;
+    if (scratch && kv.rfind("SIMCUDA_FAIL_", 0) == 0) continue;
     if (kv.rfind("LD_PRELOAD=", 0) == 0) {
       std::string kept, item, list = kv.substr(11);
       size_t at = 0;
@@ -129,9 +132,26 @@ size_t replay_limit() {
   return static_cast<size_t>(mb) << 20;
 }
 
+uint64_t env_count(const char* name, uint64_t fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  char* end = nullptr;
+  const unsigned long long n = std::strtoull(env, &end, 10);
+  if (*end != '\0') {
+    log_always("ignoring %s=%s: expected a number of minibatches", name, env);
+    return fallback;
+  }
+  return n;
+}
+
 }  // namespace
 
-ProxySession::ProxySession() : enabled_(mode_is_proxy()), journal_(enabled_ ? replay_limit() : 0) {}
+ProxySession::ProxySession()
+    : enabled_(mode_is_proxy()),
+      journal_(enabled_ ? replay_limit() : 0),
+      validate_at_(env_count("JITCKPT_VALIDATE_AT", 5)),
+      validate_every_(env_count("JITCKPT_VALIDATE_EVERY", 0)) {}
+
 
 proxy::ProxyChannel* ProxySession::channel_for_index_locked(uint32_t index, std::string* why) {
   if (index < by_index_.size() && by_index_[index] != nullptr) return by_index_[index];
@@ -420,14 +440,16 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
 
 void ProxySession::mark_minibatch() {
   if (!enabled_) return;
-  std::vector<ReplayJournal::DeviceRange> live;
-  {
-    std::lock_guard<std::mutex> lock(memory_mu_);
-    for (const auto& [base, range] : memory_)
-      if (range.kind == Memory::kDevice) live.push_back({base, range.size});
-  }
+  std::vector<ReplayJournal::DeviceRange> live = device_allocations();
   std::shared_lock<std::shared_mutex> shared(recovery_mu_);  // not while a replay reads the journal
+  // A second mark with no call since the first (the Python runtime's and the program's own) is one.
+  if (journal_.phase() == ReplayJournal::Phase::kMinibatch && journal_.next_id() == journal_.minibatch_start()) return;
   journal_.mark_minibatch(std::move(live));
+  ++minibatches_;
+  if (validate_at_ > 0 && (minibatches_ == validate_at_ ||
+                           (validate_every_ > 0 && minibatches_ > validate_at_ &&
+                            (minibatches_ - validate_at_) % validate_every_ == 0)))
+    start_validation();
   // On this thread's channel, once it has one (a mark must not start a proxy nobody else needs).
   if (!fence_requested_ && t_channel != nullptr && t_generation == generation_ && journal_.on() &&
       journal_.cannot_replay_alone().empty())
@@ -442,8 +464,107 @@ bool ProxySession::request_fence(proxy::ProxyChannel* ch) {
 
 void ProxySession::mark_optimizer_step() {
   if (!enabled_) return;
-  std::shared_lock<std::shared_mutex> shared(recovery_mu_);
-  journal_.mark_optimizer_step();
+  {
+    std::shared_lock<std::shared_mutex> shared(recovery_mu_);
+    journal_.mark_optimizer_step();
+    if (validation_start_.empty() || validation_mark_ != journal_.minibatch_start()) return;
+  }
+  validate();
+}
+
+std::vector<ReplayJournal::DeviceRange> ProxySession::device_allocations() const {
+  std::vector<ReplayJournal::DeviceRange> live;
+  std::lock_guard<std::mutex> lock(memory_mu_);
+  for (const auto& [base, range] : memory_)
+    if (range.kind == Memory::kDevice) live.push_back({base, range.size});
+  return live;
+}
+
+// Under recovery_mu_ shared, right after the minibatch's mark.
+void ProxySession::start_validation() {
+  validation_start_ = DeviceBuffers{};
+  // Only on a thread that has a channel (a mark must not start a proxy), and where a scratch proxy
+  // can replay alone.
+  if (t_channel == nullptr || t_generation != generation_ || !journal_.on() || !journal_.cannot_replay_alone().empty())
+    return;
+  std::string why;
+  if (!validation_start_.save(*client_, *t_channel, next_token(), journal_.allocations_at_mark(),
+                              std::chrono::seconds(60), &why)) {
+    log_always("proxy mode: no replay validation at minibatch %llu: %s", static_cast<unsigned long long>(minibatches_),
+               why.c_str());
+    return;
+  }
+  validation_mark_ = journal_.minibatch_start();
+}
+
+void ProxySession::validate() {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::unique_lock<std::shared_mutex> exclusive(recovery_mu_);  // the journal holds still
+  DeviceBuffers start = std::move(validation_start_);
+  validation_mark_ = UINT64_MAX;
+  if (!lost_.empty() || !journal_.on() || t_channel == nullptr || t_generation != generation_) return;
+  ValidationRecord record;
+  record.minibatch = minibatches_;
+  record.calls = journal_.size();
+  // The live proxy's buffers now, and the same allocations after a replay in a scratch proxy.
+  const std::vector<ReplayJournal::DeviceRange> live = device_allocations();
+  DeviceBuffers after, replayed;
+  std::string why;
+  if (!after.save(*client_, *t_channel, next_token(), live, std::chrono::seconds(60), &why)) {
+    log_always("proxy mode: no replay validation at minibatch %llu: %s", static_cast<unsigned long long>(minibatches_),
+               why.c_str());
+    return;
+  }
+  record.bytes = after.bytes();
+  try {
+    const std::vector<std::string> env = proxy_environment(/*scratch=*/true);
+    std::unique_ptr<proxy::ProxyClient> scratch = proxy::ProxyClient::start(proxy_binary(), std::chrono::seconds(30), &env);
+    std::vector<std::unique_ptr<proxy::ProxyChannel>> owned;
+    std::vector<proxy::ProxyChannel*> by_index;
+    ReplayTarget target{*scratch,
+                        [&](uint32_t index, std::string* w) -> proxy::ProxyChannel* {
+                          if (index < by_index.size() && by_index[index] != nullptr) return by_index[index];
+                          if (by_index.size() <= index) by_index.resize(index + 1, nullptr);
+                          try {
+                            if (index == 0) {
+                              by_index[0] = &scratch->primary();
+                            } else {
+                              owned.push_back(scratch->open_channel());
+                              by_index[index] = owned.back().get();
+                            }
+                          } catch (const std::exception& e) {
+                            *w = e.what();
+                          }
+                          return by_index[index];
+                        },
+                        [this] { return next_token(); }, /*private_memfds=*/true};
+    ReplayOutcome outcome;
+    if (!replay_journal(journal_, target, &start, &outcome, &why)) {
+      record.detail = "the replay into a scratch proxy failed: " + why;
+    } else if (proxy::ProxyChannel* ch = target.channel(0, &why);
+               ch == nullptr || !replayed.save(*scratch, *ch, next_token(), live, std::chrono::seconds(60), &why)) {
+      record.detail = "cannot read the scratch proxy's buffers: " + why;
+    } else {
+      record.detail = after.first_difference(replayed);
+      record.matched = record.detail.empty();
+    }
+    kill(scratch->pid(), SIGKILL);  // nothing of it is needed; its destructor reaps it
+  } catch (const std::exception& e) {
+    record.detail = std::string("cannot start a scratch proxy: ") + e.what();
+  }
+  record.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  append_validation_event(record);
+  if (record.matched) {
+    log_always("proxy mode: replay validation at minibatch %llu: replaying its %zu calls on the buffers of its start "
+               "gave all %.2f MiB of device buffers bitwise (%.1f ms)",
+               static_cast<unsigned long long>(minibatches_), record.calls, static_cast<double>(record.bytes) / (1 << 20),
+               record.seconds * 1e3);
+    return;
+  }
+  journal_.turn_off("replay validation at minibatch " + std::to_string(minibatches_) + " failed: " + record.detail +
+                    " (the program's device work depends on something the journal does not hold, such as host "
+                    "memory a kernel reads directly, or is not deterministic); failures are handled by user-level "
+                    "JIT checkpointing");
 }
 
 void ProxySession::save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase) {

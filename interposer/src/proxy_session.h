@@ -66,6 +66,8 @@ class ProxySession {
   // the rings are unmapped.
   void close_channel(uint32_t index);
 
+  // Device allocations live now.
+  std::vector<ReplayJournal::DeviceRange> device_allocations() const;
   // Where to ask the kernel to map the next pinned buffer of `size` bytes: a range that neither this
   // process nor the proxy uses (both must map it at the same address).
   void* pinned_hint(size_t size);
@@ -89,6 +91,13 @@ class ProxySession {
   // Before a proxy whose communicators failed (its device still works) is replaced: copies the
   // allocations live at the minibatch's start into a memfd, for the new proxy (save_).
   void save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase);
+  // Replay validation (JIT paper §4.1), at minibatch JITCKPT_VALIDATE_AT (default 5; 0: never) and
+  // every JITCKPT_VALIDATE_EVERY after it (default 0: once): the minibatch's start buffers are saved
+  // at its mark; before its optimizer step, the journal is replayed into a scratch proxy on top of
+  // them and every device buffer compared with the live proxy's. A difference turns transparent
+  // recovery off for this process, loudly (stderr, event log), and the program goes on.
+  void start_validation();
+  void validate();
   // Asks a proxy to stop device work at a failed NCCL call (see proxy_server's DeviceState::fenced).
   static bool request_fence(proxy::ProxyChannel* ch);
 
@@ -122,6 +131,11 @@ class ProxySession {
   std::mutex save_mu_;
   DeviceSave save_;
   std::atomic<bool> fence_requested_{false};  // sent to the proxy at the first minibatch mark
+
+  const uint64_t validate_at_, validate_every_;
+  uint64_t minibatches_ = 0;  // minibatch marks so far
+  DeviceBuffers validation_start_;             // the buffers of the validated minibatch's start
+  uint64_t validation_mark_ = UINT64_MAX;      // its first call
   std::string lost_;  // why the device state is gone for good ("" while it is not)
   std::atomic<bool> death_reported_{false};
   std::atomic<uint64_t> tokens_{0};

@@ -1,4 +1,4 @@
-// A transparent recovery as a record of the job's event log (issue 16): `jitckpt run` gives its
+// A transparent recovery, or a replay validation, as a record of the job's event log (issue 16): `jitckpt run` gives its
 // workers the log's path (JITCKPT_EVENT_LOG, <run_dir>/events.jsonl; schema in
 // jitckpt/observability/events.py) and the generation (JITCKPT_EVENT_GEN), and `jitckpt report`
 // shows the records. Without the path (no launcher) nothing is written; stderr has the same facts.
@@ -23,7 +23,19 @@ struct RecoveryRecord {
   double save_s = 0, new_proxy_s = 0, recreate_s = 0, restore_s = 0, replay_s = 0, synchronize_s = 0, total_s = 0;
 };
 
+// A replay validation (JIT paper §4.1): the minibatch's calls replayed into a scratch proxy on top of
+// the buffers of its start, compared with the live proxy's buffers before the optimizer step.
+struct ValidationRecord {
+  uint64_t minibatch = 0;  // minibatch marks so far (1: the first minibatch)
+  bool matched = false;
+  std::string detail;  // the first difference, or why the validation could not run
+  size_t calls = 0;    // replayed
+  uint64_t bytes = 0;  // of device buffers compared
+  double seconds = 0;  // the pause it cost the application
+};
+
 // Appends `r` as one line with one write on the O_APPEND log, as the launcher's own writers do.
 void append_recovery_event(const RecoveryRecord& r);
+void append_validation_event(const ValidationRecord& r);
 
 }  // namespace jitckpt

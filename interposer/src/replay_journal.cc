@@ -292,6 +292,11 @@ std::string ReplayJournal::cannot_replay_alone() const {
          "them is not built yet";
 }
 
+void ReplayJournal::turn_off(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (off_.empty()) turn_off_locked(why);
+}
+
 void ReplayJournal::turn_off_locked(const std::string& why) {
   off_ = why;
   for (Entry& e : entries_)

@@ -83,6 +83,8 @@ class ReplayJournal {
   std::vector<DeviceRange> allocations_at_mark() const;
 
   bool on() const;
+  // Drops the journal for good, saying why on stderr.
+  void turn_off(const std::string& why);
   std::string off_reason() const;
   // Whether a new proxy can rebuild the state alone: not if a communicator has peers in other
   // processes (they would have to rebuild it with this one). Empty, or why not.
@@ -90,7 +92,10 @@ class ReplayJournal {
 
   // Under the caller's guarantee that nobody appends meanwhile (ProxySession's recovery lock).
   size_t size() const { return entries_.size(); }
-  uint64_t next_id() const { return next_id_; }
+  uint64_t next_id() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return next_id_;
+  }
   // The first call of the current minibatch.
   uint64_t minibatch_start() const { return mark_id_; }
   const Entry& entry(size_t i) const { return entries_[i]; }

@@ -38,6 +38,10 @@ event                     fields
                           previous_exit (its exit code)
 ``stage_replaced``        rank, generation, restart_count (--recovery stage: the dead rank got a
                           replacement; the other ranks kept running)
+``transparent_validation`` rank, pid, minibatch, matched (bool), detail (the first difference, or
+                          why it could not run, when not matched), calls, bytes, seconds
+                          (--transparent: libjit.so replayed a minibatch into a scratch proxy and
+                          compared the device buffers; a mismatch turns transparent recovery off)
 ``transparent_recovery``  rank, pid, cause, recovered (bool), reason (when not), calls,
                           minibatch_calls (of them, the current minibatch's), bytes,
                           save_s, new_proxy_s, recreate_s, restore_s, replay_s, synchronize_s,
@@ -85,6 +89,7 @@ EVENT_TYPES = (
     "death_after_verdict",
     "warning",
     "transparent_recovery",
+    "transparent_validation",
 )
 
 EVENTS_FILE = "events.jsonl"

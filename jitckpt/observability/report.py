@@ -97,6 +97,8 @@ class RunSummary:
     last_step: int | None = None
     # --transparent: lost device proxies libjit.so replaced in place (no restart), as logged.
     transparent: list[TransparentRecovery] = field(default_factory=list)
+    validations: int = 0  # transparent_validation records: replays checked against the live buffers
+    validations_failed: int = 0
 
     @property
     def duration_s(self) -> float | None:
@@ -270,6 +272,9 @@ def summarize(events: Iterable[dict], run_dir: str = "") -> RunSummary:
             open_failures.append(e)
         elif kind == "recovery_summary":
             close(e)
+        elif kind == "transparent_validation":
+            s.validations += 1
+            s.validations_failed += not e.get("matched")
         elif kind == "transparent_recovery":
             rank = e.get("rank")
             s.transparent.append(TransparentRecovery(
@@ -345,6 +350,7 @@ def print_summary(s: RunSummary, file=None) -> None:
         ["last step", _fmt(s.last_step, "")],
         ["failures", str(s.failures)],
         ["transparent recoveries (no restart)", f"{sum(r.recovered for r in s.transparent)} of {len(s.transparent)}"],
+        ["replay validations (failed)", f"{s.validations} ({s.validations_failed})"],
         ["restarts", str(s.restarts)],
         ["recovery time, total (s)", _fmt(s.recovery_total_s, ".2f")],
         ["steps redone, total", str(s.steps_redone)],

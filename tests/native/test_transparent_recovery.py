@@ -253,3 +253,44 @@ def test_jitckpt_run_records_a_transparent_recovery_and_report_shows_its_breakdo
     assert re.search(r"transparent recoveries \(no restart\) +1 of 1", report.stdout), report.stdout
     started = min(e["t"] for e in events)
     assert 0 <= rec["t"] - started < TIMEOUT_S, (rec["t"], started)  # the same clock as the launcher's
+
+
+def test_replay_validation_passes_a_deterministic_program_and_catches_a_planted_nondeterminism(
+        tmp_path: Path) -> None:
+    """At minibatch 5 the journal is replayed into a scratch proxy on the buffers of the minibatch's
+    start and every device buffer compared with the live proxy's. The planted program's forward
+    kernel reads a counter in mapped pinned memory that the host bumps without a CUDA call: the
+    replay reads another value, validation says where the buffers differ, transparent recovery is
+    turned off (event log too), and the program itself goes on unharmed."""
+    import json
+    import sys
+
+    from simcuda_progs.simcuda_harness import REPO
+
+    planted = build_program("planted_nondeterminism", kernels=True, nccl=False)
+    direct = subprocess.run([str(planted.exe), "20"], env=planted.env(), capture_output=True, text=True,
+                            timeout=TIMEOUT_S)
+    clean = subprocess.run([str(planted.exe), "20"], env=planted.env(**PROXY, JITCKPT_VALIDATE_EVERY="10"),
+                           capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert clean.returncode == 0 and parse_kv(clean.stdout)["digest"] == parse_kv(direct.stdout)["digest"], clean
+    for minibatch in (5, 15):
+        assert re.search(rf"replay validation at minibatch {minibatch}: replaying its \d+ calls on the buffers of its "
+                         r"start gave all [\d.]+ MiB of device buffers bitwise", clean.stderr), clean.stderr
+
+    env = {k: v for k, v in planted.env().items() if not k.startswith("JITCKPT_")}
+    env["PYTHONPATH"] = str(REPO)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", "1", "--transparent", "--no-python",
+           "--checkpoint-dir", str(tmp_path / "ckpt"), "--run-dir", str(run), "--max-restarts", "0",
+           "--status-interval", "0", str(planted.exe), "20", "plant"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "ok=1" in out, out
+    assert re.search(r"transparent recovery is off for this process: replay validation at minibatch 5 failed: the "
+                     r"allocation at 0x[0-9a-f]+ \(4000 bytes\) differs from byte \d+ on", out), out
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    checks = [e for e in events if e["event"] == "transparent_validation"]
+    assert len(checks) == 1 and checks[0]["matched"] is False and checks[0]["minibatch"] == 5, checks
+    report = subprocess.run([sys.executable, "-m", "jitckpt", "report", str(run)], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert re.search(r"replay validations \(failed\) +1 \(1\)", report.stdout), report.stdout
