@@ -52,6 +52,7 @@ for san in ${SANITIZERS:-address thread}; do
       --deselect tests/native/test_swift_nccl_logging.py::test_python_api \
       --deselect tests/native/test_proxy_programs.py::test_jitckpt_run_transparent_no_python \
       --deselect tests/native/test_transparent_recovery.py::test_jitckpt_run_records_a_transparent_recovery_and_report_shows_its_breakdown \
+      --deselect tests/native/test_transparent_recovery.py::test_replay_validation_catches_a_planted_nondeterminism_and_turns_recovery_off \
       || status=$?
   # A report is an error (ASan/LSan/UBSan "ERROR:" or "runtime error:", TSan "WARNING:
   # ThreadSanitizer:"); LeakSanitizer's own notes (e.g. "Unable to get registers from thread" when

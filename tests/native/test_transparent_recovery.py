@@ -255,19 +255,15 @@ def test_jitckpt_run_records_a_transparent_recovery_and_report_shows_its_breakdo
     assert 0 <= rec["t"] - started < TIMEOUT_S, (rec["t"], started)  # the same clock as the launcher's
 
 
-def test_replay_validation_passes_a_deterministic_program_and_catches_a_planted_nondeterminism(
-        tmp_path: Path) -> None:
-    """At minibatch 5 the journal is replayed into a scratch proxy on the buffers of the minibatch's
-    start and every device buffer compared with the live proxy's. The planted program's forward
-    kernel reads a counter in mapped pinned memory that the host bumps without a CUDA call: the
-    replay reads another value, validation says where the buffers differ, transparent recovery is
-    turned off (event log too), and the program itself goes on unharmed."""
-    import json
-    import sys
+@pytest.fixture(scope="module")
+def planted() -> Program:
+    return build_program("planted_nondeterminism", kernels=True, nccl=False)
 
-    from simcuda_progs.simcuda_harness import REPO
 
-    planted = build_program("planted_nondeterminism", kernels=True, nccl=False)
+def test_replay_validation_passes_a_deterministic_program(planted: Program) -> None:
+    """At minibatch 5 (and every JITCKPT_VALIDATE_EVERY after) the journal is replayed into a scratch
+    proxy on the buffers of the minibatch's start and every device buffer compared with the live
+    proxy's: the same bytes, and the run is bitwise the direct one."""
     direct = subprocess.run([str(planted.exe), "20"], env=planted.env(), capture_output=True, text=True,
                             timeout=TIMEOUT_S)
     clean = subprocess.run([str(planted.exe), "20"], env=planted.env(**PROXY, JITCKPT_VALIDATE_EVERY="10"),
@@ -276,6 +272,18 @@ def test_replay_validation_passes_a_deterministic_program_and_catches_a_planted_
     for minibatch in (5, 15):
         assert re.search(rf"replay validation at minibatch {minibatch}: replaying its \d+ calls on the buffers of its "
                          r"start gave all [\d.]+ MiB of device buffers bitwise", clean.stderr), clean.stderr
+
+
+def test_replay_validation_catches_a_planted_nondeterminism_and_turns_recovery_off(planted: Program,
+                                                                                  tmp_path: Path) -> None:
+    """The planted program's forward kernel reads a counter in mapped pinned memory that the host
+    bumps without a CUDA call: the replay reads another value, validation says where the buffers
+    differ, transparent recovery is turned off (event log and report too), and the program itself
+    goes on unharmed. Under `jitckpt run --transparent`."""
+    import json
+    import sys
+
+    from simcuda_progs.simcuda_harness import REPO
 
     env = {k: v for k, v in planted.env().items() if not k.startswith("JITCKPT_")}
     env["PYTHONPATH"] = str(REPO)
