@@ -256,7 +256,10 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     bool device_fault = false, earlier = false;
     if (death.empty() && (r.status != 0 || r.async_status != 0)) {  // the common case stays lock-free
       broken = proxy_unusable(tag, r, &device_fault, &earlier);
-      if (!broken.empty() && (!journal_.on() || !journal_.cannot_replay_alone().empty())) broken.clear();
+      if (!broken.empty() && (!journal_.on() || !journal_.cannot_replay_alone().empty())) {
+        refused(generation, broken);
+        broken.clear();
+      }
     }
     const bool sticky = !broken.empty();
     if (death.empty() && !sticky) {
@@ -581,6 +584,17 @@ void ProxySession::save_device(proxy::ProxyChannel* ch, uint64_t generation, Rep
     return;
   save_.saved = true;
   save_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void ProxySession::refused(uint64_t generation, const std::string& what) {
+  if (refused_generation_.exchange(generation) == generation) return;  // said already
+  RecoveryRecord record;
+  record.cause = what;
+  const std::string off = journal_.off_reason();
+  record.reason = off.empty() ? journal_.cannot_replay_alone() : "the replay journal is off (" + off + ")";
+  append_recovery_event(record);
+  log_always("proxy mode: %s; not recovered transparently: %s; the program gets the error, and user-level recovery "
+             "takes over", what.c_str(), record.reason.c_str());
 }
 
 void ProxySession::take_async_report(const proxy::CallResult& r) {

@@ -84,6 +84,9 @@ class ProxySession {
   proxy::ProxyChannel* channel_for_index_locked(uint32_t index, std::string* why);
   bool start_locked(std::string* why);
   void take_async_report(const proxy::CallResult& r);
+  // A failure transparent recovery cannot take (the journal is off, a communicator has peers
+  // elsewhere): said once per proxy generation, on stderr and in the event log (issue 16 case 5).
+  void refused(uint64_t generation, const std::string& what);
   // After a call of generation `failed_generation` found the proxy lost: replaces it (unless another
   // thread did already) and gives entry `index`'s replayed result. False: the state is lost.
   bool recover(uint64_t failed_generation, int64_t index, const std::string& what, proxy::CallResult* out);
@@ -130,6 +133,7 @@ class ProxySession {
   };
   std::mutex save_mu_;
   DeviceSave save_;
+  std::atomic<uint64_t> refused_generation_{UINT64_MAX};
   std::atomic<bool> fence_requested_{false};  // sent to the proxy at the first minibatch mark
 
   const uint64_t validate_at_, validate_every_;

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <map>
 
@@ -105,10 +106,11 @@ uint8_t kinds_by_name(uint32_t tag) {
          (stateless_by_name(tag) ? kStateless : 0) | (work_by_name(tag) ? kWork : 0);
 }
 
-// Every call's kinds, worked out once: they are asked for on every call.
+// Every call's kinds, worked out once: they are asked for on every call. A trivially destructible
+// array: the watchdog thread still makes calls while exit() runs static destructors.
 uint8_t kinds(uint32_t tag) {
-  static const std::vector<uint8_t> table = [] {
-    std::vector<uint8_t> t(kSpecialTags + proxy::kFunctionCount);
+  static const std::array<uint8_t, kSpecialTags + proxy::kFunctionCount> table = [] {
+    std::array<uint8_t, kSpecialTags + proxy::kFunctionCount> t{};
     for (uint32_t i = 0; i < t.size(); ++i)
       t[i] = kinds_by_name(i < kSpecialTags ? i : proxy::kGenericBase + (i - kSpecialTags));
     return t;
