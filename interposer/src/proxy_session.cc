@@ -411,7 +411,7 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   replayed_ = std::move(outcome.results);
   if (fence_requested_) {
     proxy::ProxyChannel* ch = channel_for_index_locked(0, why);
-    if (ch == nullptr || !request_fence(ch)) {
+    if (ch == nullptr || !request_fence(ch, true)) {
       *why = "the new proxy did not take the fence request" + (why->empty() ? "" : ": " + *why);
       return false;
     }
@@ -453,16 +453,20 @@ void ProxySession::mark_minibatch() {
                            (validate_every_ > 0 && minibatches_ > validate_at_ &&
                             (minibatches_ - validate_at_) % validate_every_ == 0)))
     start_validation();
+  // The fence only while a failed NCCL call would be recovered here (no communicator with peers
+  // elsewhere, the journal on): else the program gets the error and may go on, as without a proxy.
   // On this thread's channel, once it has one (a mark must not start a proxy nobody else needs).
-  if (!fence_requested_ && t_channel != nullptr && t_generation == generation_ && journal_.on() &&
-      journal_.cannot_replay_alone().empty())
-    fence_requested_ = request_fence(t_channel);
+  const bool fence = journal_.on() && journal_.cannot_replay_alone().empty();
+  if (fence != fence_requested_ && t_channel != nullptr && t_generation == generation_ && request_fence(t_channel, fence))
+    fence_requested_ = fence;
 }
 
-bool ProxySession::request_fence(proxy::ProxyChannel* ch) {
-  const uint64_t seq = ch->next_seq();
-  const proxy::RequestHead head{seq, 0u, 0};
-  return ch->call_raw(static_cast<uint32_t>(proxy::Call::kFence), &head, sizeof head, seq).status == 0;
+bool ProxySession::request_fence(proxy::ProxyChannel* ch, bool on) {
+  struct {
+    proxy::RequestHead head;
+    proxy::FenceArg arg;
+  } request{{ch->next_seq(), 0u, 0}, {on ? 1u : 0u, 0}};
+  return ch->call_raw(static_cast<uint32_t>(proxy::Call::kFence), &request, sizeof request, request.head.seq).status == 0;
 }
 
 void ProxySession::mark_optimizer_step() {

@@ -101,8 +101,9 @@ class ProxySession {
   // recovery off for this process, loudly (stderr, event log), and the program goes on.
   void start_validation();
   void validate();
-  // Asks a proxy to stop device work at a failed NCCL call (see proxy_server's DeviceState::fenced).
-  static bool request_fence(proxy::ProxyChannel* ch);
+  // Asks a proxy to stop (or no longer) device work at a failed NCCL call (proxy_server's
+  // DeviceState::fenced).
+  static bool request_fence(proxy::ProxyChannel* ch, bool on);
 
   const bool enabled_;
   ProxyKernels kernels_;
@@ -134,7 +135,7 @@ class ProxySession {
   std::mutex save_mu_;
   DeviceSave save_;
   std::atomic<uint64_t> refused_generation_{UINT64_MAX};
-  std::atomic<bool> fence_requested_{false};  // sent to the proxy at the first minibatch mark
+  std::atomic<bool> fence_requested_{false};  // asked of the proxy at a minibatch mark
 
   const uint64_t validate_at_, validate_every_;
   uint64_t minibatches_ = 0;  // minibatch marks so far

@@ -271,10 +271,13 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
     case Call::kSaveDevice:
     case Call::kRestoreDevice:
       return copy_device(call == Call::kSaveDevice, args, nargs, out);
-    case Call::kFence:
-      state_.fence_on_nccl_failure = true;
+    case Call::kFence: {
+      FenceArg a;
+      if (!take(name, args, nargs, &a, out)) return;
+      state_.fence_on_nccl_failure = a.on != 0;
       out->status = cudaSuccess;
       return;
+    }
     case Call::kCloseChannel:
       break;  // the channel's loop (proxy_main.cc) ends it before a dispatcher sees it
   }

@@ -40,7 +40,7 @@ class DeviceState {
   // client that did race them would free a communicator under a query here.
   std::shared_mutex comm_lifetime;
 
-  // Once the client asked for it (kFence: it can recover transparently from saved buffers): after an NCCL
+  // While the client asks for it (kFence: it can recover transparently from saved buffers): after an NCCL
   // call fails for a reason a new proxy may get past (system, internal, remote, CUDA error), the
   // proxy runs no more device work, so its buffers stay as they were at the failed call (the
   // optimizer step the program posts after a failed all-reduce must not run on them). Queries,

@@ -37,7 +37,7 @@ enum class Call : uint32_t {
   kCloseChannel = 20,         // no args (kNoReply): the client thread exited; the channel's proxy thread ends
   kSaveDevice = 21,           // args: DeviceCopy, DeviceRange[count]; the memfd went first over the socket
   kRestoreDevice = 22,        // the same, the other way
-  kFence = 23,                // no args: from now on, a failed NCCL call stops device work (DeviceState::fenced)
+  kFence = 23,                // args: FenceArg: whether a failed NCCL call stops device work (DeviceState::fenced)
 };
 
 // Generated calls (proxy_functions.h): tag = kGenericBase + FunctionId.
@@ -177,6 +177,11 @@ struct DeviceRange {
   uint64_t base;    // a device allocation's base
   uint64_t size;    // its size
   uint64_t offset;  // where its bytes are in the memfd
+};
+
+struct FenceArg {
+  uint32_t on;
+  uint32_t reserved;
 };
 
 // What the client sends on the Unix socket after the handshake, with file descriptors attached:

