@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "call_protocol.h"
 #include "device_fault.h"
@@ -20,6 +21,7 @@
 #include "proxy_forwarding.h"
 #include "proxy_functions.h"
 #include "registry.h"
+#include "watchdog.h"
 
 extern char** environ;
 
@@ -215,6 +217,12 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
   }
   const bool journaled = !ReplayJournal::stateless(tag);
   const bool ordered = journaled && ReplayJournal::ordered(tag);
+  // The watchdog's queries (event queries, communicators' asynchronous errors) never wait for device
+  // work: one the proxy does not answer within the hang timeout (at least a second) means the proxy
+  // is hung or stopped, which nothing else would notice (every other call waits on it too).
+  const bool watched = !journaled && Watchdog::on_watchdog_thread();
+  const auto answer_within = std::chrono::milliseconds(
+      static_cast<int64_t>(1000 * std::max(1.0, watched ? Registry::instance().hang_timeout() : 0.0)));
   for (;;) {
     // Taken before the recovery lock and let go before a recovery: see ReplayJournal::ordered.
     std::unique_lock<std::mutex> order(order_mu_, std::defer_lock);
@@ -247,9 +255,10 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
       r.error = ch->post(tag, payload.data(), payload.size(), kWhileTheProxyLives);
       if (!r.error.empty()) r.status = 999;
     } else {
-      r = ch->call_raw(tag, payload.data(), payload.size(), seq, kWhileTheProxyLives);
+      r = ch->call_raw(tag, payload.data(), payload.size(), seq, watched ? answer_within : kWhileTheProxyLives);
     }
-    const std::string death = r.status == 999 ? client_->death() : std::string();
+    std::string death = r.status == 999 ? client_->death() : std::string();
+    if (watched && r.status == 999 && death.empty()) death = kill_hung_proxy(generation, tag, answer_within);
     // A sticky CUDA error or an NCCL failure, with the journal able to rebuild the state alone (else
     // the caller gets the error, as without a proxy).
     std::string broken;
@@ -298,6 +307,22 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
   }
 }
 
+std::string ProxySession::kill_hung_proxy(uint64_t generation, uint32_t tag, std::chrono::milliseconds waited) {
+  const char* name = proxy::call_name(tag);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (generation_ != generation || client_ == nullptr) return "";
+  const pid_t pid = client_->pid();
+  kill(pid, SIGKILL);
+  for (int i = 0; i < 200 && client_->death().empty(); ++i)  // bounded: 2 s to be reaped
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  char text[200];
+  std::snprintf(text, sizeof text, "jitckpt-proxy (pid %d) did not answer the watchdog's %s within %.1f s (hung or "
+                "stopped); it was killed", static_cast<int>(pid), name ? name : "query", waited.count() / 1e3);
+  std::lock_guard<std::mutex> hung(hung_mu_);
+  hung_ = {generation, text};  // the cause, whichever thread finds the proxy dead first
+  return text;
+}
+
 bool ProxySession::recover_now(const std::string& what) {
   uint64_t generation;
   {
@@ -325,11 +350,15 @@ bool ProxySession::recover(uint64_t failed_generation, int64_t index, const std:
     std::string why;
     RecoveryRecord record;
     record.cause = what;
-    record.recovered = replay_locked(what, &why, &record);
+    {
+      std::lock_guard<std::mutex> hung(hung_mu_);
+      if (hung_.first == failed_generation) record.cause = hung_.second;
+    }
+    record.recovered = replay_locked(record.cause, &why, &record);
     if (!record.recovered) record.reason = why;
     append_recovery_event(record);
     if (!record.recovered) {
-      lost_ = "the device state of this process is lost: " + what + "; transparent recovery failed: " + why;
+      lost_ = "the device state of this process is lost: " + record.cause + "; transparent recovery failed: " + why;
       log_always("proxy mode: %s; every CUDA/NCCL call of this process fails from now on", lost_.c_str());
       death_reported_ = true;
       return false;
@@ -431,10 +460,13 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   record->total_s = S(done - t0).count() + record->save_s;
   const size_t minibatch_calls = outcome.minibatch_calls;
   record->minibatch_calls = minibatch_calls;
-  log_always("proxy mode: recovered: jitckpt-proxy pid %d took over after replaying %zu calls (%zu of this "
-             "minibatch) in %.1f ms (save buffers %.1f ms, new proxy %.1f ms, recreate handles and communicators "
-             "%.1f ms, restore buffers %.1f ms, replay %.1f ms, device synchronize %.1f ms)",
-             static_cast<int>(client_->pid()), journal_.size(), minibatch_calls, record->total_s * 1e3, record->save_s * 1e3,
+  const std::string scope = phase == ReplayJournal::Phase::kUnmarked
+                                ? std::string("every call since the first: no minibatch marks")
+                                : std::to_string(minibatch_calls) + " of this minibatch";
+  log_always("proxy mode: recovered: jitckpt-proxy pid %d took over after replaying %zu calls (%s) in %.1f ms (save "
+             "buffers %.1f ms, new proxy %.1f ms, recreate handles and communicators %.1f ms, restore buffers %.1f "
+             "ms, replay %.1f ms, device synchronize %.1f ms)",
+             static_cast<int>(client_->pid()), journal_.size(), scope.c_str(), record->total_s * 1e3, record->save_s * 1e3,
              record->new_proxy_s * 1e3, record->recreate_s * 1e3, record->restore_s * 1e3, record->replay_s * 1e3,
              record->synchronize_s * 1e3);
   death_reported_ = false;

@@ -10,6 +10,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -84,6 +85,9 @@ class ProxySession {
   proxy::ProxyChannel* channel_for_index_locked(uint32_t index, std::string* why);
   bool start_locked(std::string* why);
   void take_async_report(const proxy::CallResult& r);
+  // Kills a proxy that did not answer a watchdog query within `waited`; what to say of it ("" if
+  // it was replaced meanwhile).
+  std::string kill_hung_proxy(uint64_t generation, uint32_t tag, std::chrono::milliseconds waited);
   // A failure transparent recovery cannot take (the journal is off, a communicator has peers
   // elsewhere): said once per proxy generation, on stderr and in the event log (issue 16 case 5).
   void refused(uint64_t generation, const std::string& what);
@@ -135,6 +139,8 @@ class ProxySession {
   std::mutex save_mu_;
   DeviceSave save_;
   std::atomic<uint64_t> refused_generation_{UINT64_MAX};
+  std::mutex hung_mu_;
+  std::pair<uint64_t, std::string> hung_{UINT64_MAX, ""};  // a generation killed as hung, and why
   std::atomic<bool> fence_requested_{false};  // asked of the proxy at a minibatch mark
 
   const uint64_t validate_at_, validate_every_;
