@@ -115,8 +115,10 @@ def test_launcher_resumes_from_libjit_detected_jit_checkpoint(jobs, tmp_path: Pa
     rc = job.wait(TIMEOUT_S)
     log = (tmp_path / "launcher.log").read_text()
     assert rc == 0, log
-    # libjit.so's watchdog saw the all-reduce of step 5 not completing on the device.
-    assert "ncclAllReduce (seq 6, step 5" in log and "not complete on the device" in log
+    # libjit.so's watchdog saw the all-reduce of step 5 not completing on the device (with an NCCL
+    # error a survivor can save at once, and the launcher restarts before any hang timeout).
+    if mode != "error":
+        assert "ncclAllReduce (seq 6, step 5" in log and "not complete on the device" in log
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
     # The finished job deleted its JIT checkpoints: which ranks saved is in the event log.
     saved = sorted(Path(e["path"]).name for e in events
