@@ -49,7 +49,7 @@ bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const De
     if (restore && (i == journal.size() || journal.entry(i).id >= journal.minibatch_start())) {
       restore = false;
       out->recreated = std::chrono::steady_clock::now();
-      proxy::ProxyChannel* ch = target.channel(0, why);
+      proxy::ProxyChannel* ch = target.channels.get(0, why);
       if (ch == nullptr || !buffers->restore(client, *ch, target.next_token(), why)) return false;
       out->restored = std::chrono::steady_clock::now();
     }
@@ -58,7 +58,7 @@ bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const De
     // A call that failed changed nothing (cudaHostAlloc's retries at another address, a query
     // that was not ready, an NCCL call refused): the replay leaves it out.
     if (e.completed && e.status != 0) continue;
-    proxy::ProxyChannel* ch = target.channel(e.channel, why);
+    proxy::ProxyChannel* ch = target.channels.get(e.channel, why);
     if (ch == nullptr) return false;
     const char* name = proxy::call_name(e.tag);
     auto fail = [&](const std::string& problem) {
@@ -132,7 +132,7 @@ bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const De
   for (size_t i = 0; i < journal.size(); ++i) out->minibatch_calls += journal.entry(i).id >= journal.minibatch_start();
   // The replayed work has run before the application goes on: a fault it hits again (a
   // deterministic one, which a replay cannot get past) is found here, not by a later call.
-  proxy::ProxyChannel* ch = target.channel(0, why);
+  proxy::ProxyChannel* ch = target.channels.get(0, why);
   if (ch == nullptr) return false;
   const uint32_t sync = proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_cudaDeviceSynchronize);
   request.assign(sizeof(proxy::RequestHead), 0);

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "device_buffers.h"
+#include "indexed_channels.h"
 #include "proxy_client.h"
 #include "replay_journal.h"
 
@@ -19,8 +20,7 @@ namespace jitckpt {
 
 struct ReplayTarget {
   proxy::ProxyClient& client;
-  // The target's channel of a given index (opened on first use), or nullptr with `why`.
-  std::function<proxy::ProxyChannel*(uint32_t index, std::string* why)> channel;
+  IndexedChannels& channels;  // the target's
   std::function<uint64_t()> next_token;  // names memfds on the target's socket
   // Hand the target copies of the journal's memfds instead of the memfds themselves, so that what
   // it writes into pinned memory does not reach the application's (a scratch proxy).

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <utility>
 
+#include "call_kinds.h"
 #include "device_fault.h"
 #include "proxy_functions.h"
 
@@ -20,34 +21,18 @@ bool sticky_cuda_error(uint32_t tag, int32_t status) {
   return is_device_fault(static_cast<cudaError_t>(status));
 }
 
-// NCCL's errors that say the communicator or the network failed, not the caller: a new proxy with
-// new communicators may get past them. (ncclInvalidArgument/ncclInvalidUsage are the caller's.)
-bool failed_nccl(uint32_t tag, int32_t status) {
-  if (status == 0) return false;
-  const char* name = proxy::call_name(tag);
-  if (name == nullptr || std::strncmp(name, "nccl", 4) != 0) return false;
-  switch (static_cast<ncclResult_t>(status)) {
-    case ncclUnhandledCudaError:
-    case ncclSystemError:
-    case ncclInternalError:
-    case ncclRemoteError:
-      return true;
-    default:
-      return false;
-  }
-}
-
 }  // namespace
 
 std::string proxy_unusable(uint32_t tag, const proxy::CallResult& r, bool* device_fault, bool* earlier) {
   for (auto [t, status] : {std::pair<uint32_t, int32_t>{tag, r.status}, {r.async_call, r.async_status}}) {
     const char* name = proxy::call_name(t);
-    if (device_fault) *device_fault = sticky_cuda_error(t, status);
+    const bool sticky = sticky_cuda_error(t, status);
+    if (device_fault) *device_fault = sticky;
     if (earlier) *earlier = t == r.async_call && status == r.async_status && status != r.status;
-    if (sticky_cuda_error(t, status))
+    if (sticky)
       return std::string("the device got the sticky error ") + cudaGetErrorName(static_cast<cudaError_t>(status)) +
              " (in " + (name ? name : "?") + ")";
-    if (failed_nccl(t, status))
+    if (proxy::communication_failed(name, status))
       return std::string("NCCL failed: ") + ncclGetErrorString(static_cast<ncclResult_t>(status)) + " (in " +
              (name ? name : "?") + ")";
   }

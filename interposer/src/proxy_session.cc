@@ -91,6 +91,7 @@ bool ProxySession::start_locked(std::string* why) {
   try {
     const std::vector<std::string> env = proxy_environment();
     client_ = proxy::ProxyClient::start(proxy_binary(), std::chrono::seconds(30), &env);
+    channels_.attach(client_.get());
     log_verbose("proxy mode: jitckpt-proxy pid %d serves this process", static_cast<int>(client_->pid()));
     return true;
   } catch (const std::exception& e) {
@@ -155,23 +156,6 @@ ProxySession::ProxySession()
       validate_every_(env_count("JITCKPT_VALIDATE_EVERY", 0)) {}
 
 
-proxy::ProxyChannel* ProxySession::channel_for_index_locked(uint32_t index, std::string* why) {
-  if (index < by_index_.size() && by_index_[index] != nullptr) return by_index_[index];
-  if (by_index_.size() <= index) by_index_.resize(index + 1, nullptr);
-  if (index == 0) {
-    by_index_[0] = &client_->primary();
-  } else {
-    try {
-      channels_.push_back(client_->open_channel());
-    } catch (const std::exception& e) {
-      *why = e.what();
-      return nullptr;
-    }
-    by_index_[index] = channels_.back().get();
-  }
-  return by_index_[index];
-}
-
 // Called with recovery_mu_ held shared, so the generation cannot change meanwhile.
 proxy::ProxyChannel* ProxySession::channel(std::string* why) {
   if (t_channel != nullptr && t_generation == generation_) return t_channel;
@@ -179,7 +163,7 @@ proxy::ProxyChannel* ProxySession::channel(std::string* why) {
   if (!start_locked(why)) return nullptr;
   const bool first = t_channel == nullptr;
   if (first) t_index = next_index_++;
-  proxy::ProxyChannel* ch = channel_for_index_locked(t_index, why);
+  proxy::ProxyChannel* ch = channels_.get(t_index, why);
   if (ch == nullptr) return nullptr;
   t_channel = ch;
   t_generation = generation_;
@@ -191,7 +175,7 @@ void ProxySession::close_channel(uint32_t index) {
   std::shared_lock<std::shared_mutex> shared(recovery_mu_);
   std::lock_guard<std::mutex> lock(mu_);
   // The current proxy's channel of this index (a replay may have opened it for the thread).
-  proxy::ProxyChannel* ch = index < by_index_.size() ? by_index_[index] : nullptr;
+  proxy::ProxyChannel* ch = channels_.find(index);
   if (ch == nullptr) return;
   if (client_ != nullptr && client_->death().empty()) {
     const proxy::RequestHead head{ch->next_seq(), proxy::kNoReply, 0};
@@ -201,10 +185,7 @@ void ProxySession::close_channel(uint32_t index) {
              .empty())
       return;
   }
-  for (auto& p : by_index_)
-    if (p == ch) p = nullptr;  // a replay that needs this index opens a new channel for it
-  auto it = std::find_if(channels_.begin(), channels_.end(), [&](const auto& c) { return c.get() == ch; });
-  if (it != channels_.end()) channels_.erase(it);  // the primary channel belongs to the client
+  channels_.drop(index);  // a replay that needs this index opens a new channel for it
 }
 
 proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload, bool no_reply, int fd,
@@ -420,16 +401,14 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   std::lock_guard<std::mutex> lock(mu_);
   if (client_ != nullptr) {
     if (client_->death().empty()) kill(client_->pid(), SIGKILL);  // a sticky error: the old context is useless
-    channels_.clear();
-    by_index_.clear();
+    channels_.attach(nullptr);
     client_.reset();
   }
   if (!start_locked(why)) return false;
   const auto started = std::chrono::steady_clock::now();
   ++generation_;
   replayed_.clear();
-  ReplayTarget target{*client_, [this](uint32_t index, std::string* w) { return channel_for_index_locked(index, w); },
-                      [this] { return next_token(); }};
+  ReplayTarget target{*client_, channels_, [this] { return next_token(); }};
   ReplayOutcome outcome;
   DeviceBuffers buffers;
   if (restore) {
@@ -439,7 +418,7 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   if (!replay_journal(journal_, target, restore ? &buffers : nullptr, &outcome, why)) return false;
   replayed_ = std::move(outcome.results);
   if (fence_requested_) {
-    proxy::ProxyChannel* ch = channel_for_index_locked(0, why);
+    proxy::ProxyChannel* ch = channels_.get(0, why);
     if (ch == nullptr || !request_fence(ch, true)) {
       *why = "the new proxy did not take the fence request" + (why->empty() ? "" : ": " + *why);
       return false;
@@ -558,29 +537,13 @@ void ProxySession::validate() {
   try {
     const std::vector<std::string> env = proxy_environment(/*scratch=*/true);
     std::unique_ptr<proxy::ProxyClient> scratch = proxy::ProxyClient::start(proxy_binary(), std::chrono::seconds(30), &env);
-    std::vector<std::unique_ptr<proxy::ProxyChannel>> owned;
-    std::vector<proxy::ProxyChannel*> by_index;
-    ReplayTarget target{*scratch,
-                        [&](uint32_t index, std::string* w) -> proxy::ProxyChannel* {
-                          if (index < by_index.size() && by_index[index] != nullptr) return by_index[index];
-                          if (by_index.size() <= index) by_index.resize(index + 1, nullptr);
-                          try {
-                            if (index == 0) {
-                              by_index[0] = &scratch->primary();
-                            } else {
-                              owned.push_back(scratch->open_channel());
-                              by_index[index] = owned.back().get();
-                            }
-                          } catch (const std::exception& e) {
-                            *w = e.what();
-                          }
-                          return by_index[index];
-                        },
-                        [this] { return next_token(); }, /*private_memfds=*/true};
+    IndexedChannels channels;
+    channels.attach(scratch.get());
+    ReplayTarget target{*scratch, channels, [this] { return next_token(); }, /*private_memfds=*/true};
     ReplayOutcome outcome;
     if (!replay_journal(journal_, target, &start, &outcome, &why)) {
       record.detail = "the replay into a scratch proxy failed: " + why;
-    } else if (proxy::ProxyChannel* ch = target.channel(0, &why);
+    } else if (proxy::ProxyChannel* ch = channels.get(0, &why);
                ch == nullptr || !replayed.save(*scratch, *ch, next_token(), live, std::chrono::seconds(60), &why)) {
       record.detail = "cannot read the scratch proxy's buffers: " + why;
     } else {

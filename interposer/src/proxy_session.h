@@ -21,6 +21,7 @@
 
 #include "device_buffers.h"
 #include "host_registration.h"
+#include "indexed_channels.h"
 #include "proxy_client.h"
 #include "proxy_kernels.h"
 #include "recovery_event.h"
@@ -82,7 +83,6 @@ class ProxySession {
  private:
   // This thread's channel (opened on its first call), or nullptr with `why` if there is no proxy.
   proxy::ProxyChannel* channel(std::string* why);
-  proxy::ProxyChannel* channel_for_index_locked(uint32_t index, std::string* why);
   bool start_locked(std::string* why);
   void take_async_report(const proxy::CallResult& r);
   // Kills a proxy that did not answer a watchdog query within `waited`; what to say of it ("" if
@@ -115,8 +115,7 @@ class ProxySession {
   std::mutex mu_;  // starting the proxy, opening channels
   std::unique_ptr<proxy::ProxyClient> client_;
   uint32_t next_index_ = 0;  // channel indices, one per thread that made calls (0: the primary channel)
-  std::vector<std::unique_ptr<proxy::ProxyChannel>> channels_;  // of the other threads
-  std::vector<proxy::ProxyChannel*> by_index_;                  // the current proxy's channel of each index
+  IndexedChannels channels_;  // the current proxy's channel of each thread's index
   std::string start_failure_;
 
   // Calls hold it shared; replacing the proxy holds it exclusively, so no call runs meanwhile.

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 
+#include "call_kinds.h"
 #include "call_protocol.h"
 #include "diagnostics.h"
 #include "proxy_functions.h"
@@ -67,9 +68,7 @@ bool stateless_by_name(uint32_t tag) {
       break;
   }
   if (tag < proxy::kGenericBase || tag == ReplayJournal::unique_id_tag()) return false;
-  const char* name = proxy::call_name(tag);
-  return name != nullptr && (std::strstr(name, "Query") != nullptr || std::strstr(name, "Get") != nullptr ||
-                             std::strstr(name, "Synchronize") != nullptr || std::strstr(name, "ElapsedTime") != nullptr);
+  return proxy::reads_only(proxy::call_name(tag));
 }
 
 bool work_by_name(uint32_t tag) {

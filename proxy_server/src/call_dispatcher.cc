@@ -1,5 +1,7 @@
 #include "call_dispatcher.h"
 
+#include "call_kinds.h"
+
 #include <shared_mutex>
 
 #include <cuda_runtime_api.h>
@@ -107,21 +109,11 @@ bool CallDispatcher::runs_when_fenced(uint32_t call, const char* name) {
     default:
       break;
   }
-  return call >= kGenericBase && (std::strstr(name, "Query") || std::strstr(name, "Get") ||
-                                  std::strstr(name, "Synchronize") || std::strstr(name, "ElapsedTime"));
+  return call >= kGenericBase && reads_only(name);
 }
 
 void CallDispatcher::fence_if_nccl_failed(uint32_t call, const char* name, uint64_t seq, const Outcome& out) {
-  if (name == nullptr || std::strncmp(name, "nccl", 4) != 0) return;
-  switch (static_cast<ncclResult_t>(out.status)) {
-    case ncclUnhandledCudaError:
-    case ncclSystemError:
-    case ncclInternalError:
-    case ncclRemoteError:
-      break;
-    default:
-      return;
-  }
+  if (!communication_failed(name, out.status)) return;
   state_.fence_status = out.status;
   state_.fence_call = call;
   state_.fence_seq = seq;
