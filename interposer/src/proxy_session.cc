@@ -367,11 +367,21 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   // With minibatch marks the journal holds only the current minibatch's device work: the buffers'
   // contents at its start come from the old proxy (save_device), or from nowhere.
   ReplayJournal::Phase phase = journal_.phase();
+  bool from_live_proxy = false;  // its buffers could be read (an NCCL failure), else they are lost
   {
     std::lock_guard<std::mutex> lock(save_mu_);
-    if (save_.generation == generation_) phase = save_.phase;  // the failed call's
+    if (save_.generation == generation_) {
+      phase = save_.phase;  // the failed call's
+      from_live_proxy = true;
+    }
   }
   bool restore = false;
+  if (phase != ReplayJournal::Phase::kUnmarked && !from_live_proxy) {
+    *why = "the parameters and optimizer state were in the lost proxy's device memory (the journal holds only "
+           "this minibatch's work since minibatch marks began); copying them from a data-parallel replica is not "
+           "built yet";
+    return false;
+  }
   if (phase == ReplayJournal::Phase::kOptimizerStep) {
     *why = "the failure was found during the optimizer step, which changes parameters and optimizer state in "
            "place (they may be partly updated); taking them from a data-parallel replica that finished the step is "
@@ -380,12 +390,6 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   }
   if (phase == ReplayJournal::Phase::kMinibatch) {
     std::lock_guard<std::mutex> lock(save_mu_);
-    if (save_.generation != generation_ || (!save_.saved && save_.failure.empty())) {
-      *why = "the parameters and optimizer state were in the lost proxy's device memory (the journal holds only "
-             "this minibatch's work since minibatch marks began); copying them from a data-parallel replica is not "
-             "built yet";
-      return false;
-    }
     if (!save_.saved) {
       *why = save_.failure;
       return false;
