@@ -165,6 +165,12 @@ void CollectiveTracker::retire(const std::vector<uint64_t>& seqs) {
   in_flight_.erase(std::remove_if(in_flight_.begin(), in_flight_.end(), done), in_flight_.end());
 }
 
+void CollectiveTracker::restart_clocks() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto now = Clock::now();
+  for (auto& r : in_flight_) r.since = now;
+}
+
 uint64_t CollectiveTracker::completed() const {
   std::lock_guard<std::mutex> lock(mu_);
   return completed_;

@@ -48,6 +48,8 @@ class CollectiveTracker {
   std::vector<CollectiveRecord> snapshot() const;
   // The watchdog saw these sentinels complete: drop the records, recycle the events.
   void retire(const std::vector<uint64_t>& seqs);
+  // A transparent recovery replayed them into a new proxy (issue 16): their hang clocks start now.
+  void restart_clocks();
   uint64_t completed() const;
   int first_device() const;  // device of the first collective, -1 if none yet
 

@@ -13,9 +13,10 @@
 namespace jitckpt {
 namespace {
 
-std::vector<uint8_t> device_copy_request(uint64_t token, uint64_t seq, const std::vector<proxy::DeviceRange>& ranges) {
+std::vector<uint8_t> device_copy_request(uint64_t token, uint64_t seq, const std::vector<proxy::DeviceRange>& ranges,
+                                         bool unsynchronized) {
   const proxy::RequestHead head{seq, 0u, 0};
-  const proxy::DeviceCopy c{token, ranges.size()};
+  const proxy::DeviceCopy c{token, ranges.size(), unsynchronized ? 1u : 0u};
   std::vector<uint8_t> request(sizeof head + sizeof c + ranges.size() * sizeof(proxy::DeviceRange));
   std::memcpy(request.data(), &head, sizeof head);
   std::memcpy(request.data() + sizeof head, &c, sizeof c);
@@ -25,7 +26,7 @@ std::vector<uint8_t> device_copy_request(uint64_t token, uint64_t seq, const std
 
 proxy::CallResult device_copy(proxy::ProxyClient& client, proxy::ProxyChannel& ch, proxy::Call call, int fd,
                               uint64_t token, const std::vector<proxy::DeviceRange>& ranges,
-                              std::chrono::milliseconds timeout) {
+                              std::chrono::milliseconds timeout, bool unsynchronized = false) {
   proxy::CallResult r;
   if (!client.send_fd(fd, token)) {
     r.status = 999;
@@ -33,7 +34,7 @@ proxy::CallResult device_copy(proxy::ProxyClient& client, proxy::ProxyChannel& c
     return r;
   }
   const uint64_t seq = ch.next_seq();
-  const std::vector<uint8_t> request = device_copy_request(token, seq, ranges);
+  const std::vector<uint8_t> request = device_copy_request(token, seq, ranges, unsynchronized);
   return ch.call_raw(static_cast<uint32_t>(call), request.data(), request.size(), seq, timeout);
 }
 
@@ -68,7 +69,7 @@ void DeviceBuffers::reset() {
 
 bool DeviceBuffers::save(proxy::ProxyClient& client, proxy::ProxyChannel& ch, uint64_t token,
                          const std::vector<ReplayJournal::DeviceRange>& allocations, std::chrono::milliseconds timeout,
-                         std::string* why) {
+                         std::string* why, WaitFor wait) {
   reset();
   for (const ReplayJournal::DeviceRange& a : allocations) {
     ranges_.push_back(proxy::DeviceRange{a.base, a.size, total_});
@@ -79,7 +80,8 @@ bool DeviceBuffers::save(proxy::ProxyClient& client, proxy::ProxyChannel& ch, ui
     *why = std::string("cannot make a memfd for the device buffers: ") + std::strerror(errno);
     return false;
   }
-  const proxy::CallResult r = device_copy(client, ch, proxy::Call::kSaveDevice, fd_, token, ranges_, timeout);
+  const proxy::CallResult r = device_copy(client, ch, proxy::Call::kSaveDevice, fd_, token, ranges_, timeout,
+                                              wait == WaitFor::kNothing);
   if (r.status != 0) {
     *why = "copying the " + std::to_string(ranges_.size()) + " buffers (" + std::to_string(total_ >> 20) +
            " MiB) out of the proxy failed: " + failure(r);

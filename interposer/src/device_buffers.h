@@ -23,11 +23,14 @@ class DeviceBuffers {
   DeviceBuffers(const DeviceBuffers&) = delete;
   DeviceBuffers& operator=(const DeviceBuffers&) = delete;
 
-  // Copies `allocations` out of the proxy behind `ch` once its device has finished its queued work
-  // (bounded by `timeout`). False with `why`; `token` names the memfd on the proxy's socket.
+  // kQueuedWork: the device finishes what it has queued first. kNothing: the copies run at once on
+  // a stream of their own (a device blocked behind a hung collective).
+  enum class WaitFor { kQueuedWork, kNothing };
+  // Copies `allocations` out of the proxy behind `ch` (bounded by `timeout`). False with `why`;
+  // `token` names the memfd on the proxy's socket.
   bool save(proxy::ProxyClient& client, proxy::ProxyChannel& ch, uint64_t token,
             const std::vector<ReplayJournal::DeviceRange>& allocations, std::chrono::milliseconds timeout,
-            std::string* why);
+            std::string* why, WaitFor wait = WaitFor::kQueuedWork);
   // Puts them into the proxy behind `ch` (the allocations must exist there, at the same addresses).
   bool restore(proxy::ProxyClient& client, proxy::ProxyChannel& ch, uint64_t token, std::string* why) const;
   // The first allocation whose bytes differ from `other`'s (saved from the same allocations), or "".

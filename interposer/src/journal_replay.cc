@@ -35,6 +35,21 @@ int private_copy(int fd) {
   return copy;
 }
 
+// A new unique id from the target (its rendezvous root), or "" with `why`.
+std::string fresh_unique_id(proxy::ProxyChannel& ch, std::string* why) {
+  std::vector<uint8_t> request(sizeof(proxy::RequestHead) + 1 + sizeof(ncclUniqueId), 0);
+  request[sizeof(proxy::RequestHead)] = 1;  // the id's presence byte (see the generated fwd_ncclGetUniqueId)
+  const uint64_t seq = ch.next_seq();
+  const proxy::RequestHead head{seq, 0u, 0};
+  std::memcpy(request.data(), &head, sizeof head);
+  const proxy::CallResult r =
+      ch.call_raw(ReplayJournal::unique_id_tag(), request.data(), request.size(), seq, std::chrono::seconds(60));
+  if (r.status == 0 && r.results.size() == sizeof(ncclUniqueId))
+    return std::string(r.results.begin(), r.results.end());
+  *why = "ncclGetUniqueId in the new proxy failed (" + (r.error.empty() ? "status " + std::to_string(r.status) : r.error) + ")";
+  return "";
+}
+
 }  // namespace
 
 bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const DeviceBuffers* buffers,
@@ -44,6 +59,7 @@ bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const De
   std::map<std::string, std::string> unique_ids;  // recorded -> the new proxy's
   out->recreated = out->restored = std::chrono::steady_clock::now();
   bool restore = buffers != nullptr;
+  bool peers = false;  // a communicator was rebuilt with other processes: their calls wait on them
   for (size_t i = 0; i <= journal.size(); ++i) {
     // The buffers go back once what existed at the minibatch's start exists again.
     if (restore && (i == journal.size() || journal.entry(i).id >= journal.minibatch_start())) {
@@ -104,12 +120,28 @@ bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const De
       continue;
     }
     request.assign(journal.bytes(e), journal.bytes(e) + e.size);
-    // A unique id names a rendezvous of the proxy that made it: the replay uses the new proxy's.
-    if (e.tag == ReplayJournal::comm_init_rank_tag() && request.size() >= ReplayJournal::kCommIdOffset + sizeof(ncclUniqueId)) {
+    // A unique id names a rendezvous of the proxy that made it: the replay uses the new proxy's, or
+    // for a communicator with peers elsewhere, the one its rank 0 made and put in the store.
+    const bool init = e.tag == ReplayJournal::comm_init_rank_tag() &&
+                      request.size() >= ReplayJournal::kCommRankOffset + sizeof(int32_t);
+    const auto init_began = std::chrono::steady_clock::now();
+    if (init) {
       const std::string old_id(reinterpret_cast<const char*>(request.data()) + ReplayJournal::kCommIdOffset, sizeof(ncclUniqueId));
-      if (auto it = unique_ids.find(old_id); it != unique_ids.end())
+      int32_t nranks = 0, rank = 0;
+      std::memcpy(&nranks, request.data() + sizeof(proxy::RequestHead) + 1, sizeof nranks);
+      std::memcpy(&rank, request.data() + ReplayJournal::kCommRankOffset, sizeof rank);
+      if (nranks > 1 && target.rendezvous) {
+        std::string fresh, agreed;
+        if (rank == 0 && (fresh = fresh_unique_id(*ch, why)).empty()) return fail(*why);
+        if (!target.rendezvous(old_id, rank, fresh, &agreed, why) || agreed.size() != sizeof(ncclUniqueId))
+          return fail("no unique id agreed with the communicator's other ranks: " + *why);
+        std::memcpy(request.data() + ReplayJournal::kCommIdOffset, agreed.data(), agreed.size());
+        peers = true;
+      } else if (auto it = unique_ids.find(old_id); it != unique_ids.end()) {
         std::memcpy(request.data() + ReplayJournal::kCommIdOffset, it->second.data(), it->second.size());
+      }
     }
+    const auto wait = peers ? target.peer_wait : kWhileTheProxyLives;
     const uint64_t seq = ch->next_seq();
     const proxy::RequestHead head{seq, e.no_reply ? proxy::kNoReply : 0u, 0};
     std::memcpy(request.data(), &head, sizeof head);
@@ -118,8 +150,10 @@ bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const De
         return fail(err);
       continue;
     }
-    proxy::CallResult r = ch->call_raw(e.tag, request.data(), request.size(), seq, kWhileTheProxyLives);
+    proxy::CallResult r = ch->call_raw(e.tag, request.data(), request.size(), seq, wait);
+    if (init) out->communicators_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - init_began).count();
     if (r.status == 999 && !client.death().empty()) return fail(client.death());
+    if (r.status == 999) return fail(r.error + " (its peers did not rebuild it with this process)");
     if (std::string again = proxy_unusable(e.tag, r); !again.empty()) return fail(again + ", again");
     if (e.completed && ReplayJournal::creates(e.tag) && (r.status != e.status || r.results != e.results))
       return fail("it did not give the pointer or handle the application holds (status " + std::to_string(r.status) +
@@ -139,9 +173,10 @@ bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const De
   const uint64_t seq = ch->next_seq();
   const proxy::RequestHead head{seq, 0u, 0};
   std::memcpy(request.data(), &head, sizeof head);
-  proxy::CallResult r = ch->call_raw(sync, request.data(), request.size(), seq, kWhileTheProxyLives);
-  if (r.status == 999 && !client.death().empty()) {
-    *why = "after the replay: " + client.death();
+  proxy::CallResult r = ch->call_raw(sync, request.data(), request.size(), seq, peers ? target.peer_wait : kWhileTheProxyLives);
+  if (r.status == 999) {
+    *why = "after the replay: " + (client.death().empty() ? r.error + " (the peers did not replay with this process)"
+                                                           : client.death());
     return false;
   }
   if (std::string again = proxy_unusable(sync, r); !again.empty()) {

@@ -18,6 +18,11 @@
 
 namespace jitckpt {
 
+// Agrees with a communicator's ranks in other processes on the unique id its replay uses (issue 16
+// case 1): rank 0 offers `fresh` (made by the target), every rank gets back the agreed id.
+using CommRendezvous = std::function<bool(const std::string& recorded_id, int rank, const std::string& fresh,
+                                          std::string* agreed, std::string* why)>;
+
 struct ReplayTarget {
   proxy::ProxyClient& client;
   IndexedChannels& channels;  // the target's
@@ -25,11 +30,18 @@ struct ReplayTarget {
   // Hand the target copies of the journal's memfds instead of the memfds themselves, so that what
   // it writes into pinned memory does not reach the application's (a scratch proxy).
   bool private_memfds = false;
+  // Unset: a communicator with peers elsewhere keeps its recorded id (nobody replays with it).
+  CommRendezvous rendezvous;
+  // How long a call that needs the peers (a communicator's init, the minibatch's collectives,
+  // waited for by the closing synchronize) may wait for them: they detect the failure by a hang
+  // timeout, then rebuild as this process does.
+  std::chrono::milliseconds peer_wait{std::chrono::minutes(5)};
 };
 
 struct ReplayOutcome {
   std::map<int64_t, proxy::CallResult> results;  // of calls the application was still waiting for
   size_t minibatch_calls = 0;                    // entries of the current minibatch
+  double communicators_s = 0;                    // in communicators' inits, waiting for peers included
   // When the objects were recreated, the buffers restored, the calls replayed (steady clock).
   std::chrono::steady_clock::time_point recreated, restored, replayed;
 };

@@ -17,6 +17,7 @@
 #include "device_fault.h"
 #include "diagnostics.h"
 #include "journal_replay.h"
+#include "json_writer.h"
 #include "proxy_failure.h"
 #include "proxy_forwarding.h"
 #include "proxy_functions.h"
@@ -79,6 +80,18 @@ std::vector<std::string> proxy_environment(bool scratch = false) {
   }
   return env;
 }
+
+// Counts a thread in ProxySession::recovering_ from a failure found to the end of its recovery.
+class RecoveringScope {
+ public:
+  explicit RecoveringScope(std::atomic<int>& n) : n_(n) { n_.fetch_add(1); }
+  ~RecoveringScope() { n_.fetch_sub(1); }
+  RecoveringScope(const RecoveringScope&) = delete;
+  RecoveringScope& operator=(const RecoveringScope&) = delete;
+
+ private:
+  std::atomic<int>& n_;
+};
 
 }  // namespace
 
@@ -246,9 +259,11 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     bool device_fault = false, earlier = false;
     if (death.empty() && (r.status != 0 || r.async_status != 0)) {  // the common case stays lock-free
       broken = proxy_unusable(tag, r, &device_fault, &earlier);
-      if (!broken.empty() && (!journal_.on() || !journal_.cannot_replay_alone().empty())) {
-        refused(generation, broken);
-        broken.clear();
+      if (!broken.empty()) {
+        if (std::string cannot = cannot_recover(); !cannot.empty()) {
+          refused(generation, broken, cannot);
+          broken.clear();
+        }
       }
     }
     const bool sticky = !broken.empty();
@@ -259,10 +274,18 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
       }
       return r;
     }
+    RecoveringScope recovering(recovering_);
     if (sticky && !device_fault) {  // NCCL failed; the device memory is readable
       // The proxy ran no device work after the failed call (it is fenced): its phase is what counts.
       const int64_t failed = earlier ? journal_.find(t_index, r.async_seq, r.async_call) : index;
       save_device(ch, generation, journal_.phase_of(failed));
+    }
+    if (sticky) {  // the proxy still runs: with a peer that cannot rebuild, user-level recovery takes over
+      if (std::string no = agree_to_rebuild(generation, why_not_rebuildable(generation)); !no.empty()) {
+        refused(generation, broken, no);
+        if (!no_reply) take_async_report(r);
+        return r;
+      }
     }
     shared.unlock();
     if (order.owns_lock()) order.unlock();
@@ -304,16 +327,40 @@ std::string ProxySession::kill_hung_proxy(uint64_t generation, uint32_t tag, std
   return text;
 }
 
-bool ProxySession::recover_now(const std::string& what) {
+bool ProxySession::recover_now(const std::string& what) { return recover_live(what, false, false); }
+
+bool ProxySession::recover_from_hang(const std::string& what, bool posted_in_optimizer_step) {
+  return recover_live(what, true, posted_in_optimizer_step);
+}
+
+std::string ProxySession::cannot_recover() const {
+  if (std::string off = journal_.off_reason(); !off.empty()) return "the replay journal is off (" + off + ")";
+  return journal_.cannot_replay(store_.available());
+}
+
+bool ProxySession::recover_live(const std::string& what, bool hung, bool posted_in_optimizer_step) {
+  RecoveringScope recovering(recovering_);
   uint64_t generation;
   {
     std::shared_lock<std::shared_mutex> shared(recovery_mu_);
-    if (!enabled_ || !lost_.empty() || client_ == nullptr || !journal_.on() || !journal_.cannot_replay_alone().empty())
+    if (!enabled_ || !lost_.empty() || client_ == nullptr) return false;
+    if (std::string why = cannot_recover(); !why.empty()) {
+      refused(generation_, what, why);
       return false;
+    }
     generation = generation_;
     std::string why;
     // An asynchronous error: the device may have run anything posted since, so the phase is now's.
-    if (proxy::ProxyChannel* ch = channel(&why)) save_device(ch, generation, journal_.phase());
+    // A hang: nothing after the collective ran; the phase it was posted in is what counts.
+    ReplayJournal::Phase phase = journal_.phase();
+    if (hung && phase != ReplayJournal::Phase::kUnmarked)
+      phase = posted_in_optimizer_step ? ReplayJournal::Phase::kOptimizerStep : ReplayJournal::Phase::kMinibatch;
+    if (proxy::ProxyChannel* ch = channel(&why))
+      save_device(ch, generation, phase, hung ? DeviceBuffers::WaitFor::kNothing : DeviceBuffers::WaitFor::kQueuedWork);
+    if (std::string no = agree_to_rebuild(generation, why_not_rebuildable(generation)); !no.empty()) {
+      refused(generation, what, no);
+      return false;  // the proxy lives on: the failure callback's user-level save reads it
+    }
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -337,6 +384,11 @@ bool ProxySession::recover(uint64_t failed_generation, int64_t index, const std:
     }
     record.recovered = replay_locked(record.cause, &why, &record);
     if (!record.recovered) record.reason = why;
+    if (record.recovered) {
+      Registry::instance().collectives().restart_clocks();
+      recoveries_.fetch_add(1);
+      last_recovery_ns_ = std::chrono::steady_clock::now().time_since_epoch().count();
+    }
     append_recovery_event(record);
     if (!record.recovered) {
       lost_ = "the device state of this process is lost: " + record.cause + "; transparent recovery failed: " + why;
@@ -352,50 +404,23 @@ bool ProxySession::recover(uint64_t failed_generation, int64_t index, const std:
 }
 
 bool ProxySession::replay_locked(const std::string& what, std::string* why, RecoveryRecord* record) {
-  if (std::string off = journal_.off_reason(); !off.empty()) {
-    *why = "the replay journal is off (" + off + ")";
-    return false;
-  }
-  if (std::string alone = journal_.cannot_replay_alone(); !alone.empty()) {
-    *why = alone;
+  if (std::string no = agree_to_rebuild(generation_, why_not_rebuildable(generation_)); !no.empty()) {
+    *why = no;
     return false;
   }
   if (journal_.next_id() == journal_at_last_recovery_) {
     *why = "the same failure came back in the replay, before any new call (a fault in the program, not the device?)";
     return false;
   }
-  // With minibatch marks the journal holds only the current minibatch's device work: the buffers'
-  // contents at its start come from the old proxy (save_device), or from nowhere.
+  bool restore = false;
   ReplayJournal::Phase phase = journal_.phase();
-  bool from_live_proxy = false;  // its buffers could be read (an NCCL failure), else they are lost
   {
     std::lock_guard<std::mutex> lock(save_mu_);
-    if (save_.generation == generation_) {
-      phase = save_.phase;  // the failed call's
-      from_live_proxy = true;
+    if (save_.generation == generation_) phase = save_.phase;
+    if (phase == ReplayJournal::Phase::kMinibatch) {
+      restore = true;
+      record->save_s = save_.seconds;
     }
-  }
-  bool restore = false;
-  if (phase != ReplayJournal::Phase::kUnmarked && !from_live_proxy) {
-    *why = "the parameters and optimizer state were in the lost proxy's device memory (the journal holds only "
-           "this minibatch's work since minibatch marks began); copying them from a data-parallel replica is not "
-           "built yet";
-    return false;
-  }
-  if (phase == ReplayJournal::Phase::kOptimizerStep) {
-    *why = "the failure was found during the optimizer step, which changes parameters and optimizer state in "
-           "place (they may be partly updated); taking them from a data-parallel replica that finished the step is "
-           "not built yet";
-    return false;
-  }
-  if (phase == ReplayJournal::Phase::kMinibatch) {
-    std::lock_guard<std::mutex> lock(save_mu_);
-    if (!save_.saved) {
-      *why = save_.failure;
-      return false;
-    }
-    restore = true;
-    record->save_s = save_.seconds;
   }
   const auto t0 = std::chrono::steady_clock::now();
   record->calls = journal_.size();
@@ -412,7 +437,10 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   const auto started = std::chrono::steady_clock::now();
   ++generation_;
   replayed_.clear();
-  ReplayTarget target{*client_, channels_, [this] { return next_token(); }};
+  ReplayTarget target{*client_, channels_, [this] { return next_token(); }, /*private_memfds=*/false,
+                      [this](const std::string& recorded, int rank, const std::string& fresh, std::string* agreed,
+                             std::string* problem) { return agree_unique_id(recorded, rank, fresh, agreed, problem); },
+                      peer_wait()};
   ReplayOutcome outcome;
   DeviceBuffers buffers;
   if (restore) {
@@ -443,6 +471,7 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   record->total_s = S(done - t0).count() + record->save_s;
   const size_t minibatch_calls = outcome.minibatch_calls;
   record->minibatch_calls = minibatch_calls;
+  record->communicators_s = outcome.communicators_s;
   const std::string scope = phase == ReplayJournal::Phase::kUnmarked
                                 ? std::string("every call since the first: no minibatch marks")
                                 : std::to_string(minibatch_calls) + " of this minibatch";
@@ -471,7 +500,7 @@ void ProxySession::mark_minibatch() {
   // The fence only while a failed NCCL call would be recovered here (no communicator with peers
   // elsewhere, the journal on): else the program gets the error and may go on, as without a proxy.
   // On this thread's channel, once it has one (a mark must not start a proxy nobody else needs).
-  const bool fence = journal_.on() && journal_.cannot_replay_alone().empty();
+  const bool fence = cannot_recover().empty();
   if (fence != fence_requested_ && t_channel != nullptr && t_generation == generation_ && request_fence(t_channel, fence))
     fence_requested_ = fence;
 }
@@ -507,8 +536,7 @@ void ProxySession::start_validation() {
   validation_start_ = DeviceBuffers{};
   // Only on a thread that has a channel (a mark must not start a proxy), and where a scratch proxy
   // can replay alone.
-  if (t_channel == nullptr || t_generation != generation_ || !journal_.on() || !journal_.cannot_replay_alone().empty())
-    return;
+  if (t_channel == nullptr || t_generation != generation_ || !journal_.on() || journal_.has_peers()) return;
   std::string why;
   if (!validation_start_.save(*client_, *t_channel, next_token(), journal_.allocations_at_mark(),
                               std::chrono::seconds(60), &why)) {
@@ -543,7 +571,9 @@ void ProxySession::validate() {
     std::unique_ptr<proxy::ProxyClient> scratch = proxy::ProxyClient::start(proxy_binary(), std::chrono::seconds(30), &env);
     IndexedChannels channels;
     channels.attach(scratch.get());
-    ReplayTarget target{*scratch, channels, [this] { return next_token(); }, /*private_memfds=*/true};
+    // No rendezvous: validation is skipped while a communicator has peers elsewhere.
+    ReplayTarget target{*scratch, channels, [this] { return next_token(); }, /*private_memfds=*/true, nullptr,
+                        std::chrono::minutes(5)};
     ReplayOutcome outcome;
     if (!replay_journal(journal_, target, &start, &outcome, &why)) {
       record.detail = "the replay into a scratch proxy failed: " + why;
@@ -573,7 +603,8 @@ void ProxySession::validate() {
                     "JIT checkpointing");
 }
 
-void ProxySession::save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase) {
+void ProxySession::save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase,
+                               DeviceBuffers::WaitFor wait) {
   std::lock_guard<std::mutex> lock(save_mu_);
   if (save_.generation == generation) return;  // another thread's failure came first
   save_ = DeviceSave{};
@@ -583,21 +614,119 @@ void ProxySession::save_device(proxy::ProxyChannel* ch, uint64_t generation, Rep
   const auto t0 = std::chrono::steady_clock::now();
   // Bounded: a device that does not finish its queued work is not one to copy from.
   if (!save_.buffers.save(*client_, *ch, next_token(), journal_.allocations_at_mark(), std::chrono::seconds(60),
-                          &save_.failure))
+                          &save_.failure, wait))
     return;
   save_.saved = true;
   save_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void ProxySession::refused(uint64_t generation, const std::string& what) {
+void ProxySession::refused(uint64_t generation, const std::string& what, const std::string& reason) {
   if (refused_generation_.exchange(generation) == generation) return;  // said already
   RecoveryRecord record;
   record.cause = what;
-  const std::string off = journal_.off_reason();
-  record.reason = off.empty() ? journal_.cannot_replay_alone() : "the replay journal is off (" + off + ")";
+  record.reason = reason;
   append_recovery_event(record);
   log_always("proxy mode: %s; not recovered transparently: %s; the program gets the error, and user-level recovery "
              "takes over", what.c_str(), record.reason.c_str());
+}
+
+void ProxySession::write_status(JsonWriter& w) const {
+  w.begin_object();
+  w.key("recoverable").value(enabled_ && cannot_recover().empty());
+  w.key("recovering").value(recovering_.load() > 0);
+  w.key("recoveries").value(recoveries_.load());
+  w.key("since_last_s");
+  if (const int64_t last = last_recovery_ns_.load(); last != 0)
+    w.value(std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch() -
+                                          std::chrono::steady_clock::duration(last)).count());
+  else
+    w.null();
+  w.end_object();
+}
+
+std::string ProxySession::why_not_rebuildable(uint64_t generation) {
+  if (std::string cannot = cannot_recover(); !cannot.empty()) return cannot;
+  // With minibatch marks the journal holds only the current minibatch's device work: the buffers'
+  // contents at its start come from the old proxy (save_device), or from nowhere.
+  ReplayJournal::Phase phase = journal_.phase();
+  std::lock_guard<std::mutex> lock(save_mu_);
+  const bool from_live_proxy = save_.generation == generation;  // its buffers could be read
+  if (from_live_proxy) phase = save_.phase;                       // the failed call's
+  if (phase != ReplayJournal::Phase::kUnmarked && !from_live_proxy)
+    return "the parameters and optimizer state were in the lost proxy's device memory (the journal holds only "
+           "this minibatch's work since minibatch marks began); copying them from a data-parallel replica is not "
+           "built yet";
+  if (phase == ReplayJournal::Phase::kOptimizerStep)
+    return "the failure was found during the optimizer step, which changes parameters and optimizer state in "
+           "place (they may be partly updated); taking them from a data-parallel replica that finished the step is "
+           "not built yet";
+  if (phase == ReplayJournal::Phase::kMinibatch && !save_.saved) return save_.failure;
+  return "";
+}
+
+std::string ProxySession::comm_key(const char* what, const std::string& id) const {
+  static const char kHex[] = "0123456789abcdef";
+  std::string key = std::string("jitckpt/transparent/") + what + "/";
+  for (unsigned char c : id) {
+    key += kHex[c >> 4];
+    key += kHex[c & 15];
+  }
+  // Every rank of the communicator rebuilds it together, so they count its rebuilds alike.
+  auto it = comm_rebuilds_.find(id);
+  return key + "/" + std::to_string(it == comm_rebuilds_.end() ? 0 : it->second);
+}
+
+std::string ProxySession::agree_to_rebuild(uint64_t generation, const std::string& mine) {
+  std::lock_guard<std::mutex> lock(vote_mu_);
+  if (vote_.first == generation) return vote_.second;
+  std::string verdict = mine;
+  const std::vector<ReplayJournal::PeerComm> comms = journal_.peer_comms();
+  if (!comms.empty() && store_.available()) {
+    // Every rank says its word first (a "no" reaches the peers at once), then reads the others'.
+    for (const ReplayJournal::PeerComm& c : comms) {
+      std::string problem;
+      if (!store_.set(comm_key("vote", c.id) + "/" + std::to_string(c.rank), mine.empty() ? "yes" : "no: " + mine,
+                      &problem) &&
+          verdict.empty())
+        verdict = "cannot tell the communicator's other ranks: " + problem;
+    }
+    // The peers find the failure by their hang timeout; a rank that never answers is gone.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30) +
+                          std::chrono::milliseconds(static_cast<int64_t>(2000 * Registry::instance().hang_timeout()));
+    for (const ReplayJournal::PeerComm& c : comms) {
+      for (int r = 0; r < c.nranks && verdict.empty(); ++r) {
+        if (r == c.rank) continue;
+        std::string word, problem;
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        if (!store_.get(comm_key("vote", c.id) + "/" + std::to_string(r), std::max(left, std::chrono::milliseconds(1)),
+                        &word, &problem))
+          verdict = "rank " + std::to_string(r) + " of a communicator of " + std::to_string(c.nranks) +
+                    " did not join the transparent recovery (" + problem + ")";
+        else if (word != "yes")
+          verdict = "rank " + std::to_string(r) + " of a communicator of " + std::to_string(c.nranks) +
+                    " cannot recover transparently: " + word.substr(word.rfind("no: ", 0) == 0 ? 4 : 0);
+      }
+    }
+  }
+  vote_ = {generation, verdict};
+  return verdict;
+}
+
+std::chrono::milliseconds ProxySession::peer_wait() const {
+  // The peers find the failure by their hang timeout, then save, start a proxy and replay as this
+  // process does: a minute beyond two hang timeouts is plenty, and bounds a peer that never comes.
+  return std::chrono::milliseconds(60'000 + static_cast<int64_t>(2000 * Registry::instance().hang_timeout()));
+}
+
+bool ProxySession::agree_unique_id(const std::string& recorded_id, int rank, const std::string& fresh,
+                                   std::string* agreed, std::string* why) {
+  const std::string key = comm_key("comm", recorded_id);
+  ++comm_rebuilds_[recorded_id];
+  if (rank == 0) {
+    *agreed = fresh;
+    return store_.set(key, fresh, why);
+  }
+  return store_.get(key, peer_wait(), agreed, why);
 }
 
 void ProxySession::take_async_report(const proxy::CallResult& r) {

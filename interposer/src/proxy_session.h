@@ -25,9 +25,12 @@
 #include "proxy_client.h"
 #include "proxy_kernels.h"
 #include "recovery_event.h"
+#include "rendezvous_store.h"
 #include "replay_journal.h"
 
 namespace jitckpt {
+
+class JsonWriter;
 
 class ProxySession {
  public:
@@ -58,10 +61,19 @@ class ProxySession {
   // asynchronous error): replace it now, if the journal can rebuild the state alone. False: the
   // failure is the caller's to handle, as without a proxy.
   bool recover_now(const std::string& what);
+  // A collective hung (the watchdog's hang timeout; a peer failed): the same, with the buffers
+  // copied without waiting for the device, whose work is blocked behind the collective. The phase
+  // the collective was posted in decides: the optimizer step's work is assumed queued behind it,
+  // as frameworks order it (cudaStreamWaitEvent after the all-reduce, JIT paper Fig. 3).
+  bool recover_from_hang(const std::string& what, bool posted_in_optimizer_step);
   // Minibatch marks (jitckpt_mark_minibatch(), the Python runtime's step hooks): the journal keeps
   // only the current minibatch's device work from here on (see ReplayJournal).
   void mark_minibatch();
   void mark_optimizer_step();
+  // For status(): {"recoverable", "recovering", "recoveries", "since_last_s"}. Lock-free (read
+  // while a recovery holds the session), so a Python-side hang watchdog can leave a collective's
+  // hang to the transparent recovery under way.
+  void write_status(JsonWriter& w) const;
   // The proxy died and that was logged.
   bool proxy_gone() const { return death_reported_.load(std::memory_order_relaxed); }
   // The thread whose channel index is `index` exited: the proxy thread serving its channel ends,
@@ -90,14 +102,32 @@ class ProxySession {
   std::string kill_hung_proxy(uint64_t generation, uint32_t tag, std::chrono::milliseconds waited);
   // A failure transparent recovery cannot take (the journal is off, a communicator has peers
   // elsewhere): said once per proxy generation, on stderr and in the event log (issue 16 case 5).
-  void refused(uint64_t generation, const std::string& what);
+  void refused(uint64_t generation, const std::string& what, const std::string& reason);
+  // Why the state of generation `generation`'s failure cannot be rebuilt in this process ("" if it
+  // can): the journal, the phase of the failure, the buffers saved or not.
+  std::string why_not_rebuildable(uint64_t generation);
+  // The ranks of every communicator with peers elsewhere agree, through the launcher's store, to
+  // rebuild it together (each found the failure and can), or none does and user-level recovery
+  // takes over with the proxies still alive (issue 16 case 5). `mine`: this rank's reason not to,
+  // or "". Once per generation; "" if all agreed, else why not.
+  std::string agree_to_rebuild(uint64_t generation, const std::string& mine);
+  std::string comm_key(const char* what, const std::string& id) const;
   // After a call of generation `failed_generation` found the proxy lost: replaces it (unless another
   // thread did already) and gives entry `index`'s replayed result. False: the state is lost.
   bool recover(uint64_t failed_generation, int64_t index, const std::string& what, proxy::CallResult* out);
   bool replay_locked(const std::string& what, std::string* why, RecoveryRecord* record);
   // Before a proxy whose communicators failed (its device still works) is replaced: copies the
   // allocations live at the minibatch's start into a memfd, for the new proxy (save_).
-  void save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase);
+  void save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase,
+                   DeviceBuffers::WaitFor wait = DeviceBuffers::WaitFor::kQueuedWork);
+  // recover_now and recover_from_hang: save, kill the old proxy, replace it.
+  bool recover_live(const std::string& what, bool hung, bool posted_in_optimizer_step);
+  // Why a failure cannot be recovered here ("" if it can): the journal is off, or cannot be replayed.
+  std::string cannot_recover() const;
+  // The agreed unique id of a communicator with peers elsewhere (ReplayTarget::rendezvous).
+  bool agree_unique_id(const std::string& recorded_id, int rank, const std::string& fresh, std::string* agreed,
+                       std::string* why);
+  std::chrono::milliseconds peer_wait() const;
   // Replay validation (JIT paper §4.1), at minibatch JITCKPT_VALIDATE_AT (default 5; 0: never) and
   // every JITCKPT_VALIDATE_EVERY after it (default 0: once): the minibatch's start buffers are saved
   // at its mark; before its optimizer step, the journal is replayed into a scratch proxy on top of
@@ -141,6 +171,13 @@ class ProxySession {
   std::mutex hung_mu_;
   std::pair<uint64_t, std::string> hung_{UINT64_MAX, ""};  // a generation killed as hung, and why
   std::atomic<bool> fence_requested_{false};  // asked of the proxy at a minibatch mark
+  std::atomic<int> recovering_{0};              // threads between a failure found and its recovery's end
+  std::atomic<uint64_t> recoveries_{0};
+  std::atomic<int64_t> last_recovery_ns_{0};    // steady clock, when the last one ended
+  const RendezvousStore store_;  // the launcher's, for communicators with peers elsewhere
+  std::map<std::string, uint64_t> comm_rebuilds_;  // unique id -> rebuilds so far (under recovery_mu_)
+  std::mutex vote_mu_;
+  std::pair<uint64_t, std::string> vote_{UINT64_MAX, ""};  // a generation's agree_to_rebuild
 
   const uint64_t validate_at_, validate_every_;
   uint64_t minibatches_ = 0;  // minibatch marks so far

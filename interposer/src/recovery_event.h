@@ -21,6 +21,7 @@ struct RecoveryRecord {
   // built (allocations, handles, communicators: the journal's calls before the minibatch); put the
   // buffers back; replay the minibatch's calls (without marks: every call); synchronize.
   double save_s = 0, new_proxy_s = 0, recreate_s = 0, restore_s = 0, replay_s = 0, synchronize_s = 0, total_s = 0;
+  double communicators_s = 0;  // part of recreate_s (or replay_s unmarked): communicators' inits, peers waited for
 };
 
 // A replay validation (JIT paper §4.1): the minibatch's calls replayed into a scratch proxy on top of

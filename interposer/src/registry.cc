@@ -136,6 +136,8 @@ std::string Registry::status_json() {
   } else {
     w.null();
   }
+  w.key("transparent");
+  proxy_.write_status(w);
   w.key("send_log");
   send_log_.write_status(w);
   w.key("recv_replay");

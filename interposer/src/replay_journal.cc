@@ -163,11 +163,14 @@ int64_t ReplayJournal::append(uint32_t tag, uint32_t channel, uint64_t seq, bool
   }
   // A communicator with peers in other processes: offset of nranks after the head and the
   // presence byte of the communicator result (see the generated fwd_ncclCommInitRank).
-  if (tag == comm_init_rank_tag() &&
-      size >= sizeof(proxy::RequestHead) + 1 + sizeof(int32_t)) {
+  if (tag == comm_init_rank_tag() && size >= kCommRankOffset + sizeof(int32_t)) {
     int32_t nranks = 0;
     std::memcpy(&nranks, payload + sizeof(proxy::RequestHead) + 1, sizeof nranks);
-    if (nranks > 1) ++multi_rank_comms_;
+    if (nranks > 1) {
+      PeerComm c{std::string(reinterpret_cast<const char*>(payload) + kCommIdOffset, 128), 0, nranks};
+      std::memcpy(&c.rank, payload + kCommRankOffset, sizeof c.rank);
+      if (multi_rank_comms_[c.id]++ == 0) peer_comms_.push_back(std::move(c));
+    }
   }
   entries_.push_back(std::move(e));
   return static_cast<int64_t>(entries_.back().id);
@@ -286,11 +289,27 @@ std::string ReplayJournal::off_reason() const {
   return off_;
 }
 
-std::string ReplayJournal::cannot_replay_alone() const {
+std::string ReplayJournal::cannot_replay(bool peers_reachable) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (multi_rank_comms_ == 0) return "";
-  return "this process has an NCCL communicator with peers in other processes; rebuilding it together with "
-         "them is not built yet";
+  if (multi_rank_comms_.empty()) return "";
+  if (!peers_reachable)
+    return "this process has an NCCL communicator with peers in other processes, and no way to rebuild it with them "
+           "(the launcher's store: run the job with `jitckpt run --transparent`)";
+  for (const auto& [id, ranks] : multi_rank_comms_)
+    if (ranks > 1)
+      return "this process holds " + std::to_string(ranks) + " ranks of one NCCL communicator (on several threads): "
+             "its replay, on one thread, cannot rebuild them together";
+  return "";
+}
+
+std::vector<ReplayJournal::PeerComm> ReplayJournal::peer_comms() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peer_comms_;
+}
+
+bool ReplayJournal::has_peers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !multi_rank_comms_.empty();
 }
 
 void ReplayJournal::turn_off(const std::string& why) {

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -86,9 +87,18 @@ class ReplayJournal {
   // Drops the journal for good, saying why on stderr.
   void turn_off(const std::string& why);
   std::string off_reason() const;
-  // Whether a new proxy can rebuild the state alone: not if a communicator has peers in other
-  // processes (they would have to rebuild it with this one). Empty, or why not.
-  std::string cannot_replay_alone() const;
+  // Whether a new proxy can rebuild the state: a communicator with peers in other processes is
+  // rebuilt with them through the launcher's store (`peers_reachable`), and not at all if this
+  // process holds several of its ranks (one replay thread would wait for itself). Empty, or why not.
+  std::string cannot_replay(bool peers_reachable) const;
+  // Whether a communicator has peers in other processes.
+  bool has_peers() const;
+  struct PeerComm {
+    std::string id;  // the unique id it was made with
+    int rank = 0, nranks = 0;
+  };
+  // The communicators with peers in other processes (this process's rank in each).
+  std::vector<PeerComm> peer_comms() const;
 
   // Under the caller's guarantee that nobody appends meanwhile (ProxySession's recovery lock).
   size_t size() const { return entries_.size(); }
@@ -122,6 +132,7 @@ class ReplayJournal {
   static uint32_t unique_id_tag();
   static uint32_t comm_init_rank_tag();
   static constexpr size_t kCommIdOffset = 16 + 1 + 4;
+  static constexpr size_t kCommRankOffset = kCommIdOffset + 128;  // sizeof(ncclUniqueId)
 
  private:
   void turn_off_locked(const std::string& why);
@@ -132,7 +143,8 @@ class ReplayJournal {
   std::vector<Entry> entries_;
   std::vector<uint8_t> bytes_;
   std::string off_;
-  int multi_rank_comms_ = 0;
+  std::map<std::string, int> multi_rank_comms_;  // unique id -> this process's ranks in it
+  std::vector<PeerComm> peer_comms_;
   uint64_t next_id_ = 0;
   Phase phase_ = Phase::kUnmarked;
   uint64_t mark_id_ = 0;

@@ -77,6 +77,9 @@ void Watchdog::poll() {
                     r.op, static_cast<unsigned long long>(r.seq), static_cast<long long>(r.step),
                     r.phase.c_str(), r.in_host_call ? "blocked in the host call" : "not complete on the device",
                     age, timeout);
+      // In proxy mode with the journal on, every rank of the communicator rebuilds it and replays
+      // its minibatch (issue 16 case 1); else the failure callback (user-level JIT) takes it.
+      if (registry_.proxy().enabled() && registry_.proxy().recover_from_hang(detail, r.phase == "optimizer")) return;
       registry_.report_failure("hang", detail);
       return;
     }

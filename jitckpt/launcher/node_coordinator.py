@@ -58,6 +58,12 @@ class NodeCoordinator:
                               master_listen_fd=listen_fd)
         return dist.PrefixStore(self.prefix, store)
 
+    def new_store_client(self):  # type: ignore[no-untyped-def]
+        """A client of the job's store of its own (several nodes only): one blocking wait at a time."""
+        if self.cfg.nnodes <= 1:
+            raise RuntimeError("a single-node job has no cross-node store")
+        return self._client()
+
     @property
     def prefix(self) -> str:
         """This job's key prefix in the rendezvous store."""

@@ -36,6 +36,7 @@ from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
 from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED
 from jitckpt.launcher.config import LaunchConfig, check_writable_dir
 from jitckpt.launcher.node_coordinator import NodeCoordinator
+from jitckpt.launcher.store_relay import StoreRelay, local_store_factory
 from jitckpt.launcher.standby_pool import StandbyPool
 from jitckpt.launcher.jit_recovery import NOT_A_CULPRIT, FailureRecord, JitRecovery
 from jitckpt.launcher.stage_replacement import StageReplacement
@@ -91,6 +92,12 @@ class Launcher:
             self.replacement = StageReplacement(generations=self.stage, node_rank=cfg.node_rank,
                                                 emit=self.emit,
                                                 show_summary=self.display.show_summary)
+        # --transparent: the workers' libjit.so rebuild a failed communicator together through
+        # the job's store (transparent recovery), which this relays to them.
+        self.store_relay: Optional[StoreRelay] = None
+        if cfg.transparent:
+            factory = self.coord.new_store_client if cfg.nnodes > 1 else local_store_factory()
+            self.store_relay = StoreRelay(store_factory=factory, prefix=f"transparent/{cfg.run_id}")
         if cfg.snapshot_every:
             self.keeper = KeeperSupervisor(run_dir=str(self.run_dir), node=cfg.node_rank,
                                            python=sys.executable, env=self._base_env())
@@ -188,6 +195,8 @@ class Launcher:
                 self.emit("restart", reason="failure", restart_count=self._restarts_used())
         finally:
             self._stop_processes()
+            if self.store_relay is not None:
+                self.store_relay.close()
             self.coord.close()
             if self.metrics is not None:
                 self.metrics.close()
@@ -268,6 +277,8 @@ class Launcher:
             # libjit.so records a lost proxy it replaced (and replayed) in the job's event log.
             env["JITCKPT_EVENT_LOG"] = str(Path(spec.run_dir) / EVENTS_FILE)
             env["JITCKPT_EVENT_GEN"] = str(gen)
+            if self.store_relay is not None:
+                env["JITCKPT_STORE_SOCKET"] = self.store_relay.socket_path
         return env
 
     def _worker_spec(self, gen: int, local_rank: int, role: str) -> WorkerSpec:

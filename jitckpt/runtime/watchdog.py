@@ -36,10 +36,13 @@ class DurationHistory:
 
 
 class Watchdog(threading.Thread):
-    """Polls ``oldest()`` -> (kind, age_s) of the oldest open region; calls ``on_hang`` once."""
+    """Polls ``oldest()`` -> (kind, age_s) of the oldest open region; calls ``on_hang`` once.
+
+    ``on_hang`` returning False means "not a hang of mine yet" (libjit.so is recovering the device
+    state transparently): the region is looked at again at the next poll."""
 
     def __init__(self, *, oldest: Callable[[], Optional[tuple[str, float]]],
-                 history: DurationHistory, on_hang: Callable[[str, float, float], None],
+                 history: DurationHistory, on_hang: Callable[[str, float, float], Optional[bool]],
                  poll_interval: float = 0.1) -> None:
         super().__init__(name="jitckpt-watchdog", daemon=True)
         self._oldest = oldest
@@ -55,8 +58,7 @@ class Watchdog(threading.Thread):
                 continue
             kind, age = cur
             limit = self._history.timeout_for(kind)
-            if age > limit:
-                self._on_hang(kind, age, limit)
+            if age > limit and self._on_hang(kind, age, limit) is not False:
                 return
 
     def stop(self) -> None:

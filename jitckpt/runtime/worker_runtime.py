@@ -445,9 +445,29 @@ class WorkerRuntime:
         return kind, time.monotonic() - start
 
     # ---- failure handling ---------------------------------------------------------------
-    def _on_hang(self, kind: str, age: float, limit: float) -> None:
+    def _on_hang(self, kind: str, age: float, limit: float) -> bool:
+        if self._native_takes_hang(limit):
+            return False
         self.report_failure("hang", f"{kind} blocked for {age:.1f}s (timeout {limit:.1f}s)",
                             detect_s=age)
+        return True
+
+    def _native_takes_hang(self, limit: float) -> bool:
+        """Whether libjit.so in proxy mode recovers this region's hang transparently: a recovery is
+        under way or just ended, or one of its collectives is about to reach its own hang timeout
+        (its watchdog then rebuilds the device state, or reports the failure here itself)."""
+        if self._native is None:
+            return False
+        st = self._native.status()
+        t = st.get("transparent") or {}
+        if st.get("mode") != "proxy" or not t:
+            return False
+        if t.get("recovering"):
+            return True
+        since = t.get("since_last_s")
+        if since is not None and since < limit:
+            return True
+        return bool(t.get("recoverable")) and any(c.get("age_s", 0) > limit / 2 for c in st.get("in_flight", []))
 
     def report_failure(self, kind: str, detail: str, *, on_main: bool = False,
                        from_launcher: bool = False, detect_s: Optional[float] = None,

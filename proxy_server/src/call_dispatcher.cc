@@ -411,8 +411,11 @@ void CallDispatcher::copy_device(bool save, const uint8_t* args, size_t nargs, O
   close(fd);
   if (map == MAP_FAILED) return fail(out, cudaErrorInvalidValue, std::string(name) + ": cannot map the client's memfd");
   const auto size = static_cast<uint64_t>(st.st_size);
-  // Whatever the device still has queued (the last minibatch's optimizer step) lands first.
-  out->status = cudaDeviceSynchronize();
+  // Whatever the device still has queued (the last minibatch's optimizer step) lands first;
+  // unless it is blocked for good, then the copies go on a stream that waits for nothing.
+  cudaStream_t stream = nullptr;
+  out->status = save && c.unsynchronized ? cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)
+                                         : cudaDeviceSynchronize();
   for (uint64_t i = 0; i < c.count && out->status == cudaSuccess; ++i) {
     DeviceRange r;
     std::memcpy(&r, args + sizeof c + i * sizeof r, sizeof r);
@@ -424,9 +427,15 @@ void CallDispatcher::copy_device(bool save, const uint8_t* args, size_t nargs, O
     }
     char* host = static_cast<char*>(map) + r.offset;
     auto* device = reinterpret_cast<void*>(r.base);
-    out->status = save ? cudaMemcpy(host, device, r.size, cudaMemcpyDeviceToHost)
-                       : cudaMemcpy(device, host, r.size, cudaMemcpyHostToDevice);
+    if (stream != nullptr) {
+      out->status = cudaMemcpyAsync(host, device, r.size, cudaMemcpyDeviceToHost, stream);
+      if (out->status == cudaSuccess) out->status = cudaStreamSynchronize(stream);
+    } else {
+      out->status = save ? cudaMemcpy(host, device, r.size, cudaMemcpyDeviceToHost)
+                         : cudaMemcpy(device, host, r.size, cudaMemcpyHostToDevice);
+    }
   }
+  if (stream != nullptr) cudaStreamDestroy(stream);
   munmap(map, size);
 }
 

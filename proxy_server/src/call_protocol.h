@@ -172,6 +172,10 @@ struct HostAlloc {
 struct DeviceCopy {
   uint64_t token;  // the SocketMessage that carried the memfd
   uint64_t count;  // DeviceRange entries that follow
+  // kSaveDevice without waiting for the device's queued work, on a stream of its own: from a
+  // device whose streams are blocked behind a hung collective (the work queued behind it, such
+  // as the optimizer step, has not run, so the buffers hold the minibatch's start).
+  uint64_t unsynchronized;
 };
 struct DeviceRange {
   uint64_t base;    // a device allocation's base

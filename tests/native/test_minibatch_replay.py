@@ -87,8 +87,10 @@ def test_a_proxy_lost_with_its_memory_after_marks_fails_with_the_reason(tmp_path
     gets the error (it does not go on with wrong buffers), and stderr says why recovery refused."""
     rc, state, out = run_one_rank(tmp_path, mode, **proxy_with_fault(tmp_path, mode, 20))
     assert rc != 0 and state is None, out
-    assert ("transparent recovery failed: the parameters and optimizer state were in the lost proxy's device memory"
-            in out), out
+    # A killed proxy: the recovery is tried and fails. A sticky error: refused while the proxy (and
+    # its error) is still there, and the program gets that error, as without a proxy.
+    said = "transparent recovery failed" if mode == "crash" else "not recovered transparently"
+    assert f"{said}: the parameters and optimizer state were in the lost proxy's device memory" in out, out
 
 
 def test_jitckpt_run_transparent_reports_the_save_recreate_restore_replay_breakdown(tmp_path: Path,
