@@ -201,8 +201,9 @@ def test_a_journal_past_its_limit_turns_recovery_off_and_says_so(prog: Program) 
 
 
 def test_a_rank_whose_communicator_has_peers_elsewhere_is_not_replayed_alone(prog: Program) -> None:
-    """Rebuilding a communicator with peers in other processes needs them (not built yet): the rank
-    whose proxy died fails with that reason instead of replaying into a rendezvous nobody joins."""
+    """Rebuilding a communicator with peers in other processes needs them and a store to meet in
+    (`jitckpt run --transparent` serves one): run without it, the rank whose proxy died fails with
+    that reason instead of replaying into a rendezvous nobody joins."""
     steps = "100000"  # long enough to be killed mid-run; both ranks are stopped by the test
     env = prog.env(**PROXY)
     rank0 = subprocess.Popen([str(prog.exe), "ring", "0", "2", "", steps], env=env, stdout=subprocess.PIPE,
@@ -220,8 +221,9 @@ def test_a_rank_whose_communicator_has_peers_elsewhere_is_not_replayed_alone(pro
         victims[0].kill()
         out, _ = rank1.communicate(timeout=TIMEOUT_S)
         assert rank1.returncode != 0, out
-        assert ("transparent recovery failed: this process has an NCCL communicator with peers in other processes"
-                in out), out
+        assert ("transparent recovery failed: this process has an NCCL communicator with peers in other processes, "
+                "and no way to rebuild it with them (the launcher's store: run the job with `jitckpt run "
+                "--transparent`)" in out), out
     finally:
         for p in (rank0, rank1):
             if p is not None and p.poll() is None:
