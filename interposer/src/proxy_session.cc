@@ -408,6 +408,10 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
     *why = no;
     return false;
   }
+  {
+    std::lock_guard<std::mutex> lock(vote_mu_);
+    record->agree_s = vote_.seconds;
+  }
   if (journal_.next_id() == journal_at_last_recovery_) {
     *why = "the same failure came back in the replay, before any new call (a fault in the program, not the device?)";
     return false;
@@ -468,7 +472,7 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
     record->replay_s = S(outcome.replayed - started).count();
   }
   record->synchronize_s = S(done - outcome.replayed).count();
-  record->total_s = S(done - t0).count() + record->save_s;
+  record->total_s = S(done - t0).count() + record->save_s + record->agree_s;
   const size_t minibatch_calls = outcome.minibatch_calls;
   record->minibatch_calls = minibatch_calls;
   record->communicators_s = outcome.communicators_s;
@@ -477,10 +481,11 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
                                 : std::to_string(minibatch_calls) + " of this minibatch";
   log_always("proxy mode: recovered: jitckpt-proxy pid %d took over after replaying %zu calls (%s) in %.1f ms (save "
              "buffers %.1f ms, new proxy %.1f ms, recreate handles and communicators %.1f ms, restore buffers %.1f "
-             "ms, replay %.1f ms, device synchronize %.1f ms)",
+             "ms, replay %.1f ms, device synchronize %.1f ms; of them, waiting for the peers' word %.1f ms, "
+             "communicators' inits %.1f ms)",
              static_cast<int>(client_->pid()), journal_.size(), scope.c_str(), record->total_s * 1e3, record->save_s * 1e3,
              record->new_proxy_s * 1e3, record->recreate_s * 1e3, record->restore_s * 1e3, record->replay_s * 1e3,
-             record->synchronize_s * 1e3);
+             record->synchronize_s * 1e3, record->agree_s * 1e3, record->communicators_s * 1e3);
   death_reported_ = false;
   return true;
 }
@@ -678,7 +683,8 @@ std::string ProxySession::comm_key(const char* what, const std::string& id) cons
 
 std::string ProxySession::agree_to_rebuild(uint64_t generation, const std::string& mine) {
   std::lock_guard<std::mutex> lock(vote_mu_);
-  if (vote_.first == generation) return vote_.second;
+  if (vote_.generation == generation) return vote_.verdict;
+  const auto t0 = std::chrono::steady_clock::now();
   std::string verdict = mine;
   const std::vector<ReplayJournal::PeerComm> comms = journal_.peer_comms();
   if (!comms.empty() && store_.available()) {
@@ -708,7 +714,7 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation, const std::strin
       }
     }
   }
-  vote_ = {generation, verdict};
+  vote_ = {generation, verdict, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()};
   return verdict;
 }
 

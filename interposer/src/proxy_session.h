@@ -177,7 +177,12 @@ class ProxySession {
   const RendezvousStore store_;  // the launcher's, for communicators with peers elsewhere
   std::map<std::string, uint64_t> comm_rebuilds_;  // unique id -> rebuilds so far (under recovery_mu_)
   std::mutex vote_mu_;
-  std::pair<uint64_t, std::string> vote_{UINT64_MAX, ""};  // a generation's agree_to_rebuild
+  struct Vote {
+    uint64_t generation = UINT64_MAX;
+    std::string verdict;
+    double seconds = 0;
+  };
+  Vote vote_;  // a generation's agree_to_rebuild
 
   const uint64_t validate_at_, validate_every_;
   uint64_t minibatches_ = 0;  // minibatch marks so far

@@ -61,6 +61,7 @@ void append_recovery_event(const RecoveryRecord& r) {
   w.key("new_proxy_s").value(r.new_proxy_s);
   w.key("recreate_s").value(r.recreate_s);
   w.key("communicators_s").value(r.communicators_s);
+  w.key("agree_s").value(r.agree_s);
   w.key("restore_s").value(r.restore_s);
   w.key("replay_s").value(r.replay_s);
   w.key("synchronize_s").value(r.synchronize_s);

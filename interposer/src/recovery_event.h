@@ -22,6 +22,7 @@ struct RecoveryRecord {
   // buffers back; replay the minibatch's calls (without marks: every call); synchronize.
   double save_s = 0, new_proxy_s = 0, recreate_s = 0, restore_s = 0, replay_s = 0, synchronize_s = 0, total_s = 0;
   double communicators_s = 0;  // part of recreate_s (or replay_s unmarked): communicators' inits, peers waited for
+  double agree_s = 0;          // waiting for the peers' word that they recover too (before the new proxy)
 };
 
 // A replay validation (JIT paper §4.1): the minibatch's calls replayed into a scratch proxy on top of

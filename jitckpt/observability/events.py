@@ -44,7 +44,9 @@ event                     fields
                           compared the device buffers; a mismatch turns transparent recovery off)
 ``transparent_recovery``  rank, pid, cause, recovered (bool), reason (when not), calls,
                           minibatch_calls (of them, the current minibatch's), bytes,
-                          save_s, new_proxy_s, recreate_s, restore_s, replay_s, synchronize_s,
+                          save_s, agree_s (waiting for the peers' word that they recover too),
+                          new_proxy_s, recreate_s (of it communicators_s: the communicators'
+                          inits, with their peers), restore_s, replay_s, synchronize_s,
                           total_s (--transparent: written by libjit.so when it replaced a worker's
                           device proxy and replayed the worker's calls into the new one, or why
                           it could not; the worker was not restarted if it did)

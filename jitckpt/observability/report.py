@@ -56,8 +56,10 @@ class TransparentRecovery:
     """A worker's device proxy replaced in place and its calls replayed (``transparent_recovery``).
 
     The breakdown follows the JIT paper's Table 7: buffers saved from the old proxy (with minibatch
-    marks), a new proxy, allocations/handles/communicators recreated, buffers restored, the
-    minibatch's calls replayed (without marks: every call), the device synchronized."""
+    marks), the peers' word that they recover too (communicators with peers in other processes),
+    a new proxy, allocations/handles/communicators recreated (of it, the communicators' inits, which
+    wait for the peers), buffers restored, the minibatch's calls replayed (without marks: every
+    call), the device synchronized."""
 
     t: float
     rank: int | None
@@ -73,6 +75,8 @@ class TransparentRecovery:
     replay_s: float
     synchronize_s: float
     total_s: float
+    agree_s: float = 0.0
+    communicators_s: float = 0.0
 
 
 @dataclass
@@ -283,7 +287,8 @@ def summarize(events: Iterable[dict], run_dir: str = "") -> RunSummary:
                 calls=int(_num(e.get("calls"))), minibatch_calls=int(_num(e.get("minibatch_calls"))), save_s=_num(e.get("save_s")), new_proxy_s=_num(e.get("new_proxy_s")),
                 recreate_s=_num(e.get("recreate_s")), restore_s=_num(e.get("restore_s")),
                 replay_s=_num(e.get("replay_s")), synchronize_s=_num(e.get("synchronize_s")),
-                total_s=_num(e.get("total_s"))))
+                total_s=_num(e.get("total_s")), agree_s=_num(e.get("agree_s")),
+                communicators_s=_num(e.get("communicators_s"))))
     if open_failures:
         close(None)
     s.checkpoint_seconds = list(ckpt_groups.values())
@@ -370,14 +375,16 @@ def print_summary(s: RunSummary, file=None) -> None:
                  "recovered" if r.recovered else f"not recovered: {r.reason}"] for i, r in enumerate(s.transparent)]
         console.print(_table("Transparent recoveries: device proxies replaced in place (--transparent)",
                              ["#", "at (s)", "rank", "kind", "outcome"], rows))
-        rows = [[str(i), f"{r.calls} ({r.minibatch_calls})"]
-                + [f"{x * 1e3:.1f}" for x in (r.save_s, r.new_proxy_s, r.recreate_s, r.restore_s, r.replay_s,
-                                              r.synchronize_s, r.total_s)]
+        rows = [[str(i), _fmt(r.rank, ""), f"{r.calls} ({r.minibatch_calls})"]
+                + [f"{x * 1e3:.1f}" for x in (r.save_s, r.agree_s, r.new_proxy_s)]
+                + [f"{r.recreate_s * 1e3:.1f} ({r.communicators_s * 1e3:.1f})"]
+                + [f"{x * 1e3:.1f}" for x in (r.restore_s, r.replay_s, r.synchronize_s, r.total_s)]
                 for i, r in enumerate(s.transparent) if r.recovered]
         if rows:
             console.print(_table("Transparent recovery breakdown (ms)",
-                                 ["#", "calls (minibatch)", "save buffers", "new proxy", "recreate handles+comms",
-                                  "restore buffers", "replay", "synchronize", "total"], rows))
+                                 ["#", "rank", "calls (minibatch)", "save buffers", "peers agree", "new proxy",
+                                  "recreate handles (comms)", "restore buffers", "replay", "synchronize", "total"],
+                                 rows))
     if not s.recoveries:
         console.print("No failures recorded.")
         return

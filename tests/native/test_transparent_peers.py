@@ -133,6 +133,9 @@ def test_a_collective_failure_is_recovered_on_every_rank_without_a_restart(jobs,
     for rank, rec in recs.items():
         if mode == "error" and rank == FAIL_RANK:
             assert "NCCL failed" in rec["cause"], rec
+            # It found the error at once and waited for the others' word (they found the hang a
+            # hang timeout later) before it gave up its proxy.
+            assert 0.5 < rec["agree_s"] <= rec["total_s"], rec
         else:  # a survivor, or every rank of a hang: libjit.so's hang timeout found it
             assert "ncclAllReduce (seq 6, step 5" in rec["cause"] and "hang timeout" in rec["cause"], rec
         # The communicator was rebuilt with the others (a part of recreating the objects), and the
@@ -140,6 +143,9 @@ def test_a_collective_failure_is_recovered_on_every_rank_without_a_restart(jobs,
         assert 0 < rec["communicators_s"] <= rec["recreate_s"] and rec["restore_s"] > 0, rec
     for r in range(WORLD):
         assert job.final(r) == expected[r], f"rank {r} differs from the failure-free run"
+    report = subprocess.run([sys.executable, "-m", "jitckpt", "report", str(job.run)], env=env_for(),
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0 and "peers agree" in report.stdout, report.stdout + report.stderr
 
 
 def test_a_rank_that_cannot_recover_makes_every_rank_fall_back_to_user_level(jobs, tmp_path: Path) -> None:
