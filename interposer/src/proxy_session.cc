@@ -563,7 +563,7 @@ void ProxySession::validate() {
   record.calls = journal_.size();
   // The live proxy's buffers now, and the same allocations after a replay in a scratch proxy.
   const std::vector<ReplayJournal::DeviceRange> live = device_allocations();
-  DeviceBuffers after, replayed;
+  DeviceBuffers after;
   std::string why;
   if (!after.save(*client_, *t_channel, next_token(), live, std::chrono::seconds(60), &why)) {
     log_always("proxy mode: no replay validation at minibatch %llu: %s", static_cast<unsigned long long>(minibatches_),
@@ -571,41 +571,74 @@ void ProxySession::validate() {
     return;
   }
   record.bytes = after.bytes();
-  try {
-    const std::vector<std::string> env = proxy_environment(/*scratch=*/true);
-    std::unique_ptr<proxy::ProxyClient> scratch = proxy::ProxyClient::start(proxy_binary(), std::chrono::seconds(30), &env);
-    IndexedChannels channels;
-    channels.attach(scratch.get());
-    // No rendezvous: validation is skipped while a communicator has peers elsewhere.
-    ReplayTarget target{*scratch, channels, [this] { return next_token(); }, /*private_memfds=*/true, nullptr,
-                        std::chrono::minutes(5)};
-    ReplayOutcome outcome;
-    if (!replay_journal(journal_, target, &start, &outcome, &why)) {
-      record.detail = "the replay into a scratch proxy failed: " + why;
-    } else if (proxy::ProxyChannel* ch = channels.get(0, &why);
-               ch == nullptr || !replayed.save(*scratch, *ch, next_token(), live, std::chrono::seconds(60), &why)) {
-      record.detail = "cannot read the scratch proxy's buffers: " + why;
-    } else {
-      record.detail = after.first_difference(replayed);
-      record.matched = record.detail.empty();
+  // What the recovery of a failure found now would start from: the allocations of the minibatch's
+  // start as they are now. A replay from there must give the same buffers too, or the minibatch
+  // changes them in place before its optimizer step (running statistics) and a recovery would
+  // apply that change twice.
+  DeviceBuffers at_failure;
+  if (!at_failure.save(*client_, *t_channel, next_token(), journal_.allocations_at_mark(), std::chrono::seconds(60),
+                       &why)) {
+    log_always("proxy mode: no replay validation at minibatch %llu: %s", static_cast<unsigned long long>(minibatches_),
+               why.c_str());
+    return;
+  }
+  // Replays the journal into a scratch proxy on top of `from`; the first difference from `after`
+  // ("" if none), or false with `problem` if the replay could not be made.
+  auto replay_from = [&](const DeviceBuffers& from, std::string* difference, std::string* problem) {
+    bool made = false;
+    try {
+      const std::vector<std::string> env = proxy_environment(/*scratch=*/true);
+      std::unique_ptr<proxy::ProxyClient> scratch =
+          proxy::ProxyClient::start(proxy_binary(), std::chrono::seconds(30), &env);
+      IndexedChannels channels;
+      channels.attach(scratch.get());
+      // No rendezvous: validation is skipped while a communicator has peers elsewhere.
+      ReplayTarget target{*scratch, channels, [this] { return next_token(); }, /*private_memfds=*/true, nullptr,
+                          std::chrono::minutes(5)};
+      ReplayOutcome outcome;
+      DeviceBuffers replayed;
+      if (!replay_journal(journal_, target, &from, &outcome, problem)) {
+        *problem = "the replay into a scratch proxy failed: " + *problem;
+      } else if (proxy::ProxyChannel* ch = channels.get(0, problem);
+                 ch == nullptr || !replayed.save(*scratch, *ch, next_token(), live, std::chrono::seconds(60), problem)) {
+        *problem = "cannot read the scratch proxy's buffers: " + *problem;
+      } else {
+        *difference = after.first_difference(replayed);
+        made = true;
+      }
+      kill(scratch->pid(), SIGKILL);  // nothing of it is needed; its destructor reaps it
+    } catch (const std::exception& e) {
+      *problem = std::string("cannot start a scratch proxy: ") + e.what();
     }
-    kill(scratch->pid(), SIGKILL);  // nothing of it is needed; its destructor reaps it
-  } catch (const std::exception& e) {
-    record.detail = std::string("cannot start a scratch proxy: ") + e.what();
+    return made;
+  };
+  std::string difference;
+  if (!replay_from(start, &difference, &why)) {
+    record.detail = why;
+  } else if (!difference.empty()) {
+    record.detail = difference + " (the program's device work depends on something the journal does not hold, such "
+                    "as host memory a kernel reads directly, or is not deterministic)";
+  } else if (!replay_from(at_failure, &difference, &why)) {
+    record.detail = why;
+  } else if (!difference.empty()) {
+    record.detail = "replayed on the buffers of its start as a failure before the optimizer step would find them, " +
+                    difference + " (the minibatch changes buffers that outlive it in place before its optimizer "
+                    "step, such as running statistics: a recovery would apply that change twice)";
+  } else {
+    record.matched = true;
   }
   record.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   append_validation_event(record);
   if (record.matched) {
     log_always("proxy mode: replay validation at minibatch %llu: replaying its %zu calls on the buffers of its start "
-               "gave all %.2f MiB of device buffers bitwise (%.1f ms)",
+               "gave all %.2f MiB of device buffers bitwise, also from their state before its optimizer step (%.1f "
+               "ms)",
                static_cast<unsigned long long>(minibatches_), record.calls, static_cast<double>(record.bytes) / (1 << 20),
                record.seconds * 1e3);
     return;
   }
   journal_.turn_off("replay validation at minibatch " + std::to_string(minibatches_) + " failed: " + record.detail +
-                    " (the program's device work depends on something the journal does not hold, such as host "
-                    "memory a kernel reads directly, or is not deterministic); failures are handled by user-level "
-                    "JIT checkpointing");
+                    "; failures are handled by user-level JIT checkpointing");
 }
 
 void ProxySession::save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase,

@@ -312,6 +312,21 @@ def test_replay_validation_passes_a_deterministic_program(planted: Program) -> N
                          r"start gave all [\d.]+ MiB of device buffers bitwise", clean.stderr), clean.stderr
 
 
+def test_replay_validation_catches_a_buffer_changed_in_place_before_the_optimizer_step(planted: Program) -> None:
+    """A running statistic updated in place in the forward part (BatchNorm's kind) replays bitwise from
+    the minibatch's start, but not from the buffers a failure before the optimizer step would find:
+    a recovery would update it twice. Validation replays from both and turns recovery off, naming it;
+    the program goes on unharmed."""
+    direct = subprocess.run([str(planted.exe), "20", "inplace"], env=planted.env(), capture_output=True, text=True,
+                            timeout=TIMEOUT_S)
+    run = subprocess.run([str(planted.exe), "20", "inplace"], env=planted.env(**PROXY), capture_output=True,
+                         text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0 and parse_kv(run.stdout)["digest"] == parse_kv(direct.stdout)["digest"], run
+    assert re.search(r"replay validation at minibatch 5 failed: replayed on the buffers of its start as a failure "
+                     r"before the optimizer step would find them, the allocation at 0x[0-9a-f]+ \(4000 bytes\) differs "
+                     r"from byte \d+ on \(the minibatch changes buffers that outlive it in place", run.stderr), run.stderr
+
+
 def test_replay_validation_catches_a_planted_nondeterminism_and_turns_recovery_off(planted: Program,
                                                                                   tmp_path: Path) -> None:
     """The planted program's forward kernel reads a counter in mapped pinned memory that the host
