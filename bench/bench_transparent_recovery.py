@@ -13,8 +13,11 @@ program of the tests (dp_cuda, dim = batch = 1024):
   - user-level: the journal off (``JITCKPT_REPLAY_LIMIT_MB=0``), so the error reaches the program:
     the jitckpt runtime saves a JIT checkpoint, the launcher restarts the worker, which resumes
     from it.
-  Multi-rank transparent recovery (communicators rebuilt with the peers) is not built, so the
-  comparison is on one rank.
+* ``recovery_2_ranks``: the same with 2 ranks (``--hang-timeout 1`` in every variant). Rank 1's
+  all-reduce fails; rank 0's hangs and is found at the hang timeout. Transparent: both ranks agree
+  through the launcher's store, rebuild the communicator and replay the minibatch (its recovery
+  time is the slowest rank's ``total_s``, which includes waiting for the other's word); user-level:
+  JIT checkpoints and a restart.
 
     .venv/bin/python bench/bench_transparent_recovery.py [--quick] [--reps N] [--out FILE]
 
@@ -23,7 +26,7 @@ Verified on simcuda only.
 from __future__ import annotations
 
 import argparse
-import re
+import json
 import statistics
 import subprocess
 import sys
@@ -52,15 +55,18 @@ def journal_overhead(steps: int, reps: int, tmp: Path) -> dict:
             "dim": SIZE, "batch": SIZE, "ranks": 2}
 
 
-def launcher_job(tmp: Path, steps: int, fail_at: int | None, journal: bool) -> dict:
-    """One rank under jitckpt run --transparent; the all-reduce of step `fail_at` fails once."""
+def launcher_job(tmp: Path, steps: int, fail_at: int | None, journal: bool, ranks: int = 1) -> dict:
+    """`ranks` ranks under jitckpt run --transparent; the all-reduce of step `fail_at` fails once on
+    the last rank."""
     tmp.mkdir(parents=True)
     env = clean_env(SIMCUDA_KERNEL_LIB=str(DP_LIBS / "libdp_train_kernels.so"))
     if fail_at is not None:
-        env.update(SIMCUDA_FAIL_MODE="error", SIMCUDA_FAIL_AT=str(fail_at), SIMCUDA_FAIL_ONCE=str(tmp / "fired"))
+        env.update(SIMCUDA_FAIL_MODE="error", SIMCUDA_FAIL_AT=str(fail_at), SIMCUDA_FAIL_ONCE=str(tmp / "fired"),
+                   SIMCUDA_FAIL_RANK=str(ranks - 1))
     if not journal:
         env["JITCKPT_REPLAY_LIMIT_MB"] = "0"
-    cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", "1", "--checkpoint-dir", str(tmp / "ckpt"),
+    cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(ranks), "--hang-timeout", "1",
+           "--checkpoint-dir", str(tmp / "ckpt"),
            "--run-dir", str(tmp / "run"), "--max-restarts", "1", "--status-interval", "0", "--transparent",
            str(DRIVER), "--jitckpt", "--lib-dir", str(DP_LIBS), "--steps", str(steps), "--dim", str(SIZE),
            "--batch", str(SIZE), "--out", str(tmp / "final{rank}.bin")]
@@ -72,20 +78,26 @@ def launcher_job(tmp: Path, steps: int, fail_at: int | None, journal: bool) -> d
         raise SystemExit(f"the job failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}")
     if fail_at is not None and not (tmp / "fired").exists():
         raise SystemExit(f"the fault was not injected:\n{proc.stdout[-4000:]}")
-    m = re.search(r"replaying (\d+) calls \((\d+) of this minibatch\) in ([0-9.]+) ms \(([^)]*)\)", proc.stdout)
-    return {"wall_s": wall, "replayed_calls": int(m.group(1)) if m else None,
-            "minibatch_calls": int(m.group(2)) if m else None, "recovery_ms": float(m.group(3)) if m else None,
-            "breakdown": m.group(4) if m else None, "restarted": "restarting" in proc.stdout,
-            "final": (tmp / "final0.bin").read_bytes()}
+    events = [json.loads(line) for line in (tmp / "run" / "events.jsonl").read_text().splitlines() if line.strip()]
+    recs = [e for e in events if e["event"] == "transparent_recovery" and e.get("recovered")]
+    slowest = max(recs, key=lambda e: e["total_s"]) if len(recs) == ranks else None
+    breakdown = {k: round(slowest[k] * 1e3, 2) for k in ("save_s", "agree_s", "new_proxy_s", "recreate_s",
+                                                        "communicators_s", "restore_s", "replay_s", "synchronize_s")
+                 } if slowest else None
+    return {"wall_s": wall, "replayed_calls": slowest["calls"] if slowest else None,
+            "minibatch_calls": slowest["minibatch_calls"] if slowest else None,
+            "recovery_ms": slowest["total_s"] * 1e3 if slowest else None, "breakdown_ms": breakdown,
+            "restarted": any(e["event"] == "restart" for e in events),
+            "final": b"".join((tmp / f"final{r}.bin").read_bytes() for r in range(ranks))}
 
 
-def recovery(steps: int, fail_at: int, reps: int, tmp: Path) -> dict:
+def recovery(steps: int, fail_at: int, reps: int, tmp: Path, ranks: int = 1) -> dict:
     walls: dict[str, list[float]] = {"clean": [], "transparent": [], "user_level": []}
     replays, finals = [], set()
     for rep in range(reps):
-        clean = launcher_job(tmp / f"clean{rep}", steps, None, True)
-        transparent = launcher_job(tmp / f"transparent{rep}", steps, fail_at, True)
-        user = launcher_job(tmp / f"user{rep}", steps, fail_at, False)
+        clean = launcher_job(tmp / f"clean{rep}", steps, None, True, ranks)
+        transparent = launcher_job(tmp / f"transparent{rep}", steps, fail_at, True, ranks)
+        user = launcher_job(tmp / f"user{rep}", steps, fail_at, False, ranks)
         if transparent["recovery_ms"] is None or transparent["restarted"]:
             raise SystemExit("the transparent run did not recover in place")
         if not user["restarted"]:
@@ -93,7 +105,7 @@ def recovery(steps: int, fail_at: int, reps: int, tmp: Path) -> dict:
         walls["clean"].append(clean["wall_s"])
         walls["transparent"].append(transparent["wall_s"])
         walls["user_level"].append(user["wall_s"])
-        replays.append({k: transparent[k] for k in ("replayed_calls", "minibatch_calls", "recovery_ms", "breakdown")})
+        replays.append({k: transparent[k] for k in ("replayed_calls", "minibatch_calls", "recovery_ms", "breakdown_ms")})
         finals.update({clean["final"], transparent["final"], user["final"]})
     clean = statistics.median(walls["clean"])
     lost_t = statistics.median(walls["transparent"]) - clean
@@ -103,7 +115,7 @@ def recovery(steps: int, fail_at: int, reps: int, tmp: Path) -> dict:
             "speedup": lost_u / lost_t if lost_t > 0 else float("inf"),
             "transparent_recovery_s": in_place_s, "speedup_vs_recovery_time": lost_u / in_place_s,
             "replays": replays, "bitwise_equal_finals": len(finals) == 1, "walls_s": walls, "steps": steps,
-            "fail_at": fail_at, "dim": SIZE, "batch": SIZE, "ranks": 1}
+            "fail_at": fail_at, "dim": SIZE, "batch": SIZE, "ranks": ranks}
 
 
 def main() -> int:
@@ -119,7 +131,8 @@ def main() -> int:
     reps = args.reps or reps
     with tempfile.TemporaryDirectory() as d:
         result = {"journal": journal_overhead(steps, reps, Path(d) / "journal"),
-                  "recovery": recovery(steps * 2, steps, reps, Path(d) / "recovery")}
+                  "recovery": recovery(steps * 2, steps, reps, Path(d) / "recovery"),
+                  "recovery_2_ranks": recovery(steps * 2, steps, reps, Path(d) / "recovery2", ranks=2)}
     return emit(result, args.out)
 
 

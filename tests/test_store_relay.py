@@ -62,6 +62,10 @@ def test_a_key_nobody_sets_times_out_within_its_wait(relay: StoreRelay) -> None:
     t0 = time.monotonic()
     status, _ = get_key(relay.socket_path, "vote/never/0/1", 300)
     assert status == 1 and 0.25 < time.monotonic() - t0 < 10
+    t0 = time.monotonic()  # a wait of 0: only whether it is there (the watchdog's question)
+    assert get_key(relay.socket_path, "vote/never/0/found", 0)[0] == 1 and time.monotonic() - t0 < 5
+    set_key(relay.socket_path, "vote/x/0/found", b"1")
+    assert get_key(relay.socket_path, "vote/x/0/found", 0) == (0, b"1")
 
 
 def test_bad_requests_get_an_error_and_the_relay_goes_on(relay: StoreRelay) -> None:

@@ -724,8 +724,9 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation, const std::strin
     // Every rank says its word first (a "no" reaches the peers at once), then reads the others'.
     for (const ReplayJournal::PeerComm& c : comms) {
       std::string problem;
-      if (!store_.set(comm_key("vote", c.id) + "/" + std::to_string(c.rank), mine.empty() ? "yes" : "no: " + mine,
-                      &problem) &&
+      if ((!store_.set(comm_key("vote", c.id) + "/" + std::to_string(c.rank), mine.empty() ? "yes" : "no: " + mine,
+                       &problem) ||
+           !store_.set(comm_key("vote", c.id) + "/found", std::to_string(c.rank), &problem)) &&
           verdict.empty())
         verdict = "cannot tell the communicator's other ranks: " + problem;
     }
@@ -749,6 +750,18 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation, const std::strin
   }
   vote_ = {generation, verdict, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()};
   return verdict;
+}
+
+std::string ProxySession::peer_found_failure() {
+  std::shared_lock<std::shared_mutex> shared(recovery_mu_);  // comm_rebuilds_ holds still
+  if (!enabled_ || !store_.available() || !lost_.empty()) return "";
+  for (const ReplayJournal::PeerComm& c : journal_.peer_comms()) {
+    std::string rank, ignored;
+    if (store_.get(comm_key("vote", c.id) + "/found", std::chrono::milliseconds(0), &rank, &ignored) &&
+        rank != std::to_string(c.rank))
+      return "rank " + rank + " of a communicator of " + std::to_string(c.nranks) + " found a failure";
+  }
+  return "";
 }
 
 std::chrono::milliseconds ProxySession::peer_wait() const {

@@ -66,6 +66,10 @@ class ProxySession {
   // the collective was posted in decides: the optimizer step's work is assumed queued behind it,
   // as frameworks order it (cudaStreamWaitEvent after the all-reduce, JIT paper Fig. 3).
   bool recover_from_hang(const std::string& what, bool posted_in_optimizer_step);
+  // Whether a rank of a communicator with peers elsewhere has found a failure (its word is in the
+  // launcher's store): this rank's pending collective will not complete, and need not wait for the
+  // hang timeout to know. Who found it, or "".
+  std::string peer_found_failure();
   // Minibatch marks (jitckpt_mark_minibatch(), the Python runtime's step hooks): the journal keeps
   // only the current minibatch's device work from here on (see ReplayJournal).
   void mark_minibatch();

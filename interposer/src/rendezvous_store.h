@@ -19,7 +19,7 @@ class RendezvousStore {
   RendezvousStore();  // reads JITCKPT_STORE_SOCKET
   bool available() const { return !path_.empty(); }
   bool set(const std::string& key, const std::string& value, std::string* why) const;
-  // Waits for `key` up to `timeout`.
+  // Waits for `key` up to `timeout` (0: only whether it is there now).
   bool get(const std::string& key, std::chrono::milliseconds timeout, std::string* value, std::string* why) const;
 
  private:

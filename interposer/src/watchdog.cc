@@ -53,6 +53,7 @@ void Watchdog::poll() {
   const auto now = Clock::now();
   const double timeout = registry_.hang_timeout();
   std::vector<uint64_t> done;
+  bool asked_peers = false;
   for (const CollectiveRecord& r : registry_.collectives().snapshot()) {
     if (r.sentinel != nullptr && query != nullptr) {
       cudaError_t st = query(r.sentinel);  // our event: nobody destroys it concurrently
@@ -71,6 +72,20 @@ void Watchdog::poll() {
       }
     }
     double age = std::chrono::duration<double>(now - r.since).count();
+    // Proxy mode: a collective pending for two polls asks (once a poll) whether a peer already found
+    // a failure and is recovering; then this one will not complete either.
+    if (!asked_peers && age > 2 * std::chrono::duration<double>(poll_interval(timeout)).count() && age <= timeout &&
+        registry_.proxy().enabled()) {
+      asked_peers = true;
+      if (std::string peer = registry_.proxy().peer_found_failure(); !peer.empty()) {
+        char detail[512];
+        std::snprintf(detail, sizeof detail, "%s (seq %llu, step %lld, phase %s) not complete after %.3f s: %s",
+                      r.op, static_cast<unsigned long long>(r.seq), static_cast<long long>(r.step), r.phase.c_str(),
+                      age, peer.c_str());
+        if (!registry_.proxy().recover_from_hang(detail, r.phase == "optimizer")) registry_.report_failure("hang", detail);
+        return;
+      }
+    }
     if (age > timeout) {
       char detail[256];
       std::snprintf(detail, sizeof detail, "%s (seq %llu, step %lld, phase %s) %s for %.3f s > hang timeout %.3f s",

@@ -6,7 +6,8 @@ goes through the job's torch.distributed store (a ``HashStore`` in the launcher 
 cross-node coordinator's TCPStore on several). Native code cannot be a c10d client without
 libtorch, so the launcher relays: a Unix socket in a private (0700) directory, named to the workers
 in ``JITCKPT_STORE_SOCKET``, taking one request per connection (the format is in
-``interposer/src/rendezvous_store.h``): set a key, or wait for one up to a deadline and get it.
+``interposer/src/rendezvous_store.h``): set a key, or wait for one up to a deadline (0: not at all)
+and get it.
 """
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ class StoreRelay:
             elif op == b"G":
                 wait_ms = _u32(conn)
                 store = self._factory()
+                if wait_ms == 0:  # whether it is there now (c10d's wait takes 0 as "no timeout")
+                    if store.check([key]):
+                        _reply(conn, OK, store.get(key))
+                    else:
+                        _reply(conn, TIMED_OUT, b"")
+                    return
                 try:
                     store.wait([key], datetime.timedelta(milliseconds=wait_ms))
                 except Exception as e:  # c10d raises a plain error (DistStoreError) on timeout

@@ -2,7 +2,8 @@
 CUDA + NCCL, driven by dp_train.py's jitckpt script) with 3 ranks under `jitckpt run --transparent`.
 
 One rank's all-reduce fails (an NCCL error) or hangs; the other ranks' all-reduces hang. Every rank
-finds the failure (the error itself, or libjit.so's hang timeout), copies the buffers of the
+finds the failure (the error itself, libjit.so's hang timeout, or the word of a rank that found it
+first, in the launcher's store), copies the buffers of the
 minibatch's start out of its proxy, agrees with the others through the launcher's store, starts a
 new proxy, rebuilds the communicator with a unique id its rank 0 put in the store, and replays the
 minibatch. No worker restarts, no JIT checkpoint is written, and the job ends bitwise equal to a
@@ -133,11 +134,15 @@ def test_a_collective_failure_is_recovered_on_every_rank_without_a_restart(jobs,
     for rank, rec in recs.items():
         if mode == "error" and rank == FAIL_RANK:
             assert "NCCL failed" in rec["cause"], rec
-            # It found the error at once and waited for the others' word (they found the hang a
-            # hang timeout later) before it gave up its proxy.
-            assert 0.5 < rec["agree_s"] <= rec["total_s"], rec
-        else:  # a survivor, or every rank of a hang: libjit.so's hang timeout found it
-            assert "ncclAllReduce (seq 6, step 5" in rec["cause"] and "hang timeout" in rec["cause"], rec
+            # It found the error at once and waited for the others' word before it gave up its proxy.
+            assert 0 < rec["agree_s"] <= rec["total_s"], rec
+        else:
+            # The others' all-reduce hung: they learnt of the failure from the word in the store of
+            # the rank that found it (within two watchdog polls, as the bench shows), or, on a
+            # loaded machine where that word came late, from their own hang timeout.
+            assert "ncclAllReduce (seq 6, step 5" in rec["cause"], rec
+            found = f"rank {FAIL_RANK} of a communicator of {WORLD} found a failure" if mode == "error" else "found a failure"
+            assert "hang timeout" in rec["cause"] or found in rec["cause"], rec
         # The communicator was rebuilt with the others (a part of recreating the objects), and the
         # buffers of the minibatch's start were put back.
         assert 0 < rec["communicators_s"] <= rec["recreate_s"] and rec["restore_s"] > 0, rec
