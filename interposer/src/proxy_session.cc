@@ -106,6 +106,7 @@ bool ProxySession::start_locked(std::string* why) {
     client_ = proxy::ProxyClient::start(proxy_binary(), std::chrono::seconds(30), &env);
     channels_.attach(client_.get());
     log_verbose("proxy mode: jitckpt-proxy pid %d serves this process", static_cast<int>(client_->pid()));
+    Registry::instance().watchdog().ensure_started();  // it finds a proxy that stops answering
     return true;
   } catch (const std::exception& e) {
     start_failure_ = e.what();
@@ -248,8 +249,12 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     } else if (no_reply) {
       r.error = ch->post(tag, payload.data(), payload.size(), kWhileTheProxyLives);
       if (!r.error.empty()) r.status = 999;
+    } else if (watched) {
+      r = ch->call_raw(tag, payload.data(), payload.size(), seq, answer_within);
     } else {
-      r = ch->call_raw(tag, payload.data(), payload.size(), seq, watched ? answer_within : kWhileTheProxyLives);
+      if (waiting_.fetch_add(1) == 0) waiting_since_ns_ = std::chrono::steady_clock::now().time_since_epoch().count();
+      r = ch->call_raw(tag, payload.data(), payload.size(), seq, kWhileTheProxyLives);
+      waiting_.fetch_sub(1);
     }
     std::string death = r.status == 999 ? client_->death() : std::string();
     if (watched && r.status == 999 && death.empty()) death = kill_hung_proxy(generation, tag, answer_within);
@@ -272,6 +277,11 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
         journal_.completed(index, r);
         take_async_report(r);
       }
+      // A communicator this process cannot rebuild (peers, no store) made since the fence was asked
+      // for: lift it now, or a failure of its calls would leave the program without device work.
+      if (tag == ReplayJournal::comm_init_rank_tag() && fence_requested_ && !cannot_recover().empty() &&
+          request_fence(ch, false))
+        fence_requested_ = false;
       return r;
     }
     RecoveringScope recovering(recovering_);
@@ -666,6 +676,13 @@ void ProxySession::refused(uint64_t generation, const std::string& what, const s
   append_recovery_event(record);
   log_always("proxy mode: %s; not recovered transparently: %s; the program gets the error, and user-level recovery "
              "takes over", what.c_str(), record.reason.c_str());
+}
+
+double ProxySession::waiting_for_s() const {
+  if (waiting_.load() == 0) return 0;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch() -
+                                       std::chrono::steady_clock::duration(waiting_since_ns_.load()))
+      .count();
 }
 
 void ProxySession::write_status(JsonWriter& w) const {

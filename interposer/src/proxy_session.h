@@ -78,6 +78,9 @@ class ProxySession {
   // while a recovery holds the session), so a Python-side hang watchdog can leave a collective's
   // hang to the transparent recovery under way.
   void write_status(JsonWriter& w) const;
+  // How long the longest-waiting call of the application has waited for the proxy's answer (an
+  // approximation: since the moment no call was waiting); 0 if none is.
+  double waiting_for_s() const;
   // The proxy died and that was logged.
   bool proxy_gone() const { return death_reported_.load(std::memory_order_relaxed); }
   // The thread whose channel index is `index` exited: the proxy thread serving its channel ends,
@@ -175,6 +178,8 @@ class ProxySession {
   std::mutex hung_mu_;
   std::pair<uint64_t, std::string> hung_{UINT64_MAX, ""};  // a generation killed as hung, and why
   std::atomic<bool> fence_requested_{false};  // asked of the proxy at a minibatch mark
+  std::atomic<int> waiting_{0};                 // application calls waiting for an answer
+  std::atomic<int64_t> waiting_since_ns_{0};    // steady clock, when waiting_ last left 0
   std::atomic<int> recovering_{0};              // threads between a failure found and its recovery's end
   std::atomic<uint64_t> recoveries_{0};
   std::atomic<int64_t> last_recovery_ns_{0};    // steady clock, when the last one ended

@@ -48,10 +48,21 @@ void Watchdog::run() {
   }
 }
 
+void Watchdog::ping_proxy(double timeout) {
+  const auto now = Clock::now();
+  if (!registry_.proxy().enabled() || registry_.proxy().waiting_for_s() <= timeout ||
+      std::chrono::duration<double>(now - last_ping_).count() <= timeout)
+    return;
+  last_ping_ = now;
+  int device = 0;
+  if (auto get_device = real_cuda.getDevice.get()) get_device(&device);  // answered, or the proxy is replaced
+}
+
 void Watchdog::poll() {
   auto query = real_cuda.eventQuery.get();
   const auto now = Clock::now();
   const double timeout = registry_.hang_timeout();
+  ping_proxy(timeout);
   std::vector<uint64_t> done;
   bool asked_peers = false;
   for (const CollectiveRecord& r : registry_.collectives().snapshot()) {

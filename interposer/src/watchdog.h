@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
 
 namespace jitckpt {
@@ -23,11 +24,17 @@ class Watchdog {
  private:
   void run();
   void poll();
+  // Proxy mode: a call of the application that has waited longer than the hang timeout makes the
+  // watchdog ask the proxy something that never waits for device work; a proxy that does not answer
+  // is hung or stopped and gets replaced (see ProxySession::call). Collectives are asked about
+  // anyway; this finds a stopped proxy before the first one, or in a program without NCCL.
+  void ping_proxy(double timeout);
   void dispatch(const Failure& failure);
 
   Registry& registry_;
   std::once_flag started_;
   std::atomic<bool> running_{false};
+  std::chrono::steady_clock::time_point last_ping_{};  // the watchdog thread's own
   static thread_local bool on_watchdog_thread_;
 };
 

@@ -140,6 +140,42 @@ def test_a_stopped_proxy_is_found_by_the_watchdog_killed_and_replaced(prog: Prog
     assert "recovered: jitckpt-proxy pid" in out and "(every call since the first: no minibatch marks)" in out, out
 
 
+def test_a_stopped_proxy_of_a_program_without_nccl_is_found_by_the_watchdog(planted: Program) -> None:
+    """Without collectives the watchdog has no event to ask about; it asks the proxy something
+    (cudaGetDevice) because a call of the program has waited a hang timeout. The planted program
+    marks its minibatches, so the stopped proxy's memory held its parameters: it is killed, and
+    the program fails with that reason instead of waiting forever."""
+    import os
+    import signal
+
+    env = planted.env(**PROXY, JITCKPT_HANG_TIMEOUT="1", JITCKPT_VALIDATE_AT="0")  # no scratch proxy
+    proc = subprocess.Popen([str(planted.exe), "100000"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    victims: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not victims and time.monotonic() < deadline and proc.poll() is None:
+            victims = proxies_of(proc.pid)
+            time.sleep(0.005)  # polling for the proxy to appear, bounded by the deadline
+        assert len(victims) == 1
+        time.sleep(random.uniform(0.05, 0.3))  # a random moment of training (not synchronization)
+        os.kill(victims[0].pid, signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for p in victims:
+            try:  # a stopped proxy cannot see its client go: it is killed here, by PID
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert proc.returncode != 0, out
+    assert re.search(rf"jitckpt-proxy \(pid {victims[0].pid}\) did not answer the watchdog's cudaGetDevice within "
+                     r"1.0 s \(hung or stopped\); it was killed", out), out
+    assert "the parameters and optimizer state were in the lost proxy's device memory" in out, out
+
+
 @pytest.mark.parametrize("mode", ["sticky", "crash", "error"])
 def test_a_transient_device_fault_is_recovered_without_the_program_seeing_it(prog: Program, reference: dict,
                                                                               tmp_path: Path, mode: str) -> None:
