@@ -551,7 +551,8 @@ void ProxySession::start_validation() {
   validation_start_ = DeviceBuffers{};
   // Only on a thread that has a channel (a mark must not start a proxy), and where a scratch proxy
   // can replay alone.
-  if (t_channel == nullptr || t_generation != generation_ || !journal_.on() || journal_.has_peers()) return;
+  // With peers elsewhere, every rank validates at this minibatch, their scratch proxies together.
+  if (t_channel == nullptr || t_generation != generation_ || !cannot_recover().empty()) return;
   std::string why;
   if (!validation_start_.save(*client_, *t_channel, next_token(), journal_.allocations_at_mark(),
                               std::chrono::seconds(60), &why)) {
@@ -563,6 +564,7 @@ void ProxySession::start_validation() {
 }
 
 void ProxySession::validate() {
+  RecoveringScope busy(recovering_);  // a hang watchdog elsewhere (the Python runtime's) waits for it too
   const auto t0 = std::chrono::steady_clock::now();
   std::unique_lock<std::shared_mutex> exclusive(recovery_mu_);  // the journal holds still
   DeviceBuffers start = std::move(validation_start_);
@@ -594,7 +596,7 @@ void ProxySession::validate() {
   }
   // Replays the journal into a scratch proxy on top of `from`; the first difference from `after`
   // ("" if none), or false with `problem` if the replay could not be made.
-  auto replay_from = [&](const DeviceBuffers& from, std::string* difference, std::string* problem) {
+  auto replay_from = [&](uint64_t replay, const DeviceBuffers& from, std::string* difference, std::string* problem) {
     bool made = false;
     try {
       const std::vector<std::string> env = proxy_environment(/*scratch=*/true);
@@ -602,9 +604,13 @@ void ProxySession::validate() {
           proxy::ProxyClient::start(proxy_binary(), std::chrono::seconds(30), &env);
       IndexedChannels channels;
       channels.attach(scratch.get());
-      // No rendezvous: validation is skipped while a communicator has peers elsewhere.
-      ReplayTarget target{*scratch, channels, [this] { return next_token(); }, /*private_memfds=*/true, nullptr,
-                          std::chrono::minutes(5)};
+      // Communicators with peers elsewhere are made with theirs, in their scratch proxies.
+      ReplayTarget target{*scratch, channels, [this] { return next_token(); }, /*private_memfds=*/true,
+                          [this, replay](const std::string& recorded, int rank, const std::string& fresh,
+                                         std::string* agreed, std::string* problem) {
+                            return agree_scratch_id(replay, recorded, rank, fresh, agreed, problem);
+                          },
+                          std::chrono::seconds(60)};
       ReplayOutcome outcome;
       DeviceBuffers replayed;
       if (!replay_journal(journal_, target, &from, &outcome, problem)) {
@@ -622,15 +628,18 @@ void ProxySession::validate() {
     }
     return made;
   };
-  std::string difference;
-  if (!replay_from(start, &difference, &why)) {
+  // Both replays always run: with peers elsewhere, theirs wait for this one's.
+  std::string difference, from_failure, failure_why;
+  const bool made = replay_from(0, start, &difference, &why);
+  const bool made_from_failure = replay_from(1, at_failure, &from_failure, &failure_why);
+  if (!made) {
     record.detail = why;
   } else if (!difference.empty()) {
     record.detail = difference + " (the program's device work depends on something the journal does not hold, such "
                     "as host memory a kernel reads directly, or is not deterministic)";
-  } else if (!replay_from(at_failure, &difference, &why)) {
-    record.detail = why;
-  } else if (!difference.empty()) {
+  } else if (!made_from_failure) {
+    record.detail = failure_why;
+  } else if (difference = from_failure; !difference.empty()) {
     record.detail = "replayed on the buffers of its start as a failure before the optimizer step would find them, " +
                     difference + " (the minibatch changes buffers that outlive it in place before its optimizer "
                     "step, such as running statistics: a recovery would apply that change twice)";
@@ -720,15 +729,19 @@ std::string ProxySession::why_not_rebuildable(uint64_t generation) {
 }
 
 std::string ProxySession::comm_key(const char* what, const std::string& id) const {
+  // Every rank of the communicator rebuilds it together, so they count its rebuilds alike.
+  auto it = comm_rebuilds_.find(id);
+  return comm_key(what, id, it == comm_rebuilds_.end() ? 0 : it->second);
+}
+
+std::string ProxySession::comm_key(const char* what, const std::string& id, uint64_t n) {
   static const char kHex[] = "0123456789abcdef";
   std::string key = std::string("jitckpt/transparent/") + what + "/";
   for (unsigned char c : id) {
     key += kHex[c >> 4];
     key += kHex[c & 15];
   }
-  // Every rank of the communicator rebuilds it together, so they count its rebuilds alike.
-  auto it = comm_rebuilds_.find(id);
-  return key + "/" + std::to_string(it == comm_rebuilds_.end() ? 0 : it->second);
+  return key + "/" + std::to_string(n);
 }
 
 std::string ProxySession::agree_to_rebuild(uint64_t generation, const std::string& mine) {
@@ -796,6 +809,18 @@ bool ProxySession::agree_unique_id(const std::string& recorded_id, int rank, con
     return store_.set(key, fresh, why);
   }
   return store_.get(key, peer_wait(), agreed, why);
+}
+
+bool ProxySession::agree_scratch_id(uint64_t replay, const std::string& recorded_id, int rank, const std::string& fresh,
+                                    std::string* agreed, std::string* why) {
+  // Every rank validates at the same minibatch and replays twice: (minibatch, replay) names the
+  // scratch communicator. The peers are at their optimizer step marks too, give or take a step.
+  const std::string key = comm_key("validate", recorded_id, minibatches_ * 2 + replay);
+  if (rank == 0) {
+    *agreed = fresh;
+    return store_.set(key, fresh, why);
+  }
+  return store_.get(key, std::chrono::seconds(30), agreed, why);
 }
 
 void ProxySession::take_async_report(const proxy::CallResult& r) {

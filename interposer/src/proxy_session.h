@@ -74,9 +74,9 @@ class ProxySession {
   // only the current minibatch's device work from here on (see ReplayJournal).
   void mark_minibatch();
   void mark_optimizer_step();
-  // For status(): {"recoverable", "recovering", "recoveries", "since_last_s"}. Lock-free (read
-  // while a recovery holds the session), so a Python-side hang watchdog can leave a collective's
-  // hang to the transparent recovery under way.
+  // For status(): {"recoverable", "recovering" (a recovery or a replay validation under way),
+  // "recoveries", "since_last_s"}. Lock-free (read while a recovery holds the session), so a
+  // Python-side hang watchdog can leave a collective's hang to the transparent recovery under way.
   void write_status(JsonWriter& w) const;
   // How long the longest-waiting call of the application has waited for the proxy's answer (an
   // approximation: since the moment no call was waiting); 0 if none is.
@@ -118,7 +118,11 @@ class ProxySession {
   // takes over with the proxies still alive (issue 16 case 5). `mine`: this rank's reason not to,
   // or "". Once per generation; "" if all agreed, else why not.
   std::string agree_to_rebuild(uint64_t generation, const std::string& mine);
-  std::string comm_key(const char* what, const std::string& id) const;
+  std::string comm_key(const char* what, const std::string& id) const;  // n: the communicator's rebuilds
+  static std::string comm_key(const char* what, const std::string& id, uint64_t n);
+  // The unique id of a communicator with peers elsewhere in replay validation's scratch proxies.
+  bool agree_scratch_id(uint64_t replay, const std::string& recorded_id, int rank, const std::string& fresh,
+                        std::string* agreed, std::string* why);
   // After a call of generation `failed_generation` found the proxy lost: replaces it (unless another
   // thread did already) and gives entry `index`'s replayed result. False: the state is lost.
   bool recover(uint64_t failed_generation, int64_t index, const std::string& what, proxy::CallResult* out);

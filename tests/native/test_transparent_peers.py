@@ -128,6 +128,10 @@ def test_a_collective_failure_is_recovered_on_every_rank_without_a_restart(jobs,
     starts = [e for e in events if e["event"] == "worker_start"]
     assert len(starts) == WORLD and "restart" not in kinds and "failure_detected" not in kinds, kinds
     assert not any(e["event"] == "checkpoint_saved" for e in events), kinds
+    # Before the failure, at minibatch 5, every rank validated the replay, their scratch proxies
+    # making a scratch communicator together.
+    checks = sorted(e["rank"] for e in events if e["event"] == "transparent_validation" and e["matched"])
+    assert checks == list(range(WORLD)), [e for e in events if e["event"] == "transparent_validation"]
     recs = {e["rank"]: e for e in events if e["event"] == "transparent_recovery"}
     assert sorted(recs) == list(range(WORLD)) and all(r["recovered"] for r in recs.values()), recs
     assert {r["pid"] for r in recs.values()} == {s["pid"] for s in starts}, (recs, starts)
