@@ -35,6 +35,12 @@ class DeviceBuffers {
   bool restore(proxy::ProxyClient& client, proxy::ProxyChannel& ch, uint64_t token, std::string* why) const;
   // The first allocation whose bytes differ from `other`'s (saved from the same allocations), or "".
   std::string first_difference(const DeviceBuffers& other) const;
+  // A file other ranks read them from (a data-parallel replica's buffers, issue 16 case 3): written
+  // whole under a temporary name, then renamed into place. False with `why`.
+  bool write_file(const std::string& path, std::string* why) const;
+  // Reads a file write_file made; its allocations must be `expected` (same bases and sizes, in
+  // order: a replica runs the same allocations), else false with `why`. Verified to the byte count.
+  bool read_file(const std::string& path, const std::vector<ReplayJournal::DeviceRange>& expected, std::string* why);
   bool empty() const { return fd_ < 0; }
   uint64_t bytes() const { return total_; }
 

@@ -71,6 +71,7 @@ bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const De
     }
     if (i == journal.size()) break;
     const ReplayJournal::Entry& e = journal.entry(i);
+    if (target.skip_minibatch && e.id >= journal.minibatch_start()) break;
     // A call that failed changed nothing (cudaHostAlloc's retries at another address, a query
     // that was not ready, an NCCL call refused): the replay leaves it out.
     if (e.completed && e.status != 0) continue;

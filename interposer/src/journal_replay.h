@@ -36,6 +36,9 @@ struct ReplayTarget {
   // waited for by the closing synchronize) may wait for them: they detect the failure by a hang
   // timeout, then rebuild as this process does.
   std::chrono::milliseconds peer_wait{std::chrono::minutes(5)};
+  // The buffers are a replica's of the next minibatch's start (case 4): the current minibatch's
+  // calls are not replayed.
+  bool skip_minibatch = false;
 };
 
 struct ReplayOutcome {

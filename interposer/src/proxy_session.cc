@@ -166,6 +166,7 @@ uint64_t env_count(const char* name, uint64_t fallback) {
 ProxySession::ProxySession()
     : enabled_(mode_is_proxy()),
       journal_(enabled_ ? replay_limit() : 0),
+      replica_dir_(std::getenv("JITCKPT_REPLICA_DIR") ? std::getenv("JITCKPT_REPLICA_DIR") : ""),
       validate_at_(env_count("JITCKPT_VALIDATE_AT", 5)),
       validate_every_(env_count("JITCKPT_VALIDATE_EVERY", 0)) {}
 
@@ -212,6 +213,9 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
   }
   const bool journaled = !ReplayJournal::stateless(tag);
   const bool ordered = journaled && ReplayJournal::ordered(tag);
+  // Case 4: this rank took a replica's buffers of the next minibatch's start; the rest of this
+  // minibatch's optimizer step must not change them again (JIT paper §4.2.2).
+  if (skip_until_mark_.load(std::memory_order_relaxed) && ReplayJournal::work(tag)) return r;
   // The watchdog's queries (event queries, communicators' asynchronous errors) never wait for device
   // work: one the proxy does not answer within the hang timeout (at least a second) means the proxy
   // is hung or stopped, which nothing else would notice (every other call waits on it too).
@@ -231,6 +235,21 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     std::string why;
     proxy::ProxyChannel* ch = channel(&why);
     if (ch == nullptr) {
+      // The proxy died before this thread opened its channel to it: recovered as for any call of
+      // this thread (nothing of this call was sent or journaled; it is made again on the new one).
+      std::string died;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (client_ != nullptr) died = client_->death();
+      }
+      const uint64_t failed = generation_;
+      shared.unlock();
+      if (order.owns_lock()) order.unlock();
+      proxy::CallResult ignored;
+      if (!died.empty()) {
+        RecoveringScope recovering(recovering_);
+        if (recover(failed, -1, died, &ignored)) continue;
+      }
       r.status = 999;
       r.error = why;
       return r;
@@ -291,7 +310,7 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
       save_device(ch, generation, journal_.phase_of(failed));
     }
     if (sticky) {  // the proxy still runs: with a peer that cannot rebuild, user-level recovery takes over
-      if (std::string no = agree_to_rebuild(generation, why_not_rebuildable(generation)); !no.empty()) {
+      if (std::string no = agree_to_rebuild(generation); !no.empty()) {
         refused(generation, broken, no);
         if (!no_reply) take_async_report(r);
         return r;
@@ -367,7 +386,7 @@ bool ProxySession::recover_live(const std::string& what, bool hung, bool posted_
       phase = posted_in_optimizer_step ? ReplayJournal::Phase::kOptimizerStep : ReplayJournal::Phase::kMinibatch;
     if (proxy::ProxyChannel* ch = channel(&why))
       save_device(ch, generation, phase, hung ? DeviceBuffers::WaitFor::kNothing : DeviceBuffers::WaitFor::kQueuedWork);
-    if (std::string no = agree_to_rebuild(generation, why_not_rebuildable(generation)); !no.empty()) {
+    if (std::string no = agree_to_rebuild(generation); !no.empty()) {
       refused(generation, what, no);
       return false;  // the proxy lives on: the failure callback's user-level save reads it
     }
@@ -414,13 +433,19 @@ bool ProxySession::recover(uint64_t failed_generation, int64_t index, const std:
 }
 
 bool ProxySession::replay_locked(const std::string& what, std::string* why, RecoveryRecord* record) {
-  if (std::string no = agree_to_rebuild(generation_, why_not_rebuildable(generation_)); !no.empty()) {
+  if (std::string no = agree_to_rebuild(generation_); !no.empty()) {
     *why = no;
     return false;
   }
   {
     std::lock_guard<std::mutex> lock(vote_mu_);
     record->agree_s = vote_.seconds;
+  }
+  if (!take_replica_buffers(why)) return false;
+  bool skip_minibatch = false;
+  {
+    std::lock_guard<std::mutex> lock(vote_mu_);
+    skip_minibatch = vote_.generation == generation_ && vote_.skip_minibatch;
   }
   if (journal_.next_id() == journal_at_last_recovery_) {
     *why = "the same failure came back in the replay, before any new call (a fault in the program, not the device?)";
@@ -454,7 +479,7 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   ReplayTarget target{*client_, channels_, [this] { return next_token(); }, /*private_memfds=*/false,
                       [this](const std::string& recorded, int rank, const std::string& fresh, std::string* agreed,
                              std::string* problem) { return agree_unique_id(recorded, rank, fresh, agreed, problem); },
-                      peer_wait()};
+                      peer_wait(), skip_minibatch};
   ReplayOutcome outcome;
   DeviceBuffers buffers;
   if (restore) {
@@ -463,6 +488,7 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   }
   if (!replay_journal(journal_, target, restore ? &buffers : nullptr, &outcome, why)) return false;
   replayed_ = std::move(outcome.results);
+  skip_until_mark_ = skip_minibatch;  // the rest of this minibatch's optimizer step is the replica's
   if (fence_requested_) {
     proxy::ProxyChannel* ch = channels_.get(0, why);
     if (ch == nullptr || !request_fence(ch, true)) {
@@ -486,9 +512,14 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   const size_t minibatch_calls = outcome.minibatch_calls;
   record->minibatch_calls = minibatch_calls;
   record->communicators_s = outcome.communicators_s;
-  const std::string scope = phase == ReplayJournal::Phase::kUnmarked
-                                ? std::string("every call since the first: no minibatch marks")
-                                : std::to_string(minibatch_calls) + " of this minibatch";
+  std::string scope = phase == ReplayJournal::Phase::kUnmarked
+                          ? std::string("every call since the first: no minibatch marks")
+                          : std::to_string(minibatch_calls) + " of this minibatch";
+  if (skip_minibatch)
+    scope = "not this minibatch's " + std::to_string(minibatch_calls) + ": a replica finished it, its buffers were "
+            "taken, and the rest of its optimizer step is skipped";
+  else if (!save_.from_replica.empty())
+    scope += ", on a replica's buffers";
   log_always("proxy mode: recovered: jitckpt-proxy pid %d took over after replaying %zu calls (%s) in %.1f ms (save "
              "buffers %.1f ms, new proxy %.1f ms, recreate handles and communicators %.1f ms, restore buffers %.1f "
              "ms, replay %.1f ms, device synchronize %.1f ms; of them, waiting for the peers' word %.1f ms, "
@@ -508,6 +539,7 @@ void ProxySession::mark_minibatch() {
   if (journal_.phase() == ReplayJournal::Phase::kMinibatch && journal_.next_id() == journal_.minibatch_start()) return;
   journal_.mark_minibatch(std::move(live));
   ++minibatches_;
+  skip_until_mark_ = false;
   if (validate_at_ > 0 && (minibatches_ == validate_at_ ||
                            (validate_every_ > 0 && minibatches_ > validate_at_ &&
                             (minibatches_ - validate_at_) % validate_every_ == 0)))
@@ -628,10 +660,44 @@ void ProxySession::validate() {
     }
     return made;
   };
-  // Both replays always run: with peers elsewhere, theirs wait for this one's.
-  std::string difference, from_failure, failure_why;
+  // Case 3's check, with one communicator with peers (its data-parallel group): its rank 0's
+  // buffers of this minibatch's start, replayed here, must give this rank's buffers too; else a
+  // replica's cannot stand in for this rank's (they hold something of this rank's own).
+  const std::vector<ReplayJournal::PeerComm> comms = journal_.peer_comms();
+  const bool check_replica = comms.size() == 1 && store_.available() && !replica_dir_.empty();
+  DeviceBuffers replica_start;
+  std::string replica_problem;
+  if (check_replica) {
+    const std::string key = comm_key("validate-replica", comms[0].id, minibatches_);
+    std::string path;
+    if (comms[0].rank == 0) {
+      path = replica_dir_ + "/validate-" + std::to_string(getpid()) + "-" + std::to_string(minibatches_) + ".buffers";
+      if (!start.write_file(path, &replica_problem)) path.clear();
+      store_.set(key, path, &replica_problem);  // "" tells the others there is nothing to read
+    } else if (!store_.get(key, std::chrono::seconds(30), &path, &replica_problem) ||
+               (path.empty() && (replica_problem = "rank 0 could not write its buffers", true)) ||
+               !replica_start.read_file(path, journal_.allocations_at_mark(), &replica_problem)) {
+      replica_start = DeviceBuffers{};
+    }
+  }
+  // Every replay always runs: with peers elsewhere, theirs wait for this one's.
+  std::string difference, from_failure, failure_why, from_replica, replica_why;
   const bool made = replay_from(0, start, &difference, &why);
   const bool made_from_failure = replay_from(1, at_failure, &from_failure, &failure_why);
+  if (check_replica) {
+    const bool mine = comms[0].rank == 0 || replica_start.empty();
+    if (!replay_from(2, mine ? start : replica_start, &from_replica, &replica_why)) {
+      replica_check_ = "replaying on a replica's buffers failed: " + replica_why;
+    } else if (comms[0].rank != 0 && replica_start.empty()) {
+      replica_check_ = "rank 0's buffers of minibatch " + std::to_string(minibatches_) + " were not read: " +
+                       replica_problem;
+    } else if (!from_replica.empty()) {
+      replica_check_ = "replayed on rank 0's buffers of minibatch " + std::to_string(minibatches_) + "'s start, " +
+                       from_replica + " (the buffers hold something of this rank's own)";
+    } else {
+      replica_check_.clear();
+    }
+  }
   if (!made) {
     record.detail = why;
   } else if (!difference.empty()) {
@@ -650,10 +716,14 @@ void ProxySession::validate() {
   append_validation_event(record);
   if (record.matched) {
     log_always("proxy mode: replay validation at minibatch %llu: replaying its %zu calls on the buffers of its start "
-               "gave all %.2f MiB of device buffers bitwise, also from their state before its optimizer step (%.1f "
+               "gave all %.2f MiB of device buffers bitwise, also from their state before its optimizer step%s (%.1f "
                "ms)",
                static_cast<unsigned long long>(minibatches_), record.calls, static_cast<double>(record.bytes) / (1 << 20),
+               !check_replica ? "" : replica_check_.empty() ? ", and from rank 0's" : "; not from rank 0's",
                record.seconds * 1e3);
+    if (check_replica && !replica_check_.empty())
+      log_always("proxy mode: a replica's buffers cannot stand in for this rank's if its proxy is lost: %s",
+                 replica_check_.c_str());
     return;
   }
   journal_.turn_off("replay validation at minibatch " + std::to_string(minibatches_) + " failed: " + record.detail +
@@ -708,23 +778,32 @@ void ProxySession::write_status(JsonWriter& w) const {
   w.end_object();
 }
 
-std::string ProxySession::why_not_rebuildable(uint64_t generation) {
+std::string ProxySession::why_not_rebuildable(uint64_t generation, bool* from_replica) {
+  if (from_replica) *from_replica = false;
   if (std::string cannot = cannot_recover(); !cannot.empty()) return cannot;
   // With minibatch marks the journal holds only the current minibatch's device work: the buffers'
-  // contents at its start come from the old proxy (save_device), or from nowhere.
+  // contents at its start come from the old proxy (save_device), or from a replica (case 3).
   ReplayJournal::Phase phase = journal_.phase();
   std::lock_guard<std::mutex> lock(save_mu_);
   const bool from_live_proxy = save_.generation == generation;  // its buffers could be read
   if (from_live_proxy) phase = save_.phase;                       // the failed call's
-  if (phase != ReplayJournal::Phase::kUnmarked && !from_live_proxy)
-    return "the parameters and optimizer state were in the lost proxy's device memory (the journal holds only "
-           "this minibatch's work since minibatch marks began); copying them from a data-parallel replica is not "
-           "built yet";
-  if (phase == ReplayJournal::Phase::kOptimizerStep)
+  if (phase == ReplayJournal::Phase::kUnmarked) return "";  // every call replayed: no buffers needed
+  if (from_live_proxy && phase == ReplayJournal::Phase::kOptimizerStep)
     return "the failure was found during the optimizer step, which changes parameters and optimizer state in "
-           "place (they may be partly updated); taking them from a data-parallel replica that finished the step is "
-           "not built yet";
-  if (phase == ReplayJournal::Phase::kMinibatch && !save_.saved) return save_.failure;
+           "place (they may be partly updated), and its proxy's peers are in the same step (no replica finished it)";
+  if (from_live_proxy && save_.saved) return "";
+  // The buffers are lost with the proxy (or could not be copied out of it: a sticky error found
+  // first as a communicator's error). They come from a replica: of this minibatch's start if the
+  // replica is still in it (case 3; this rank's optimizer step, if begun, had not got past the
+  // collective the replica waits in), else of the next one's (case 4; agree_to_rebuild tells which).
+  if (std::string no = replica_unavailable(); !no.empty())
+    return (from_live_proxy ? "the buffers of the minibatch's start could not be copied out of the proxy (" +
+                                  save_.failure + ")"
+                            : std::string("the parameters and optimizer state were in the lost proxy's device memory "
+                                          "(the journal holds only this minibatch's work since minibatch marks "
+                                          "began)")) +
+           ", and no data-parallel replica can give them: " + no;
+  if (from_replica) *from_replica = true;
   return "";
 }
 
@@ -744,42 +823,156 @@ std::string ProxySession::comm_key(const char* what, const std::string& id, uint
   return key + "/" + std::to_string(n);
 }
 
-std::string ProxySession::agree_to_rebuild(uint64_t generation, const std::string& mine) {
+std::string ProxySession::replica_unavailable() const {
+  const size_t comms = journal_.peer_comms().size();
+  if (comms != 1)
+    return "this rank has " + std::to_string(comms) + " communicators with peers in other processes (a replica is "
+           "taken from the only one, its data-parallel group)";
+  if (!store_.available() || replica_dir_.empty())
+    return "no store and directory shared with the replicas (JITCKPT_STORE_SOCKET, JITCKPT_REPLICA_DIR: `jitckpt run "
+           "--transparent` sets them)";
+  return replica_check_;
+}
+
+namespace {
+
+// A rank's word in the vote (see ProxySession::agree_to_rebuild).
+struct Word {
+  enum Kind { kNo, kYes, kReplica } kind = kNo;
+  uint64_t minibatch = 0;
+  bool optimizer_step = false;  // a replica word's: its optimizer step had begun
+  std::string text;
+};
+
+Word parse_word(const std::string& text) {
+  Word w;
+  w.text = text;
+  const bool yes = text.rfind("yes/", 0) == 0, replica = text.rfind("replica/", 0) == 0;
+  if (!yes && !replica) return w;
+  w.kind = yes ? Word::kYes : Word::kReplica;
+  char* end = nullptr;
+  w.minibatch = std::strtoull(text.c_str() + (yes ? 4 : 8), &end, 10);
+  w.optimizer_step = end != nullptr && std::strcmp(end, "/optimizer") == 0;
+  return w;
+}
+
+}  // namespace
+
+std::string ProxySession::agree_to_rebuild(uint64_t generation) {
   std::lock_guard<std::mutex> lock(vote_mu_);
   if (vote_.generation == generation) return vote_.verdict;
   const auto t0 = std::chrono::steady_clock::now();
+  bool from_replica = false;
+  const std::string mine = why_not_rebuildable(generation, &from_replica);
   std::string verdict = mine;
   const std::vector<ReplayJournal::PeerComm> comms = journal_.peer_comms();
+  Vote vote;
   if (!comms.empty() && store_.available()) {
-    // Every rank says its word first (a "no" reaches the peers at once), then reads the others'.
+    // Every rank says its word first (a "no" reaches the peers at once), then reads the others':
+    // "yes/<minibatch>" (it has its buffers), "replica/<minibatch>[/optimizer]" (it lost them), or
+    // "no: <why>". Every rank applies the same rule to the same words, so all decide alike.
+    std::string text = "no: " + mine;
+    if (mine.empty()) {
+      text = (from_replica ? "replica/" : "yes/") + std::to_string(minibatches_.load());
+      if (from_replica && journal_.phase() == ReplayJournal::Phase::kOptimizerStep) text += "/optimizer";
+    }
     for (const ReplayJournal::PeerComm& c : comms) {
       std::string problem;
-      if ((!store_.set(comm_key("vote", c.id) + "/" + std::to_string(c.rank), mine.empty() ? "yes" : "no: " + mine,
-                       &problem) ||
+      if ((!store_.set(comm_key("vote", c.id) + "/" + std::to_string(c.rank), text, &problem) ||
            !store_.set(comm_key("vote", c.id) + "/found", std::to_string(c.rank), &problem)) &&
           verdict.empty())
         verdict = "cannot tell the communicator's other ranks: " + problem;
     }
-    // The peers find the failure by their hang timeout; a rank that never answers is gone.
+    // The peers find the failure by the word above or their hang timeout; one that never answers is gone.
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30) +
                           std::chrono::milliseconds(static_cast<int64_t>(2000 * Registry::instance().hang_timeout()));
     for (const ReplayJournal::PeerComm& c : comms) {
+      std::vector<Word> words(static_cast<size_t>(c.nranks));
       for (int r = 0; r < c.nranks && verdict.empty(); ++r) {
-        if (r == c.rank) continue;
-        std::string word, problem;
+        std::string got = text, problem;
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-        if (!store_.get(comm_key("vote", c.id) + "/" + std::to_string(r), std::max(left, std::chrono::milliseconds(1)),
-                        &word, &problem))
+        if (r != c.rank && !store_.get(comm_key("vote", c.id) + "/" + std::to_string(r),
+                                       std::max(left, std::chrono::milliseconds(1)), &got, &problem)) {
           verdict = "rank " + std::to_string(r) + " of a communicator of " + std::to_string(c.nranks) +
                     " did not join the transparent recovery (" + problem + ")";
-        else if (word != "yes")
+          break;
+        }
+        words[static_cast<size_t>(r)] = parse_word(got);
+        if (words[static_cast<size_t>(r)].kind == Word::kNo && r != c.rank)
           verdict = "rank " + std::to_string(r) + " of a communicator of " + std::to_string(c.nranks) +
-                    " cannot recover transparently: " + word.substr(word.rfind("no: ", 0) == 0 ? 4 : 0);
+                    " cannot recover transparently: " + got.substr(got.rfind("no: ", 0) == 0 ? 4 : 0);
+      }
+      if (!verdict.empty()) break;
+      // Ranks that lost their buffers take them from the lowest rank that has its own: a replica in
+      // the collective of the same minibatch (its start's buffers: case 3), or of the next one when
+      // the lost rank's optimizer step had got past that collective (case 4: the replica finished
+      // the step, the lost rank skips the rest of it).
+      int donor = -1;
+      for (int r = 0; r < c.nranks && donor < 0; ++r)
+        if (words[static_cast<size_t>(r)].kind == Word::kYes) donor = r;
+      for (int r = 0; r < c.nranks && verdict.empty(); ++r) {
+        const Word& w = words[static_cast<size_t>(r)];
+        if (w.kind != Word::kReplica) continue;
+        const std::string who = "rank " + std::to_string(r) + " of a communicator of " + std::to_string(c.nranks);
+        if (comms.size() != 1) {
+          verdict = who + " lost its buffers, and this rank has several communicators with peers";
+        } else if (donor < 0) {
+          verdict = "every rank of a communicator of " + std::to_string(c.nranks) + " lost its buffers: no replica";
+        } else {
+          const uint64_t at = words[static_cast<size_t>(donor)].minibatch;
+          const bool same = at == w.minibatch, next = at == w.minibatch + 1 && w.optimizer_step;
+          if (!same && !next)
+            verdict = who + " lost its buffers at minibatch " + std::to_string(w.minibatch) + ", and the replica (rank " +
+                      std::to_string(donor) + ") is at " + std::to_string(at) + ": it holds neither minibatch's start";
+          else if (r == c.rank) {
+            vote.replica_key = comm_key("replica", c.id);
+            vote.skip_minibatch = next;
+          }
+        }
+      }
+      const bool any_receiver = std::any_of(words.begin(), words.end(), [](const Word& w) { return w.kind == Word::kReplica; });
+      if (verdict.empty() && any_receiver && donor == c.rank) {
+        std::lock_guard<std::mutex> lock(save_mu_);
+        const std::string path =
+            replica_dir_ + "/replica-" + std::to_string(getpid()) + "-" + std::to_string(generation) + ".buffers";
+        std::string problem;
+        if (!save_.saved || !save_.buffers.write_file(path, &problem) ||
+            !store_.set(comm_key("replica", c.id), path, &problem))
+          verdict = "cannot give this rank's buffers to the ranks that lost theirs: " +
+                    (save_.saved ? problem : save_.failure);
       }
     }
   }
-  vote_ = {generation, verdict, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()};
+  vote.generation = generation;
+  vote.verdict = verdict;
+  vote.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  vote_ = vote;
   return verdict;
+}
+
+bool ProxySession::take_replica_buffers(std::string* why) {
+  std::string key;
+  {
+    std::lock_guard<std::mutex> lock(vote_mu_);
+    if (vote_.generation != generation_ || vote_.replica_key.empty()) return true;  // not a receiver
+    key = vote_.replica_key;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string path;
+  DeviceBuffers buffers;
+  if (!store_.get(key, peer_wait(), &path, why) || !buffers.read_file(path, journal_.allocations_at_mark(), why)) {
+    *why = "no buffers from a data-parallel replica: " + *why;
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(save_mu_);
+  save_ = DeviceSave{};
+  save_.generation = generation_;
+  save_.phase = ReplayJournal::Phase::kMinibatch;
+  save_.saved = true;
+  save_.buffers = std::move(buffers);
+  save_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  save_.from_replica = path;
+  return true;
 }
 
 std::string ProxySession::peer_found_failure() {

@@ -112,12 +112,23 @@ class ProxySession {
   void refused(uint64_t generation, const std::string& what, const std::string& reason);
   // Why the state of generation `generation`'s failure cannot be rebuilt in this process ("" if it
   // can): the journal, the phase of the failure, the buffers saved or not.
-  std::string why_not_rebuildable(uint64_t generation);
+  // `from_replica`: it can, with the buffers of a data-parallel replica (case 3).
+  std::string why_not_rebuildable(uint64_t generation, bool* from_replica = nullptr);
+  // Why no replica can give this rank its buffers ("" if one can): one communicator with peers (the
+  // data-parallel group), the store and a shared directory, and replay validation's word that a
+  // replica's buffers stand in for this rank's (replica_check_).
+  std::string replica_unavailable() const;
+  // A receiver of case 3: the buffers the donor wrote, into save_ (true if there is nothing to take).
+  bool take_replica_buffers(std::string* why);
   // The ranks of every communicator with peers elsewhere agree, through the launcher's store, to
-  // rebuild it together (each found the failure and can), or none does and user-level recovery
-  // takes over with the proxies still alive (issue 16 case 5). `mine`: this rank's reason not to,
-  // or "". Once per generation; "" if all agreed, else why not.
-  std::string agree_to_rebuild(uint64_t generation, const std::string& mine);
+  // rebuild it together (each found the failure and can, a rank that lost its buffers with a
+  // replica's), or none does and user-level recovery takes over with the proxies still alive
+  // (issue 16 case 5). The lowest rank with its buffers gives them to those that lost theirs.
+  // Once per generation; "" if all agreed, else why not.
+  std::string agree_to_rebuild(uint64_t generation);
+  // A rank's word: "yes/<minibatch>" (it can, with its own buffers), "replica/<minibatch>" (with a
+  // replica's), or "no: <why>".
+
   std::string comm_key(const char* what, const std::string& id) const;  // n: the communicator's rebuilds
   static std::string comm_key(const char* what, const std::string& id, uint64_t n);
   // The unique id of a communicator with peers elsewhere in replay validation's scratch proxies.
@@ -175,6 +186,7 @@ class ProxySession {
     std::string failure;  // why not, if it was tried
     DeviceBuffers buffers;
     double seconds = 0;
+    std::string from_replica;  // the file they came from, if a replica's
   };
   std::mutex save_mu_;
   DeviceSave save_;
@@ -182,23 +194,31 @@ class ProxySession {
   std::mutex hung_mu_;
   std::pair<uint64_t, std::string> hung_{UINT64_MAX, ""};  // a generation killed as hung, and why
   std::atomic<bool> fence_requested_{false};  // asked of the proxy at a minibatch mark
+  std::atomic<bool> skip_until_mark_{false};    // case 4: this minibatch's remaining work is the replica's
   std::atomic<int> waiting_{0};                 // application calls waiting for an answer
   std::atomic<int64_t> waiting_since_ns_{0};    // steady clock, when waiting_ last left 0
   std::atomic<int> recovering_{0};              // threads between a failure found and its recovery's end
   std::atomic<uint64_t> recoveries_{0};
   std::atomic<int64_t> last_recovery_ns_{0};    // steady clock, when the last one ended
   const RendezvousStore store_;  // the launcher's, for communicators with peers elsewhere
+  const std::string replica_dir_;  // JITCKPT_REPLICA_DIR: where replicas leave buffers for each other
+  // "" once replay validation found a replica's buffers of a minibatch's start give this rank's
+  // results; else why not (under recovery_mu_).
+  std::string replica_check_ =
+      "no replay validation has checked yet that a replica's buffers stand in for this rank's (JITCKPT_VALIDATE_AT)";
   std::map<std::string, uint64_t> comm_rebuilds_;  // unique id -> rebuilds so far (under recovery_mu_)
   std::mutex vote_mu_;
   struct Vote {
     uint64_t generation = UINT64_MAX;
     std::string verdict;
     double seconds = 0;
+    std::string replica_key;  // a receiver's: where the donor names its file
+    bool skip_minibatch = false;  // a receiver's: the replica finished this minibatch (case 4)
   };
   Vote vote_;  // a generation's agree_to_rebuild
 
   const uint64_t validate_at_, validate_every_;
-  uint64_t minibatches_ = 0;  // minibatch marks so far
+  std::atomic<uint64_t> minibatches_{0};  // minibatch marks so far (read by the recovery's vote)
   DeviceBuffers validation_start_;             // the buffers of the validated minibatch's start
   uint64_t validation_mark_ = UINT64_MAX;      // its first call
   std::string lost_;  // why the device state is gone for good ("" while it is not)

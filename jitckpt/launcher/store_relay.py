@@ -32,8 +32,8 @@ class StoreRelay:
             connection gets its own: a TCPStore client serves one blocking wait at a time).
         prefix: every key is put under it (the job's, so two jobs on one store do not meet).
 
-    ``socket_path`` is what the workers get as ``JITCKPT_STORE_SOCKET``; ``close()`` stops the
-    server and removes the directory.
+    ``socket_path`` is what the workers get as ``JITCKPT_STORE_SOCKET``, ``buffers_dir`` as
+    ``JITCKPT_REPLICA_DIR`` on one node; ``close()`` stops the server and removes both.
     """
 
     def __init__(self, *, store_factory: Callable[[], Any], prefix: str = "transparent") -> None:
@@ -43,6 +43,10 @@ class StoreRelay:
         self._prefix = prefix
         self._dir = tempfile.mkdtemp(prefix="jitckpt-store-")  # 0700: only this user's processes
         self.socket_path = os.path.join(self._dir, "store.sock")
+        # Where a rank that kept its device buffers leaves them for a rank of this node that lost
+        # its own (JITCKPT_REPLICA_DIR; several nodes need a shared directory instead).
+        self.buffers_dir = os.path.join(self._dir, "buffers")
+        os.mkdir(self.buffers_dir, 0o700)
         relay = self
 
         class Handler(socketserver.BaseRequestHandler):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,9 +96,14 @@ class Launcher:
         # --transparent: the workers' libjit.so rebuild a failed communicator together through
         # the job's store (transparent recovery), which this relays to them.
         self.store_relay: Optional[StoreRelay] = None
+        self.replica_dir: Optional[str] = None  # where ranks leave device buffers for a replica
         if cfg.transparent:
             factory = self.coord.new_store_client if cfg.nnodes > 1 else local_store_factory()
             self.store_relay = StoreRelay(store_factory=factory, prefix=f"transparent/{cfg.run_id}")
+            self.replica_dir = self.store_relay.buffers_dir
+            if cfg.nnodes > 1:  # shared by every node, as the JIT checkpoints are
+                self.replica_dir = os.path.join(cfg.checkpoint_dir, f".jitckpt-replicas-{cfg.run_id}")
+                os.makedirs(self.replica_dir, mode=0o700, exist_ok=True)
         if cfg.snapshot_every:
             self.keeper = KeeperSupervisor(run_dir=str(self.run_dir), node=cfg.node_rank,
                                            python=sys.executable, env=self._base_env())
@@ -197,6 +203,8 @@ class Launcher:
             self._stop_processes()
             if self.store_relay is not None:
                 self.store_relay.close()
+                if self.replica_dir and cfg.nnodes > 1 and cfg.node_rank == 0:
+                    shutil.rmtree(self.replica_dir, ignore_errors=True)
             self.coord.close()
             if self.metrics is not None:
                 self.metrics.close()
@@ -279,6 +287,7 @@ class Launcher:
             env["JITCKPT_EVENT_GEN"] = str(gen)
             if self.store_relay is not None:
                 env["JITCKPT_STORE_SOCKET"] = self.store_relay.socket_path
+                env["JITCKPT_REPLICA_DIR"] = str(self.replica_dir)
         return env
 
     def _worker_spec(self, gen: int, local_rank: int, role: str) -> WorkerSpec:

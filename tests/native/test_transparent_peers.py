@@ -45,11 +45,11 @@ def env_for(**extra: str) -> dict[str, str]:
 class Job:
     """`jitckpt run` in a process group of its own; close() kills what is left of it by PID."""
 
-    def __init__(self, tmp: Path, name: str, steps: int, **extra: str) -> None:
+    def __init__(self, tmp: Path, name: str, steps: int, hang_timeout: float = 1, **extra: str) -> None:
         self.run, self.log = tmp / f"{name}-run", tmp / f"{name}.log"
         self.out = tmp / name
         cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(WORLD), "--transparent",
-               "--hang-timeout", "1", "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--run-dir", str(self.run),
+               "--hang-timeout", str(hang_timeout), "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--run-dir", str(self.run),
                "--max-restarts", "1", "--status-interval", "0", str(DRIVER), "--jitckpt", "--lib-dir", str(DP_LIBS),
                "--steps", str(steps), "--out", str(tmp / (name + "{rank}.bin"))]
         with open(self.log, "w") as f:
@@ -111,7 +111,10 @@ def reference(jobs, tmp: Path, steps: int) -> list[bytes]:
     return [job.final(r) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("mode", ["error", "hang"])
+# error, hang: case 1 (every rank keeps its buffers); sticky, crash: the failed rank's proxy is lost
+# with its buffers (a sticky CUDA error; the proxy killing itself), which it takes from a replica
+# (case 3).
+@pytest.mark.parametrize("mode", ["error", "hang", "sticky", "crash"])
 def test_a_collective_failure_is_recovered_on_every_rank_without_a_restart(jobs, tmp_path: Path, mode: str) -> None:
     need_build()
     expected = reference(jobs, tmp_path, STEPS)
@@ -136,7 +139,9 @@ def test_a_collective_failure_is_recovered_on_every_rank_without_a_restart(jobs,
     assert sorted(recs) == list(range(WORLD)) and all(r["recovered"] for r in recs.values()), recs
     assert {r["pid"] for r in recs.values()} == {s["pid"] for s in starts}, (recs, starts)
     for rank, rec in recs.items():
-        if mode == "error" and rank == FAIL_RANK:
+        if mode in ("sticky", "crash") and rank == FAIL_RANK:
+            assert ("sticky error" if mode == "sticky" else "was killed by signal 9") in rec["cause"], rec
+        elif mode == "error" and rank == FAIL_RANK:
             assert "NCCL failed" in rec["cause"], rec
             # It found the error at once and waited for the others' word before it gave up its proxy.
             assert 0 < rec["agree_s"] <= rec["total_s"], rec
@@ -157,24 +162,103 @@ def test_a_collective_failure_is_recovered_on_every_rank_without_a_restart(jobs,
     assert report.returncode == 0 and "peers agree" in report.stdout, report.stdout + report.stderr
 
 
-def test_a_rank_that_cannot_recover_makes_every_rank_fall_back_to_user_level(jobs, tmp_path: Path) -> None:
-    """From outside: SIGKILL one worker's proxy at a random moment of training. Its parameters were only
-    in that proxy, so that rank refuses; the others read its refusal in the store when their all-reduce
-    hangs, save JIT checkpoints from their live proxies, and the launcher restarts the job."""
+def kill_a_proxy_mid_training(jobs, tmp: Path, name: str, steps: int, **extra: str) -> tuple[Job, int]:
+    """Starts the job, SIGKILLs one worker's proxy at a random moment of training; the job and the
+    pid of the worker whose proxy it was."""
+    job = jobs(tmp, name, steps, **extra)
+
+    def proxies() -> list[psutil.Process]:
+        found = []
+        for p in job.descendants():
+            try:
+                if p.name() == "jitckpt-proxy" and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    deadline = time.monotonic() + 60
+    while len(proxies()) < WORLD and time.monotonic() < deadline and job.proc.poll() is None:
+        time.sleep(0.05)  # polling for the proxies to start, bounded by the deadline
+    time.sleep(random.uniform(0.5, 1.5))  # the random moment, well inside the run (not synchronization)
+    # One per worker by now (replay validation's scratch proxies, at minibatch 5, are long gone).
+    live = proxies()
+    assert len(live) == WORLD and len({p.ppid() for p in live}) == WORLD, (live, job.log.read_text())
+    victim = random.choice(live)
+    worker = victim.ppid()
+    victim.send_signal(signal.SIGKILL)
+    return job, worker
+
+
+def test_a_proxy_killed_mid_training_is_rebuilt_from_a_replica(jobs, tmp_path: Path) -> None:
+    """From outside: SIGKILL one worker's proxy at a random moment of training (issue 16 case 3). Its
+    parameters were only in that proxy: the others, whose all-reduce hangs, learn it through the
+    store, the lowest of them leaves its buffers of the minibatch's start in a file, the worker
+    reads them into its new proxy, and every rank replays the minibatch. No restart, bitwise. (At
+    minibatch 5, validation checked that rank 0's buffers stand in for each rank's.)"""
     need_build()
     steps = 4000  # several seconds: the kill lands mid-training
     expected = reference(jobs, tmp_path, steps)
-    job = jobs(tmp_path, "kill", steps)
+    job, worker = kill_a_proxy_mid_training(jobs, tmp_path, "kill", steps)
+    rc = job.wait(TIMEOUT_S)
+    log = job.log.read_text()
+    assert rc == 0, log
+    events = job.events()
+    kinds = [e["event"] for e in events]
+    assert kinds.count("worker_start") == WORLD and "restart" not in kinds, kinds
+    recs = [e for e in events if e["event"] == "transparent_recovery"]
+    assert len(recs) == WORLD and all(r["recovered"] for r in recs), recs
+    lost = [r for r in recs if r["pid"] == worker]
+    assert len(lost) == 1 and "was killed by signal 9" in lost[0]["cause"] and lost[0]["restore_s"] > 0, recs
+    assert "and from rank 0's" in log, log  # what validation said
+    for r in range(WORLD):
+        assert job.final(r) == expected[r], f"rank {r} differs from the failure-free run"
+
+
+def test_a_proxy_lost_inside_the_optimizer_step_takes_the_next_minibatch_from_a_replica(jobs, tmp_path: Path) -> None:
+    """Issue 16 case 4 (JIT paper §4.2.2): at step 20 every rank posts its all-reduce and optimizer
+    kernel, then waits (DP_TRAIN_OPTIMIZER_PAUSE); rank 1's proxy is killed then. The all-reduce
+    had completed, so the others finish the step and hang at step 21's all-reduce: they hold the
+    state of minibatch 21's start. Rank 1 takes those buffers, skips the rest of its step 20, and
+    goes on. No restart, bitwise. (Hang timeout 5 s: the 2 s pause is not a hang.)"""
+    need_build()
+    steps, pause_step, victim_rank = 40, 20, 1
+    expected = reference(jobs, tmp_path, steps)
+    job = jobs(tmp_path, "opt", steps, hang_timeout=5, DP_TRAIN_OPTIMIZER_PAUSE=f"{pause_step}:2000")
     deadline = time.monotonic() + 60
-    proxies: list[psutil.Process] = []
-    while len(proxies) < WORLD and time.monotonic() < deadline and job.proc.poll() is None:
-        proxies = [p for p in job.descendants() if p.name() == "jitckpt-proxy"]
-        time.sleep(0.05)  # polling for the proxies to start, bounded by the deadline
-    assert len(proxies) == WORLD, job.log.read_text()
-    time.sleep(random.uniform(0.5, 1.5))  # the random moment, well inside the run (not synchronization)
-    victim = random.choice(proxies)
-    worker = victim.ppid()
-    victim.send_signal(signal.SIGKILL)
+    paused = f"in the optimizer step of step {pause_step}"
+    while (job.log.read_text().count(paused) < WORLD and time.monotonic() < deadline
+           and job.proc.poll() is None):
+        time.sleep(0.02)  # polling the log for every rank's pause, bounded by the deadline
+    assert job.log.read_text().count(paused) == WORLD, job.log.read_text()
+    time.sleep(0.2)  # the all-reduce completes within milliseconds of the last rank posting it
+    worker = next(e["pid"] for e in job.events() if e["event"] == "worker_start" and e["rank"] == victim_rank)
+    proxies = [c for c in psutil.Process(worker).children() if c.name() == "jitckpt-proxy"]
+    assert len(proxies) == 1, proxies
+    proxies[0].send_signal(signal.SIGKILL)
+    rc = job.wait(TIMEOUT_S)
+    log = job.log.read_text()
+    assert rc == 0, log
+    events = job.events()
+    kinds = [e["event"] for e in events]
+    assert kinds.count("worker_start") == WORLD and "restart" not in kinds, kinds
+    recs = {e["rank"]: e for e in events if e["event"] == "transparent_recovery"}
+    assert sorted(recs) == list(range(WORLD)) and all(r["recovered"] for r in recs.values()), recs
+    assert "was killed by signal 9" in recs[victim_rank]["cause"], recs
+    assert all(f"step {pause_step + 1}, phase forward" in r["cause"] for k, r in recs.items() if k != victim_rank), recs
+    assert "a replica finished it, its buffers were taken, and the rest of its optimizer step is skipped" in log, log
+    for r in range(WORLD):
+        assert job.final(r) == expected[r], f"rank {r} differs from the failure-free run"
+
+
+def test_a_rank_that_cannot_recover_makes_every_rank_fall_back_to_user_level(jobs, tmp_path: Path) -> None:
+    """The same kill with replay validation off (JITCKPT_VALIDATE_AT=0): nothing says a replica's
+    buffers can stand in for the worker's, so it refuses; the others read its refusal in the store,
+    save JIT checkpoints from their live proxies, and the launcher restarts the job (case 5)."""
+    need_build()
+    steps = 4000
+    expected = reference(jobs, tmp_path, steps)
+    job, worker = kill_a_proxy_mid_training(jobs, tmp_path, "kill", steps, JITCKPT_VALIDATE_AT="0")
     rc = job.wait(TIMEOUT_S)
     log = job.log.read_text()
     assert rc == 0, log
@@ -183,6 +267,7 @@ def test_a_rank_that_cannot_recover_makes_every_rank_fall_back_to_user_level(job
     assert recs and not any(r["recovered"] for r in recs), recs
     lost = [r for r in recs if r["pid"] == worker]
     assert len(lost) == 1 and "in the lost proxy's device memory" in lost[0]["reason"], (worker, recs)
+    assert "no replay validation has checked yet that a replica's buffers stand in" in lost[0]["reason"], recs
     dead_rank = lost[0]["rank"]
     # The others found their all-reduce hung, and the dead rank's word in the store.
     others = [r for r in recs if r["pid"] != worker]

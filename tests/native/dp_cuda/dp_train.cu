@@ -11,8 +11,11 @@
 #ifndef SIMCUDA_HOST_KERNELS
 #include <nccl.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "jitckpt/marks.h"
@@ -75,6 +78,11 @@ namespace {
 
 struct Trainer {
   int rank = 0, world = 1, dim = 0, batch = 0;
+  // DP_TRAIN_OPTIMIZER_PAUSE=<step>:<ms>: at that step, after the all-reduce and the optimizer
+  // kernel are posted, dp_step says so on stdout and waits before it synchronizes, so a test can
+  // fail this rank inside its optimizer step (issue 16 case 4).
+  long long pause_step = -1;
+  long pause_ms = 0;
   float lr = 0, momentum = 0;
   ncclComm_t comm = nullptr;
   cudaStream_t compute = nullptr, comm_stream = nullptr;
@@ -120,6 +128,7 @@ int dp_get_unique_id(char* out) {
 int dp_init(int rank, int world, const char* unique_id, int device, int dim, int batch, float lr, float momentum) {
   auto* t = new Trainer();
   t->rank = rank;
+  if (const char* pause = std::getenv("DP_TRAIN_OPTIMIZER_PAUSE")) std::sscanf(pause, "%lld:%ld", &t->pause_step, &t->pause_ms);
   t->world = world;
   t->dim = dim;
   t->batch = batch;
@@ -167,6 +176,11 @@ int dp_step(long long step) {
   sgd_momentum<<<blocks(t->n(), 64), 64, 0, t->compute>>>(params, velocity, t->grad, t->n(), t->world, t->lr,
                                                           t->momentum);
   CUDA_OK(cudaGetLastError());
+  if (step == t->pause_step) {  // see dp_init
+    std::printf("rank %d: in the optimizer step of step %lld\n", t->rank, step);
+    std::fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::milliseconds(t->pause_ms));
+  }
   CUDA_OK(cudaStreamSynchronize(t->compute));
   return 0;
 }
