@@ -12,6 +12,7 @@
 
 #include "call_protocol.h"
 #include "shared_memfd.h"
+#include "unique_fd.h"
 
 namespace jitckpt {
 namespace {
@@ -65,26 +66,12 @@ bool copy_bytes(int from, off_t from_at, int to, off_t to_at, uint64_t n) {
   return true;
 }
 
-class FileDescriptor {
- public:
-  explicit FileDescriptor(int fd) : fd_(fd) {}
-  ~FileDescriptor() {
-    if (fd_ >= 0) close(fd_);
-  }
-  FileDescriptor(const FileDescriptor&) = delete;
-  FileDescriptor& operator=(const FileDescriptor&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
 }  // namespace
 
 bool DeviceBuffers::write_file(const std::string& path, std::string* why) const {
   const std::string tmp = path + ".tmp";
   {
-    FileDescriptor f(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    UniqueFd f(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
     std::string head(kFileMagic, sizeof kFileMagic);
     const uint64_t count = ranges_.size();
     head.append(reinterpret_cast<const char*>(&count), sizeof count);
@@ -110,7 +97,7 @@ bool DeviceBuffers::write_file(const std::string& path, std::string* why) const 
 bool DeviceBuffers::read_file(const std::string& path, const std::vector<ReplayJournal::DeviceRange>& expected,
                               std::string* why) {
   reset();
-  FileDescriptor f(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  UniqueFd f(open(path.c_str(), O_RDONLY | O_CLOEXEC));
   char magic[sizeof kFileMagic];
   uint64_t count = 0, total = 0;
   struct stat st {};

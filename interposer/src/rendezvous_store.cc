@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "unique_fd.h"
+
 namespace jitckpt {
 namespace {
 
@@ -33,20 +35,6 @@ bool transfer(int fd, char* p, size_t n, bool write, std::chrono::steady_clock::
   return true;
 }
 
-class Socket {
- public:
-  Socket() : fd_(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) {}
-  ~Socket() {
-    if (fd_ >= 0) close(fd_);
-  }
-  Socket(const Socket&) = delete;
-  Socket& operator=(const Socket&) = delete;
-  int fd() const { return fd_; }
-
- private:
-  int fd_;
-};
-
 }  // namespace
 
 RendezvousStore::RendezvousStore() {
@@ -57,29 +45,29 @@ bool RendezvousStore::request(const std::string& message, std::chrono::milliseco
                               std::string* why) const {
   // The launcher answers a get when the key is there or the wait is over: a little longer here.
   const auto deadline = std::chrono::steady_clock::now() + timeout + std::chrono::seconds(10);
-  Socket s;
+  UniqueFd s(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
-  if (s.fd() < 0 || path_.size() >= sizeof addr.sun_path) {
+  if (s.get() < 0 || path_.size() >= sizeof addr.sun_path) {
     *why = "cannot open a socket to the launcher's store at " + path_;
     return false;
   }
   std::memcpy(addr.sun_path, path_.c_str(), path_.size() + 1);
-  if (connect(s.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+  if (connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     *why = "cannot reach the launcher's store at " + path_ + ": " + std::strerror(errno);
     return false;
   }
   std::string out = message;
   uint8_t status = 0;
   uint32_t size = 0;
-  if (!transfer(s.fd(), out.data(), out.size(), true, deadline) ||
-      !transfer(s.fd(), reinterpret_cast<char*>(&status), 1, false, deadline) ||
-      !transfer(s.fd(), reinterpret_cast<char*>(&size), sizeof size, false, deadline) || size > (1u << 20)) {
+  if (!transfer(s.get(), out.data(), out.size(), true, deadline) ||
+      !transfer(s.get(), reinterpret_cast<char*>(&status), 1, false, deadline) ||
+      !transfer(s.get(), reinterpret_cast<char*>(&size), sizeof size, false, deadline) || size > (1u << 20)) {
     *why = "the launcher's store at " + path_ + " did not answer";
     return false;
   }
   std::string body(size, '\0');
-  if (!transfer(s.fd(), body.data(), size, false, deadline)) {
+  if (!transfer(s.get(), body.data(), size, false, deadline)) {
     *why = "the launcher's store at " + path_ + " did not answer";
     return false;
   }

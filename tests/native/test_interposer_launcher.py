@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from dp_build import DP_LIBS, DRIVER, LIBJIT, REPO, SIMCUDA, need_build
+from dp_build import DP_LIBS, DRIVER, LIBJIT, REPO, SIMCUDA, ProcessTree, need_build
 
 pytestmark = pytest.mark.native
 
@@ -34,38 +31,9 @@ def base_env() -> dict[str, str]:
     return env
 
 
-class Job:
-    """One process tree; close() kills every process seen in it, by PID."""
-
+class Job(ProcessTree):
     def __init__(self, cmd: list[str], log: Path, **env: str) -> None:
-        self.log = log
-        with open(log, "w") as f:
-            self.proc = subprocess.Popen(cmd, env={**base_env(), **env}, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-        self.seen: dict[int, psutil.Process] = {}
-
-    def wait(self, timeout: float) -> int | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                for child in psutil.Process(self.proc.pid).children(recursive=True):
-                    self.seen.setdefault(child.pid, child)
-            except psutil.NoSuchProcess:
-                pass
-            try:
-                return self.proc.wait(timeout=0.2)
-            except subprocess.TimeoutExpired:
-                continue
-        return None
-
-    def close(self) -> None:
-        for p in [psutil.Process(self.proc.pid)] if self.proc.poll() is None else []:
-            p.kill()
-        for p in self.seen.values():
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        self.proc.wait(timeout=10)
+        super().__init__(cmd, log, {**base_env(), **env})
 
 
 @pytest.fixture

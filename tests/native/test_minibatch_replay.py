@@ -21,20 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from dp_build import DP_LIBS, DRIVER, LIBJIT, REPO, SIMCUDA, need_build
+from dp_build import DP_LIBS, DRIVER, LIBJIT, REPO, dp_env, need_build
 
 pytestmark = pytest.mark.native
 STEPS = 200
 TIMEOUT_S = 120
-
-
-def env_for(**extra: str) -> dict[str, str]:
-    import os
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JITCKPT_", "SIMCUDA_")) and k != "LD_PRELOAD"}
-    env.update(LD_LIBRARY_PATH=str(SIMCUDA), PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1",
-               SIMCUDA_KERNEL_LIB=str(DP_LIBS / "libdp_train_kernels.so"), **extra)
-    return env
 
 
 def run_one_rank(tmp: Path, name: str, **extra: str) -> tuple[int, bytes | None, str]:
@@ -43,7 +34,7 @@ def run_one_rank(tmp: Path, name: str, **extra: str) -> tuple[int, bytes | None,
     proc = subprocess.run([sys.executable, str(DRIVER), "--lib-dir", str(DP_LIBS), "--rank", "0", "--world", "1",
                            "--id-file", str(tmp / f"{name}.id"), "--steps", str(STEPS), "--ckpt-dir",
                            str(tmp / f"{name}-ckpt"), "--out", str(out)],
-                          env=env_for(**extra), capture_output=True, text=True, timeout=TIMEOUT_S)
+                          env=dp_env(**extra), capture_output=True, text=True, timeout=TIMEOUT_S)
     return proc.returncode, out.read_bytes() if out.exists() else None, proc.stdout + proc.stderr
 
 
@@ -100,7 +91,7 @@ def test_jitckpt_run_transparent_reports_the_save_recreate_restore_replay_breakd
     with every phase of the breakdown, and `jitckpt report` shows them."""
     need_build()
     run = tmp_path / "run"
-    env = env_for(SIMCUDA_FAIL_MODE="error", SIMCUDA_FAIL_AT="30", SIMCUDA_FAIL_ONCE=str(tmp_path / "fired"))
+    env = dp_env(SIMCUDA_FAIL_MODE="error", SIMCUDA_FAIL_AT="30", SIMCUDA_FAIL_ONCE=str(tmp_path / "fired"))
     cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", "1", "--transparent", "--checkpoint-dir",
            str(tmp_path / "ckpt"), "--run-dir", str(run), "--max-restarts", "0", "--status-interval", "0",
            str(DRIVER), "--jitckpt", "--lib-dir", str(DP_LIBS), "--steps", str(STEPS), "--out",

@@ -16,7 +16,6 @@ checkpoints and the launcher restarts the job, bitwise again (case 5). Verified 
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dp_build import DP_LIBS, DRIVER, REPO, SIMCUDA, need_build
+from dp_build import DP_LIBS, DRIVER, ProcessTree, dp_env, need_build
 
 pytestmark = pytest.mark.native
 
@@ -35,55 +34,16 @@ WORLD, STEPS, FAIL_RANK, FAIL_AT = 3, 12, 1, 6  # SIMCUDA_FAIL_AT is 1-based: st
 TIMEOUT_S = 150
 
 
-def env_for(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JITCKPT_", "SIMCUDA_")) and k != "LD_PRELOAD"}
-    env.update(LD_LIBRARY_PATH=str(SIMCUDA), PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1",
-               SIMCUDA_KERNEL_LIB=str(DP_LIBS / "libdp_train_kernels.so"), **extra)
-    return env
-
-
-class Job:
-    """`jitckpt run` in a process group of its own; close() kills what is left of it by PID."""
+class Job(ProcessTree):
+    """`jitckpt run --transparent` of dp_train.py's jitckpt script on WORLD ranks."""
 
     def __init__(self, tmp: Path, name: str, steps: int, hang_timeout: float = 1, **extra: str) -> None:
-        self.run, self.log = tmp / f"{name}-run", tmp / f"{name}.log"
-        self.out = tmp / name
+        self.run, self.out = tmp / f"{name}-run", tmp / name
         cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(WORLD), "--transparent",
-               "--hang-timeout", str(hang_timeout), "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--run-dir", str(self.run),
-               "--max-restarts", "1", "--status-interval", "0", str(DRIVER), "--jitckpt", "--lib-dir", str(DP_LIBS),
-               "--steps", str(steps), "--out", str(tmp / (name + "{rank}.bin"))]
-        with open(self.log, "w") as f:
-            self.proc = subprocess.Popen(cmd, env=env_for(**extra), stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-        self.seen: dict[int, psutil.Process] = {}
-
-    def descendants(self) -> list[psutil.Process]:
-        try:
-            kids = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-        for k in kids:
-            self.seen.setdefault(k.pid, k)
-        return kids
-
-    def wait(self, timeout: float) -> int | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.descendants()
-            try:
-                return self.proc.wait(timeout=0.2)
-            except subprocess.TimeoutExpired:
-                continue
-        return None
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        for p in self.seen.values():
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        self.proc.wait(timeout=10)
+               "--hang-timeout", str(hang_timeout), "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--run-dir",
+               str(self.run), "--max-restarts", "1", "--status-interval", "0", str(DRIVER), "--jitckpt", "--lib-dir",
+               str(DP_LIBS), "--steps", str(steps), "--out", str(tmp / (name + "{rank}.bin"))]
+        super().__init__(cmd, tmp / f"{name}.log", dp_env(**extra))
 
     def events(self) -> list[dict]:
         return [json.loads(line) for line in (self.run / "events.jsonl").read_text().splitlines() if line.strip()]
@@ -103,6 +63,20 @@ def jobs():
     yield start
     for j in made:
         j.close()
+
+
+def assert_recovered_in_place(job: Job, expected: list[bytes]) -> tuple[dict[int, dict], str]:
+    """The job ended well, its workers were never restarted, every rank recovered transparently once,
+    and every rank's parameters are bitwise the failure-free run's. Its records by rank, and its log."""
+    log = job.log.read_text()
+    events = job.events()
+    kinds = [e["event"] for e in events]
+    assert kinds.count("worker_start") == WORLD and "restart" not in kinds, kinds
+    recs = {e["rank"]: e for e in events if e["event"] == "transparent_recovery"}
+    assert sorted(recs) == list(range(WORLD)) and all(r["recovered"] for r in recs.values()), recs
+    for r in range(WORLD):
+        assert job.final(r) == expected[r], f"rank {r} differs from the failure-free run"
+    return recs, log
 
 
 def reference(jobs, tmp: Path, steps: int) -> list[bytes]:
@@ -157,7 +131,7 @@ def test_a_collective_failure_is_recovered_on_every_rank_without_a_restart(jobs,
         assert 0 < rec["communicators_s"] <= rec["recreate_s"] and rec["restore_s"] > 0, rec
     for r in range(WORLD):
         assert job.final(r) == expected[r], f"rank {r} differs from the failure-free run"
-    report = subprocess.run([sys.executable, "-m", "jitckpt", "report", str(job.run)], env=env_for(),
+    report = subprocess.run([sys.executable, "-m", "jitckpt", "report", str(job.run)], env=dp_env(),
                             capture_output=True, text=True, timeout=60)
     assert report.returncode == 0 and "peers agree" in report.stdout, report.stdout + report.stderr
 
@@ -200,19 +174,11 @@ def test_a_proxy_killed_mid_training_is_rebuilt_from_a_replica(jobs, tmp_path: P
     steps = 4000  # several seconds: the kill lands mid-training
     expected = reference(jobs, tmp_path, steps)
     job, worker = kill_a_proxy_mid_training(jobs, tmp_path, "kill", steps)
-    rc = job.wait(TIMEOUT_S)
-    log = job.log.read_text()
-    assert rc == 0, log
-    events = job.events()
-    kinds = [e["event"] for e in events]
-    assert kinds.count("worker_start") == WORLD and "restart" not in kinds, kinds
-    recs = [e for e in events if e["event"] == "transparent_recovery"]
-    assert len(recs) == WORLD and all(r["recovered"] for r in recs), recs
-    lost = [r for r in recs if r["pid"] == worker]
+    assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
+    recs, log = assert_recovered_in_place(job, expected)
+    lost = [r for r in recs.values() if r["pid"] == worker]
     assert len(lost) == 1 and "was killed by signal 9" in lost[0]["cause"] and lost[0]["restore_s"] > 0, recs
     assert "and from rank 0's" in log, log  # what validation said
-    for r in range(WORLD):
-        assert job.final(r) == expected[r], f"rank {r} differs from the failure-free run"
 
 
 def test_a_proxy_lost_inside_the_optimizer_step_takes_the_next_minibatch_from_a_replica(jobs, tmp_path: Path) -> None:
@@ -236,19 +202,11 @@ def test_a_proxy_lost_inside_the_optimizer_step_takes_the_next_minibatch_from_a_
     proxies = [c for c in psutil.Process(worker).children() if c.name() == "jitckpt-proxy"]
     assert len(proxies) == 1, proxies
     proxies[0].send_signal(signal.SIGKILL)
-    rc = job.wait(TIMEOUT_S)
-    log = job.log.read_text()
-    assert rc == 0, log
-    events = job.events()
-    kinds = [e["event"] for e in events]
-    assert kinds.count("worker_start") == WORLD and "restart" not in kinds, kinds
-    recs = {e["rank"]: e for e in events if e["event"] == "transparent_recovery"}
-    assert sorted(recs) == list(range(WORLD)) and all(r["recovered"] for r in recs.values()), recs
+    assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
+    recs, log = assert_recovered_in_place(job, expected)
     assert "was killed by signal 9" in recs[victim_rank]["cause"], recs
     assert all(f"step {pause_step + 1}, phase forward" in r["cause"] for k, r in recs.items() if k != victim_rank), recs
     assert "a replica finished it, its buffers were taken, and the rest of its optimizer step is skipped" in log, log
-    for r in range(WORLD):
-        assert job.final(r) == expected[r], f"rank {r} differs from the failure-free run"
 
 
 def test_a_rank_that_cannot_recover_makes_every_rank_fall_back_to_user_level(jobs, tmp_path: Path) -> None:
