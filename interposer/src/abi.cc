@@ -5,6 +5,7 @@
 
 #include "jitckpt/jit_abi.h"
 #include "blocking_call.h"
+#include "proxy_forwarding.h"
 #include "registry.h"
 
 using jitckpt::Registry;
@@ -83,4 +84,10 @@ extern "C" __attribute__((visibility("default"))) void jitckpt_mark_minibatch(vo
 
 extern "C" __attribute__((visibility("default"))) void jitckpt_mark_optimizer_step(void) {
   Registry::instance().set_phase("optimizer");
+}
+
+// The undo plugin's inverse kernels (include/jitckpt/undo.h).
+extern "C" __attribute__((visibility("default"))) int jitckpt_register_inverse(const void* kernel, const void* inverse) {
+  if (!Registry::instance().proxy().enabled()) return 0;
+  return jitckpt::proxy_mode::register_inverse(kernel, inverse);
 }

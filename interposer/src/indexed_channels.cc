@@ -1,6 +1,7 @@
 #include "indexed_channels.h"
 
 #include <algorithm>
+#include <thread>
 
 namespace jitckpt {
 
@@ -41,6 +42,21 @@ void IndexedChannels::drop(uint32_t index) {
   by_index_[index] = nullptr;
   auto it = std::find_if(owned_.begin(), owned_.end(), [&](const auto& c) { return c.get() == ch; });
   if (it != owned_.end()) owned_.erase(it);  // the primary channel belongs to the client
+}
+
+bool IndexedChannels::wait_for_posted(const proxy::ProxyChannel* except,
+                                      std::chrono::steady_clock::time_point deadline) const {
+  for (const proxy::ProxyChannel* ch : by_index_) {
+    if (ch == nullptr || ch == except) continue;
+    for (int spins = 0; !ch->posted_served(); ++spins) {
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      if (spins < 64)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  return true;
 }
 
 }  // namespace jitckpt

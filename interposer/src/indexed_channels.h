@@ -4,6 +4,7 @@
 // proxy and for a validation's scratch proxy. Not thread-safe: the owner locks.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -23,6 +24,9 @@ class IndexedChannels {
   proxy::ProxyChannel* find(uint32_t index) const;
   // Forgets the channel of `index` (closed on the proxy's side already); a later get opens another.
   void drop(uint32_t index);
+  // Waits (until `deadline` at most) for the proxy to have executed what every channel but
+  // `except` posted without a reply so far. False on the deadline.
+  bool wait_for_posted(const proxy::ProxyChannel* except, std::chrono::steady_clock::time_point deadline) const;
 
  private:
   proxy::ProxyClient* client_ = nullptr;

@@ -50,6 +50,42 @@ std::string fresh_unique_id(proxy::ProxyChannel& ch, std::string* why) {
   return "";
 }
 
+uint32_t sync_tag() { return proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_cudaDeviceSynchronize); }
+
+proxy::CallResult synchronize(proxy::ProxyChannel& ch, std::chrono::milliseconds wait) {
+  std::vector<uint8_t> request(sizeof(proxy::RequestHead), 0);
+  const uint64_t seq = ch.next_seq();
+  const proxy::RequestHead head{seq, 0u, 0};
+  std::memcpy(request.data(), &head, sizeof head);
+  return ch.call_raw(sync_tag(), request.data(), request.size(), seq, wait);
+}
+
+// The undo plugin's inverse launches on the restored buffers, waited for (update_undo.h).
+bool run_undo(ReplayTarget& target, std::string* why) {
+  for (const UndoLaunch& u : target.undo) {
+    proxy::ProxyChannel* ch = target.channels.get(u.channel, why);
+    if (ch == nullptr) return false;
+    std::vector<uint8_t> request = u.request;
+    const proxy::RequestHead head{ch->next_seq(), proxy::kNoReply, 0};
+    std::memcpy(request.data(), &head, sizeof head);
+    if (std::string err = ch->post(static_cast<uint32_t>(proxy::Call::kLaunchKernel), request.data(), request.size(),
+                                   kWhileTheProxyLives);
+        !err.empty()) {
+      *why = "undoing the optimizer step: " + err;
+      return false;
+    }
+  }
+  proxy::ProxyChannel* ch = target.channels.get(0, why);
+  if (ch == nullptr) return false;
+  const proxy::CallResult r = synchronize(*ch, kWhileTheProxyLives);
+  if (r.status != 0 || r.async_status != 0) {
+    *why = "undoing the optimizer step failed: " +
+           (r.error.empty() ? "status " + std::to_string(r.status != 0 ? r.status : r.async_status) : r.error);
+    return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const DeviceBuffers* buffers,
@@ -67,6 +103,7 @@ bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const De
       out->recreated = std::chrono::steady_clock::now();
       proxy::ProxyChannel* ch = target.channels.get(0, why);
       if (ch == nullptr || !buffers->restore(client, *ch, target.next_token(), why)) return false;
+      if (!target.undo.empty() && !run_undo(target, why)) return false;
       out->restored = std::chrono::steady_clock::now();
     }
     if (i == journal.size()) break;
@@ -169,18 +206,13 @@ bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const De
   // deterministic one, which a replay cannot get past) is found here, not by a later call.
   proxy::ProxyChannel* ch = target.channels.get(0, why);
   if (ch == nullptr) return false;
-  const uint32_t sync = proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_cudaDeviceSynchronize);
-  request.assign(sizeof(proxy::RequestHead), 0);
-  const uint64_t seq = ch->next_seq();
-  const proxy::RequestHead head{seq, 0u, 0};
-  std::memcpy(request.data(), &head, sizeof head);
-  proxy::CallResult r = ch->call_raw(sync, request.data(), request.size(), seq, peers ? target.peer_wait : kWhileTheProxyLives);
+  proxy::CallResult r = synchronize(*ch, peers ? target.peer_wait : kWhileTheProxyLives);
   if (r.status == 999) {
     *why = "after the replay: " + (client.death().empty() ? r.error + " (the peers did not replay with this process)"
                                                            : client.death());
     return false;
   }
-  if (std::string again = proxy_unusable(sync, r); !again.empty()) {
+  if (std::string again = proxy_unusable(sync_tag(), r); !again.empty()) {
     *why = "the replayed work failed again: " + again + " (a fault in the program, not the device?)";
     return false;
   }

@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "device_buffers.h"
 #include "indexed_channels.h"
@@ -22,6 +23,13 @@ namespace jitckpt {
 // case 1): rank 0 offers `fresh` (made by the target), every rank gets back the agreed id.
 using CommRendezvous = std::function<bool(const std::string& recorded_id, int rank, const std::string& fresh,
                                           std::string* agreed, std::string* why)>;
+
+// A request posted right after the buffers are restored, before the minibatch's calls: the undo
+// plugin's inverse of an optimizer-step kernel that had run (update_undo.h). Its head is filled in.
+struct UndoLaunch {
+  uint32_t channel = 0;          // the index of the channel the undone launch was made on
+  std::vector<uint8_t> request;  // RequestHead, LaunchKernel (the inverse's id), the parameters
+};
 
 struct ReplayTarget {
   proxy::ProxyClient& client;
@@ -39,6 +47,8 @@ struct ReplayTarget {
   // The buffers are a replica's of the next minibatch's start (case 4): the current minibatch's
   // calls are not replayed.
   bool skip_minibatch = false;
+  // Run on the restored buffers, in order, and waited for, before the minibatch's calls.
+  std::vector<UndoLaunch> undo;
 };
 
 struct ReplayOutcome {

@@ -123,7 +123,18 @@ cudaError_t launch(const void* func, dim3 grid, dim3 block, void** args, size_t 
   std::memset(params, 0, k->param_bytes);
   for (size_t i = 0; i < k->params.size(); ++i) std::memcpy(params + k->params[i].offset, args[i], k->params[i].size);
   w.bytes(params, k->param_bytes);
-  return w.send("cudaLaunchKernel").status<cudaError_t>();
+  const cudaError_t e = w.send("cudaLaunchKernel").status<cudaError_t>();
+  // The undo plugin tells later which of the optimizer step's launches ran (update_undo.h).
+  if (e == cudaSuccess && session().undo().in_optimizer_step())
+    session().undo().launched(session().last_journal_id(), static_cast<uint32_t>(k->proxy_id), k->name, stream);
+  return e;
+}
+
+bool same_parameters(const ClientKernel& a, const ClientKernel& b) {
+  if (a.params.size() != b.params.size()) return false;
+  for (size_t i = 0; i < a.params.size(); ++i)
+    if (a.params[i].offset != b.params[i].offset || a.params[i].size != b.params[i].size) return false;
+  return true;
 }
 
 cudaError_t host_alloc(void** ptr, size_t size, unsigned int flags) {
@@ -214,6 +225,20 @@ void record_cuda_error(cudaError_t e) {
   if (e != cudaSuccess && e != cudaErrorNotReady) t_last_cuda_error = e;
 }
 void record_nccl_error(const char* text) { std::snprintf(t_last_nccl_error, sizeof t_last_nccl_error, "%s", text); }
+
+int register_inverse(const void* kernel, const void* inverse) {
+  ClientKernel* k = nullptr;
+  ClientKernel* inv = nullptr;
+  if (registered(kernel, &k) != cudaSuccess) return 1;  // said on stderr
+  if (inverse != nullptr && registered(inverse, &inv) != cudaSuccess) return 1;
+  if (inv != nullptr && !same_parameters(*k, *inv)) {
+    log_always("jitckpt_register_inverse: %s takes other parameters than %s; an inverse is launched with the "
+               "arguments of the kernel it undoes, so it must take the same ones", inv->name.c_str(), k->name.c_str());
+    return 1;
+  }
+  session().undo().add(static_cast<uint32_t>(k->proxy_id), inv != nullptr ? inv->proxy_id : -1);
+  return 0;
+}
 
 namespace proxy_call {
 
@@ -376,6 +401,12 @@ cudaError_t cudaGetLastError(void) {
   return e;
 }
 cudaError_t cudaPeekAtLastError(void) { return t_last_cuda_error; }
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus* pCaptureStatus) {
+  if (pCaptureStatus == nullptr) return cudaErrorInvalidValue;
+  *pCaptureStatus = cudaStreamCaptureStatusNone;  // capture is refused in proxy mode
+  return cudaSuccess;
+}
 const char* ncclGetLastError(ncclComm_t) { return t_last_nccl_error; }
 
 const char* cudaGetErrorName(cudaError_t error) {

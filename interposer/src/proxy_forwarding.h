@@ -151,6 +151,9 @@ class CallWriter {
   bool no_reply_;
 };
 
+// jitckpt_register_inverse() (include/jitckpt/undo.h) in proxy mode: 0, or 1 with the reason on stderr.
+int register_inverse(const void* kernel, const void* inverse);
+
 // Generated: the proxy-mode definition of an entry point, or nullptr.
 void* forwarder(const char* name);
 // Hand-written: the nvcc ABI entry points that are not in the headers (__cudaLaunchKernel, ...).

@@ -123,6 +123,7 @@ namespace {
 thread_local proxy::ProxyChannel* t_channel = nullptr;
 thread_local uint64_t t_generation = 0;
 thread_local uint32_t t_index = 0;
+thread_local int64_t t_last_journal_id = -1;
 
 // Closes the channel of a thread other than the main one when it exits, so threads that come and go
 // leave no rings and no idle proxy thread behind. The main thread's stays open: static destructors
@@ -185,6 +186,8 @@ proxy::ProxyChannel* ProxySession::channel(std::string* why) {
   if (first && static_cast<pid_t>(syscall(SYS_gettid)) != getpid()) t_closer.armed = true;
   return t_channel;
 }
+
+int64_t ProxySession::last_journal_id() const { return t_last_journal_id; }
 
 void ProxySession::close_channel(uint32_t index) {
   std::shared_lock<std::shared_mutex> shared(recovery_mu_);
@@ -262,6 +265,7 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
                           : journal_.append(tag, t_index, seq, no_reply, payload.data(), payload.size(), fd, fd_token,
                                             source ? &source->source : nullptr, source ? source->bytes : nullptr,
                                             source ? source->size : 0);
+    t_last_journal_id = index;
     if (fd >= 0 && !client_->send_fd(fd, fd_token)) {
       r.status = 999;
       r.error = "cannot hand shared memory to the proxy: " + client_->death();
@@ -269,8 +273,10 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
       r.error = ch->post(tag, payload.data(), payload.size(), kWhileTheProxyLives);
       if (!r.error.empty()) r.status = 999;
     } else if (watched) {
+      wait_for_other_threads(ch);
       r = ch->call_raw(tag, payload.data(), payload.size(), seq, answer_within);
     } else {
+      wait_for_other_threads(ch);
       if (waiting_.fetch_add(1) == 0) waiting_since_ns_ = std::chrono::steady_clock::now().time_since_epoch().count();
       r = ch->call_raw(tag, payload.data(), payload.size(), seq, kWhileTheProxyLives);
       waiting_.fetch_sub(1);
@@ -307,7 +313,7 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     if (sticky && !device_fault) {  // NCCL failed; the device memory is readable
       // The proxy ran no device work after the failed call (it is fenced): its phase is what counts.
       const int64_t failed = earlier ? journal_.find(t_index, r.async_seq, r.async_call) : index;
-      save_device(ch, generation, journal_.phase_of(failed));
+      save_device(ch, generation, journal_.phase_of(failed), DeviceBuffers::WaitFor::kQueuedWork, failed);
     }
     if (sticky) {  // the proxy still runs: with a peer that cannot rebuild, user-level recovery takes over
       if (std::string no = agree_to_rebuild(generation); !no.empty()) {
@@ -338,6 +344,19 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     if (!no_reply) take_async_report(r);
     return r;
   }
+}
+
+// Each thread has a channel of its own, which the proxy serves on a thread of its own, so a call
+// posted without a reply (an event record, a launch) may still sit in its ring when another thread
+// makes a synchronous call. On a GPU the work has reached the driver once the call returns: a
+// thread that learns through host memory that another recorded an event (libjit.so's send-log
+// writer; an allocator's event queries) sees the record in its cudaEventQuery. Here that holds only
+// if the proxy has run what other threads posted first. Bounded: a posted call stuck in the proxy
+// longer than a second holds up no other thread beyond that (the order is then not guaranteed).
+void ProxySession::wait_for_other_threads(proxy::ProxyChannel* ch) {
+  if (next_index_.load(std::memory_order_relaxed) <= 1) return;  // one thread: its ring is in order
+  std::lock_guard<std::mutex> lock(mu_);  // the channels stay open meanwhile
+  channels_.wait_for_posted(ch, std::chrono::steady_clock::now() + std::chrono::seconds(1));
 }
 
 std::string ProxySession::kill_hung_proxy(uint64_t generation, uint32_t tag, std::chrono::milliseconds waited) {
@@ -453,14 +472,23 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   }
   bool restore = false;
   ReplayJournal::Phase phase = journal_.phase();
+  std::vector<UndoLaunch> undo;  // the undo plugin's: the optimizer step's launches that ran, inverted
+  bool undid = false;
   {
     std::lock_guard<std::mutex> lock(save_mu_);
     if (save_.generation == generation_) phase = save_.phase;
-    if (phase == ReplayJournal::Phase::kMinibatch) {
+    const bool undone = save_.generation == generation_ && undo_.enabled() && save_.undoable();
+    if (phase == ReplayJournal::Phase::kMinibatch || undone) {
       restore = true;
       record->save_s = save_.seconds;
     }
+    if (undone) {
+      undid = true;
+      undo = std::move(save_.undo);
+      phase = ReplayJournal::Phase::kMinibatch;  // from its start, once undone
+    }
   }
+  record->undone = undo.size();
   const auto t0 = std::chrono::steady_clock::now();
   record->calls = journal_.size();
   record->bytes = journal_.total_bytes();
@@ -479,7 +507,7 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
   ReplayTarget target{*client_, channels_, [this] { return next_token(); }, /*private_memfds=*/false,
                       [this](const std::string& recorded, int rank, const std::string& fresh, std::string* agreed,
                              std::string* problem) { return agree_unique_id(recorded, rank, fresh, agreed, problem); },
-                      peer_wait(), skip_minibatch};
+                      peer_wait(), skip_minibatch, std::move(undo)};
   ReplayOutcome outcome;
   DeviceBuffers buffers;
   if (restore) {
@@ -520,6 +548,9 @@ bool ProxySession::replay_locked(const std::string& what, std::string* why, Reco
             "taken, and the rest of its optimizer step is skipped";
   else if (!save_.from_replica.empty())
     scope += ", on a replica's buffers";
+  else if (undid)
+    scope += ", after undoing the " + std::to_string(record->undone) + " launch(es) of its optimizer step that had run "
+             "(--plugin undo)";
   log_always("proxy mode: recovered: jitckpt-proxy pid %d took over after replaying %zu calls (%s) in %.1f ms (save "
              "buffers %.1f ms, new proxy %.1f ms, recreate handles and communicators %.1f ms, restore buffers %.1f "
              "ms, replay %.1f ms, device synchronize %.1f ms; of them, waiting for the peers' word %.1f ms, "
@@ -538,6 +569,7 @@ void ProxySession::mark_minibatch() {
   // A second mark with no call since the first (the Python runtime's and the program's own) is one.
   if (journal_.phase() == ReplayJournal::Phase::kMinibatch && journal_.next_id() == journal_.minibatch_start()) return;
   journal_.mark_minibatch(std::move(live));
+  undo_.minibatch();
   ++minibatches_;
   skip_until_mark_ = false;
   if (validate_at_ > 0 && (minibatches_ == validate_at_ ||
@@ -565,6 +597,7 @@ void ProxySession::mark_optimizer_step() {
   {
     std::shared_lock<std::shared_mutex> shared(recovery_mu_);
     journal_.mark_optimizer_step();
+    undo_.optimizer_step();
     if (validation_start_.empty() || validation_mark_ != journal_.minibatch_start()) return;
   }
   validate();
@@ -642,7 +675,7 @@ void ProxySession::validate() {
                                          std::string* agreed, std::string* problem) {
                             return agree_scratch_id(replay, recorded, rank, fresh, agreed, problem);
                           },
-                          std::chrono::seconds(60)};
+                          std::chrono::seconds(60), /*skip_minibatch=*/false, /*undo=*/{}};
       ReplayOutcome outcome;
       DeviceBuffers replayed;
       if (!replay_journal(journal_, target, &from, &outcome, problem)) {
@@ -731,18 +764,22 @@ void ProxySession::validate() {
 }
 
 void ProxySession::save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase,
-                               DeviceBuffers::WaitFor wait) {
+                               DeviceBuffers::WaitFor wait, int64_t failed) {
   std::lock_guard<std::mutex> lock(save_mu_);
   if (save_.generation == generation) return;  // another thread's failure came first
   save_ = DeviceSave{};
   save_.generation = generation;
   save_.phase = phase;
-  if (phase != ReplayJournal::Phase::kMinibatch) return;  // a full replay, or no use (optimizer step)
+  // A full replay, or, in the optimizer step, of no use without the undo plugin.
+  const bool undo = phase == ReplayJournal::Phase::kOptimizerStep && undo_.enabled();
+  if (phase != ReplayJournal::Phase::kMinibatch && !undo) return;
   const auto t0 = std::chrono::steady_clock::now();
   // Bounded: a device that does not finish its queued work is not one to copy from.
   if (!save_.buffers.save(*client_, *ch, next_token(), journal_.allocations_at_mark(), std::chrono::seconds(60),
                           &save_.failure, wait))
     return;
+  // After the copies: with kQueuedWork the device has finished what it would run by now.
+  if (undo) undo_.plan(*ch, journal_, failed, &save_.undo, &save_.undo_problem);
   save_.saved = true;
   save_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -788,9 +825,14 @@ std::string ProxySession::why_not_rebuildable(uint64_t generation, bool* from_re
   const bool from_live_proxy = save_.generation == generation;  // its buffers could be read
   if (from_live_proxy) phase = save_.phase;                       // the failed call's
   if (phase == ReplayJournal::Phase::kUnmarked) return "";  // every call replayed: no buffers needed
-  if (from_live_proxy && phase == ReplayJournal::Phase::kOptimizerStep)
+  if (from_live_proxy && phase == ReplayJournal::Phase::kOptimizerStep) {
+    if (undo_.enabled() && save_.undoable()) return "";  // undone in the new proxy, then replayed
     return "the failure was found during the optimizer step, which changes parameters and optimizer state in "
-           "place (they may be partly updated), and its proxy's peers are in the same step (no replica finished it)";
+           "place (they may be partly updated), and its proxy's peers are in the same step (no replica finished it)" +
+           (!undo_.enabled() ? std::string("; `--plugin undo` with the kernels' inverses registered (jitckpt/undo.h) "
+                                           "would undo the partial step")
+                             : "; --plugin undo cannot undo it: " + (save_.saved ? save_.undo_problem : save_.failure));
+  }
   if (from_live_proxy && save_.saved) return "";
   // The buffers are lost with the proxy (or could not be copied out of it: a sticky error found
   // first as a communicator's error). They come from a replica: of this minibatch's start if the
@@ -841,6 +883,7 @@ struct Word {
   enum Kind { kNo, kYes, kReplica } kind = kNo;
   uint64_t minibatch = 0;
   bool optimizer_step = false;  // a replica word's: its optimizer step had begun
+  bool undo = false;            // a yes word's: its buffers are partly updated, undone only in its replay
   std::string text;
 };
 
@@ -853,6 +896,7 @@ Word parse_word(const std::string& text) {
   char* end = nullptr;
   w.minibatch = std::strtoull(text.c_str() + (yes ? 4 : 8), &end, 10);
   w.optimizer_step = end != nullptr && std::strcmp(end, "/optimizer") == 0;
+  w.undo = end != nullptr && std::strcmp(end, "/undo") == 0;
   return w;
 }
 
@@ -875,6 +919,8 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation) {
     if (mine.empty()) {
       text = (from_replica ? "replica/" : "yes/") + std::to_string(minibatches_.load());
       if (from_replica && journal_.phase() == ReplayJournal::Phase::kOptimizerStep) text += "/optimizer";
+      std::lock_guard<std::mutex> lock(save_mu_);
+      if (!from_replica && save_.generation == generation && save_.undoable()) text += "/undo";
     }
     for (const ReplayJournal::PeerComm& c : comms) {
       std::string problem;
@@ -907,9 +953,10 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation) {
       // the collective of the same minibatch (its start's buffers: case 3), or of the next one when
       // the lost rank's optimizer step had got past that collective (case 4: the replica finished
       // the step, the lost rank skips the rest of it).
+      // A rank that undoes a partial optimizer step holds its buffers undone only in its new proxy.
       int donor = -1;
       for (int r = 0; r < c.nranks && donor < 0; ++r)
-        if (words[static_cast<size_t>(r)].kind == Word::kYes) donor = r;
+        if (words[static_cast<size_t>(r)].kind == Word::kYes && !words[static_cast<size_t>(r)].undo) donor = r;
       for (int r = 0; r < c.nranks && verdict.empty(); ++r) {
         const Word& w = words[static_cast<size_t>(r)];
         if (w.kind != Word::kReplica) continue;
@@ -917,7 +964,9 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation) {
         if (comms.size() != 1) {
           verdict = who + " lost its buffers, and this rank has several communicators with peers";
         } else if (donor < 0) {
-          verdict = "every rank of a communicator of " + std::to_string(c.nranks) + " lost its buffers: no replica";
+          verdict = "every rank of a communicator of " + std::to_string(c.nranks) +
+                    " lost its buffers or is partly through its optimizer step (--plugin undo undoes that in its "
+                    "own replay only): no replica";
         } else {
           const uint64_t at = words[static_cast<size_t>(donor)].minibatch;
           const bool same = at == w.minibatch, next = at == w.minibatch + 1 && w.optimizer_step;

@@ -27,6 +27,7 @@
 #include "recovery_event.h"
 #include "rendezvous_store.h"
 #include "replay_journal.h"
+#include "update_undo.h"
 
 namespace jitckpt {
 
@@ -41,6 +42,9 @@ class ProxySession {
   bool enabled() const { return enabled_; }
   ProxyKernels& kernels() { return kernels_; }
   HostRegistrations& registrations() { return registrations_; }
+  UpdateUndo& undo() { return undo_; }
+  // The journal id of this thread's last call (-1 if it was not journaled).
+  int64_t last_journal_id() const;
 
   // A copy from host memory the proxy shares, and the bytes it reads (see ReplayJournal::HostSource).
   struct SourceCopy {
@@ -140,8 +144,13 @@ class ProxySession {
   bool replay_locked(const std::string& what, std::string* why, RecoveryRecord* record);
   // Before a proxy whose communicators failed (its device still works) is replaced: copies the
   // allocations live at the minibatch's start into a memfd, for the new proxy (save_).
+  // With the undo plugin, a failure in the optimizer step saves them too, with the inverse launches
+  // of the optimizer step's kernels posted before journal id `failed` that had run.
   void save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase,
-                   DeviceBuffers::WaitFor wait = DeviceBuffers::WaitFor::kQueuedWork);
+                   DeviceBuffers::WaitFor wait = DeviceBuffers::WaitFor::kQueuedWork, int64_t failed = INT64_MAX);
+  // Before a synchronous call on `ch`: what other threads posted without a reply has run in the
+  // proxy (see the definition).
+  void wait_for_other_threads(proxy::ProxyChannel* ch);
   // recover_now and recover_from_hang: save, kill the old proxy, replace it.
   bool recover_live(const std::string& what, bool hung, bool posted_in_optimizer_step);
   // Why a failure cannot be recovered here ("" if it can): the journal is off, or cannot be replayed.
@@ -164,9 +173,10 @@ class ProxySession {
   const bool enabled_;
   ProxyKernels kernels_;
   HostRegistrations registrations_;
+  UpdateUndo undo_;
   std::mutex mu_;  // starting the proxy, opening channels
   std::unique_ptr<proxy::ProxyClient> client_;
-  uint32_t next_index_ = 0;  // channel indices, one per thread that made calls (0: the primary channel)
+  std::atomic<uint32_t> next_index_{0};  // channel indices, one per thread that made calls (0: the primary channel)
   IndexedChannels channels_;  // the current proxy's channel of each thread's index
   std::string start_failure_;
 
@@ -187,6 +197,11 @@ class ProxySession {
     DeviceBuffers buffers;
     double seconds = 0;
     std::string from_replica;  // the file they came from, if a replica's
+    // A failure in the optimizer step with the undo plugin: the inverse launches that bring the
+    // buffers back to the minibatch's start, or why there are none.
+    std::vector<UndoLaunch> undo;
+    std::string undo_problem;
+    bool undoable() const { return phase == ReplayJournal::Phase::kOptimizerStep && saved && undo_problem.empty(); }
   };
   std::mutex save_mu_;
   DeviceSave save_;

@@ -56,6 +56,7 @@ void append_recovery_event(const RecoveryRecord& r) {
   if (!r.recovered) w.key("reason").value(r.reason);
   w.key("calls").value(static_cast<uint64_t>(r.calls));
   w.key("minibatch_calls").value(static_cast<uint64_t>(r.minibatch_calls));
+  w.key("undone").value(static_cast<uint64_t>(r.undone));
   w.key("bytes").value(static_cast<uint64_t>(r.bytes));
   w.key("save_s").value(r.save_s);
   w.key("new_proxy_s").value(r.new_proxy_s);

@@ -16,6 +16,7 @@ struct RecoveryRecord {
   size_t calls = 0;    // journal entries replayed
   size_t minibatch_calls = 0;  // of them, the current minibatch's (all of them without marks)
   size_t bytes = 0;
+  size_t undone = 0;   // optimizer-step launches undone by the undo plugin before the replay
   // The breakdown (JIT paper Table 7's phases that apply): copy the buffers live at the minibatch's
   // start out of the old proxy (with minibatch marks); start a new proxy; recreate what the program
   // built (allocations, handles, communicators: the journal's calls before the minibatch); put the

@@ -217,6 +217,16 @@ int64_t ReplayJournal::find(uint32_t channel, uint64_t seq, uint32_t tag) const 
   return -1;
 }
 
+bool ReplayJournal::request(int64_t id, std::vector<uint8_t>* bytes, uint32_t* channel) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = std::lower_bound(entries_.begin(), entries_.end(), id,
+                             [](const Entry& e, int64_t want) { return static_cast<int64_t>(e.id) < want; });
+  if (id < 0 || it == entries_.end() || static_cast<int64_t>(it->id) != id || it->has_source) return false;
+  bytes->assign(bytes_.data() + it->offset, bytes_.data() + it->offset + it->size);
+  *channel = it->channel;
+  return true;
+}
+
 ReplayJournal::Phase ReplayJournal::phase() const {
   std::lock_guard<std::mutex> lock(mu_);
   return phase_;

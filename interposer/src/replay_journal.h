@@ -82,6 +82,9 @@ class ReplayJournal {
   int64_t find(uint32_t channel, uint64_t seq, uint32_t tag) const;
   // The device allocations live when the current minibatch started.
   std::vector<DeviceRange> allocations_at_mark() const;
+  // The request of the call with this id as it was sent, and its channel index; false if the
+  // journal does not hold it.
+  bool request(int64_t id, std::vector<uint8_t>* bytes, uint32_t* channel) const;
 
   bool on() const;
   // Drops the journal for good, saying why on stderr.

@@ -135,6 +135,10 @@ void SendLog::writer_loop() {
     // Every copy that has completed is taken, in queue order, not only the oldest: a copy stuck
     // behind a blocked stream must not hold back the messages of other streams. Events are
     // polled (never cudaEventSynchronize), so flush() keeps its deadline.
+    // A flush asked for before this pass's queries: every copy the application waited for before
+    // it asked shows as done in them, so only copies still running are left for a later chunk.
+    // One asked for meanwhile is served by the next pass.
+    const int64_t flush_seen = flush_requests_;
     std::deque<Pending> batch;
     batch.swap(queue_);
     lock.unlock();
@@ -156,7 +160,7 @@ void SendLog::writer_loop() {
     for (Pending& p : failed) give_back(&p);
     if (!failed.empty()) fail("a send's device-to-host copy failed");
     for (Pending& p : ready) chunk_.push_back(std::move(p));
-    const bool flushing = flush_requests_ > flushes_done_;
+    const bool flushing = flush_seen > flushes_done_;
     while (chunk_.size() >= chunk_records_ || (flushing && !chunk_.empty())) {
       size_t n = std::min(chunk_.size(), chunk_records_);
       std::vector<Pending> records(std::make_move_iterator(chunk_.begin()),
@@ -171,7 +175,7 @@ void SendLog::writer_loop() {
       written_.notify_all();
     }
     if (flushing && queue_.empty() && chunk_.empty()) {
-      flushes_done_ = flush_requests_;
+      flushes_done_ = flush_seen;
       written_.notify_all();
     }
     if (!queue_.empty() && ready.empty()) {  // copies still running: back off, up to 10 ms

@@ -60,6 +60,8 @@ CLIENT: dict[str, str] = {
        for n in ("cudaGetLastError", "cudaPeekAtLastError", "ncclGetLastError")},
     **{n: "version numbers" for n in ("cudaRuntimeGetVersion", "ncclGetVersion")},
     "cudaCreateChannelDesc": "a pure function of its arguments",
+    "cudaStreamIsCapturing": ("no stream is capturing: stream capture is refused in proxy mode "
+                              "(cudaStreamBeginCapture), so the answer is cudaStreamCaptureStatusNone"),
     "ncclParamDumpAll": "prints NCCL's parameters (environment), no device state",
 }
 
@@ -71,8 +73,7 @@ REFUSED: dict[str, str] = {
        for n in ("cudaIpcGetMemHandle", "cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle", "cudaIpcGetEventHandle",
                  "cudaIpcOpenEventHandle")},
     **{n: _NOT_YET + "CUDA graphs and stream capture" for n in (
-        "cudaStreamBeginCapture", "cudaStreamBeginCaptureToGraph", "cudaStreamEndCapture", "cudaStreamIsCapturing",
-        "cudaStreamGetCaptureInfo", "cudaStreamUpdateCaptureDependencies", "cudaThreadExchangeStreamCaptureMode",
+        "cudaStreamBeginCapture", "cudaStreamBeginCaptureToGraph", "cudaStreamEndCapture", "cudaStreamGetCaptureInfo", "cudaStreamUpdateCaptureDependencies", "cudaThreadExchangeStreamCaptureMode",
         "cudaGraphAddNode", "cudaGraphConditionalHandleCreate", "cudaGraphDestroy", "cudaGraphExecDestroy",
         "cudaGraphGetNodes", "cudaGraphInstantiateWithFlags", "cudaGraphLaunch", "cudaGraphNodeGetDependencies",
         "cudaGraphRetainUserObject", "cudaUserObjectCreate", "cudaUserObjectRelease")},

@@ -156,7 +156,10 @@ std::string ProxyChannel::post(uint32_t tag, const void* payload, size_t len, st
   const auto deadline = Clock::now() + timeout;
   while (true) {  // the ring may be full while the proxy works through earlier calls
     RingStatus s = requests_.push(tag, payload, len, std::min(deadline, Clock::now() + kWaitSlice));
-    if (s == RingStatus::kOk) return "";
+    if (s == RingStatus::kOk) {
+      posted_end_.store(requests_.published(), std::memory_order_release);
+      return "";
+    }
     if (s == RingStatus::kTooLarge)
       return "a request of " + std::to_string(len) + " bytes exceeds the ring's " + std::to_string(requests_.max_payload());
     if (std::string d = owner_.death(); !d.empty()) return d;

@@ -9,6 +9,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -52,6 +53,8 @@ class ProxyChannel {
   std::string post(uint32_t tag, const void* payload, size_t len,
                    std::chrono::milliseconds timeout = std::chrono::seconds(60));
   uint64_t next_seq() { return ++seq_; }
+  // Whether the proxy has executed every request posted without a reply so far (any thread may ask).
+  bool posted_served() const { return requests_.consumed() >= posted_end_.load(std::memory_order_acquire); }
   ShmRing& request_ring() { return requests_; }  // for tests of the proxy's validation
 
  private:
@@ -60,6 +63,7 @@ class ProxyChannel {
   ShmRing requests_;
   ShmRing replies_;
   uint64_t seq_ = 0;
+  std::atomic<uint64_t> posted_end_{0};  // the request ring's position after the last post()
 };
 
 class ProxyClient {

@@ -76,6 +76,11 @@ class ShmRing {
                   std::chrono::steady_clock::time_point deadline, std::string* error);
   void release();
 
+  // The producer's position after its last message, and how far the consumer has released
+  // (the proxy releases a request once it has executed it).
+  uint64_t published() const { return header_->tail.load(std::memory_order_acquire); }
+  uint64_t consumed() const { return header_->head.load(std::memory_order_acquire); }
+
   // For tests of the reader's validation: the raw message space.
   uint8_t* raw_data() { return data_; }
 

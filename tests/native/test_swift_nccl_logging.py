@@ -12,6 +12,8 @@ survivor goes on without rolling back.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -38,8 +40,13 @@ def _expected(it: int, mb: int, n: int = N) -> torch.Tensor:
     return torch.tensor(float(100 * it + 10 * mb), dtype=torch.float32) + torch.tensor(0.001, dtype=torch.float32) * i
 
 
-def _run(prog: Program, tmp_path, *, drop_through: int = 0, chunk: int = 2) -> list[dict]:
-    env = prog.env(LD_PRELOAD=str(LIBJIT), JITCKPT_SEND_LOG_CHUNK=str(chunk), JITCKPT_GEN=str(GEN))
+# Observe mode, and proxy mode (`--transparent`): there the send log's pinned copies and events,
+# and the receive replay's copies, run behind the proxy's NCCL calls (issue 16's logging plugin).
+MODES = {"observe": {}, "proxy": {"JITCKPT_MODE": "proxy"}}
+
+
+def _run(prog: Program, tmp_path, *, drop_through: int = 0, chunk: int = 2, mode: str = "observe") -> list[dict]:
+    env = prog.env(LD_PRELOAD=str(LIBJIT), JITCKPT_SEND_LOG_CHUNK=str(chunk), JITCKPT_GEN=str(GEN), **MODES[mode])
     dirs = [tmp_path / f"stage{r}" for r in range(2)]
     for d in dirs:
         d.mkdir()
@@ -49,11 +56,13 @@ def _run(prog: Program, tmp_path, *, drop_through: int = 0, chunk: int = 2) -> l
     for r, kv in enumerate(out):
         assert kv.get("done") == "1" and kv["libjit"] == "1", (r, kv)
         assert kv["mismatches"] == "0" and kv["flush"] == "0", (r, kv)
+        assert json.loads(kv["status"])["mode"] == mode, (r, kv)
     return out
 
 
-def test_every_send_is_logged_with_the_bytes_sent(prog: Program, tmp_path) -> None:
-    out = _run(prog, tmp_path)
+@pytest.mark.parametrize("mode", MODES)
+def test_every_send_is_logged_with_the_bytes_sent(prog: Program, tmp_path, mode: str) -> None:
+    out = _run(prog, tmp_path, mode=mode)
     # Logging enqueues a copy and an event: ncclSend still returned with the stream busy.
     assert out[0]["busy_after_send"] == "1", out[0]
     for stage, payload, dst, sign in ((0, ACTIVATION, 1, 1.0), (1, GRADIENT, 0, -1.0)):
@@ -164,12 +173,12 @@ def test_python_api(tmp_path) -> None:
     assert kv["dropped"] == "1" and not list(tmp_path.iterdir())
 
 
-def _replay_stage1(prog: Program, log_dir, relog) -> list[dict]:
+def _replay_stage1(prog: Program, log_dir, relog, mode: str = "observe") -> list[dict]:
     """A replacement of stage 1 replays iterations 1-2 from stage 0's log in `log_dir`, re-logging
     its own sends into `relog`, while stage 0 goes on at iteration 3."""
     import json
 
-    env = prog.env(LD_PRELOAD=str(LIBJIT), JITCKPT_GEN=str(GEN + 1))
+    env = prog.env(LD_PRELOAD=str(LIBJIT), JITCKPT_GEN=str(GEN + 1), **MODES[mode])
     relog.mkdir()
     per_rank = [{"PIPE_FIRST_ITER": "3"},
                 {"JITCKPT_RECV_REPLAY_DIRS": str(log_dir), "JITCKPT_RECV_REPLAY_THROUGH": "2",
@@ -180,17 +189,19 @@ def _replay_stage1(prog: Program, log_dir, relog) -> list[dict]:
     # 3-4 live; the survivor got only the gradients of 3-4 (a gradient the replacement had sent
     # while replaying would have arrived in their place).
     assert [kv["mismatches"] for kv in out] == ["0", "0"], out
+    assert json.loads(out[1]["status"])["mode"] == mode
     replay = json.loads(out[1]["status"])["recv_replay"]
     assert replay == {"enabled": True, "through": 2, "served": 2 * MB, "dropped_sends": 2 * MB, "error": ""}
     return out
 
 
-def test_replacement_replays_its_receives_from_the_logs(prog: Program, tmp_path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_replacement_replays_its_receives_from_the_logs(prog: Program, tmp_path, mode: str) -> None:
     first = tmp_path / "first"
     first.mkdir()
-    _run(prog, first)  # the failure-free run that wrote stage 0's log
+    _run(prog, first, mode=mode)  # the failure-free run that wrote stage 0's log
     relog = tmp_path / "relog"
-    _replay_stage1(prog, first / "stage0", relog)
+    _replay_stage1(prog, first / "stage0", relog, mode=mode)
     # The replacement's own log is whole again: every gradient, replayed ones included.
     records = [rt for path, *_ in iter_chunks(relog) for rt in read_chunk(path)]
     assert sorted((r.key.iteration, r.key.micro_batch) for r, _ in records) == \

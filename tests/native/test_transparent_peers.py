@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 import random
 import signal
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import pytest
@@ -37,10 +39,11 @@ TIMEOUT_S = 150
 class Job(ProcessTree):
     """`jitckpt run --transparent` of dp_train.py's jitckpt script on WORLD ranks."""
 
-    def __init__(self, tmp: Path, name: str, steps: int, hang_timeout: float = 1, **extra: str) -> None:
+    def __init__(self, tmp: Path, name: str, steps: int, hang_timeout: float = 1, plugin: str = "",
+                 **extra: str) -> None:
         self.run, self.out = tmp / f"{name}-run", tmp / name
         cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(WORLD), "--transparent",
-               "--hang-timeout", str(hang_timeout), "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--run-dir",
+               *(["--plugin", plugin] if plugin else []), "--hang-timeout", str(hang_timeout), "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--run-dir",
                str(self.run), "--max-restarts", "1", "--status-interval", "0", str(DRIVER), "--jitckpt", "--lib-dir",
                str(DP_LIBS), "--steps", str(steps), "--out", str(tmp / (name + "{rank}.bin"))]
         super().__init__(cmd, tmp / f"{name}.log", dp_env(**extra))
@@ -79,8 +82,8 @@ def assert_recovered_in_place(job: Job, expected: list[bytes]) -> tuple[dict[int
     return recs, log
 
 
-def reference(jobs, tmp: Path, steps: int) -> list[bytes]:
-    job = jobs(tmp, "ref", steps)
+def reference(jobs, tmp: Path, steps: int, **extra: str) -> list[bytes]:
+    job = jobs(tmp, "ref", steps, **extra)
     assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
     return [job.final(r) for r in range(WORLD)]
 
@@ -237,3 +240,88 @@ def test_a_rank_that_cannot_recover_makes_every_rank_fall_back_to_user_level(job
     assert resumed and resumed[0]["steps_redone"] <= 1, resumed
     for r in range(WORLD):
         assert job.final(r) == expected[r], f"rank {r} differs from the failure-free run"
+
+
+# dp_cuda with DP_TRAIN_CHECK_REPLICAS: an all-reduce of a parameter checksum inside the optimizer
+# step, after the optimizer kernel ("after") or before it, the kernel waiting for it ("before").
+# Its 2nd NCCL call of step 5 (1-based: 12) fails on rank 1; the others' hang there.
+OPT_FAIL_AT = 12
+
+
+@pytest.fixture(scope="module")
+def check_references(tmp_path_factory) -> Iterator[dict[str, list[bytes]]]:
+    """The failure-free finals of dp_cuda with DP_TRAIN_CHECK_REPLICAS=<check>, one run per check."""
+    made: list[Job] = []
+    finals: dict[str, list[bytes]] = {}
+
+    def get(check: str) -> list[bytes]:
+        if check not in finals:
+            made.append(Job(tmp_path_factory.mktemp(f"ref-{check}"), "ref", STEPS, DP_TRAIN_CHECK_REPLICAS=check))
+            assert made[-1].wait(TIMEOUT_S) == 0, made[-1].log.read_text()
+            finals[check] = [made[-1].final(r) for r in range(WORLD)]
+        return finals[check]
+
+    yield get
+    for j in made:
+        j.close()
+
+
+# The hang variant differs only in how every rank finds the failure (its hang timeout, which the
+# error variants' peers use too when the failed rank's word comes late): slow suite.
+@pytest.mark.parametrize("mode,check", [("error", "after"), pytest.param("hang", "after", marks=pytest.mark.slow),
+                                        ("error", "before")])
+def test_a_failure_inside_the_optimizer_step_is_undone_with_the_undo_plugin(jobs, check_references, tmp_path: Path,
+                                                                            mode: str, check: str) -> None:
+    """Issue 16 case 4, the survivors' variant (SWIFT update-undo in the proxy): every rank's
+    optimizer step is torn by a failed all-reduce inside it, no replica holds either minibatch
+    boundary. With `--plugin undo` each rank restores its buffers into a new proxy, runs the
+    registered inverse of each optimizer kernel that had run (per its event; one queued behind the
+    failed or hung collective never ran), and replays the minibatch. No restart. "after": the
+    optimizer kernel ran and is undone, which is exact only as far as float arithmetic is (the
+    ranks stay bitwise equal to each other, within 1e-6 of the failure-free run); "before": it never
+    ran, nothing is undone, bitwise equal. Without the plugin the refusal names it."""
+    need_build()
+    env = {"DP_TRAIN_CHECK_REPLICAS": check}
+    expected = check_references(check)
+    marker = tmp_path / "fired"
+    job = jobs(tmp_path, mode, STEPS, plugin="undo", SIMCUDA_FAIL_MODE=mode, SIMCUDA_FAIL_RANK=str(FAIL_RANK),
+               SIMCUDA_FAIL_AT=str(OPT_FAIL_AT), SIMCUDA_FAIL_ONCE=str(marker), **env)
+    assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
+    assert marker.exists(), "the fault was not injected"
+    events = job.events()
+    kinds = [e["event"] for e in events]
+    assert kinds.count("worker_start") == WORLD and "restart" not in kinds, kinds
+    assert not any(e["event"] == "checkpoint_saved" for e in events), kinds
+    recs = {e["rank"]: e for e in events if e["event"] == "transparent_recovery"}
+    assert sorted(recs) == list(range(WORLD)) and all(r["recovered"] for r in recs.values()), recs
+    assert all("phase optimizer" in r["cause"] for k, r in recs.items() if k != FAIL_RANK), recs
+    ran = 1 if check == "after" else 0  # sgd_momentum (param_checksum has nothing to undo)
+    assert all(r["undone"] == ran for r in recs.values()), recs
+    finals = [job.final(r) for r in range(WORLD)]
+    assert finals[1:] == finals[:-1], "the replicas differ from each other"
+    got = [struct.unpack(f"{len(f) // 4}f", f) for f in finals]
+    want = [struct.unpack(f"{len(f) // 4}f", f) for f in expected]
+    if ran:
+        assert all(abs(a - b) <= 1e-6 for g, w in zip(got, want) for a, b in zip(g, w)), (got[0], want[0])
+    else:
+        assert finals == expected, "nothing ran to undo, yet the result differs from the failure-free run"
+
+
+def test_a_failure_inside_the_optimizer_step_without_the_undo_plugin_says_it_would_undo_it(jobs, check_references,
+                                                                                          tmp_path: Path) -> None:
+    """The same failure without `--plugin undo`: refused on every rank, naming the plugin, and the
+    job goes on through user-level recovery (a restart; the optimizer kernel had not run, so the
+    survivors' JIT checkpoints hold the minibatch's start: bitwise, case 5)."""
+    need_build()
+    env = {"DP_TRAIN_CHECK_REPLICAS": "before"}
+    expected = check_references("before")
+    job = jobs(tmp_path, "noundo", STEPS, SIMCUDA_FAIL_MODE="error", SIMCUDA_FAIL_RANK=str(FAIL_RANK),
+               SIMCUDA_FAIL_AT=str(OPT_FAIL_AT), SIMCUDA_FAIL_ONCE=str(tmp_path / "fired"), **env)
+    assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
+    events = job.events()
+    recs = [e for e in events if e["event"] == "transparent_recovery" and e["gen"] == 0]
+    assert recs and not any(r["recovered"] for r in recs), recs
+    failed = [r for r in recs if r["rank"] == FAIL_RANK]
+    assert failed and "`--plugin undo` with the kernels' inverses registered" in failed[0]["reason"], recs
+    assert "restart" in [e["event"] for e in events]
+    assert [job.final(r) for r in range(WORLD)] == expected

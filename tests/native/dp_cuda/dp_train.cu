@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "jitckpt/marks.h"
+#include "jitckpt/undo.h"
 #endif
 
 __global__ void generate_batch(float* x, float* y, long long step, int rank, int batch, int dim) {
@@ -67,11 +68,33 @@ __global__ void sgd_momentum(float* params, float* velocity, const float* grad_s
   params[j] -= lr * velocity[j];
 }
 
+// The inverse of sgd_momentum, for the undo plugin (jitckpt/undo.h): same parameters, run on the
+// buffers sgd_momentum left. Exact as far as float arithmetic is (params: the same rounded product
+// added back; velocity: a division).
+__global__ void sgd_momentum_undo(float* params, float* velocity, const float* grad_sum, int n, int world, float lr,
+                                  float momentum) {
+  int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= n) return;
+  float g = grad_sum[j] / static_cast<float>(world);
+  params[j] += lr * velocity[j];
+  velocity[j] = momentum != 0.0f ? (velocity[j] - g) / momentum : 0.0f;
+}
+
+// checksum[0] = sum of the parameters, all-reduced inside the optimizer step (DP_TRAIN_CHECK_REPLICAS).
+__global__ void param_checksum(const float* params, int n, float* checksum) {
+  if (blockIdx.x * blockDim.x + threadIdx.x != 0) return;
+  float s = 0.0f;
+  for (int j = 0; j < n; ++j) s += params[j];
+  checksum[0] = s;
+}
+
 #ifdef SIMCUDA_HOST_KERNELS
 SIMCUDA_EXPORT_KERNEL(generate_batch)
 SIMCUDA_EXPORT_KERNEL(forward)
 SIMCUDA_EXPORT_KERNEL(backward)
 SIMCUDA_EXPORT_KERNEL(sgd_momentum)
+SIMCUDA_EXPORT_KERNEL(sgd_momentum_undo)
+SIMCUDA_EXPORT_KERNEL(param_checksum)
 #else
 
 namespace {
@@ -83,6 +106,14 @@ struct Trainer {
   // fail this rank inside its optimizer step (issue 16 case 4).
   long long pause_step = -1;
   long pause_ms = 0;
+  // DP_TRAIN_CHECK_REPLICAS=after: after the optimizer kernel, the ranks all-reduce a checksum of
+  // their parameters: an NCCL call inside the optimizer step, as a ZeRO all-gather of updated
+  // parameters or a replica consistency check would be (issue 16 case 4 with --plugin undo).
+  // =before: the checksum of the parameters before the update is all-reduced first, and the
+  // optimizer kernel waits for it (as gradient clipping's all-reduced norm does).
+  bool check_replicas = false, check_first = false;
+  float* checksum = nullptr;
+  cudaEvent_t updated = nullptr, checked = nullptr;
   float lr = 0, momentum = 0;
   ncclComm_t comm = nullptr;
   cudaStream_t compute = nullptr, comm_stream = nullptr;
@@ -112,6 +143,18 @@ int fail(const char* what, int code) {
 
 unsigned blocks(int n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
+// The optimizer step's all-reduce of a parameter checksum (see Trainer::check_replicas); the
+// compute stream waits for it.
+int check_replicas(Trainer* t) {
+  param_checksum<<<1, 1, 0, t->compute>>>(t->state, t->n(), t->checksum);
+  CUDA_OK(cudaEventRecord(t->updated, t->compute));
+  CUDA_OK(cudaStreamWaitEvent(t->comm_stream, t->updated, 0));
+  NCCL_OK(ncclAllReduce(t->checksum, t->checksum, 1, ncclFloat32, ncclSum, t->comm, t->comm_stream));
+  CUDA_OK(cudaEventRecord(t->checked, t->comm_stream));
+  CUDA_OK(cudaStreamWaitEvent(t->compute, t->checked, 0));
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -129,6 +172,10 @@ int dp_init(int rank, int world, const char* unique_id, int device, int dim, int
   auto* t = new Trainer();
   t->rank = rank;
   if (const char* pause = std::getenv("DP_TRAIN_OPTIMIZER_PAUSE")) std::sscanf(pause, "%lld:%ld", &t->pause_step, &t->pause_ms);
+  if (const char* check = std::getenv("DP_TRAIN_CHECK_REPLICAS")) {
+    t->check_first = std::strcmp(check, "before") == 0;
+    t->check_replicas = t->check_first || std::strcmp(check, "after") == 0;
+  }
   t->world = world;
   t->dim = dim;
   t->batch = batch;
@@ -148,6 +195,16 @@ int dp_init(int rank, int world, const char* unique_id, int device, int dim, int
   CUDA_OK(cudaMalloc(&t->grad, sizeof(float) * t->n()));
   CUDA_OK(cudaMalloc(&t->state, sizeof(float) * 2 * t->n()));
   CUDA_OK(cudaMemset(t->state, 0, sizeof(float) * 2 * t->n()));
+  if (t->check_replicas) {
+    CUDA_OK(cudaMalloc(&t->checksum, sizeof(float)));
+    CUDA_OK(cudaEventCreateWithFlags(&t->updated, cudaEventDisableTiming));
+    CUDA_OK(cudaEventCreateWithFlags(&t->checked, cudaEventDisableTiming));
+  }
+  // The optimizer step's kernels, for `jitckpt run --transparent --plugin undo`: sgd_momentum is
+  // undone by its inverse, param_checksum writes nothing that outlives the minibatch.
+  if (jitckpt_undo_with(reinterpret_cast<const void*>(sgd_momentum), reinterpret_cast<const void*>(sgd_momentum_undo)) ||
+      jitckpt_undo_with(reinterpret_cast<const void*>(param_checksum), nullptr))
+    return fail("jitckpt_register_inverse", 3);
   CUDA_OK(cudaDeviceSynchronize());
   g_trainer = t;
   return 0;
@@ -173,9 +230,11 @@ int dp_step(long long step) {
   CUDA_OK(cudaEventRecord(t->reduced, t->comm_stream));
   CUDA_OK(cudaStreamWaitEvent(t->compute, t->reduced, 0));
   jitckpt_optimizer_step();
+  if (t->check_first && check_replicas(t) != 0) return 1;
   sgd_momentum<<<blocks(t->n(), 64), 64, 0, t->compute>>>(params, velocity, t->grad, t->n(), t->world, t->lr,
                                                           t->momentum);
   CUDA_OK(cudaGetLastError());
+  if (t->check_replicas && !t->check_first && check_replicas(t) != 0) return 1;
   if (step == t->pause_step) {  // see dp_init
     std::printf("rank %d: in the optimizer step of step %lld\n", t->rank, step);
     std::fflush(stdout);
