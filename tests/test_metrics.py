@@ -188,3 +188,42 @@ def test_each_stage_replacement_is_a_failure_and_a_restart():
     assert s[("jitckpt_failures_total", (("kind", "signal"),))] == 2
     assert s[("jitckpt_restarts_total", ())] == 2
     assert s[("jitckpt_recovery_seconds_count", ())] == 2
+
+
+def test_worker_records_of_transparent_recovery_are_counted_and_told(tmp_path):
+    """libjit.so's records, appended to events.jsonl by the workers, reach the metrics once each
+    (from where the file was when the launcher opened it; a torn last line waits for its end), and
+    a refused recovery or a failed validation gets a console line."""
+    import json
+
+    from jitckpt.observability.worker_records import WorkerRecords, console_line
+
+    log = tmp_path / "events.jsonl"
+    log.write_text(json.dumps({"event": "transparent_recovery", "rank": 9, "recovered": True}) + "\n")
+    tail = WorkerRecords(log)  # that record was there before: not counted
+    recs = [{"t": 1.0, "event": "transparent_validation", "gen": 0, "rank": 1, "minibatch": 5, "matched": False,
+             "detail": "allocation 0x7f0000000000 differs at byte 12"},
+            {"t": 1.1, "event": "worker_start", "gen": 0, "rank": 0},  # the launcher's own
+            {"t": 2.0, "event": "transparent_recovery", "gen": 0, "rank": 0, "recovered": True},
+            {"t": 2.1, "event": "transparent_recovery", "gen": 0, "rank": 1, "recovered": False,
+             "reason": "replay validation turned it off"}]
+    text = "".join(json.dumps(r) + "\n" for r in recs)
+    with open(log, "a") as f:
+        f.write(text[:-10])  # the last line is still being written
+    m = JobMetrics()
+    got = tail.poll()
+    assert [r["event"] for r in got] == ["transparent_validation", "transparent_recovery"]
+    with open(log, "a") as f:
+        f.write(text[-10:])
+    got += tail.poll()
+    assert tail.poll() == []
+    for r in got:
+        m.record_event(r)
+    s = _samples(m.render().decode())
+    assert s[("jitckpt_transparent_validations_total", (("result", "mismatch"),))] == 1
+    assert s[("jitckpt_transparent_validations_total", (("result", "matched"),))] == 0
+    assert s[("jitckpt_transparent_recoveries_total", (("outcome", "recovered"),))] == 1
+    assert s[("jitckpt_transparent_recoveries_total", (("outcome", "refused"),))] == 1
+    lines = [console_line(r) for r in got]
+    assert "rank 1: replay validation at minibatch 5 found a difference" in lines[0]
+    assert lines[1] is None and "rank 1: not recovered transparently: replay validation" in lines[2]

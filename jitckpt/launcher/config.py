@@ -139,12 +139,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "(pipeline stages; the default with --plugin logging; see "
                         "jitckpt.swift.StageMembership)")
     g.add_argument("--plugin", default="",
-                   help="SWIFT recovery plugins, comma-separated, run in-process (the device proxy they "
-                        "are meant for is not built). undo: a failure that tears the optimizer step "
-                        "(jitckpt.protect's optimizer) is undone on the survivors before their JIT save, "
-                        "so they still save the start of the failed minibatch. logging: pipeline stages "
-                        "log the messages they send (jitckpt.swift.SendLogger) and a dead stage is "
-                        "replaced alone (--recovery stage)")
+                   help="SWIFT recovery plugins, comma-separated. undo: a failure that tears the "
+                        "optimizer step is undone on the survivors: in-process before their JIT save "
+                        "(jitckpt.protect's optimizer), and with --transparent in the device proxy before "
+                        "the minibatch is replayed (native programs register inverse kernels, "
+                        "jitckpt/undo.h). logging: pipeline stages log the messages they send "
+                        "(jitckpt.swift.SendLogger) and a dead stage is replaced alone (--recovery stage; "
+                        "in-process only)")
     g.add_argument("--snapshot-every", type=int, default=0,
                    help="in-memory snapshot (REFT tier) of jitckpt.protect()'s state every N steps, kept by "
                         "a per-node keeper process that outlives the trainers (0 = off)")

@@ -44,6 +44,7 @@ from jitckpt.launcher.stage_replacement import StageReplacement
 from jitckpt.launcher.worker_handle import Worker
 from jitckpt.launcher.stage_generations import StageGenerations
 from jitckpt.observability.status_display import StatusDisplay
+from jitckpt.observability.worker_records import WorkerRecords, console_line
 from jitckpt.hang_timeout import HangTimeout
 
 log = logging.getLogger("jitckpt.launcher.supervisor")
@@ -56,6 +57,12 @@ PREEMPT_SAVE_WAIT = 20.0
 # How long a rank may take to exit after every rank finished (the verdict) before it is killed.
 EXIT_GRACE = 30.0
 
+
+
+def transparent_env(cfg: LaunchConfig) -> dict[str, str]:
+    """What libjit.so reads at load time in proxy mode: the mode (it starts the worker's proxy on
+    its first CUDA call) and the plugins that run in it (undo: update-undo in the recovery)."""
+    return {"JITCKPT_MODE": "proxy", "JITCKPT_PLUGINS": ",".join(cfg.plugins)}
 
 class _StopNow(BaseException):
     """A second preemption signal: stop at once, without waiting for the saves."""
@@ -70,6 +77,8 @@ class Launcher:
         self.run_dir = Path(cfg.run_dir)
         # Creates run_dir; a full disk there costs the event log (kept in memory), not the job.
         self.events = EventLog(self.run_dir / "events.jsonl")
+        # --transparent: what the workers' libjit.so writes into the same log (metrics, console).
+        self.worker_records = WorkerRecords(self.run_dir / "events.jsonl") if cfg.transparent else None
         self.metrics = None
         if cfg.metrics_port is not None:
             from jitckpt.observability.metrics import JobMetrics
@@ -113,6 +122,18 @@ class Launcher:
         rec = self.events.emit(event, **fields)
         if self.metrics is not None:
             self.metrics.record_event(rec)
+
+    def _take_worker_records(self) -> None:
+        """Count the records the workers' libjit.so appended (transparent recoveries, replay
+        validations) and say on the console what the user must know of them."""
+        if self.worker_records is None:
+            return
+        for rec in self.worker_records.poll():
+            if self.metrics is not None:
+                self.metrics.record_event(rec)
+            line = console_line(rec)
+            if line is not None:
+                self.display.say(line)
 
     # ---- main loop ------------------------------------------------------------------------
     def run(self) -> int:
@@ -167,7 +188,7 @@ class Launcher:
             if cfg.preload:  # must be in the environment when the standby process starts
                 env["LD_PRELOAD"] = cfg.preload
             if cfg.transparent:
-                env["JITCKPT_MODE"] = "proxy"
+                env.update(transparent_env(cfg))
             self.pool = StandbyPool(size=cfg.nproc_per_node * cfg.warm_standby, env=env,
                                     python=sys.executable)
             # The first generation's workers and the standbys for the first restart import torch
@@ -201,6 +222,7 @@ class Launcher:
                 self.emit("restart", reason="failure", restart_count=self._restarts_used())
         finally:
             self._stop_processes()
+            self._take_worker_records()  # the last ones, written as the workers ended
             if self.store_relay is not None:
                 self.store_relay.close()
                 if self.replica_dir and cfg.nnodes > 1 and cfg.node_rank == 0:
@@ -281,7 +303,7 @@ class Launcher:
         if cfg.preload:
             env["LD_PRELOAD"] = cfg.preload
         if cfg.transparent:
-            env["JITCKPT_MODE"] = "proxy"  # libjit.so starts the worker's proxy on its first CUDA call
+            env.update(transparent_env(cfg))
             # libjit.so records a lost proxy it replaced (and replayed) in the job's event log.
             env["JITCKPT_EVENT_LOG"] = str(Path(spec.run_dir) / EVENTS_FILE)
             env["JITCKPT_EVENT_GEN"] = str(gen)
@@ -411,6 +433,7 @@ class Launcher:
                     while w.channel.buffered():  # one socket read can carry several messages
                         failure = self._on_message(gen, w, w.channel.recv(), failure)
                 # Periodic checks.
+                self._take_worker_records()
                 for w in self.workers:
                     if not w.eof and w.exit_code is None and w.proc.poll() is not None:
                         w.exit_code = w.proc.returncode

@@ -43,8 +43,9 @@ event                     fields
                           (--transparent: libjit.so replayed a minibatch into a scratch proxy and
                           compared the device buffers; a mismatch turns transparent recovery off)
 ``transparent_recovery``  rank, pid, cause, recovered (bool), reason (when not), calls,
-                          minibatch_calls (of them, the current minibatch's), bytes,
-                          save_s, agree_s (waiting for the peers' word that they recover too),
+                          minibatch_calls (of them, the current minibatch's), undone (launches
+                          of the optimizer step undone by --plugin undo first), bytes, save_s,
+                          agree_s (waiting for the peers' word that they recover too),
                           new_proxy_s, recreate_s (of it communicators_s: the communicators'
                           inits, with their peers), restore_s, replay_s, synchronize_s,
                           total_s (--transparent: written by libjit.so when it replaced a worker's

@@ -18,6 +18,8 @@ Metric names (all prefixed ``jitckpt_``; times in seconds, sizes in bytes):
   ``checkpoint_failures_total``
 * ``restarts_total``, ``generation``, ``workers_started_total{warm}``, ``world_size``,
   ``job_running``
+* ``transparent_recoveries_total{outcome}`` (recovered, refused), ``transparent_validations_total{result}``
+  (matched, mismatch): from the records the workers' libjit.so writes under ``--transparent``
 """
 from __future__ import annotations
 
@@ -150,6 +152,12 @@ class JobMetrics:
         self.workers_started = Counter("jitckpt_workers_started", "Worker processes started", ["warm"], registry=r)
         self.world_size = Gauge("jitckpt_world_size", "Ranks in the job", registry=r)
         self.job_running = Gauge("jitckpt_job_running", "1 while the job runs, 0 after job_end", registry=r)
+        self.transparent_recoveries = Counter(
+            "jitckpt_transparent_recoveries", "Device proxies replaced in place (--transparent), by outcome "
+            "(recovered, or refused: user-level recovery took over)", ["outcome"], registry=r)
+        self.transparent_validations = Counter(
+            "jitckpt_transparent_validations", "Replay validations (--transparent), by result (a mismatch "
+            "turns transparent recovery off for that rank)", ["result"], registry=r)
         for k in FAILURE_KINDS + ("other",):  # export zeros so rate() works before the first failure
             self.failures.labels(k)
             self.failure_reports.labels(k)
@@ -158,6 +166,10 @@ class JobMetrics:
         for k in CHECKPOINT_KINDS:
             self.checkpoints.labels(k)
             self.checkpoint_bytes.labels(k)
+        for outcome in ("recovered", "refused"):
+            self.transparent_recoveries.labels(outcome)
+        for result in ("matched", "mismatch"):
+            self.transparent_validations.labels(result)
 
     @property
     def port(self) -> int | None:
@@ -196,6 +208,10 @@ class JobMetrics:
                 first, self._failure_open = not self._failure_open, True
             if first:
                 self.failures.labels(kind).inc()
+        elif ev == "transparent_recovery":
+            self.transparent_recoveries.labels("recovered" if record.get("recovered") else "refused").inc()
+        elif ev == "transparent_validation":
+            self.transparent_validations.labels("matched" if record.get("matched") else "mismatch").inc()
         elif ev == "stage_replaced":
             self.restarts.inc()  # counts against --max-restarts like a whole-job restart
         elif ev == "recovery_summary":

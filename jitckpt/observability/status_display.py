@@ -23,7 +23,8 @@ class StatusDisplay:
     def __init__(self, *, enabled: bool, interval: float,
                  hang_timeout: Optional[HangTimeout] = None) -> None:
         self.enabled, self.interval = enabled, interval
-        self.console = Console(file=sys.stderr, highlight=False, markup=False)
+        # A log file or a pipe gets each line whole (no wrapping at 80 columns: grep finds it).
+        self.console = Console(file=sys.stderr, highlight=False, markup=False, soft_wrap=not sys.stderr.isatty())
         self._last = time.monotonic()
         self.stall_after: Optional[float] = None
         if hang_timeout is not None:
@@ -57,6 +58,10 @@ class StatusDisplay:
             st = f" {w.step_time * 1000:.0f}ms" if w.step_time else ""
             parts.append(f"r{w.rank}:{step}{st} {health}")
         self.console.print(f"[jitckpt] gen {gen} | " + " | ".join(parts))
+
+    def say(self, text: str) -> None:
+        """One line of the launcher's, whatever ``enabled`` says (a fact the user must see)."""
+        self.console.print(f"[jitckpt] {text}")
 
     def show_failure(self, f: Any, *, restarting: bool) -> None:
         """One line once the failed generation is gone (``f``: a launcher FailureRecord)."""
