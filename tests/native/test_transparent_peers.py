@@ -40,10 +40,11 @@ class Job(ProcessTree):
     """`jitckpt run --transparent` of dp_train.py's jitckpt script on WORLD ranks."""
 
     def __init__(self, tmp: Path, name: str, steps: int, hang_timeout: float = 1, plugin: str = "",
-                 **extra: str) -> None:
+                 save_timeout: float = 120, **extra: str) -> None:
         self.run, self.out = tmp / f"{name}-run", tmp / name
         cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(WORLD), "--transparent",
-               *(["--plugin", plugin] if plugin else []), "--hang-timeout", str(hang_timeout), "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--run-dir",
+               *(["--plugin", plugin] if plugin else []), "--hang-timeout", str(hang_timeout),
+               "--save-timeout", str(save_timeout), "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--run-dir",
                str(self.run), "--max-restarts", "1", "--status-interval", "0", str(DRIVER), "--jitckpt", "--lib-dir",
                str(DP_LIBS), "--steps", str(steps), "--out", str(tmp / (name + "{rank}.bin"))]
         super().__init__(cmd, tmp / f"{name}.log", dp_env(**extra))
@@ -307,15 +308,17 @@ def test_a_failure_inside_the_optimizer_step_is_undone_with_the_undo_plugin(jobs
         assert finals == expected, "nothing ran to undo, yet the result differs from the failure-free run"
 
 
-def test_a_failure_inside_the_optimizer_step_without_the_undo_plugin_says_it_would_undo_it(jobs, check_references,
-                                                                                          tmp_path: Path) -> None:
-    """The same failure without `--plugin undo`: refused on every rank, naming the plugin, and the
-    job goes on through user-level recovery (a restart; the optimizer kernel had not run, so the
-    survivors' JIT checkpoints hold the minibatch's start: bitwise, case 5)."""
+def test_a_failure_inside_the_optimizer_step_without_the_undo_plugin_is_not_saved_torn(jobs, check_references,
+                                                                                      tmp_path: Path) -> None:
+    """The same failure without `--plugin undo`, the optimizer kernel having run: refused on every
+    rank, naming the plugin. User-level recovery then must not save the torn state either (its
+    minibatch would be redone on parameters it already updated): libjit.so's phase says the
+    optimizer step, so no rank saves a JIT checkpoint (each gives up after --save-timeout), the job
+    restarts from the start, and ends bitwise (case 5)."""
     need_build()
-    env = {"DP_TRAIN_CHECK_REPLICAS": "before"}
-    expected = check_references("before")
-    job = jobs(tmp_path, "noundo", STEPS, SIMCUDA_FAIL_MODE="error", SIMCUDA_FAIL_RANK=str(FAIL_RANK),
+    env = {"DP_TRAIN_CHECK_REPLICAS": "after"}
+    expected = check_references("after")
+    job = jobs(tmp_path, "noundo", STEPS, save_timeout=2, SIMCUDA_FAIL_MODE="error", SIMCUDA_FAIL_RANK=str(FAIL_RANK),
                SIMCUDA_FAIL_AT=str(OPT_FAIL_AT), SIMCUDA_FAIL_ONCE=str(tmp_path / "fired"), **env)
     assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
     events = job.events()
@@ -323,5 +326,6 @@ def test_a_failure_inside_the_optimizer_step_without_the_undo_plugin_says_it_wou
     assert recs and not any(r["recovered"] for r in recs), recs
     failed = [r for r in recs if r["rank"] == FAIL_RANK]
     assert failed and "`--plugin undo` with the kernels' inverses registered" in failed[0]["reason"], recs
+    assert not [e for e in events if e["event"] == "checkpoint_saved"], events
     assert "restart" in [e["event"] for e in events]
     assert [job.final(r) for r in range(WORLD)] == expected
