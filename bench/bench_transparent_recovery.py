@@ -13,6 +13,9 @@ program of the tests (dp_cuda, dim = batch = 1024):
   - user-level: the journal off (``JITCKPT_REPLAY_LIMIT_MB=0``), so the error reaches the program:
     the jitckpt runtime saves a JIT checkpoint, the launcher restarts the worker, which resumes
     from it.
+* ``optimizer_step_2_ranks``: 2 ranks, an all-reduce inside the optimizer step fails on rank 1
+  after the optimizer kernel ran: ``--plugin undo`` (inverse kernel, replay) vs user-level (no
+  consistent state to save: a restart from the start); see :func:`optimizer_step_recovery`.
 * ``recovery_2_ranks``: the same with 2 ranks (``--hang-timeout 1`` in every variant). Rank 1's
   all-reduce fails; rank 0's hangs and is found at the hang timeout. Transparent: both ranks agree
   through the launcher's store, rebuild the communicator and replay the minibatch (its recovery
@@ -55,11 +58,12 @@ def journal_overhead(steps: int, reps: int, tmp: Path) -> dict:
             "dim": SIZE, "batch": SIZE, "ranks": 2}
 
 
-def launcher_job(tmp: Path, steps: int, fail_at: int | None, journal: bool, ranks: int = 1) -> dict:
-    """`ranks` ranks under jitckpt run --transparent; the all-reduce of step `fail_at` fails once on
-    the last rank."""
+def launcher_job(tmp: Path, steps: int, fail_at: int | None, journal: bool, ranks: int = 1,
+                 extra_args: tuple[str, ...] = (), **extra_env: str) -> dict:
+    """`ranks` ranks under jitckpt run --transparent; NCCL operation `fail_at` (1-based, per
+    process) fails once on the last rank."""
     tmp.mkdir(parents=True)
-    env = clean_env(SIMCUDA_KERNEL_LIB=str(DP_LIBS / "libdp_train_kernels.so"))
+    env = clean_env(SIMCUDA_KERNEL_LIB=str(DP_LIBS / "libdp_train_kernels.so"), **extra_env)
     if fail_at is not None:
         env.update(SIMCUDA_FAIL_MODE="error", SIMCUDA_FAIL_AT=str(fail_at), SIMCUDA_FAIL_ONCE=str(tmp / "fired"),
                    SIMCUDA_FAIL_RANK=str(ranks - 1))
@@ -68,7 +72,7 @@ def launcher_job(tmp: Path, steps: int, fail_at: int | None, journal: bool, rank
     cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(ranks), "--hang-timeout", "1",
            "--checkpoint-dir", str(tmp / "ckpt"),
            "--run-dir", str(tmp / "run"), "--max-restarts", "1", "--status-interval", "0", "--transparent",
-           str(DRIVER), "--jitckpt", "--lib-dir", str(DP_LIBS), "--steps", str(steps), "--dim", str(SIZE),
+           *extra_args, str(DRIVER), "--jitckpt", "--lib-dir", str(DP_LIBS), "--steps", str(steps), "--dim", str(SIZE),
            "--batch", str(SIZE), "--out", str(tmp / "final{rank}.bin")]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
@@ -85,6 +89,7 @@ def launcher_job(tmp: Path, steps: int, fail_at: int | None, journal: bool, rank
                                                         "communicators_s", "restore_s", "replay_s", "synchronize_s")
                  } if slowest else None
     return {"wall_s": wall, "replayed_calls": slowest["calls"] if slowest else None,
+            "undone": slowest.get("undone") if slowest else None,
             "minibatch_calls": slowest["minibatch_calls"] if slowest else None,
             "recovery_ms": slowest["total_s"] * 1e3 if slowest else None, "breakdown_ms": breakdown,
             "restarted": any(e["event"] == "restart" for e in events),
@@ -118,6 +123,46 @@ def recovery(steps: int, fail_at: int, reps: int, tmp: Path, ranks: int = 1) -> 
             "fail_at": fail_at, "dim": SIZE, "batch": SIZE, "ranks": ranks}
 
 
+def optimizer_step_recovery(steps: int, fail_step: int, reps: int, tmp: Path, ranks: int = 2) -> dict:
+    """dp_cuda with an all-reduce inside its optimizer step, after the optimizer kernel
+    (DP_TRAIN_CHECK_REPLICAS=after); that all-reduce of step `fail_step` fails on the last rank.
+    Transparent: `--plugin undo` (each rank runs the inverse SGD kernel, then replays the
+    minibatch). User-level: the same failure without the plugin; no rank can save its torn state, so
+    each gives up after --save-timeout (5 s here, 120 s by default) and the job restarts from the
+    start. Both variants run with --save-timeout 5."""
+    import struct
+
+    walls: dict[str, list[float]] = {"clean": [], "transparent": [], "user_level": []}
+    replays, max_diff = [], 0.0
+    args = ("--save-timeout", "5")
+    env = {"DP_TRAIN_CHECK_REPLICAS": "after"}
+    fail_at = 2 * fail_step + 2  # each step makes two NCCL calls; the second is in the optimizer step
+    for rep in range(reps):
+        clean = launcher_job(tmp / f"clean{rep}", steps, None, True, ranks, args, **env)
+        transparent = launcher_job(tmp / f"undo{rep}", steps, fail_at, True, ranks, ("--plugin", "undo", *args), **env)
+        user = launcher_job(tmp / f"user{rep}", steps, fail_at, True, ranks, args, **env)
+        if transparent["recovery_ms"] is None or transparent["restarted"] or not transparent["undone"]:
+            raise SystemExit("the transparent run did not undo and recover in place")
+        if not user["restarted"] or user["final"] != clean["final"]:
+            raise SystemExit("the user-level run did not restart, or did not end bitwise")
+        walls["clean"].append(clean["wall_s"])
+        walls["transparent"].append(transparent["wall_s"])
+        walls["user_level"].append(user["wall_s"])
+        replays.append({k: transparent[k] for k in ("replayed_calls", "minibatch_calls", "undone", "recovery_ms",
+                                                    "breakdown_ms")})
+        n = len(clean["final"]) // 4
+        a, b = struct.unpack(f"{n}f", clean["final"]), struct.unpack(f"{n}f", transparent["final"])
+        max_diff = max(max_diff, max(abs(x - y) for x, y in zip(a, b)))
+    clean = statistics.median(walls["clean"])
+    lost_u = statistics.median(walls["user_level"]) - clean
+    in_place_s = statistics.median(r["recovery_ms"] for r in replays) / 1e3
+    return {"clean_s": clean, "transparent_lost_s": statistics.median(walls["transparent"]) - clean,
+            "user_level_lost_s": lost_u, "transparent_recovery_s": in_place_s,
+            "speedup_vs_recovery_time": lost_u / in_place_s, "replays": replays,
+            "undo_max_abs_difference": max_diff, "walls_s": walls, "steps": steps, "fail_step": fail_step,
+            "dim": SIZE, "batch": SIZE, "ranks": ranks, "save_timeout_s": 5}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and runs (make bench)")
@@ -132,7 +177,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         result = {"journal": journal_overhead(steps, reps, Path(d) / "journal"),
                   "recovery": recovery(steps * 2, steps, reps, Path(d) / "recovery"),
-                  "recovery_2_ranks": recovery(steps * 2, steps, reps, Path(d) / "recovery2", ranks=2)}
+                  "recovery_2_ranks": recovery(steps * 2, steps, reps, Path(d) / "recovery2", ranks=2),
+                  "optimizer_step_2_ranks": optimizer_step_recovery(steps * 2, steps, reps, Path(d) / "opt2")}
     return emit(result, args.out)
 
 
