@@ -70,13 +70,13 @@ std::pair<jitckpt_failure_handler, void*> Registry::failure_handler() const {
   return {handler_, handler_ctx_};
 }
 
-void Registry::report_failure(const char* kind, const std::string& detail) {
+void Registry::report_failure(const char* kind, const std::string& detail, const std::string& phase) {
   Failure f;
   f.kind = kind;
   f.detail = detail;
   f.unix_time = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   f.step = step();
-  f.phase = phase();
+  f.phase = phase.empty() ? this->phase() : phase;
   if (failures_.report(std::move(f))) watchdog_.ensure_started();
 }
 

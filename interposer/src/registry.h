@@ -59,7 +59,9 @@ class Registry {
 
   void set_failure_handler(jitckpt_failure_handler fn, void* ctx);
   std::pair<jitckpt_failure_handler, void*> failure_handler() const;
-  void report_failure(const char* kind, const std::string& detail);
+  // `phase`: the phase the failed work was posted in (a hung collective's), if not the current one;
+  // a failure in the optimizer phase means the parameters may be partly updated.
+  void report_failure(const char* kind, const std::string& detail, const std::string& phase = "");
   // An application thread hit the failure synchronously (it may hold the GIL and is about to surface
   // the error): report it and, if a handler is registered, hold the thread until it has run.
   void report_failure_and_hold(const char* kind, const std::string& detail);

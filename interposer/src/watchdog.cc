@@ -93,7 +93,8 @@ void Watchdog::poll() {
         std::snprintf(detail, sizeof detail, "%s (seq %llu, step %lld, phase %s) not complete after %.3f s: %s",
                       r.op, static_cast<unsigned long long>(r.seq), static_cast<long long>(r.step), r.phase.c_str(),
                       age, peer.c_str());
-        if (!registry_.proxy().recover_from_hang(detail, r.phase == "optimizer")) registry_.report_failure("hang", detail);
+        if (!registry_.proxy().recover_from_hang(detail, r.phase == "optimizer"))
+          registry_.report_failure("hang", detail, r.phase);
         return;
       }
     }
@@ -106,7 +107,7 @@ void Watchdog::poll() {
       // In proxy mode with the journal on, every rank of the communicator rebuilds it and replays
       // its minibatch (issue 16 case 1); else the failure callback (user-level JIT) takes it.
       if (registry_.proxy().enabled() && registry_.proxy().recover_from_hang(detail, r.phase == "optimizer")) return;
-      registry_.report_failure("hang", detail);
+      registry_.report_failure("hang", detail, r.phase);
       return;
     }
   }

@@ -363,13 +363,19 @@ class WorkerRuntime:
     # ---- region tracking (called by CollectiveHooks on the calling thread) --------------------
     def _torn(self) -> bool:
         """Whether the state is mid-update now (``protect`` knows; else only inside a step: the
-        optimizer's hooks, or a native program's ``jitckpt_mark_optimizer_step()`` through
-        libjit.so's phase, which holds until its next minibatch mark)."""
-        return (self._in_optimizer or self._native_in_optimizer()
+        optimizer's hooks, or a failure libjit.so found in the optimizer phase: a native program's
+        ``jitckpt_mark_optimizer_step()`` to its next minibatch mark)."""
+        return (self._in_optimizer or self._native_failure_in_optimizer()
                 or (self.consistency_check is not None and not self.consistency_check()))
 
-    def _native_in_optimizer(self) -> bool:
-        return self._native is not None and self._native.status().get("phase") == "optimizer"
+    def _native_failure_in_optimizer(self) -> bool:
+        """libjit.so's failure was in work posted in the optimizer phase (a hung collective's own
+        phase, not the phase its host thread has moved on to: an optimizer step queued behind a
+        collective posted before it has not run)."""
+        if self._native is None:
+            return False
+        failure = self._native.status().get("last_error")
+        return isinstance(failure, dict) and failure.get("phase") == "optimizer"
 
     def _consistent(self) -> bool:
         """Whether this thread may save now: the state is not torn, or --plugin undo will roll it

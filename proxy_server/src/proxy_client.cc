@@ -153,13 +153,16 @@ CallResult ProxyChannel::call(Call c, const void* args, size_t len, std::chrono:
 }
 
 std::string ProxyChannel::post(uint32_t tag, const void* payload, size_t len, std::chrono::milliseconds timeout) {
+  std::string why = send(tag, payload, len, timeout);
+  if (why.empty()) posted_end_.store(requests_.published(), std::memory_order_release);
+  return why;
+}
+
+std::string ProxyChannel::send(uint32_t tag, const void* payload, size_t len, std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   while (true) {  // the ring may be full while the proxy works through earlier calls
     RingStatus s = requests_.push(tag, payload, len, std::min(deadline, Clock::now() + kWaitSlice));
-    if (s == RingStatus::kOk) {
-      posted_end_.store(requests_.published(), std::memory_order_release);
-      return "";
-    }
+    if (s == RingStatus::kOk) return "";
     if (s == RingStatus::kTooLarge)
       return "a request of " + std::to_string(len) + " bytes exceeds the ring's " + std::to_string(requests_.max_payload());
     if (std::string d = owner_.death(); !d.empty()) return d;
@@ -182,7 +185,7 @@ CallResult ProxyChannel::call_raw(uint32_t tag, const void* payload, size_t len,
     return out;
   };
   const auto deadline = Clock::now() + timeout;
-  if (std::string why = post(tag, payload, len, timeout); !why.empty()) return fail(why);
+  if (std::string why = send(tag, payload, len, timeout); !why.empty()) return fail(why);
   while (true) {
     uint32_t rtag;
     const uint8_t* data;

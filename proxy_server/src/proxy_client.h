@@ -52,13 +52,16 @@ class ProxyChannel {
   // proxy died, the request is too large).
   std::string post(uint32_t tag, const void* payload, size_t len,
                    std::chrono::milliseconds timeout = std::chrono::seconds(60));
-  uint64_t next_seq() { return ++seq_; }
-  // Whether the proxy has executed every request posted without a reply so far (any thread may ask).
+  // Whether the proxy has executed every request posted without a reply so far (any thread may ask;
+  // a synchronous call's own request does not count: it may wait on the device for long).
   bool posted_served() const { return requests_.consumed() >= posted_end_.load(std::memory_order_acquire); }
+  uint64_t next_seq() { return ++seq_; }
   ShmRing& request_ring() { return requests_; }  // for tests of the proxy's validation
 
  private:
   friend class ProxyClient;
+  // Puts a request in the ring (waiting while it is full); empty, or why not.
+  std::string send(uint32_t tag, const void* payload, size_t len, std::chrono::milliseconds timeout);
   ProxyClient& owner_;
   ShmRing requests_;
   ShmRing replies_;
