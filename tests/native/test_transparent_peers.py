@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import psutil
 import pytest
@@ -83,19 +83,33 @@ def assert_recovered_in_place(job: Job, expected: list[bytes]) -> tuple[dict[int
     return recs, log
 
 
-def reference(jobs, tmp: Path, steps: int, **extra: str) -> list[bytes]:
-    job = jobs(tmp, "ref", steps, **extra)
-    assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
-    return [job.final(r) for r in range(WORLD)]
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Iterator[Callable[..., list[bytes]]]:
+    """reference(steps, **env): the failure-free finals of dp_cuda, one run per (steps, env) in this
+    module (the tests compare several failures with the same run)."""
+    made: list[Job] = []
+    finals: dict[tuple, list[bytes]] = {}
+
+    def get(steps: int, **extra: str) -> list[bytes]:
+        key = (steps, tuple(sorted(extra.items())))
+        if key not in finals:
+            made.append(Job(tmp_path_factory.mktemp("ref"), "ref", steps, **extra))
+            assert made[-1].wait(TIMEOUT_S) == 0, made[-1].log.read_text()
+            finals[key] = [made[-1].final(r) for r in range(WORLD)]
+        return finals[key]
+
+    yield get
+    for j in made:
+        j.close()
 
 
 # error, hang: case 1 (every rank keeps its buffers); sticky, crash: the failed rank's proxy is lost
 # with its buffers (a sticky CUDA error; the proxy killing itself), which it takes from a replica
 # (case 3).
 @pytest.mark.parametrize("mode", ["error", "hang", "sticky", "crash"])
-def test_a_collective_failure_is_recovered_on_every_rank_without_a_restart(jobs, tmp_path: Path, mode: str) -> None:
+def test_a_collective_failure_is_recovered_on_every_rank_without_a_restart(jobs, reference, tmp_path: Path, mode: str) -> None:
     need_build()
-    expected = reference(jobs, tmp_path, STEPS)
+    expected = reference(STEPS)
     marker = tmp_path / "fired"
     job = jobs(tmp_path, mode, STEPS, SIMCUDA_FAIL_MODE=mode, SIMCUDA_FAIL_RANK=str(FAIL_RANK),
                SIMCUDA_FAIL_AT=str(FAIL_AT), SIMCUDA_FAIL_ONCE=str(marker))
@@ -168,7 +182,7 @@ def kill_a_proxy_mid_training(jobs, tmp: Path, name: str, steps: int, **extra: s
     return job, worker
 
 
-def test_a_proxy_killed_mid_training_is_rebuilt_from_a_replica(jobs, tmp_path: Path) -> None:
+def test_a_proxy_killed_mid_training_is_rebuilt_from_a_replica(jobs, reference, tmp_path: Path) -> None:
     """From outside: SIGKILL one worker's proxy at a random moment of training (issue 16 case 3). Its
     parameters were only in that proxy: the others, whose all-reduce hangs, learn it through the
     store, the lowest of them leaves its buffers of the minibatch's start in a file, the worker
@@ -176,7 +190,7 @@ def test_a_proxy_killed_mid_training_is_rebuilt_from_a_replica(jobs, tmp_path: P
     minibatch 5, validation checked that rank 0's buffers stand in for each rank's.)"""
     need_build()
     steps = 4000  # several seconds: the kill lands mid-training
-    expected = reference(jobs, tmp_path, steps)
+    expected = reference(steps)
     job, worker = kill_a_proxy_mid_training(jobs, tmp_path, "kill", steps)
     assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
     recs, log = assert_recovered_in_place(job, expected)
@@ -185,7 +199,7 @@ def test_a_proxy_killed_mid_training_is_rebuilt_from_a_replica(jobs, tmp_path: P
     assert "and from rank 0's" in log, log  # what validation said
 
 
-def test_a_proxy_lost_inside_the_optimizer_step_takes_the_next_minibatch_from_a_replica(jobs, tmp_path: Path) -> None:
+def test_a_proxy_lost_inside_the_optimizer_step_takes_the_next_minibatch_from_a_replica(jobs, reference, tmp_path: Path) -> None:
     """Issue 16 case 4 (JIT paper §4.2.2): at step 20 every rank posts its all-reduce and optimizer
     kernel, then waits (DP_TRAIN_OPTIMIZER_PAUSE); rank 1's proxy is killed then. The all-reduce
     had completed, so the others finish the step and hang at step 21's all-reduce: they hold the
@@ -193,7 +207,7 @@ def test_a_proxy_lost_inside_the_optimizer_step_takes_the_next_minibatch_from_a_
     goes on. No restart, bitwise. (Hang timeout 5 s: the 2 s pause is not a hang.)"""
     need_build()
     steps, pause_step, victim_rank = 40, 20, 1
-    expected = reference(jobs, tmp_path, steps)
+    expected = reference(steps)
     job = jobs(tmp_path, "opt", steps, hang_timeout=5, DP_TRAIN_OPTIMIZER_PAUSE=f"{pause_step}:2000")
     deadline = time.monotonic() + 60
     paused = f"in the optimizer step of step {pause_step}"
@@ -213,13 +227,13 @@ def test_a_proxy_lost_inside_the_optimizer_step_takes_the_next_minibatch_from_a_
     assert "a replica finished it, its buffers were taken, and the rest of its optimizer step is skipped" in log, log
 
 
-def test_a_rank_that_cannot_recover_makes_every_rank_fall_back_to_user_level(jobs, tmp_path: Path) -> None:
+def test_a_rank_that_cannot_recover_makes_every_rank_fall_back_to_user_level(jobs, reference, tmp_path: Path) -> None:
     """The same kill with replay validation off (JITCKPT_VALIDATE_AT=0): nothing says a replica's
     buffers can stand in for the worker's, so it refuses; the others read its refusal in the store,
     save JIT checkpoints from their live proxies, and the launcher restarts the job (case 5)."""
     need_build()
     steps = 4000
-    expected = reference(jobs, tmp_path, steps)
+    expected = reference(steps)
     job, worker = kill_a_proxy_mid_training(jobs, tmp_path, "kill", steps, JITCKPT_VALIDATE_AT="0")
     rc = job.wait(TIMEOUT_S)
     log = job.log.read_text()
@@ -249,29 +263,11 @@ def test_a_rank_that_cannot_recover_makes_every_rank_fall_back_to_user_level(job
 OPT_FAIL_AT = 12
 
 
-@pytest.fixture(scope="module")
-def check_references(tmp_path_factory) -> Iterator[dict[str, list[bytes]]]:
-    """The failure-free finals of dp_cuda with DP_TRAIN_CHECK_REPLICAS=<check>, one run per check."""
-    made: list[Job] = []
-    finals: dict[str, list[bytes]] = {}
-
-    def get(check: str) -> list[bytes]:
-        if check not in finals:
-            made.append(Job(tmp_path_factory.mktemp(f"ref-{check}"), "ref", STEPS, DP_TRAIN_CHECK_REPLICAS=check))
-            assert made[-1].wait(TIMEOUT_S) == 0, made[-1].log.read_text()
-            finals[check] = [made[-1].final(r) for r in range(WORLD)]
-        return finals[check]
-
-    yield get
-    for j in made:
-        j.close()
-
-
 # The hang variant differs only in how every rank finds the failure (its hang timeout, which the
 # error variants' peers use too when the failed rank's word comes late): slow suite.
 @pytest.mark.parametrize("mode,check", [("error", "after"), pytest.param("hang", "after", marks=pytest.mark.slow),
                                         ("error", "before")])
-def test_a_failure_inside_the_optimizer_step_is_undone_with_the_undo_plugin(jobs, check_references, tmp_path: Path,
+def test_a_failure_inside_the_optimizer_step_is_undone_with_the_undo_plugin(jobs, reference, tmp_path: Path,
                                                                             mode: str, check: str) -> None:
     """Issue 16 case 4, the survivors' variant (SWIFT update-undo in the proxy): every rank's
     optimizer step is torn by a failed all-reduce inside it, no replica holds either minibatch
@@ -283,7 +279,7 @@ def test_a_failure_inside_the_optimizer_step_is_undone_with_the_undo_plugin(jobs
     ran, nothing is undone, bitwise equal. Without the plugin the refusal names it."""
     need_build()
     env = {"DP_TRAIN_CHECK_REPLICAS": check}
-    expected = check_references(check)
+    expected = reference(STEPS, **env)
     marker = tmp_path / "fired"
     job = jobs(tmp_path, mode, STEPS, plugin="undo", SIMCUDA_FAIL_MODE=mode, SIMCUDA_FAIL_RANK=str(FAIL_RANK),
                SIMCUDA_FAIL_AT=str(OPT_FAIL_AT), SIMCUDA_FAIL_ONCE=str(marker), **env)
@@ -308,7 +304,7 @@ def test_a_failure_inside_the_optimizer_step_is_undone_with_the_undo_plugin(jobs
         assert finals == expected, "nothing ran to undo, yet the result differs from the failure-free run"
 
 
-def test_a_failure_inside_the_optimizer_step_without_the_undo_plugin_is_not_saved_torn(jobs, check_references,
+def test_a_failure_inside_the_optimizer_step_without_the_undo_plugin_is_not_saved_torn(jobs, reference,
                                                                                       tmp_path: Path) -> None:
     """The same failure without `--plugin undo`, the optimizer kernel having run: refused on every
     rank, naming the plugin. User-level recovery then must not save the torn state either (its
@@ -317,7 +313,7 @@ def test_a_failure_inside_the_optimizer_step_without_the_undo_plugin_is_not_save
     restarts from the start, and ends bitwise (case 5)."""
     need_build()
     env = {"DP_TRAIN_CHECK_REPLICAS": "after"}
-    expected = check_references("after")
+    expected = reference(STEPS, **env)
     job = jobs(tmp_path, "noundo", STEPS, save_timeout=2, SIMCUDA_FAIL_MODE="error", SIMCUDA_FAIL_RANK=str(FAIL_RANK),
                SIMCUDA_FAIL_AT=str(OPT_FAIL_AT), SIMCUDA_FAIL_ONCE=str(tmp_path / "fired"), **env)
     assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
