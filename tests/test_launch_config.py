@@ -160,3 +160,26 @@ def test_unwritable_checkpoint_dir_refused_at_start(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert ok.is_dir() and list(ok.iterdir()) == []  # created, and the probe file removed
+
+
+def test_nproc_per_node_words_mean_what_they_mean_to_torchrun(tmp_path, capsys):
+    """gpu: the visible CUDA devices (none here: a clear refusal); cpu: the CPU count; auto: the
+    accelerators if any, else the CPU count (torchrun's own determine_local_world_size)."""
+    import os
+
+    import torch
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cpus = torch._utils.cpu_count() if hasattr(torch._utils, "cpu_count") else os.cpu_count()
+    assert parse("--nproc-per-node", "cpu", str(script)).nproc_per_node == cpus
+    want_auto = torch.accelerator.device_count() if torch.accelerator.is_available() else cpus
+    assert parse("--nproc-per-node", "auto", str(script)).nproc_per_node == want_auto
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            parse("--nproc-per-node", "gpu", str(script))
+        assert "--nproc-per-node gpu: Cuda is not available." in capsys.readouterr().err
+    for bad in ("0", "many"):
+        with pytest.raises(SystemExit):
+            parse("--nproc-per-node", bad, str(script))
+        assert f"--nproc-per-node {bad}" in capsys.readouterr().err

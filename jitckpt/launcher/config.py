@@ -33,13 +33,20 @@ def _nnodes(text: str) -> int:
 
 
 def _nproc(text: str) -> int:
-    if text in ("auto", "cpu"):
-        return os.cpu_count() or 1
-    if text == "gpu":
-        raise argparse.ArgumentTypeError("--nproc-per-node gpu: give a number (no GPU detection here)")
-    n = int(text)
+    """A number, or torchrun's words with torchrun's meaning (its own code): gpu (the visible CUDA
+    devices), cpu (the CPU count), auto (the accelerators if any, else the CPU count), xpu."""
+    try:
+        n = int(text)
+    except ValueError:
+        from torch.distributed.run import determine_local_world_size
+
+        try:
+            n = determine_local_world_size(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(
+                f"--nproc-per-node {text}: {e} Give a number, or one of gpu, cpu, xpu, auto (as torchrun)") from None
     if n < 1:
-        raise argparse.ArgumentTypeError("--nproc-per-node must be >= 1")
+        raise argparse.ArgumentTypeError(f"--nproc-per-node {text} gives {n} workers; it must be >= 1")
     return n
 
 
@@ -91,7 +98,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("torchrun-compatible")
     both("--nnodes", type=_nnodes, default=1, help="number of nodes (fixed)")
-    both("--nproc-per-node", type=_nproc, default=1, help="workers per node")
+    both("--nproc-per-node", type=_nproc, default=1,
+         help="workers per node: a number, or gpu, cpu, xpu or auto with torchrun's meaning")
     both("--node-rank", type=int, default=0, help="this node's rank (0..nnodes-1)")
     both("--rdzv-endpoint", default="", help="host:port of node 0's store (required for nnodes > 1)")
     both("--rdzv-backend", default="c10d", choices=["c10d", "static"], help="rendezvous backend")
