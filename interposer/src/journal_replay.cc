@@ -37,13 +37,9 @@ int private_copy(int fd) {
 
 // A new unique id from the target (its rendezvous root), or "" with `why`.
 std::string fresh_unique_id(proxy::ProxyChannel& ch, std::string* why) {
-  std::vector<uint8_t> request(sizeof(proxy::RequestHead) + 1 + sizeof(ncclUniqueId), 0);
-  request[sizeof(proxy::RequestHead)] = 1;  // the id's presence byte (see the generated fwd_ncclGetUniqueId)
-  const uint64_t seq = ch.next_seq();
-  const proxy::RequestHead head{seq, 0u, 0};
-  std::memcpy(request.data(), &head, sizeof head);
-  const proxy::CallResult r =
-      ch.call_raw(ReplayJournal::unique_id_tag(), request.data(), request.size(), seq, std::chrono::seconds(60));
+  std::vector<uint8_t> args(1 + sizeof(ncclUniqueId), 0);
+  args[0] = 1;  // the id's presence byte (see the generated fwd_ncclGetUniqueId)
+  const proxy::CallResult r = ch.call(ReplayJournal::unique_id_tag(), args.data(), args.size(), std::chrono::seconds(60));
   if (r.status == 0 && r.results.size() == sizeof(ncclUniqueId))
     return std::string(r.results.begin(), r.results.end());
   *why = "ncclGetUniqueId in the new proxy failed (" + (r.error.empty() ? "status " + std::to_string(r.status) : r.error) + ")";
@@ -53,11 +49,7 @@ std::string fresh_unique_id(proxy::ProxyChannel& ch, std::string* why) {
 uint32_t sync_tag() { return proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_cudaDeviceSynchronize); }
 
 proxy::CallResult synchronize(proxy::ProxyChannel& ch, std::chrono::milliseconds wait) {
-  std::vector<uint8_t> request(sizeof(proxy::RequestHead), 0);
-  const uint64_t seq = ch.next_seq();
-  const proxy::RequestHead head{seq, 0u, 0};
-  std::memcpy(request.data(), &head, sizeof head);
-  return ch.call_raw(sync_tag(), request.data(), request.size(), seq, wait);
+  return ch.call(sync_tag(), nullptr, 0, wait);
 }
 
 // The undo plugin's inverse launches on the restored buffers, waited for (update_undo.h).

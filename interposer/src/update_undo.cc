@@ -20,14 +20,9 @@ bool undo_plugin_named() {
 // cudaEventQuery on the proxy behind `ch`, directly on the channel: the caller holds the session's
 // recovery lock, which a forwarded call would take again.
 int query_event(proxy::ProxyChannel& ch, cudaEvent_t event, std::string* error) {
-  std::vector<uint8_t> request(sizeof(proxy::RequestHead) + sizeof(uint64_t));
-  const uint64_t seq = ch.next_seq();
-  const proxy::RequestHead head{seq, 0u, 0};
   const uint64_t handle = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(event));
-  std::memcpy(request.data(), &head, sizeof head);
-  std::memcpy(request.data() + sizeof head, &handle, sizeof handle);
   const uint32_t tag = proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_cudaEventQuery);
-  const proxy::CallResult r = ch.call_raw(tag, request.data(), request.size(), seq, std::chrono::seconds(10));
+  const proxy::CallResult r = ch.call(tag, &handle, sizeof handle, std::chrono::seconds(10));
   if (r.status == 999) *error = r.error;
   return r.status;
 }

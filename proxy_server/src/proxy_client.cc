@@ -143,13 +143,13 @@ std::string ProxyClient::death() const {
   return who + " exited with code " + std::to_string(WEXITSTATUS(wait_status_));
 }
 
-CallResult ProxyChannel::call(Call c, const void* args, size_t len, std::chrono::milliseconds timeout) {
+CallResult ProxyChannel::call(uint32_t tag, const void* args, size_t len, std::chrono::milliseconds timeout) {
   std::vector<uint8_t> payload(sizeof(RequestHead) + len);
   const uint64_t seq = next_seq();
   const RequestHead head{seq, 0, 0};
   std::memcpy(payload.data(), &head, sizeof head);
   if (len > 0) std::memcpy(payload.data() + sizeof head, args, len);
-  return call_raw(static_cast<uint32_t>(c), payload.data(), payload.size(), seq, timeout);
+  return call_raw(tag, payload.data(), payload.size(), seq, timeout);
 }
 
 std::string ProxyChannel::post(uint32_t tag, const void* payload, size_t len, std::chrono::milliseconds timeout) {

@@ -44,7 +44,11 @@ class ProxyChannel {
   ProxyChannel& operator=(const ProxyChannel&) = delete;
 
   // One synchronous call: `args` after the request head, the reply's results back.
-  CallResult call(Call call, const void* args, size_t len, std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  CallResult call(Call c, const void* args, size_t len, std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+    return call(static_cast<uint32_t>(c), args, len, timeout);
+  }
+  // The same by tag (a Call, or kGenericBase + a generated FunctionId).
+  CallResult call(uint32_t tag, const void* args, size_t len, std::chrono::milliseconds timeout = std::chrono::seconds(60));
   // A raw request (`payload` starts with its RequestHead) and its reply.
   CallResult call_raw(uint32_t tag, const void* payload, size_t len, uint64_t seq,
                       std::chrono::milliseconds timeout = std::chrono::seconds(60));
