@@ -312,7 +312,8 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     RecoveringScope recovering(recovering_);
     if (sticky && !device_fault) {  // NCCL failed; the device memory is readable
       // The proxy ran no device work after the failed call (it is fenced): its phase is what counts.
-      const int64_t failed = earlier ? journal_.find(t_index, r.async_seq, r.async_call) : index;
+      int64_t failed = earlier ? journal_.find(t_index, r.async_seq, r.async_call) : index;
+      if (earlier && failed < 0) failed = journal_.find_any_channel(r.async_seq, r.async_call);  // another thread's
       save_device(ch, generation, journal_.phase_of(failed), DeviceBuffers::WaitFor::kQueuedWork, failed);
     }
     if (sticky) {  // the proxy still runs: with a peer that cannot rebuild, user-level recovery takes over

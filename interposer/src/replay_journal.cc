@@ -227,6 +227,13 @@ bool ReplayJournal::request(int64_t id, std::vector<uint8_t>* bytes, uint32_t* c
   return true;
 }
 
+int64_t ReplayJournal::find_any_channel(uint64_t seq, uint32_t tag) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = entries_.rbegin(); it != entries_.rend(); ++it)
+    if (it->seq == seq && it->tag == tag) return static_cast<int64_t>(it->id);
+  return -1;
+}
+
 ReplayJournal::Phase ReplayJournal::phase() const {
   std::lock_guard<std::mutex> lock(mu_);
   return phase_;

@@ -80,6 +80,9 @@ class ReplayJournal {
   Phase phase_of(int64_t id) const;
   // The id of the request `seq` of channel `channel` with this tag, or -1.
   int64_t find(uint32_t channel, uint64_t seq, uint32_t tag) const;
+  // The same on any channel (the newest match): a fenced proxy reports a failed call on whichever
+  // channel replies next, not only on the failed call's own.
+  int64_t find_any_channel(uint64_t seq, uint32_t tag) const;
   // The device allocations live when the current minibatch started.
   std::vector<DeviceRange> allocations_at_mark() const;
   // The request of the call with this id as it was sent, and its channel index; false if the
