@@ -14,7 +14,7 @@ HANG = ["--hang-timeout", "auto:floor=3,mult=10,startup=60,warmup=3"]
 COMMON = ["--steps", str(STEPS)]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+@pytest.fixture(scope="module")
 def reference(request, tmp_path_factory):
     nproc = request.param
     res = run_job(tmp_path_factory.mktemp(f"ref{nproc}"), nproc=nproc, script_args=COMMON,
@@ -22,6 +22,14 @@ def reference(request, tmp_path_factory):
     assert res.rc == 0, res.out[-4000:]
     assert not res.ev("failure_detected")
     return nproc, res.final_params()
+
+
+# Each test names the rank counts it runs with; 3 ranks repeat the 2-rank path where a third rank
+# adds nothing the test checks, so those run in the slow suite only (`make test-slow`).
+BOTH = pytest.mark.parametrize("reference", [2, pytest.param(3, marks=pytest.mark.slow)], indirect=True,
+                               ids=["2ranks", "3ranks"])
+BOTH_FAST = pytest.mark.parametrize("reference", [2, 3], indirect=True, ids=["2ranks", "3ranks"])
+THREE = pytest.mark.parametrize("reference", [3], indirect=True, ids=["3ranks"])
 
 
 def assert_bitwise(params: dict, ref: dict) -> None:
@@ -51,6 +59,7 @@ def run_case(tmp_path, nproc, inject, extra_launcher=()):
                    launcher_args=[*HANG, *extra_launcher])
 
 
+@BOTH
 @pytest.mark.parametrize("mode", ["kill", "stop", "gil", "raise", "optim"])
 def test_single_failure_recovers_bitwise(reference, tmp_path, mode):
     nproc, ref = reference
@@ -73,6 +82,7 @@ def test_single_failure_recovers_bitwise(reference, tmp_path, mode):
     assert_bitwise(res.final_params(), ref)
 
 
+@BOTH
 def test_second_failure_during_recovery(reference, tmp_path):
     nproc, ref = reference
     res = run_case(tmp_path, nproc, [f"0:{nproc - 1}:{FAIL_STEP}:kill", "1:0:0:restore"])
@@ -83,10 +93,9 @@ def test_second_failure_during_recovery(reference, tmp_path):
     assert_bitwise(res.final_params(), ref)
 
 
+@THREE  # two healthy replicas
 def test_failure_while_saving_uses_other_replica(reference, tmp_path):
     nproc, ref = reference
-    if nproc < 3:
-        pytest.skip("needs two healthy replicas")
     res = run_case(tmp_path, nproc, ["0:2:5:kill", "0:1:0:save"])
     assert res.rc == 0, res.out[-4000:]
     saved = [e["rank"] for e in res.ev("checkpoint_saved") if e["kind"] == "jit"]
@@ -96,6 +105,7 @@ def test_failure_while_saving_uses_other_replica(reference, tmp_path):
     assert_bitwise(res.final_params(), ref)
 
 
+@BOTH_FAST  # with 3 ranks another replica holds the same step; with 2 only the periodic one
 def test_corrupt_newest_checkpoint_is_skipped(reference, tmp_path):
     """A job that crashed (no restarts left) leaves JIT checkpoints; the newest copy is corrupted
     before the job is started again: it is skipped with a reason and the next good one is used."""

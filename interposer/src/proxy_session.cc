@@ -22,6 +22,7 @@
 #include "proxy_forwarding.h"
 #include "proxy_functions.h"
 #include "registry.h"
+#include "rebuild_vote.h"
 #include "watchdog.h"
 
 extern char** environ;
@@ -376,10 +377,10 @@ std::string ProxySession::kill_hung_proxy(uint64_t generation, uint32_t tag, std
   return text;
 }
 
-bool ProxySession::recover_now(const std::string& what) { return recover_live(what, false, false); }
+bool ProxySession::recover_now(const std::string& what) { return recover_live(what, false, false, nullptr); }
 
-bool ProxySession::recover_from_hang(const std::string& what, bool posted_in_optimizer_step) {
-  return recover_live(what, true, posted_in_optimizer_step);
+bool ProxySession::recover_from_hang(const std::string& what, bool posted_in_optimizer_step, cudaEvent_t sentinel) {
+  return recover_live(what, true, posted_in_optimizer_step, sentinel);
 }
 
 std::string ProxySession::cannot_recover() const {
@@ -387,7 +388,8 @@ std::string ProxySession::cannot_recover() const {
   return journal_.cannot_replay(store_.available());
 }
 
-bool ProxySession::recover_live(const std::string& what, bool hung, bool posted_in_optimizer_step) {
+bool ProxySession::recover_live(const std::string& what, bool hung, bool posted_in_optimizer_step,
+                                cudaEvent_t sentinel) {
   RecoveringScope recovering(recovering_);
   uint64_t generation;
   {
@@ -404,8 +406,10 @@ bool ProxySession::recover_live(const std::string& what, bool hung, bool posted_
     ReplayJournal::Phase phase = journal_.phase();
     if (hung && phase != ReplayJournal::Phase::kUnmarked)
       phase = posted_in_optimizer_step ? ReplayJournal::Phase::kOptimizerStep : ReplayJournal::Phase::kMinibatch;
-    if (proxy::ProxyChannel* ch = channel(&why))
+    if (proxy::ProxyChannel* ch = channel(&why)) {
       save_device(ch, generation, phase, hung ? DeviceBuffers::WaitFor::kNothing : DeviceBuffers::WaitFor::kQueuedWork);
+      if (hung && sentinel != nullptr) distrust_save_if_complete(ch, generation, sentinel);
+    }
     if (std::string no = agree_to_rebuild(generation); !no.empty()) {
       refused(generation, what, no);
       return false;  // the proxy lives on: the failure callback's user-level save reads it
@@ -785,6 +789,21 @@ void ProxySession::save_device(proxy::ProxyChannel* ch, uint64_t generation, Rep
   save_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+void ProxySession::distrust_save_if_complete(proxy::ProxyChannel* ch, uint64_t generation, cudaEvent_t sentinel) {
+  std::string error;
+  const int status = query_event(*ch, sentinel, &error);
+  if (status == cudaErrorNotReady) return;  // nothing behind the collective ran during the copies
+  std::lock_guard<std::mutex> lock(save_mu_);
+  if (save_.generation != generation || !save_.saved) return;
+  save_.saved = false;
+  save_.undo.clear();
+  save_.failure = status == cudaSuccess
+                      ? "the collective taken as hung completed while its buffers were copied (its stream was only "
+                        "slow), so the copies may hold part of the work queued behind it"
+                      : "cannot tell whether the collective taken as hung ran on (cudaEventQuery: " +
+                            (error.empty() ? std::to_string(status) : error) + ")";
+}
+
 void ProxySession::refused(uint64_t generation, const std::string& what, const std::string& reason) {
   if (refused_generation_.exchange(generation) == generation) return;  // said already
   RecoveryRecord record;
@@ -877,31 +896,6 @@ std::string ProxySession::replica_unavailable() const {
   return replica_check_;
 }
 
-namespace {
-
-// A rank's word in the vote (see ProxySession::agree_to_rebuild).
-struct Word {
-  enum Kind { kNo, kYes, kReplica } kind = kNo;
-  uint64_t minibatch = 0;
-  bool optimizer_step = false;  // a replica word's: its optimizer step had begun
-  bool undo = false;            // a yes word's: its buffers are partly updated, undone only in its replay
-  std::string text;
-};
-
-Word parse_word(const std::string& text) {
-  Word w;
-  w.text = text;
-  const bool yes = text.rfind("yes/", 0) == 0, replica = text.rfind("replica/", 0) == 0;
-  if (!yes && !replica) return w;
-  w.kind = yes ? Word::kYes : Word::kReplica;
-  char* end = nullptr;
-  w.minibatch = std::strtoull(text.c_str() + (yes ? 4 : 8), &end, 10);
-  w.optimizer_step = end != nullptr && std::strcmp(end, "/optimizer") == 0;
-  w.undo = end != nullptr && std::strcmp(end, "/undo") == 0;
-  return w;
-}
-
-}  // namespace
 
 std::string ProxySession::agree_to_rebuild(uint64_t generation) {
   std::lock_guard<std::mutex> lock(vote_mu_);
@@ -919,7 +913,7 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation) {
     std::string text = "no: " + mine;
     if (mine.empty()) {
       text = (from_replica ? "replica/" : "yes/") + std::to_string(minibatches_.load());
-      if (from_replica && journal_.phase() == ReplayJournal::Phase::kOptimizerStep) text += "/optimizer";
+      if (journal_.phase() == ReplayJournal::Phase::kOptimizerStep) text += "/optimizer";
       std::lock_guard<std::mutex> lock(save_mu_);
       if (!from_replica && save_.generation == generation && save_.undoable()) text += "/undo";
     }
@@ -934,7 +928,7 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30) +
                           std::chrono::milliseconds(static_cast<int64_t>(2000 * Registry::instance().hang_timeout()));
     for (const ReplayJournal::PeerComm& c : comms) {
-      std::vector<Word> words(static_cast<size_t>(c.nranks));
+      std::vector<VoteWord> words(static_cast<size_t>(c.nranks));
       for (int r = 0; r < c.nranks && verdict.empty(); ++r) {
         std::string got = text, problem;
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
@@ -944,44 +938,19 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation) {
                     " did not join the transparent recovery (" + problem + ")";
           break;
         }
-        words[static_cast<size_t>(r)] = parse_word(got);
-        if (words[static_cast<size_t>(r)].kind == Word::kNo && r != c.rank)
+        words[static_cast<size_t>(r)] = VoteWord::parse(got);
+        if (words[static_cast<size_t>(r)].kind == VoteWord::kNo && r != c.rank)  // the others need not be read
           verdict = "rank " + std::to_string(r) + " of a communicator of " + std::to_string(c.nranks) +
                     " cannot recover transparently: " + got.substr(got.rfind("no: ", 0) == 0 ? 4 : 0);
       }
       if (!verdict.empty()) break;
-      // Ranks that lost their buffers take them from the lowest rank that has its own: a replica in
-      // the collective of the same minibatch (its start's buffers: case 3), or of the next one when
-      // the lost rank's optimizer step had got past that collective (case 4: the replica finished
-      // the step, the lost rank skips the rest of it).
-      // A rank that undoes a partial optimizer step holds its buffers undone only in its new proxy.
-      int donor = -1;
-      for (int r = 0; r < c.nranks && donor < 0; ++r)
-        if (words[static_cast<size_t>(r)].kind == Word::kYes && !words[static_cast<size_t>(r)].undo) donor = r;
-      for (int r = 0; r < c.nranks && verdict.empty(); ++r) {
-        const Word& w = words[static_cast<size_t>(r)];
-        if (w.kind != Word::kReplica) continue;
-        const std::string who = "rank " + std::to_string(r) + " of a communicator of " + std::to_string(c.nranks);
-        if (comms.size() != 1) {
-          verdict = who + " lost its buffers, and this rank has several communicators with peers";
-        } else if (donor < 0) {
-          verdict = "every rank of a communicator of " + std::to_string(c.nranks) +
-                    " lost its buffers or is partly through its optimizer step (--plugin undo undoes that in its "
-                    "own replay only): no replica";
-        } else {
-          const uint64_t at = words[static_cast<size_t>(donor)].minibatch;
-          const bool same = at == w.minibatch, next = at == w.minibatch + 1 && w.optimizer_step;
-          if (!same && !next)
-            verdict = who + " lost its buffers at minibatch " + std::to_string(w.minibatch) + ", and the replica (rank " +
-                      std::to_string(donor) + ") is at " + std::to_string(at) + ": it holds neither minibatch's start";
-          else if (r == c.rank) {
-            vote.replica_key = comm_key("replica", c.id);
-            vote.skip_minibatch = next;
-          }
-        }
+      const RebuildPlan plan = plan_rebuild(words, comms.size());
+      verdict = plan.refusal;
+      if (verdict.empty() && plan.receives(c.rank)) {
+        vote.replica_key = comm_key("replica", c.id);
+        vote.skip_minibatch = plan.skip[static_cast<size_t>(c.rank)];
       }
-      const bool any_receiver = std::any_of(words.begin(), words.end(), [](const Word& w) { return w.kind == Word::kReplica; });
-      if (verdict.empty() && any_receiver && donor == c.rank) {
+      if (verdict.empty() && !plan.receivers.empty() && plan.donor == c.rank) {
         std::lock_guard<std::mutex> lock(save_mu_);
         const std::string path =
             replica_dir_ + "/replica-" + std::to_string(getpid()) + "-" + std::to_string(generation) + ".buffers";

@@ -69,7 +69,10 @@ class ProxySession {
   // copied without waiting for the device, whose work is blocked behind the collective. The phase
   // the collective was posted in decides: the optimizer step's work is assumed queued behind it,
   // as frameworks order it (cudaStreamWaitEvent after the all-reduce, JIT paper Fig. 3).
-  bool recover_from_hang(const std::string& what, bool posted_in_optimizer_step);
+  // `sentinel` (the event recorded behind the collective) still pending after the copies shows
+  // that nothing queued behind it ran meanwhile; complete, the collective was only slow to be seen
+  // complete, and the copies may hold some of what followed it: they are not used.
+  bool recover_from_hang(const std::string& what, bool posted_in_optimizer_step, cudaEvent_t sentinel);
   // Whether a rank of a communicator with peers elsewhere has found a failure (its word is in the
   // launcher's store): this rank's pending collective will not complete, and need not wait for the
   // hang timeout to know. Who found it, or "".
@@ -148,11 +151,13 @@ class ProxySession {
   // of the optimizer step's kernels posted before journal id `failed` that had run.
   void save_device(proxy::ProxyChannel* ch, uint64_t generation, ReplayJournal::Phase phase,
                    DeviceBuffers::WaitFor wait = DeviceBuffers::WaitFor::kQueuedWork, int64_t failed = INT64_MAX);
+  // After a hang's copies: see recover_from_hang.
+  void distrust_save_if_complete(proxy::ProxyChannel* ch, uint64_t generation, cudaEvent_t sentinel);
   // Before a synchronous call on `ch`: what other threads posted without a reply has run in the
   // proxy (see the definition).
   void wait_for_other_threads(proxy::ProxyChannel* ch);
   // recover_now and recover_from_hang: save, kill the old proxy, replace it.
-  bool recover_live(const std::string& what, bool hung, bool posted_in_optimizer_step);
+  bool recover_live(const std::string& what, bool hung, bool posted_in_optimizer_step, cudaEvent_t sentinel);
   // Why a failure cannot be recovered here ("" if it can): the journal is off, or cannot be replayed.
   std::string cannot_recover() const;
   // The agreed unique id of a communicator with peers elsewhere (ReplayTarget::rendezvous).

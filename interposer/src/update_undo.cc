@@ -17,8 +17,8 @@ bool undo_plugin_named() {
   return list.find(",undo,") != std::string::npos;
 }
 
-// cudaEventQuery on the proxy behind `ch`, directly on the channel: the caller holds the session's
-// recovery lock, which a forwarded call would take again.
+}  // namespace
+
 int query_event(proxy::ProxyChannel& ch, cudaEvent_t event, std::string* error) {
   const uint64_t handle = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(event));
   const uint32_t tag = proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_cudaEventQuery);
@@ -26,8 +26,6 @@ int query_event(proxy::ProxyChannel& ch, cudaEvent_t event, std::string* error) 
   if (r.status == 999) *error = r.error;
   return r.status;
 }
-
-}  // namespace
 
 UpdateUndo::UpdateUndo() : enabled_(undo_plugin_named()) {}
 

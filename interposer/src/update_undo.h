@@ -26,6 +26,11 @@
 
 namespace jitckpt {
 
+// cudaEventQuery on the proxy behind `ch`, directly on the channel: for callers holding the
+// session's recovery lock, which a forwarded call would take again. Its cudaError_t, or 999 with
+// `error` when the proxy did not answer.
+int query_event(proxy::ProxyChannel& ch, cudaEvent_t event, std::string* error);
+
 class UpdateUndo {
  public:
   UpdateUndo();  // on with "undo" in $JITCKPT_PLUGINS (`jitckpt run --plugin undo`)

@@ -93,7 +93,7 @@ void Watchdog::poll() {
         std::snprintf(detail, sizeof detail, "%s (seq %llu, step %lld, phase %s) not complete after %.3f s: %s",
                       r.op, static_cast<unsigned long long>(r.seq), static_cast<long long>(r.step), r.phase.c_str(),
                       age, peer.c_str());
-        if (!registry_.proxy().recover_from_hang(detail, r.phase == "optimizer"))
+        if (!registry_.proxy().recover_from_hang(detail, r.phase == "optimizer", r.sentinel))
           registry_.report_failure("hang", detail, r.phase);
         return;
       }
@@ -106,7 +106,7 @@ void Watchdog::poll() {
                     age, timeout);
       // In proxy mode with the journal on, every rank of the communicator rebuilds it and replays
       // its minibatch (issue 16 case 1); else the failure callback (user-level JIT) takes it.
-      if (registry_.proxy().enabled() && registry_.proxy().recover_from_hang(detail, r.phase == "optimizer")) return;
+      if (registry_.proxy().enabled() && registry_.proxy().recover_from_hang(detail, r.phase == "optimizer", r.sentinel)) return;
       registry_.report_failure("hang", detail, r.phase);
       return;
     }

@@ -1,7 +1,7 @@
 // Unit tests (GoogleTest, run by CTest from `make test`) of libjit.so's building blocks that need no
 // CUDA runtime: the lock-free stream graph, the failure latch, the hang timeout policy, the JSON
 // writer, the SWIFT log chunk writer and reader (binary layout, damaged input) and next-symbol
-// resolution.
+// resolution, the transparent recovery's vote rule.
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -18,6 +18,7 @@
 #include "json_writer.h"
 #include "log_chunk.h"
 #include "next_symbol.h"
+#include "rebuild_vote.h"
 #include "stream_graph.h"
 
 namespace {
@@ -342,4 +343,70 @@ TEST(HangTimeout, AdaptsToTheLongestRecentCollective) {
   t.set(*jitckpt::HangTimeoutPolicy::parse("7", &err));
   t.record(100);
   EXPECT_EQ(t.current(), 7);   // fixed ignores durations
+}
+
+namespace {
+
+std::vector<jitckpt::VoteWord> words(std::initializer_list<const char*> texts) {
+  std::vector<jitckpt::VoteWord> out;
+  for (const char* t : texts) out.push_back(jitckpt::VoteWord::parse(t));
+  return out;
+}
+
+}  // namespace
+
+TEST(RebuildVote, ParsesTheWords) {
+  const auto w = words({"yes/7", "yes/7/optimizer/undo", "replica/8/optimizer", "no: journal off"});
+  EXPECT_EQ(w[0].kind, jitckpt::VoteWord::kYes);
+  EXPECT_EQ(w[0].minibatch, 7u);
+  EXPECT_FALSE(w[0].optimizer_step);
+  EXPECT_TRUE(w[1].undo && w[1].optimizer_step);
+  EXPECT_EQ(w[2].kind, jitckpt::VoteWord::kReplica);
+  EXPECT_TRUE(w[2].optimizer_step && !w[2].undo);
+  EXPECT_EQ(w[3].kind, jitckpt::VoteWord::kNo);
+}
+
+TEST(RebuildVote, EveryRankWithItsBuffersReplays) {
+  const auto plan = jitckpt::plan_rebuild(words({"yes/5", "yes/5", "yes/5/optimizer/undo"}), 1);
+  EXPECT_EQ(plan.refusal, "");
+  EXPECT_TRUE(plan.receivers.empty());
+}
+
+TEST(RebuildVote, ALostRankTakesTheSameOrTheNextMinibatchFromTheLowestDonor) {
+  auto plan = jitckpt::plan_rebuild(words({"yes/5/optimizer/undo", "yes/5", "replica/5", "yes/5"}), 1);
+  EXPECT_EQ(plan.refusal, "");
+  EXPECT_EQ(plan.donor, 1);  // rank 0 undoes its own step: not a donor
+  EXPECT_EQ(plan.receivers, std::vector<int>{2});
+  EXPECT_FALSE(plan.skip[2]);
+  plan = jitckpt::plan_rebuild(words({"yes/6", "replica/5/optimizer", "yes/6"}), 1);
+  EXPECT_EQ(plan.refusal, "");
+  EXPECT_EQ(plan.receivers, std::vector<int>{1});
+  EXPECT_TRUE(plan.skip[1]);
+}
+
+// A flake seen on 2026-11-26: rank 2's stream was slow, its all-reduce of minibatch 670 not yet
+// seen complete while rank 0 was in 671. Replaying 670 put it a collective out of step with rank 0.
+TEST(RebuildVote, ARankAMinibatchBehindInItsOptimizerStepTakesTheDonorsBuffers) {
+  const auto plan = jitckpt::plan_rebuild(words({"yes/671", "replica/670/optimizer", "yes/670/optimizer"}), 1);
+  EXPECT_EQ(plan.refusal, "");
+  EXPECT_EQ(plan.donor, 0);
+  EXPECT_EQ(plan.receivers, (std::vector<int>{1, 2}));
+  EXPECT_TRUE(plan.skip[1] && plan.skip[2]);
+}
+
+TEST(RebuildVote, RanksOutOfStepAreRefusedAlike) {
+  // Behind, but not yet in its optimizer step: the rest of its minibatch cannot be skipped.
+  auto plan = jitckpt::plan_rebuild(words({"yes/671", "yes/670"}), 1);
+  EXPECT_NE(plan.refusal.find("rank 1 of a communicator of 2 is at minibatch 670"), std::string::npos) << plan.refusal;
+  plan = jitckpt::plan_rebuild(words({"yes/672", "replica/670/optimizer"}), 1);
+  EXPECT_NE(plan.refusal.find("out of step"), std::string::npos) << plan.refusal;
+  plan = jitckpt::plan_rebuild(words({"replica/4", "replica/4"}), 1);
+  EXPECT_NE(plan.refusal.find("no replica"), std::string::npos) << plan.refusal;
+  plan = jitckpt::plan_rebuild(words({"yes/4/optimizer/undo", "replica/4/optimizer"}), 1);
+  EXPECT_NE(plan.refusal.find("no replica"), std::string::npos) << plan.refusal;
+  plan = jitckpt::plan_rebuild(words({"yes/4", "replica/4"}), 2);
+  EXPECT_NE(plan.refusal.find("several communicators"), std::string::npos) << plan.refusal;
+  plan = jitckpt::plan_rebuild(words({"yes/4", "no: the journal is off"}), 1);
+  EXPECT_NE(plan.refusal.find("rank 1 of a communicator of 2 cannot recover transparently: the journal is off"),
+            std::string::npos) << plan.refusal;
 }
