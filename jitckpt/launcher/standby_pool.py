@@ -51,9 +51,9 @@ class StandbyPool:
         child.close()
         return proc, parent
 
-    def fill(self, extra: int = 0) -> None:
-        """Start standbys until ``size`` (plus ``extra``, taken at once by the first generation)."""
-        while len(self._idle) < self.size + extra:
+    def fill(self, count: Optional[int] = None) -> None:
+        """Start standbys until ``count`` are idle (default ``size``)."""
+        while len(self._idle) < (self.size if count is None else count):
             self._idle.append(self._spawn())
         self._ready: set = set()
         self._t_fill = time.monotonic()

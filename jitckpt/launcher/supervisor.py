@@ -191,9 +191,10 @@ class Launcher:
                 env.update(transparent_env(cfg))
             self.pool = StandbyPool(size=cfg.nproc_per_node * cfg.warm_standby, env=env,
                                     python=sys.executable)
-            # The first generation's workers and the standbys for the first restart import torch
-            # together, before training starts: a failure early in the job still restarts warm.
-            self.pool.fill(extra=cfg.nproc_per_node)
+            # The first generation's workers; the standbys for a restart are started once they
+            # train, so that their imports do not delay the job's start where cores are few (a
+            # failure before then restarts on standbys still importing: no slower than cold).
+            self.pool.fill(count=cfg.nproc_per_node)
         try:
             gen = 0  # whole-job launches (the coordinator's generations)
             while True:
@@ -438,11 +439,11 @@ class Launcher:
                     if not w.eof and w.exit_code is None and w.proc.poll() is not None:
                         w.exit_code = w.proc.returncode
                 self.display.maybe_show(gen, self.workers, failure)
-                if (not refilled and self.pool is not None and gen > 0
+                if (not refilled and self.pool is not None
                         and all(w.step is not None and w.step >= 0 for w in self.workers)):
                     self.pool.fill()  # once training runs, not competing with the workers' start
                     refilled = True
-                if (refilled or gen == 0) and not pool_ready and self.pool is not None:
+                if refilled and not pool_ready and self.pool is not None:
                     seconds = self.pool.ready_after()
                     if seconds is not None:
                         pool_ready = True
