@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -221,6 +222,9 @@ class LaunchConfig:
         _check_seconds("--save-timeout", self.save_timeout, zero_ok=False)
         _check_seconds("--status-interval", self.status_interval, zero_ok=True)
         _check_seconds("rdzv_timeout", self.rdzv_timeout, zero_ok=False)
+        if self.metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
+            raise ValueError("--metrics-port needs prometheus-client: pip install 'jitckpt[metrics]' "
+                             "(or pip install prometheus-client)")
         if self.no_python and self.module:
             raise ValueError("--no-python and -m/--module cannot be combined")
         if not self.no_python and not self.module and not os.path.isfile(self.script):

@@ -97,6 +97,7 @@ class Launcher:
         self.replacement: Optional[StageReplacement] = None  # --recovery stage
         self.preempt_signal: Optional[int] = None  # the first SIGTERM/SIGINT (see run())
         self._stopping = False  # a second one arrived: stop at once
+        self._omp_warned = False
         if cfg.recovery == "stage":
             self.stage = StageGenerations(cfg, self.coord)
             self.replacement = StageReplacement(generations=self.stage, node_rank=cfg.node_rank,
@@ -280,7 +281,13 @@ class Launcher:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
         # Restarted gloo workers must not read a previous generation's peer addresses.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        env.setdefault("OMP_NUM_THREADS", str(self.cfg.omp_num_threads))
+        if "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(self.cfg.omp_num_threads)
+            if self.cfg.nproc_per_node > 1 and not self._omp_warned:  # torchrun's warning, once
+                self._omp_warned = True
+                log.warning("Setting OMP_NUM_THREADS environment variable for each process to be %s in default, "
+                            "to avoid your system being overloaded, please further tune the variable for optimal "
+                            "performance in your application as needed.", env["OMP_NUM_THREADS"])
         if self.cfg.nnodes == 1:  # one node: gloo's own sockets on loopback too, as the store's
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         return env
@@ -301,6 +308,12 @@ class Launcher:
             # client), not torch's server on every interface (jitckpt.runtime.generation_store).
             "TORCHELASTIC_USE_AGENT_STORE": str(not cfg.no_python),
         }
+        # torchrun's error file: a script's @record (torch.distributed.elastic.multiprocessing.errors)
+        # writes its exception there.
+        error_file = self._error_file(spec)
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        error_file.unlink(missing_ok=True)  # a previous run's in the same run directory
+        env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
         if cfg.preload:
             env["LD_PRELOAD"] = cfg.preload
         if cfg.transparent:
@@ -312,6 +325,9 @@ class Launcher:
                 env["JITCKPT_STORE_SOCKET"] = self.store_relay.socket_path
                 env["JITCKPT_REPLICA_DIR"] = str(self.replica_dir)
         return env
+
+    def _error_file(self, spec: WorkerSpec) -> Path:
+        return self.run_dir / "errors" / f"gen{spec.gen}" / f"rank{spec.rank}" / "error.json"
 
     def _worker_spec(self, gen: int, local_rank: int, role: str) -> WorkerSpec:
         """What this launcher tells the rank, once, validated."""
@@ -626,6 +642,9 @@ class Launcher:
 
 def run(cfg: LaunchConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="[jitckpt] %(message)s")
+    from jitckpt.process_title import set_title
+
+    set_title(f"jitckpt launcher {cfg.run_id} node {cfg.node_rank}")
     try:
         launcher = Launcher(cfg)
     except (ValueError, OSError) as e:  # e.g. a metrics address that needs a token, a busy port

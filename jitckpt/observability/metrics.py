@@ -10,8 +10,8 @@ token crosses the network in clear text: on untrusted networks put it behind a T
 Metric names (all prefixed ``jitckpt_``; times in seconds, sizes in bytes):
 
 * ``step`` (gauge) latest training step reported; ``step_time_seconds`` (histogram)
-* ``failures_total{kind}`` failure incidents (several ranks reporting one failure count once),
-  ``failure_reports_total{kind}`` every ``failure_detected`` record
+* ``failures_total{kind}`` failure incidents (several ranks reporting one failure count once; the
+  kind is the first report's)
 * ``recovery_phase_seconds{phase}`` (histogram; detect/save/restart/restore),
   ``recovery_seconds`` (histogram, whole recovery), ``steps_redone_total``
 * ``checkpoints_total{kind}``, ``checkpoint_bytes_total{kind}``, ``checkpoint_save_seconds{kind}``,
@@ -20,6 +20,10 @@ Metric names (all prefixed ``jitckpt_``; times in seconds, sizes in bytes):
   ``job_running``
 * ``transparent_recoveries_total{outcome}`` (recovered, refused), ``transparent_validations_total{result}``
   (matched, mismatch): from the records the workers' libjit.so writes under ``--transparent``
+
+Only ``/metrics`` is served (anything else is 404), and without the ``*_created`` series
+prometheus_client adds to counters and histograms by default (every counter here starts at 0 with the
+launcher, so they carry nothing a scraper's own start time does not).
 """
 from __future__ import annotations
 
@@ -32,7 +36,12 @@ from socketserver import ThreadingMixIn
 from typing import Any, Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, make_wsgi_app
+try:
+    from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                                   generate_latest, make_wsgi_app)
+except ImportError as exc:  # an optional dependency: say how to get it, not a traceback of ours
+    raise ImportError("--metrics-port needs prometheus-client: pip install 'jitckpt[metrics]' "
+                      "(or pip install prometheus-client)") from exc
 
 FAILURE_KINDS = ("exit", "signal", "hang", "error", "exception")
 PHASES = ("detect", "save", "restart", "restore")
@@ -81,6 +90,18 @@ def _bearer_auth(app: Callable, token: str) -> Callable:
     return guarded
 
 
+def _only_metrics_path(app: Callable) -> Callable:
+    """WSGI middleware: 404 for any path but ``/metrics`` (prometheus_client serves every path)."""
+
+    def routed(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: the metrics are at /metrics\n"]
+        return app(environ, start_response)
+
+    return routed
+
+
 def _num(value: Any) -> float | None:
     try:
         v = float(value)
@@ -106,6 +127,7 @@ class JobMetrics:
                 "bind to 127.0.0.1 (default) and scrape locally, or pass a bearer token "
                 "(scrapes must then send 'Authorization: Bearer <token>'; the endpoint is plain HTTP)"
             )
+        disable_created_metrics()  # process-wide in prometheus_client: the launcher's own process
         self.registry = CollectorRegistry(auto_describe=True)
         self._build_metrics()
         self._lock = threading.Lock()
@@ -114,7 +136,7 @@ class JobMetrics:
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         if port is not None:
-            app = make_wsgi_app(self.registry)
+            app = _only_metrics_path(make_wsgi_app(self.registry))
             if token is not None:
                 app = _bearer_auth(app, token)
             cls = _ThreadingServer6 if ":" in addr else _ThreadingServer
@@ -134,8 +156,6 @@ class JobMetrics:
                                    buckets=_STEP_BUCKETS, registry=r)
         self.failures = Counter("jitckpt_failures", "Failure incidents, by kind of the first report",
                                 ["kind"], registry=r)
-        self.failure_reports = Counter("jitckpt_failure_reports", "failure_detected records, by kind",
-                                       ["kind"], registry=r)
         self.recovery_phase = Histogram("jitckpt_recovery_phase_seconds", "Time per recovery phase (s)",
                                         ["phase"], buckets=_RECOVERY_BUCKETS, registry=r)
         self.recovery = Histogram("jitckpt_recovery_seconds", "Total time of one recovery (s)",
@@ -160,7 +180,6 @@ class JobMetrics:
             "turns transparent recovery off for that rank)", ["result"], registry=r)
         for k in FAILURE_KINDS + ("other",):  # export zeros so rate() works before the first failure
             self.failures.labels(k)
-            self.failure_reports.labels(k)
         for p in PHASES:
             self.recovery_phase.labels(p)
         for k in CHECKPOINT_KINDS:
@@ -203,7 +222,6 @@ class JobMetrics:
                 self.step_time.observe(st)
         elif ev == "failure_detected":
             kind = record.get("kind") if record.get("kind") in FAILURE_KINDS else "other"
-            self.failure_reports.labels(kind).inc()
             with self._lock:
                 first, self._failure_open = not self._failure_open, True
             if first:

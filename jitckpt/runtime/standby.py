@@ -17,6 +17,9 @@ def main() -> None:
     from jitckpt.protocol.control_channel import ENV_FD, ControlChannel
     from jitckpt.protocol.control_messages import TO_WORKER, Assign, Ready
 
+    from jitckpt.process_title import set_title, worker_title
+
+    set_title("jitckpt standby")
     channel = ControlChannel(socket.socket(fileno=int(os.environ[ENV_FD])), incoming=TO_WORKER)
     # The expensive part, done while idle: torch itself, and torch._dynamo, which DDP's
     # constructor imports lazily (seconds on its own).
@@ -40,6 +43,7 @@ def main() -> None:
     from jitckpt.runtime.generation_store import host_if_rank0
 
     spec = WorkerSpec.from_dict(msg.spec)
+    set_title(worker_title(spec.rank, spec.world_size, spec.gen))
     store = host_if_rank0(spec)  # noqa: F841 - serves the process group's store while this rank lives
     rt = WorkerRuntime.from_spec(spec, channel)
     rt.start()
