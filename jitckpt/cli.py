@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jitckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="launch a training job (torchrun-compatible flags)",
-                           allow_abbrev=False)
+                           allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_run_arguments(p_run)
     p_run.set_defaults(func=_cmd_run)
     from jitckpt.observability import analyze_cli, report

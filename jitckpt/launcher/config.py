@@ -20,6 +20,8 @@ _RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 # Same names as snapshot_protection.SCHEMES (not imported: the launcher does not import torch).
 SNAPSHOT_PROTECTIONS = ("aec", "arc", "none")
 RECOVERY_MODES = ("jit", "stage")
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default --signals-to-handle
+_STD_RE = re.compile(r"^[0-3]$|^\d+:[0-3](,\d+:[0-3])*$")  # torchrun's Std.from_str grammar
 
 
 def _nnodes(text: str) -> int:
@@ -95,28 +97,56 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
             flags.append(n)
             if "-" in n[2:]:
                 flags.append("--" + n[2:].replace("-", "_"))
-        p.add_argument(*flags, **kw)
+        g.add_argument(*flags, **kw)
 
-    g = p.add_argument_group("torchrun-compatible")
-    both("--nnodes", type=_nnodes, default=1, help="number of nodes (fixed)")
+    g = p.add_argument_group("torchrun's flags (torch.distributed.run), with torchrun's meaning unless said")
+    both("--nnodes", type=_nnodes, default=1, help="number of nodes (fixed; MIN:MAX ranges are refused)")
     both("--nproc-per-node", type=_nproc, default=1,
          help="workers per node: a number, or gpu, cpu, xpu or auto with torchrun's meaning")
-    both("--node-rank", type=int, default=0, help="this node's rank (0..nnodes-1)")
+    both("--rdzv-backend", default="c10d", choices=["c10d", "static", "etcd", "etcd-v2"],
+         help="rendezvous backend: c10d and static are node 0's store; etcd and etcd-v2 are refused (not yet)")
     both("--rdzv-endpoint", default="", help="host:port of node 0's store (required for nnodes > 1)")
-    both("--rdzv-backend", default="c10d", choices=["c10d", "static"], help="rendezvous backend")
     both("--rdzv-id", default="", help="job id shared by all nodes; its checkpoints go to "
          "<checkpoint-dir>/<id>/ (without an id: <checkpoint-dir>/ itself)")
-    both("--rdzv-conf", default="", help="accepted for compatibility; ignored")
-    both("--max-restarts", type=int, default=3,
-         help="restarts before giving up (torchrun's default is 0; jitckpt's is 3)")
-    both("--monitor-interval", type=_seconds, default=0.2, help="accepted; the launcher is event driven")
-    both("--master-addr", default="", help="with --nnodes 1: address for MASTER_ADDR")
-    both("--master-port", type=_port, default=0, help="ignored: a fresh port is chosen per restart")
-    g.add_argument("--standalone", action="store_true", help="single node, local rendezvous (default)")
+    both("--rdzv-conf", default="", help="key=value,...: timeout or join_timeout (seconds to wait for the "
+         "other nodes at each generation); other keys are refused")
+    g.add_argument("--standalone", action="store_true", help="single node, local rendezvous (what one node does anyway)")
+    both("--max-restarts", type=int, default=3, help="restarts before giving up (torchrun's default is 0)")
+    both("--monitor-interval", type=_seconds, default=0.2,
+         help="seconds between the launcher's checks of its workers (it also wakes on every message)")
+    both("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
+         help="spawn only: workers are fresh processes (warm standbys); fork and forkserver are refused")
+    both("--event-log-handler", default="null",
+         help="null only: jitckpt writes its events to <run-dir>/events.jsonl")
+    g.add_argument("--role", default="default", help="ROLE_NAME of the workers, and the prefix of --tee lines")
     both("--no-python", action="store_true", help="run the program directly, not with python")
     g.add_argument("-m", "--module", action="store_true", help="run the script as a module")
-    both("--log-dir", default="", help="accepted; worker output goes to this console")
-    both("--start-method", default="spawn", help="accepted; workers are always fresh processes")
+    both("--run-path", action="store_true",
+         help="run the script with runpy.run_path (how jitckpt's workers always run a script)")
+    both("--log-dir", default="",
+         help="base directory of the workers' log files: <log-dir>/<run id>/attempt_<generation>/<local "
+              "rank>/{stdout.log,stderr.log,error.json} (default <run-dir>/logs)")
+    g.add_argument("-r", "--redirects", default="0",
+                   help="redirect workers' output to files in the log directory: 0 none, 1 stdout, 2 stderr, "
+                        "3 both, or per local rank as 0:1,1:2")
+    g.add_argument("-t", "--tee", default="0",
+                   help="as --redirects, and also print the lines on this console prefixed [<role><local rank>]:")
+    both("--local-ranks-filter", default="",
+         help="comma-separated local ranks whose output is shown on the console (files keep everything)")
+    both("--duplicate-stdout-filters", default="", help="refused (not supported)")
+    both("--duplicate-stderr-filters", default="", help="refused (not supported)")
+    both("--node-rank", type=int, default=0, help="this node's rank (0..nnodes-1)")
+    both("--master-addr", default="127.0.0.1", help="one node: MASTER_ADDR of the workers (rank 0 serves the store there)")
+    both("--master-port", type=_port, default=None,
+         help="one node: MASTER_PORT of the first generation (a restart takes a free port: the old one may linger)")
+    both("--local-addr", default=None, help="refused (not supported)")
+    both("--logs-specs", default=None, help="refused: --log-dir, --redirects and --tee are built in")
+    both("--numa-binding", default=None, choices=["node", "socket", "exclusive", "core-complex"],
+         help="refused (not supported)")
+    both("--signals-to-handle", default=DEFAULT_SIGNALS,
+         help="the default only: SIGTERM and SIGINT are a preemption (the workers save, then exit)")
+    both("--shutdown-timeout", type=int, default=None, help="refused: see --save-timeout")
+    both("--virtual-local-rank", action="store_true", help="refused (not supported)")
     g = p.add_argument_group("jitckpt")
     g.add_argument("--checkpoint-dir", default="jitckpt-checkpoints", help="where checkpoints go")
     g.add_argument("--run-dir", default="", help="event log and run files (default: <checkpoint-dir>/runs/<run id>)")
@@ -167,6 +197,63 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("script_args", nargs=argparse.REMAINDER)
 
 
+# torchrun's flags that cannot apply here: (flag, the value that is torchrun's default, why not).
+_REFUSED = (
+    ("--rdzv-backend", ("c10d", "static"), "the etcd backends are not supported yet; use c10d (node 0's store)"),
+    ("--start-method", ("spawn",), "workers are always fresh processes (warm standbys started with spawn's "
+                                   "semantics): fork and forkserver cannot apply"),
+    ("--event-log-handler", ("null",), "jitckpt writes its events to <run-dir>/events.jsonl (see `jitckpt report`)"),
+    ("--duplicate-stdout-filters", ("",), "not supported"),
+    ("--duplicate-stderr-filters", ("",), "not supported"),
+    ("--local-addr", (None,), "not supported; the workers' store is on --master-addr, the nodes' on --rdzv-endpoint"),
+    ("--logs-specs", (None,), "only the built-in --log-dir/--redirects/--tee layout is supported"),
+    ("--numa-binding", (None,), "not supported"),
+    ("--signals-to-handle", (DEFAULT_SIGNALS,), "jitckpt handles SIGTERM and SIGINT as a preemption (the workers "
+                                                "save, then exit) and cannot handle another set"),
+    ("--shutdown-timeout", (None,), "on a preemption the workers get --save-timeout to save before they are killed"),
+    ("--virtual-local-rank", (False,), "not supported"),
+)
+
+
+def refuse_torchrun_flags(a: argparse.Namespace) -> None:
+    """A torchrun flag given a value jitckpt cannot honour is refused, naming why (not ignored)."""
+    for flag, defaults, why in _REFUSED:
+        value = getattr(a, flag[2:].replace("-", "_"))
+        if value not in defaults:
+            raise ValueError(f"{flag} {value}: {why}")
+
+
+def _rdzv_timeout(conf: str) -> float:
+    """--rdzv-conf key=value,...: timeout and join_timeout (torchrun's c10d rendezvous keys) bound the
+    wait for the other nodes; any other key is refused."""
+    timeout = 300.0
+    for item in filter(None, (x.strip() for x in conf.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--rdzv-conf {conf!r}: expected key=value pairs separated by commas")
+        if key not in ("timeout", "join_timeout"):
+            raise ValueError(f"--rdzv-conf {key}: not supported (only timeout and join_timeout, the seconds to wait "
+                             "for the other nodes)")
+        try:
+            timeout = float(value)
+            _check_seconds(f"--rdzv-conf {key}", timeout, zero_ok=False)
+        except ValueError:
+            raise ValueError(f"--rdzv-conf {key}={value}: expected a finite number of seconds > 0") from None
+    return timeout
+
+
+def _local_ranks(text: str) -> frozenset:
+    if not text:
+        return frozenset()
+    try:
+        ranks = frozenset(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--local-ranks-filter {text!r}: expected comma-separated local ranks, e.g. 0,1,2") from None
+    if any(r < 0 for r in ranks):
+        raise ValueError(f"--local-ranks-filter {text!r}: local ranks are >= 0")
+    return ranks
+
+
 def check_writable_dir(path: str, flag: str) -> None:
     """Create ``path`` and write a file in it, so an unusable directory is refused at start, not
     at the first failure (when the JIT checkpoints that would save the job go there)."""
@@ -210,6 +297,15 @@ class LaunchConfig:
     snapshot_flush_every: int = 0
     rdzv_timeout: float = 300.0
     omp_num_threads: int = 1
+    # torchrun's flags with an effect here (see add_run_arguments)
+    role: str = "default"
+    master_addr: str = "127.0.0.1"
+    master_port: Optional[int] = None
+    monitor_interval: float = 0.2
+    log_dir: str = ""
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         self.hang_timeout = HangTimeout.parse(self.hang_timeout or "auto").to_text()
@@ -222,6 +318,14 @@ class LaunchConfig:
         _check_seconds("--save-timeout", self.save_timeout, zero_ok=False)
         _check_seconds("--status-interval", self.status_interval, zero_ok=True)
         _check_seconds("rdzv_timeout", self.rdzv_timeout, zero_ok=False)
+        for flag, value in (("--redirects", self.redirects), ("--tee", self.tee)):
+            if not _STD_RE.match(value):
+                raise ValueError(f"{flag} {value!r}: expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per "
+                                 "local rank as 0:1,1:2")
+        if self.master_port is not None and self.nnodes > 1:
+            raise ValueError("--master-port applies to one node; with --nnodes > 1 node 0 picks the workers' port "
+                             "and publishes it through --rdzv-endpoint")
+        _check_seconds("--monitor-interval", self.monitor_interval, zero_ok=False)
         if self.metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
             raise ValueError("--metrics-port needs prometheus-client: pip install 'jitckpt[metrics]' "
                              "(or pip install prometheus-client)")
@@ -320,6 +424,7 @@ class LaunchConfig:
         script_args = list(a.script_args)
         if script_args and script_args[0] == "--":
             script_args = script_args[1:]
+        refuse_torchrun_flags(a)
         return cls(script=a.script, script_args=script_args, nnodes=a.nnodes,
                    nproc_per_node=a.nproc_per_node, node_rank=a.node_rank,
                    rdzv_endpoint=a.rdzv_endpoint, run_id=a.rdzv_id, max_restarts=a.max_restarts,
@@ -330,4 +435,7 @@ class LaunchConfig:
                    metrics_addr=a.metrics_addr, preload=a.preload, transparent=a.transparent,
                    plugins=tuple(filter(None, a.plugin.split(","))), recovery=a.recovery,
                    snapshot_every=a.snapshot_every, snapshot_protection=a.snapshot_protection,
-                   snapshot_flush_every=a.snapshot_flush_every)
+                   snapshot_flush_every=a.snapshot_flush_every, rdzv_timeout=_rdzv_timeout(a.rdzv_conf),
+                   role=a.role, master_addr=a.master_addr, master_port=a.master_port,
+                   monitor_interval=a.monitor_interval, log_dir=a.log_dir, redirects=a.redirects, tee=a.tee,
+                   local_ranks_filter=_local_ranks(a.local_ranks_filter))

@@ -80,8 +80,9 @@ class NodeCoordinator:
         return f"g{gen}/{key}"
 
     def begin_generation(self, gen: int) -> tuple[str, int]:
-        if self.store is None:
-            return "127.0.0.1", free_port()
+        if self.store is None:  # one node: torchrun's --master-addr/--master-port; a restart's port is fresh
+            port = self.cfg.master_port if gen == 0 and self.cfg.master_port else free_port(self.cfg.master_addr)
+            return self.cfg.master_addr, port
         s = self.store
         if self.cfg.node_rank == 0:
             port = free_port(self.cfg.rdzv_host if self.cfg.rdzv_host != "localhost" else "127.0.0.1")

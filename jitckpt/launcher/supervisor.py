@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
 
@@ -39,6 +40,7 @@ from jitckpt.launcher.config import LaunchConfig, check_writable_dir
 from jitckpt.launcher.node_coordinator import NodeCoordinator
 from jitckpt.launcher.store_relay import StoreRelay, local_store_factory
 from jitckpt.launcher.standby_pool import StandbyPool
+from jitckpt.launcher.worker_logs import WorkerLogs, WorkerStreams
 from jitckpt.launcher.jit_recovery import NOT_A_CULPRIT, FailureRecord, JitRecovery
 from jitckpt.launcher.stage_replacement import StageReplacement
 from jitckpt.launcher.worker_handle import Worker
@@ -77,6 +79,7 @@ class Launcher:
         self.run_dir = Path(cfg.run_dir)
         # Creates run_dir; a full disk there costs the event log (kept in memory), not the job.
         self.events = EventLog(self.run_dir / "events.jsonl")
+        self.logs = WorkerLogs(cfg, self.run_dir)
         # --transparent: what the workers' libjit.so writes into the same log (metrics, console).
         self.worker_records = WorkerRecords(self.run_dir / "events.jsonl") if cfg.transparent else None
         self.metrics = None
@@ -292,7 +295,7 @@ class Launcher:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         return env
 
-    def _rank_env(self, spec: WorkerSpec, local_rank: int, master: tuple[str, int]) -> dict:
+    def _rank_env(self, spec: WorkerSpec, local_rank: int, master: tuple[str, int], streams: WorkerStreams) -> dict:
         """torchrun's variables for the rank, as torchrun sets them (scripts and
         ``init_process_group`` read them); jitckpt's own settings are in ``spec``."""
         cfg = self.cfg
@@ -300,7 +303,8 @@ class Launcher:
         env = {
             "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(cfg.world_size),
             "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node), "GROUP_RANK": str(cfg.node_rank),
-            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(cfg.world_size), "ROLE_NAME": "default",
+            "GROUP_WORLD_SIZE": str(cfg.nnodes),
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(cfg.world_size), "ROLE_NAME": cfg.role,
             "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
             "TORCHELASTIC_RESTART_COUNT": str(gen), "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
             "TORCHELASTIC_RUN_ID": cfg.run_id,
@@ -310,10 +314,7 @@ class Launcher:
         }
         # torchrun's error file: a script's @record (torch.distributed.elastic.multiprocessing.errors)
         # writes its exception there.
-        error_file = self._error_file(spec)
-        error_file.parent.mkdir(parents=True, exist_ok=True)
-        error_file.unlink(missing_ok=True)  # a previous run's in the same run directory
-        env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+        env["TORCHELASTIC_ERROR_FILE"] = streams.error_file
         if cfg.preload:
             env["LD_PRELOAD"] = cfg.preload
         if cfg.transparent:
@@ -325,9 +326,6 @@ class Launcher:
                 env["JITCKPT_STORE_SOCKET"] = self.store_relay.socket_path
                 env["JITCKPT_REPLICA_DIR"] = str(self.replica_dir)
         return env
-
-    def _error_file(self, spec: WorkerSpec) -> Path:
-        return self.run_dir / "errors" / f"gen{spec.gen}" / f"rank{spec.rank}" / "error.json"
 
     def _worker_spec(self, gen: int, local_rank: int, role: str) -> WorkerSpec:
         """What this launcher tells the rank, once, validated."""
@@ -349,20 +347,23 @@ class Launcher:
 
     def _start_workers(self, launch: int, master: tuple[str, int]) -> None:
         role = "initial" if launch == 0 else "restart"
-        self.workers = [self._start_worker(self.gen, lr, master, role)
+        streams = self.logs.attempt(self.gen, list(range(self.cfg.nproc_per_node)))
+        self.workers = [self._start_worker(self.gen, lr, master, role, streams[lr])
                         for lr in range(self.cfg.nproc_per_node)]
 
     def _start_worker(self, gen: int, local_rank: int, master: tuple[str, int],
-                      role: str) -> Worker:
+                      role: str, streams: WorkerStreams) -> Worker:
         cfg = self.cfg
         spec = self._worker_spec(gen, local_rank, role)
-        env = self._rank_env(spec, local_rank, master)
+        env = self._rank_env(spec, local_rank, master, streams)
         rank = spec.rank
         if cfg.no_python:  # no Python to send the spec to: libjit.so reads the environment
             parent, child = channel_pair()
             full_env = {**self._base_env(), **env, **spec.to_env(), ENV_FD: str(child.fileno())}
-            proc = subprocess.Popen([cfg.script, *cfg.script_args], env=full_env,
-                                    pass_fds=(child.fileno(),), start_new_session=True)
+            with ExitStack() as files:
+                out, err = (files.enter_context(open(p, "ab")) if p else None for p in (streams.stdout, streams.stderr))
+                proc = subprocess.Popen([cfg.script, *cfg.script_args], env=full_env, stdout=out, stderr=err,
+                                        pass_fds=(child.fileno(),), start_new_session=True)
             child.close()
             w = Worker(rank, local_rank, proc, parent, warm=False)
         else:
@@ -370,7 +371,7 @@ class Launcher:
             proc, ch, warm = self.pool.take()
             argv = [cfg.script, *cfg.script_args]
             ch.send(Assign(env=env, argv=argv, cwd=os.getcwd(), module=cfg.module,
-                           spec=spec.to_dict()))
+                           spec=spec.to_dict(), stdout=streams.stdout or "", stderr=streams.stderr or ""))
             w = Worker(rank, local_rank, proc, ch, warm=warm)
         self.emit("worker_start", rank=rank, pid=proc.pid, warm=w.warm, role=role)
         return w
@@ -387,7 +388,8 @@ class Launcher:
             return False
         self.gen = gen
         self.events.gen = self.gen
-        new = self._start_worker(self.gen, old.local_rank, master, "replacement")
+        streams = self.logs.attempt(self.gen, [old.local_rank])
+        new = self._start_worker(self.gen, old.local_rank, master, "replacement", streams[old.local_rank])
         self.replacement.started(self.gen, old.rank, restart_count=self._restarts_used())
         old.channel.close()
         self.workers[self.workers.index(old)] = new
@@ -417,7 +419,7 @@ class Launcher:
         preempt_deadline: Optional[float] = None  # set once a preemption signal is acted on
         try:
             while True:
-                timeout = 0.2
+                timeout = self.cfg.monitor_interval
                 for key, _ in sel.select(timeout):
                     w = key.data
                     if w is None:
@@ -495,6 +497,7 @@ class Launcher:
                     break
         finally:
             sel.close()
+            self.logs.stop()  # what the tee'd files hold is on the console before the verdict
         self._kill_all()
         if preempt_deadline is not None:
             self._report_preemption(failure)

@@ -129,6 +129,8 @@ class Assign(Message):
     cwd: str
     module: Optional[str] = None
     spec: dict = field(default_factory=dict)  # jitckpt.protocol.worker_spec.WorkerSpec.to_dict()
+    stdout: str = ""            # a file for fd 1 (--redirects/--tee), os.devnull, or "" (inherited)
+    stderr: str = ""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,16 @@ import socket
 import sys
 
 
+def redirect_output(stdout: str, stderr: str) -> None:
+    """Point fds 1 and 2 (Python's and native code's output alike) at the launcher's files."""
+    for path, fd, stream in ((stdout, 1, sys.stdout), (stderr, 2, sys.stderr)):
+        if path:
+            stream.flush()
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+
+
 def main() -> None:
     from jitckpt.protocol.control_channel import ENV_FD, ControlChannel
     from jitckpt.protocol.control_messages import TO_WORKER, Assign, Ready
@@ -36,6 +46,7 @@ def main() -> None:
     msg = channel.recv()
     if not isinstance(msg, Assign):
         os._exit(0)  # launcher shut the pool down
+    redirect_output(msg.stdout, msg.stderr)
     os.environ.update(msg.env)
     os.chdir(msg.cwd)
     argv = list(msg.argv)
