@@ -51,11 +51,12 @@ def test_failure_during_recovery_without_restarts_left(tmp_path):
                                                   "--inject", "1:1:0:restore"],
                   launcher_args=["--max-restarts", "1"], timeout=240)
     assert res.rc == 1, res.out[-4000:]
-    lines = [line for line in res.out.splitlines() if line.startswith("[jitckpt] failure (")]
+    # The launcher's lines: [jitckpt HH:MM:SS] (a worker's add its rank).
+    lines = [line for line in res.out.splitlines() if re.match(r"\[jitckpt \d\d:\d\d:\d\d\] failure \(", line)]
     assert len(lines) == 2, res.out[-4000:]
     # The death is seen as the signal, or first as the survivor's collective error.
-    assert re.match(r"\[jitckpt\] failure \((signal|error)\) of rank 1", lines[0]), lines
-    assert re.match(r"\[jitckpt\] failure \((signal|error) during recovery from (signal|error)\) "
+    assert re.match(r"\[jitckpt [\d:]+\] failure \((signal|error)\) of rank 1", lines[0]), lines
+    assert re.match(r"\[jitckpt [\d:]+\] failure \((signal|error) during recovery from (signal|error)\) "
                     r"of rank 1", lines[1]), lines
     tail = res.out[res.out.index(lines[1]):]
     assert "no restart" in tail and "restarting" not in tail, tail

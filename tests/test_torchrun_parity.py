@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import sys
 from pathlib import Path
@@ -127,3 +128,18 @@ def test_log_dir_tee_filter_role_record_port_omp_and_titles(tmp_path: Path, monk
         seen = json.loads((tmp_path / f"seen{rank}.json").read_text())
         assert seen == {"title": f"jitckpt rank {rank}/2 gen 0", "omp": "1", "port": str(port), "role": "trainer",
                         "error_file": str(attempt / str(rank) / "error.json")}
+
+
+def test_console_says_where_the_run_is_and_ends_with_a_verdict(tmp_path: Path) -> None:
+    from jobs import run_job
+
+    res = run_job(tmp_path, nproc=2, script_args=["--steps", "12", "--inject", "0:1:5:kill"])
+    assert res.rc == 0, res.out[-3000:]
+    lines = res.out.splitlines()
+    start = next(line for line in lines if " job " in line and "run directory" in line)
+    assert re.match(r"\[jitckpt \d\d:\d\d:\d\d\] job \S+: run directory .*run, checkpoints in .*ckpt$", start), start
+    end = [line for line in lines if "job finished (exit code 0)" in line]
+    assert len(end) == 1 and end[0] == lines[-1], lines[-5:]
+    assert re.search(r"at step 12, 1 failure, [\d.]+ s in recovery, 1 minibatch redone; `jitckpt report ", end[0]), end
+    # Worker lines carry the same prefix and their rank.
+    assert any(re.match(r"\[jitckpt \d\d:\d\d:\d\d rank 0\] JIT checkpoint of step 5 saved", line) for line in lines)

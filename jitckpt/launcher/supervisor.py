@@ -40,6 +40,7 @@ from jitckpt.launcher.config import LaunchConfig, check_writable_dir
 from jitckpt.launcher.node_coordinator import NodeCoordinator
 from jitckpt.launcher.store_relay import StoreRelay, local_store_factory
 from jitckpt.launcher.standby_pool import StandbyPool
+from jitckpt.launcher.job_tally import JobTally
 from jitckpt.launcher.worker_logs import WorkerLogs, WorkerStreams
 from jitckpt.launcher.jit_recovery import NOT_A_CULPRIT, FailureRecord, JitRecovery
 from jitckpt.launcher.stage_replacement import StageReplacement
@@ -80,6 +81,7 @@ class Launcher:
         # Creates run_dir; a full disk there costs the event log (kept in memory), not the job.
         self.events = EventLog(self.run_dir / "events.jsonl")
         self.logs = WorkerLogs(cfg, self.run_dir)
+        self._tally = JobTally()
         # --transparent: what the workers' libjit.so writes into the same log (metrics, console).
         self.worker_records = WorkerRecords(self.run_dir / "events.jsonl") if cfg.transparent else None
         self.metrics = None
@@ -126,6 +128,13 @@ class Launcher:
         rec = self.events.emit(event, **fields)
         if self.metrics is not None:
             self.metrics.record_event(rec)
+        if event == "job_start":
+            self.display.say(f"job {self.cfg.run_id}: run directory {self.run_dir}, checkpoints in "
+                             f"{self.cfg.checkpoint_dir}")
+        elif event in ("failure_detected", "recovery_summary"):
+            self._tally.add(rec)
+        elif event == "job_end":
+            self.display.say(self._tally.verdict(rec, self.workers, self.run_dir))
 
     def _take_worker_records(self) -> None:
         """Count the records the workers' libjit.so appended (transparent recoveries, replay
@@ -644,7 +653,9 @@ class Launcher:
 
 
 def run(cfg: LaunchConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="[jitckpt] %(message)s")
+    from jitckpt.console_log import configure
+
+    configure()
     from jitckpt.process_title import set_title
 
     set_title(f"jitckpt launcher {cfg.run_id} node {cfg.node_rank}")

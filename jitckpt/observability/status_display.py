@@ -8,6 +8,7 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
+from jitckpt.console_log import stamp
 from jitckpt.hang_timeout import HangTimeout
 
 
@@ -57,11 +58,11 @@ class StatusDisplay:
             step = "-" if w.step is None or w.step < 0 else str(w.step)
             st = f" {w.step_time * 1000:.0f}ms" if w.step_time else ""
             parts.append(f"r{w.rank}:{step}{st} {health}")
-        self.console.print(f"[jitckpt] gen {gen} | " + " | ".join(parts))
+        self.console.print(f"{stamp()} gen {gen} | " + " | ".join(parts))
 
     def say(self, text: str) -> None:
         """One line of the launcher's, whatever ``enabled`` says (a fact the user must see)."""
-        self.console.print(f"[jitckpt] {text}")
+        self.console.print(f"{stamp()} {text}")
 
     def show_failure(self, f: Any, *, restarting: bool) -> None:
         """One line once the failed generation is gone (``f``: a launcher FailureRecord)."""
@@ -70,7 +71,7 @@ class StatusDisplay:
                else "unknown rank")
         by = f", detected by rank {f.reporter}" if f.reporter is not None and f.reporter not in ranks else ""
         self.console.print(
-            f"[jitckpt] failure ({f.label}) of {who}{by} — {f.detail}; JIT checkpoints from ranks "
+            f"{stamp()} failure ({f.label}) of {who}{by} — {f.detail}; JIT checkpoints from ranks "
             f"{sorted(set(f.saved_ranks)) or 'none'}; {'restarting' if restarting else 'no restart'}")
 
     def show_summary(self, s: dict) -> None:

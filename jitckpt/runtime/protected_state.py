@@ -395,8 +395,8 @@ class Protected:
                 continue
             except UnloadableCheckpoint as e:
                 reason = str(e)
-            log.warning("rank %d: checkpoint %s cannot be loaded: %s; falling back to the next "
-                        "older complete checkpoint", rt.rank, path, reason)
+            log.warning("checkpoint %s cannot be loaded: %s; falling back to the next "
+                        "older complete checkpoint", path, reason)
             bad = path
             path = rt.reject_checkpoint(path, reason)
             if rt.num_shards > 1 and rt.selected_step != first:
@@ -406,8 +406,8 @@ class Protected:
                     f"{first} already, so this rank stops and the restarted job resumes from the "
                     "newest step every shard can load")
         if first is not None:
-            log.warning("rank %d: no loadable checkpoint is left in %s: starting from step %d",
-                        rt.rank, rt.checkpoint_dir, self.step)
+            log.warning("no loadable checkpoint is left in %s: starting from step %d",
+                        rt.checkpoint_dir, self.step)
         return None
 
     def _restore_tiered(self, rt: Any) -> int:

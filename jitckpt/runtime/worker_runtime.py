@@ -37,6 +37,7 @@ from jitckpt.plugins import get as get_plugins
 from jitckpt.torch_compat import warn_if_untested
 from jitckpt.hang_timeout import HangTimeout
 from jitckpt.runtime.watchdog import DurationHistory, Watchdog
+from jitckpt.console_log import configure as configure_console_log
 
 log = logging.getLogger("jitckpt.worker")
 
@@ -129,6 +130,7 @@ class WorkerRuntime:
         return cls.from_spec(WorkerSpec.from_env(os.environ), ControlChannel.from_env())
 
     def start(self) -> None:
+        configure_console_log(rank=self.rank, level=logging.WARNING)
         # A fatal signal (a segfault, or SIGABRT from a C++ std::terminate in a library) then
         # prints every thread's Python stack into the launcher's output: where it died.
         faulthandler.enable()
@@ -191,7 +193,7 @@ class WorkerRuntime:
         try:
             quarantine(path, f"{type(exc).__name__}: {_first_line(exc)}")
         except (OSError, CheckpointError) as e:
-            log.error("rank %d: could not quarantine %s: %s", self.rank, path, e)
+            log.error("could not quarantine %s: %s", path, e)
 
     def _attach_native(self) -> None:
         """With libjit.so preloaded, NCCL hangs it detects come here too."""
@@ -204,7 +206,7 @@ class WorkerRuntime:
         try:
             _native.set_failure_callback(lambda kind, detail: self.report_failure(kind, detail))
         except RuntimeError as e:  # the signal libjit uses to take the GIL is already in use
-            log.warning("rank %d: libjit.so hang detection not attached: %s", self.rank, e)
+            log.warning("libjit.so hang detection not attached: %s", e)
             return
         self._native = _native
         # The same policy; libjit.so adapts it to the NCCL collectives it sees, as the watchdog
@@ -356,7 +358,7 @@ class WorkerRuntime:
         if self._warned:
             return
         self._warned = True
-        log.warning("rank %d: %s", self.rank, reason)
+        log.warning("%s", reason)
         if self.channel is not None:
             self.channel.send(WorkerWarning(rank=self.rank, reason=reason))
 
@@ -494,7 +496,7 @@ class WorkerRuntime:
                                  "t": time.time(), "step": self.current_step()}
         if first:
             self._failure_evt.set()
-            log.warning("rank %d: failure detected (%s): %s", self.rank, kind, detail)
+            log.warning("failure detected (%s): %s", kind, detail)
             if self.channel is not None and not from_launcher:
                 self.channel.send(FailureReport(rank=self.rank, kind=kind, detail=detail,
                                   step=self._failure["step"], detect_s=detect_s, culprit=culprit))
@@ -556,7 +558,7 @@ class WorkerRuntime:
         except BaseException as e:  # noqa: BLE001 - any save error must end in a clean report
             self._give_up(f"JIT save failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         seconds = time.monotonic() - t0
-        log.warning("rank %d: JIT checkpoint of step %d saved to %s (%.3fs)", self.rank, step,
+        log.warning("JIT checkpoint of step %d saved to %s (%.3fs)", step,
                     path, seconds)
         if self.channel is not None:
             self.channel.send(Saved(rank=self.rank, path=str(path), step=step,
@@ -574,12 +576,12 @@ class WorkerRuntime:
             self._give_up(f"--plugin undo could not undo the interrupted optimizer step, so this rank "
                           f"has no consistent state to save: {type(e).__name__}: {e}")
         self._in_optimizer = False
-        log.warning("rank %d: --plugin undo rolled back the torn optimizer step (%d parameters) "
-                    "before the JIT save", self.rank, undone)
+        log.warning("--plugin undo rolled back the torn optimizer step (%d parameters) "
+                    "before the JIT save", undone)
         return undone
 
     def _give_up(self, reason: str) -> None:
-        log.error("rank %d: %s", self.rank, reason)
+        log.error("%s", reason)
         if self.channel is not None:
             self.channel.send(SaveFailed(rank=self.rank, reason=reason))
         self._exit(EXIT_NO_SAVE)
@@ -613,8 +615,7 @@ class WorkerRuntime:
             path, meta = self._write("periodic", step)
         except Exception as e:  # noqa: BLE001 - see the docstring
             reason = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-            log.error("rank %d: periodic checkpoint at step %d failed: %s; training goes on",
-                      self.rank, step, reason)
+            log.error("periodic checkpoint at step %d failed: %s; training goes on", step, reason)
             if self.channel is not None:
                 self.channel.send(SaveFailed(rank=self.rank, reason=reason, kind="periodic",
                                   step=step))
@@ -630,7 +631,7 @@ class WorkerRuntime:
         while True:
             msg = self.channel.recv()
             if msg is None:
-                log.error("rank %d: launcher is gone; exiting", self.rank)
+                log.error("launcher is gone; exiting")
                 self._exit(EXIT_LAUNCHER_GONE)
             if isinstance(msg, SaveNow) and getattr(self, "_verdict_ok", False):
                 continue  # every rank finished: nothing to recover, the job is complete
@@ -689,4 +690,4 @@ class WorkerRuntime:
                     return
                 self._failure_evt.wait(5.0)
                 self._save_and_exit(on_main=True)
-        log.error("rank %d: no verdict from the launcher at exit", self.rank)
+        log.error("no verdict from the launcher at exit")
