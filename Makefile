@@ -29,7 +29,13 @@ sysdeps:
 	  else echo "GoogleTest is missing: sudo apt-get install libgtest-dev"; exit 1; fi; \
 	fi
 
-native: venv sysdeps
+# The package itself, editable, so that .venv/bin/jitckpt exists (the demo's hints use it). CMake is
+# skipped here: the native parts are `make native`'s, found in build/native and jitckpt/.
+$(VENV)/.editable: $(VENV)/.stamp pyproject.toml
+	SKBUILD_WHEEL_CMAKE=false $(VPY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+native: venv sysdeps $(VENV)/.editable
 	mkdir -p build
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython_EXECUTABLE=$(abspath $(VPY)) \
 	    -Dpybind11_DIR=$$($(VPY) -m pybind11 --cmakedir) > $(BUILD).configure.log 2>&1 \

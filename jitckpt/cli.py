@@ -22,8 +22,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from jitckpt.proxy_api import coverage
 
     if not args.api_coverage:
-        print("jitckpt doctor: nothing asked; try --api-coverage", file=sys.stderr)
-        return 2
+        from jitckpt import doctor
+
+        return doctor.main(as_json=args.json)
     print(coverage.render(coverage.coverage(), as_json=args.json, verbose=args.verbose), end="")
     return 0
 

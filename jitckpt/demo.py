@@ -52,7 +52,9 @@ def main() -> int:
     redone = len(ran) - len(set(ran))
     print(f"-- result: final parameters bitwise identical to the failure-free run: {same}; "
           f"completed minibatches run twice: {redone}")
-    print(f"   event log: {failed / 'run' / 'events.jsonl'}  (try: jitckpt report {failed / 'run'})")
+    cli = Path(sys.executable).parent / "jitckpt"  # the venv's, where `make` installed the package
+    print(f"   event log: {failed / 'run' / 'events.jsonl'}  (try: {cli if cli.exists() else 'jitckpt'} report "
+          f"{failed / 'run'})")
     return 0 if same else 1
 
 

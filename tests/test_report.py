@@ -190,3 +190,20 @@ def test_cli_file_that_is_not_an_event_log(tmp_path, capsys, content):
 
     assert main(["analyze", "--from-run", str(bad)]) == 2
     assert f"{bad} is not a jitckpt event log" in capsys.readouterr().err
+
+
+def test_cli_checkpoint_dir_picks_its_newest_run(tmp_path, monkeypatch, capsys):
+    import os
+
+    ckpt = tmp_path / "ckpt"
+    old, new = ckpt / "runs" / "20260101-000000-aaaaaa", ckpt / "runs" / "20260102-000000-bbbbbb"
+    for d in (old, new):
+        d.mkdir(parents=True)
+    write_two_failure_job(new, monkeypatch)
+    (old / "events.jsonl").write_text(json.dumps({"t": 1.0, "event": "job_start", "gen": 0}) + "\n")
+    os.utime(old / "events.jsonl", (1, 1))  # the older run
+    args = _parser().parse_args(["report", str(ckpt), "--json"])
+    assert args.func(args) == 0
+    captured = capsys.readouterr()
+    assert f"the newest run in {ckpt}: {new}" in captured.err
+    assert json.loads(captured.out)["failures"] == 2

@@ -1,6 +1,8 @@
 // jitckpt._native: Python face of libjit.so. Talks to the preloaded library through the C ABI in
 // jit_abi.h, found at run time, so importing this module never loads libjit.so itself.
+#include <cuda_runtime_api.h>
 #include <dlfcn.h>
+#include <nccl.h>
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -235,6 +237,12 @@ int drop_send_logs_through(int64_t iteration) {
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "Native side of jitckpt: control and status of the LD_PRELOADed libjit.so (observe mode).";
+  py::dict built;  // what the native parts were compiled against (jitckpt doctor)
+  built["cuda_runtime_version"] = CUDART_VERSION;
+  built["nccl_version"] = std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + "." + std::to_string(NCCL_PATCH);
+  built["cuda_include"] = JITCKPT_CUDA_INCLUDE;
+  built["nccl_include"] = JITCKPT_NCCL_INCLUDE;
+  m.attr("built_with") = built;
   m.def("preloaded", &preloaded, "True if libjit.so is loaded in this process (LD_PRELOAD).");
   m.def("configure", &configure, py::kw_only(), py::arg("mode") = "observe", py::arg("hang_timeout") = py::none(),
         "Validate and apply settings: mode ('observe') and the hang timeout: seconds, or the policy text "

@@ -295,6 +295,20 @@ def summarize(events: Iterable[dict], run_dir: str = "") -> RunSummary:
     return s
 
 
+def newest_run(path: str | Path) -> Path:
+    """The run directory ``path`` names: itself when it holds an event log, else the newest run
+    under it (a checkpoint directory's ``runs/<run id>/``, or a ``runs`` directory's children), so
+    `jitckpt report CHECKPOINT_DIR` shows the last job. Unchanged when nothing matches (load_run
+    then says what is missing)."""
+    p = Path(path)
+    if not p.is_dir() or (p / EVENTS_FILE).is_file():
+        return p
+    logs = [*p.glob(f"runs/*/{EVENTS_FILE}"), *p.glob(f"*/{EVENTS_FILE}")]
+    if not logs:
+        return p
+    return max(logs, key=lambda f: f.stat().st_mtime).parent
+
+
 def load_run(run_dir: str | Path) -> RunSummary:
     """Summarize ``run_dir`` (or an events.jsonl path).
 
@@ -484,6 +498,10 @@ def plot_timeline(s: RunSummary, out: str | Path) -> Path:
 
 
 def _run(args: argparse.Namespace) -> int:
+    run_dir = newest_run(args.run_dir)
+    if run_dir != Path(args.run_dir):
+        print(f"jitckpt report: the newest run in {args.run_dir}: {run_dir}", file=sys.stderr)
+        args.run_dir = str(run_dir)
     try:
         s = load_run(args.run_dir)
     except (FileNotFoundError, IsADirectoryError, PermissionError, ValueError) as exc:
@@ -515,7 +533,8 @@ def register(subparsers: Any) -> None:
         description="Summarize RUN_DIR/events.jsonl: per-failure detect/save/restart/restore times "
         "(seconds), steps redone, checkpoint sizes; optionally a timeline PNG.",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the job's run directory (holds events.jsonl)")
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="the job's run directory (holds events.jsonl), or a checkpoint directory: its newest run")
     p.add_argument("--plot", metavar="OUT.png", help="also write a timeline PNG of failures and recovery phases")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (seconds, bytes) instead of tables")
     p.set_defaults(func=_run)
