@@ -207,3 +207,23 @@ def test_cli_checkpoint_dir_picks_its_newest_run(tmp_path, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert f"the newest run in {ckpt}: {new}" in captured.err
     assert json.loads(captured.out)["failures"] == 2
+
+
+def test_timeline_has_a_lane_per_rank_start_up_and_each_recovery_zoomed_with_labelled_phases(tmp_path, monkeypatch):
+    import matplotlib.text
+
+    s = load_run(write_two_failure_job(tmp_path, monkeypatch))
+    from jitckpt.observability.report import build_timeline
+
+    fig = build_timeline(s)
+    texts = [t.get_text() for t in fig.findobj(matplotlib.text.Text)]
+    for rank in range(4):  # world size 4: every rank has its lane, those without step events too
+        assert f"rank {rank}" in texts, texts
+    assert "start-up" in texts
+    zooms = [t for t in texts if t.startswith("#") and ", rank " in t]
+    assert zooms == ["#1 exit, rank 1", "#2 signal, rank 3"], zooms
+    for phase, seconds in (("detect", 0.5), ("save", 1.5), ("restart", 3.0), ("restore", 0.8)):
+        assert f"{phase}\n{seconds:.2f} s" in texts, (phase, texts)
+    assert any(t.startswith("redo\n") for t in texts)  # 1 minibatch redone x the median step time
+    import matplotlib.pyplot as plt
+    plt.close(fig)

@@ -572,11 +572,12 @@ class Launcher:
     def _on_message(self, gen: int, w: Worker, msg: Message,
                     failure: Optional[FailureRecord]) -> Optional[FailureRecord]:
         if isinstance(msg, Status):  # every step; step_time only in a sample every ~0.5 s
+            first = w.step is None or w.step < 0  # this worker's training began: its start-up ended
             w.step = msg.step
             if msg.step_time is not None:
                 w.step_time = msg.step_time
-                if w.rank == 0:
-                    self.emit("step", rank=w.rank, step=w.step, step_time=w.step_time)
+            if first or (msg.step_time is not None and w.rank == 0):
+                self.emit("step", rank=w.rank, step=w.step, step_time=msg.step_time)
             if failure is not None:  # minibatches begun until stopped
                 failure.saw_step(w.step)
         elif isinstance(msg, Hello):

@@ -94,6 +94,7 @@ class RunSummary:
     recoveries: list[Recovery] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     step_points: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, rank, step, gen)
+    worker_starts: list[tuple[float, int, int]] = field(default_factory=list)  # (t, rank, gen)
     checkpoints: dict[str, int] = field(default_factory=dict)  # kind -> count of checkpoints
     checkpoint_seconds: list[float] = field(default_factory=list)  # per checkpoint, slowest rank
     checkpoint_bytes: int = 0
@@ -163,6 +164,7 @@ class RunSummary:
         """JSON-ready summary (seconds, bytes)."""
         d = asdict(self)
         d.pop("step_points")
+        d.pop("worker_starts")
         d.pop("step_times")
         d["recoveries"] = [asdict(r) for r in self.recoveries]
         d["transparent"] = [asdict(r) for r in self.transparent]
@@ -262,6 +264,8 @@ def summarize(events: Iterable[dict], run_dir: str = "") -> RunSummary:
                 step = int(_num(e.get("step")))
                 s.step_points.append((_num(e.get("t")), int(_num(e.get("rank"))), step, int(_num(e.get("gen")))))
                 s.last_step = step if s.last_step is None else max(s.last_step, step)
+        elif kind == "worker_start" and isinstance(e.get("rank"), int):
+            s.worker_starts.append((_num(e.get("t")), e["rank"], int(_num(e.get("gen")))))
         elif kind == "checkpoint_saved":
             ck = str(e.get("kind") or "unknown")
             key = (e.get("gen"), e.get("step"), ck)
@@ -427,8 +431,27 @@ PHASE_COLOURS = {"detect": "#d62728", "save": "#ff7f0e", "restart": "#7f7f7f", "
                  "redo": "#9467bd"}
 
 
-def plot_timeline(s: RunSummary, out: str | Path) -> Path:
-    """Write a timeline PNG: training progress (top) and each failure's recovery phases (bottom)."""
+ZOOMED = 4  # recoveries drawn enlarged (the first ones); the overview shows every one
+
+
+def _lanes(s: RunSummary) -> list[int]:
+    """Every rank the log knows: the job's world size, else the ranks seen."""
+    seen = ({p[1] for p in s.step_points} | {r for _, r, _ in s.worker_starts}
+            | {r for rec in s.recoveries for r in rec.failed_ranks if isinstance(r, int)})
+    return list(range(s.world_size)) if s.world_size else sorted(seen)
+
+
+def _segments(r: Recovery, step_median: float) -> list[tuple[str, float]]:
+    segs = [(p, v) for p, v in r.phase_seconds().items() if v > 0]
+    if r.steps_redone and step_median > 0:
+        segs.append(("redo", r.steps_redone * step_median))
+    return segs
+
+
+def build_timeline(s: RunSummary):  # type: ignore[no-untyped-def]
+    """The timeline figure (matplotlib): one lane per rank over the whole job, its start-up
+    labelled and each failure marked (top); every recovery's phases on one time axis (middle); the
+    first recoveries enlarged, each phase labelled with its seconds (bottom row)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -436,38 +459,46 @@ def plot_timeline(s: RunSummary, out: str | Path) -> Path:
     from matplotlib.patches import Patch
 
     t0 = s.t_start or 0.0
+    lanes = _lanes(s)
+    zoomed = s.recoveries[:ZOOMED]
     n = max(len(s.recoveries), 1)
-    fig, (ax_steps, ax_rec) = plt.subplots(
-        2, 1, sharex=True, figsize=(10, 4.5 + 0.5 * n), gridspec_kw={"height_ratios": [2, 1 + 0.3 * n]}
-    )
-    if s.step_points:
-        ranks = sorted({p[1] for p in s.step_points})
-        shown = ranks[:8]  # more ranks overlap exactly and only clutter the legend
-        for k, rank in enumerate(shown):
-            # One line per restart generation: no line drawn across a restart's gap.
-            for j, gen in enumerate(sorted({p[3] for p in s.step_points if p[1] == rank})):
-                pts = [(t - t0, st) for t, r, st, g in s.step_points if r == rank and g == gen]
-                ax_steps.plot([p[0] for p in pts], [p[1] for p in pts], ".-", ms=3, lw=1,
-                              color=f"C{k}", label=f"rank {rank}" if j == 0 else None)
-        ax_steps.legend(loc="upper left", fontsize="small", ncol=min(len(shown), 4))
-    else:
-        ax_steps.text(0.5, 0.5, "no step events", transform=ax_steps.transAxes, ha="center")
-    ax_steps.set_ylabel("training step")
-    ax_steps.set_title(f"Job timeline: {s.failures} failure(s), {s.restarts} restart(s) — {Path(s.run_dir).name}")
-    ax_steps.grid(alpha=0.3)
+    rows = 3 if zoomed else 2
+    fig = plt.figure(figsize=(11, 3 + 0.25 * max(len(lanes), 1) + 0.4 * n + (2.2 if zoomed else 0)))
+    grid = fig.add_gridspec(rows, max(len(zoomed), 1),
+                            height_ratios=[1 + 0.15 * len(lanes), 0.6 + 0.3 * n] + ([1.3] if zoomed else []))
+    ax_ranks = fig.add_subplot(grid[0, :])
+    ax_rec = fig.add_subplot(grid[1, :], sharex=ax_ranks)
+    end = max([s.duration_s or 0.0] + [r.t_failure - t0 + r.total_s for r in s.recoveries])
+    # Lanes: each of a rank's processes, from its start to the next one's (a restart) or the job's end.
+    for y, rank in enumerate(lanes):
+        starts = sorted((t - t0, g) for t, r, g in s.worker_starts if r == rank)
+        for (t, gen), nxt in zip(starts, [x for x, _ in starts[1:]] + [end]):
+            ax_ranks.broken_barh([(t, max(nxt - t, end * 0.002))], (y - 0.35, 0.7), facecolors=f"C{gen % 10}", alpha=0.6)
+    first_step = min((t for t, *_ in s.step_points), default=None)
+    if first_step is not None and first_step - t0 > 0:
+        ax_ranks.axvspan(0, first_step - t0, color="0.85")
+        ax_ranks.text((first_step - t0) / 2, len(lanes) - 0.5 if lanes else 0, "start-up", ha="center", va="bottom",
+                      fontsize="small")
+    for r in s.recoveries:
+        x = r.t_failure - t0
+        for ax in (ax_ranks, ax_rec):
+            ax.axvline(x, color=PHASE_COLOURS["detect"], ls="--", lw=1)
+        for rank in r.failed_ranks:
+            if rank in lanes:
+                ax_ranks.plot([x], [lanes.index(rank)], "x", color=PHASE_COLOURS["detect"], ms=9, mew=2)
+    ax_ranks.set_yticks(range(len(lanes)), [f"rank {r}" for r in lanes], fontsize="small")
+    ax_ranks.set_ylim(-0.6, max(len(lanes), 1) - 0.4 + 0.6)
+    ax_ranks.invert_yaxis()
+    ax_ranks.grid(axis="x", alpha=0.3)
+    ax_ranks.set_title(f"Job timeline: {s.failures} failure(s), {s.restarts} restart(s) — {Path(s.run_dir).name}"
+                       " (bars: a rank's process, by generation; x: a rank that failed)")
 
     m = s.step_time_median or 0.0
     labels = []
     for i, r in enumerate(s.recoveries):
-        start = r.t_failure - t0
-        ax_steps.axvline(start, color=PHASE_COLOURS["detect"], ls="--", lw=1)
-        segs = [(p, v) for p, v in r.phase_seconds().items()]
-        if r.steps_redone and m > 0:
-            segs.append(("redo", r.steps_redone * m))
-        x = start
-        for phase, dur in segs:
-            if dur > 0:
-                ax_rec.broken_barh([(x, dur)], (i - 0.4, 0.8), facecolors=PHASE_COLOURS[phase])
+        x = r.t_failure - t0
+        for phase, dur in _segments(r, m):
+            ax_rec.broken_barh([(x, dur)], (i - 0.4, 0.8), facecolors=PHASE_COLOURS[phase])
             x += dur
         if not r.recovered:
             ax_rec.text(x, i, "  not recovered", va="center", fontsize="small")
@@ -476,18 +507,38 @@ def plot_timeline(s: RunSummary, out: str | Path) -> Path:
     ax_rec.set_ylim(-0.6, n - 0.4)
     ax_rec.invert_yaxis()
     ax_rec.set_xlabel("time since job start (s)")
-    ax_rec.set_ylabel("failure")
     ax_rec.grid(axis="x", alpha=0.3)
     if s.recoveries:
-        ax_rec.legend(
-            handles=[Patch(color=c, label=p if p != "redo" else "redo steps (est.)") for p, c in PHASE_COLOURS.items()],
-            loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", title="phase",
-        )
+        ax_rec.legend(handles=[Patch(color=c, label=p if p != "redo" else "redo (est.)") for p, c in PHASE_COLOURS.items()],
+                      loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", title="phase")
     else:
         ax_rec.text(0.5, 0.5, "no failures", transform=ax_rec.transAxes, ha="center")
-    if s.duration_s:
-        ax_rec.set_xlim(0, max(s.duration_s, max((r.t_failure - t0 + r.total_s for r in s.recoveries), default=0)) * 1.02)
+    if end:
+        ax_rec.set_xlim(0, end * 1.02)
+    # Each recovery enlarged: its phases in order, each labelled with its name and seconds.
+    for k, r in enumerate(zoomed):
+        ax = fig.add_subplot(grid[2, k])
+        x = 0.0
+        for j, (phase, dur) in enumerate(_segments(r, m)):
+            ax.broken_barh([(x, dur)], (0, 1), facecolors=PHASE_COLOURS[phase])
+            ax.text(x + dur / 2, 1.1 + 0.45 * (j % 2), f"{phase}\n{dur:.2f} s", ha="center", va="bottom",
+                    fontsize="x-small")
+            x += dur
+        ax.set_xlim(0, max(x, 1e-3) * 1.05)
+        ax.set_ylim(0, 2.4)
+        ax.set_yticks([])
+        ax.set_title(f"#{r.index} {r.failure_kind}, rank {','.join(map(str, r.failed_ranks)) or '?'}",
+                     fontsize="small")
+        ax.set_xlabel("s since the failure", fontsize="small")
     fig.tight_layout()
+    return fig
+
+
+def plot_timeline(s: RunSummary, out: str | Path) -> Path:
+    """Write :func:`build_timeline`'s figure as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = build_timeline(s)
     out = Path(out)
     fig.savefig(out, dpi=120)
     plt.close(fig)
