@@ -59,7 +59,7 @@ def test_from_run_takes_measurements_and_flags_override(tmp_path, monkeypatch, c
     assert rc == 0
     d = json.loads(out)
     p = d["params"]
-    assert p["overhead"] == pytest.approx(1.5)  # median checkpoint time (slowest rank)
+    assert p["overhead"] == pytest.approx(2.5)  # the periodic checkpoint's time (slowest rank), not the JIT saves
     assert p["restart_cost"] == pytest.approx(3.5)  # mean detect + restart + restore
     assert p["minibatch_time"] == pytest.approx(0.5)  # median step time
     assert p["jit_overhead"] == pytest.approx(0.25)  # 0.5 s vs 0.4 s baseline
@@ -70,6 +70,19 @@ def test_from_run_takes_measurements_and_flags_override(tmp_path, monkeypatch, c
     d = json.loads(out)
     assert d["params"]["overhead"] == 7 and d["sources"]["overhead"] == "flag"
     assert d["params"]["jit_overhead"] == 0 and "default" in d["sources"]["jit_overhead"]
+
+
+def test_ends_with_the_action_for_the_measured_job_and_names_the_columns(tmp_path, monkeypatch, capsys):
+    run = write_two_failure_job(tmp_path, monkeypatch)  # a 4-rank job, 0.5 s steps
+    rc, out, _ = _run(["--from-run", str(run), "-N", "4,1024"], capsys)
+    assert rc == 0
+    lines = [line for line in out.splitlines() if line.strip()]
+    import re
+    m = re.match(r"For this job \(4 GPUs\): `jitckpt run --periodic-every (\d+)` steps \(every ([\d.]+) minutes at "
+                 r"0.5 s a step\) as the fallback tier\.", lines[-1])
+    assert m, lines[-1]
+    assert abs(int(m.group(1)) * 0.5 / 60 - float(m.group(2))) <= 0.01 * float(m.group(2))  # steps x m = interval
+    assert "user JIT is what `jitckpt run` gives" in out and "`jitckpt run --transparent`" in out
 
 
 def test_errors(tmp_path, capsys):

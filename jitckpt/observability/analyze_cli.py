@@ -74,7 +74,7 @@ def resolve_params(args: argparse.Namespace) -> tuple[CostParams, dict[str, str]
 
         run = load_run(args.from_run)
         measured = {
-            "overhead": run.checkpoint_time_median,
+            "overhead": run.checkpoint_time_median,  # periodic saves only (jitckpt run --periodic-every)
             "restart_cost": run.restart_cost_mean,
             "minibatch_time": run.step_time_median,
         }
@@ -91,7 +91,9 @@ def resolve_params(args: argparse.Namespace) -> tuple[CostParams, dict[str, str]
             values[k], source[k] = flag, "flag"
         elif k not in values:
             values[k] = DEFAULTS[k]
-            source[k] = "default" + (" (not measured in run)" if args.from_run and k != "failures_per_gpu_day" else "")
+            source[k] = "default" + ((" (no periodic checkpoint in the run)" if k == "overhead" else
+                                      " (not measured in run)")
+                                     if args.from_run and k != "failures_per_gpu_day" else "")
     params = CostParams(
         failure_rate=values["failures_per_gpu_day"] / SECONDS_PER_DAY,
         overhead=values["overhead"],
@@ -108,7 +110,17 @@ def _percent(fraction: float) -> str:
     return f"{fraction * 100:.3f}%" if fraction >= 1e-5 else "<0.001%"
 
 
-def _print_tables(params: CostParams, source: dict[str, str], rows: list[CostRow], price: float | None) -> None:
+def action(params: CostParams, rows: list[CostRow], job_gpus: int | None) -> str:
+    """The line to act on: the fallback tier's interval for this job, as a `jitckpt run` flag."""
+    row = next((r for r in rows if r.n_gpus == job_gpus), None) or max(rows, key=lambda r: r.n_gpus)
+    interval_s = 1 / row.optimal_frequency
+    steps = max(1, round(interval_s / params.minibatch_time))
+    return (f"For this job ({row.n_gpus:g} GPUs): `jitckpt run --periodic-every {steps}` steps (every "
+            f"{interval_s / 60:.3g} minutes at {params.minibatch_time:.3g} s a step) as the fallback tier.")
+
+
+def _print_tables(params: CostParams, source: dict[str, str], rows: list[CostRow], price: float | None,
+                  job_gpus: int | None) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -143,8 +155,12 @@ def _print_tables(params: CostParams, source: dict[str, str], rows: list[CostRow
             cells += [f"{c:,.0f}" for c in (r.cost_periodic, r.cost_jit, r.cost_transparent)]
         t.add_row(*cells)
     console.print(t)
+    console.print("user JIT is what `jitckpt run` gives (with --periodic-every as the fallback when no replica "
+                  "survives); transparent JIT is `jitckpt run --transparent` (transient errors; verified on simcuda); "
+                  "periodic is checkpointing alone at the optimal interval.")
     if price is not None:
         console.print(f"$/month: N GPUs running a 30-day month at ${price:g} per GPU-hour, times w_f.")
+    console.print(action(params, rows, job_gpus))
 
 
 def plot_wasted_fraction(params: CostParams, n_gpus: list[int], out: str, *, title: str = "") -> None:
@@ -161,8 +177,18 @@ def plot_wasted_fraction(params: CostParams, n_gpus: list[int], out: str, *, tit
         lo, hi = max(1, lo // 8), hi * 8
     ns = np.unique(np.geomspace(lo, hi, 200).round().astype(int))
     rows = analysis.evaluate(params, ns.tolist())
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, ax_int) = plt.subplots(2, 1, figsize=(8, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     marked = analysis.evaluate(params, n_gpus)
+    # The optimal periodic interval (eq. 3), in minutes and in steps: --periodic-every for that N.
+    ax_int.plot(ns, [1 / r.optimal_frequency / 60 for r in rows], "-", lw=2, color="C0")
+    ax_int.plot(n_gpus, [1 / r.optimal_frequency / 60 for r in marked], "o", ms=4, color="C0")
+    for r in marked:
+        steps = max(1, round(1 / r.optimal_frequency / params.minibatch_time))
+        ax_int.annotate(f"--periodic-every {steps}", (r.n_gpus, 1 / r.optimal_frequency / 60), fontsize="x-small",
+                        textcoords="offset points", xytext=(4, 4))
+    ax_int.set_yscale("log")
+    ax_int.set_ylabel("optimal checkpoint interval (min)")
+    ax_int.grid(True, which="both", alpha=0.3)
     for i, (key, label, style) in enumerate((
         ("wf_periodic", "periodic at optimal c* (eq. 4-6)", "-"),
         ("wf_jit", "user-level JIT (eq. 7)", "--"),
@@ -176,7 +202,7 @@ def plot_wasted_fraction(params: CostParams, n_gpus: list[int], out: str, *, tit
     ax.xaxis.set_major_formatter(plain)
     ax.yaxis.set_major_formatter(plain)
     ax.set_yscale("log")
-    ax.set_xlabel("N, number of GPUs in the job (log scale)")
+    ax_int.set_xlabel("N, number of GPUs in the job (log scale)")
     ax.set_ylabel("wasted fraction of GPU time w_f (%, log scale)")
     p = params
     ax.set_title(title or "Wasted GPU time: periodic vs just-in-time checkpointing")
@@ -190,6 +216,15 @@ def plot_wasted_fraction(params: CostParams, n_gpus: list[int], out: str, *, tit
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+def _job_gpus(args: argparse.Namespace) -> int | None:
+    """The measured job's size (--from-run), whose row the action line uses."""
+    if not args.from_run:
+        return None
+    from jitckpt.observability.report import load_run
+
+    return load_run(args.from_run).world_size
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -212,7 +247,7 @@ def _run(args: argparse.Namespace) -> int:
         json.dump(doc, sys.stdout, indent=2)
         print()
     else:
-        _print_tables(params, source, rows, args.gpu_hour_price)
+        _print_tables(params, source, rows, args.gpu_hour_price, _job_gpus(args))
     if args.plot:
         try:
             plot_wasted_fraction(params, args.gpus, args.plot)
