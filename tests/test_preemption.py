@@ -308,6 +308,8 @@ def test_sigterm_to_torchrun_saves_and_resumes_bitwise(reference, tmp_path):
 CATCH = """
 import os, signal, sys, threading
 from jitckpt.runtime import preemption_signals
+# A job started in the background from a shell inherits SIGINT ignored: start from Python's default.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 got = threading.Event()
 def on_signal(sig):
     print(sig.name, threading.current_thread() is threading.main_thread(), flush=True)

@@ -88,7 +88,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("protection,kill_at", [
-    ("aec", KILL_AT), pytest.param("arc", KILL_AT, marks=pytest.mark.slow),
+    pytest.param("aec", KILL_AT, marks=pytest.mark.slow), pytest.param("arc", KILL_AT, marks=pytest.mark.slow),
     # Resume from the step-1 snapshot: minibatch 1 is the first to run on DDP's rebuilt bucket
     # layout, so that snapshot must carry the rebuilt layout (3 ranks: the sum order depends on it).
     ("aec", 2)])

@@ -66,7 +66,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("failures", [
-    [(2, FAIL_IT, 3)],
+    pytest.param([(2, FAIL_IT, 3)], marks=pytest.mark.slow),  # stage2-then-stage1 begins with it
     [(0, FAIL_IT, 5)],  # rank 0: the store it would host under torchrun is the launcher's
     # A second death after the first replacement: stage 1's replacement replays iterations
     # 5-6 from the logs of stage 2's replacement (which re-logged what it replayed).

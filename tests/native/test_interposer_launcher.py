@@ -68,7 +68,8 @@ def reference_final(jobs, work: Path, steps: int = STEPS) -> bytes:
 # The replay journal is off (JITCKPT_REPLAY_LIMIT_MB=0), so transparent recovery refuses and
 # user-level recovery takes over (issue 16 case 5); test_transparent_peers.py has it on.
 @pytest.mark.parametrize("mode, transparent", [("hang", False), pytest.param("crash", False, marks=pytest.mark.slow),
-                                               ("hang", True), pytest.param("crash", True, marks=pytest.mark.slow),
+                                               pytest.param("hang", True, marks=pytest.mark.slow),
+                                               pytest.param("crash", True, marks=pytest.mark.slow),
                                                ("error", True)])
 def test_launcher_resumes_from_libjit_detected_jit_checkpoint(jobs, tmp_path: Path, mode: str,
                                                              transparent: bool) -> None:

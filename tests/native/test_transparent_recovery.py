@@ -389,7 +389,7 @@ def test_replay_validation_catches_a_planted_nondeterminism_and_turns_recovery_o
     checks = [e for e in events if e["event"] == "transparent_validation"]
     assert len(checks) == 1 and checks[0]["matched"] is False and checks[0]["minibatch"] == 5, checks
     # The launcher's console says it too (its own line, read from the event log).
-    assert re.search(r"\[jitckpt\] rank 0: replay validation at minibatch 5 found a difference \(.*\); transparent "
+    assert re.search(r"\[jitckpt [\d:]+\] rank 0: replay validation at minibatch 5 found a difference \(.*\); transparent "
                      r"recovery is off for it", proc.stderr), proc.stderr
     report = subprocess.run([sys.executable, "-m", "jitckpt", "report", str(run)], env=env, capture_output=True,
                             text=True, timeout=60)
