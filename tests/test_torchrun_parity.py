@@ -143,3 +143,36 @@ def test_console_says_where_the_run_is_and_ends_with_a_verdict(tmp_path: Path) -
     assert re.search(r"at step 12, 1 failure, [\d.]+ s in recovery, 1 minibatch redone; `jitckpt report ", end[0]), end
     # Worker lines carry the same prefix and their rank.
     assert any(re.match(r"\[jitckpt \d\d:\d\d:\d\d rank 0\] JIT checkpoint of step 5 saved", line) for line in lines)
+
+
+def test_redirects_tee_and_filter_give_torchruns_destinations(tmp_path: Path) -> None:
+    """-r without -t: files only; -t: files, tailed on the console; --local-ranks-filter: ranks left
+    out of the console go to /dev/null unless redirected; per-rank maps as torchrun's 0:1,1:2."""
+    import os
+
+    from jitckpt.launcher.worker_logs import WorkerLogs
+
+    script = tmp_path / "t.py"
+    script.write_text("")
+
+    def logs(*argv: str) -> WorkerLogs:
+        args = build_parser().parse_args(["run", "--checkpoint-dir", str(tmp_path), "--rdzv-id", "j",
+                                          "--nproc-per-node", "2", "--log-dir", str(tmp_path / "l"), *argv,
+                                          str(script)])
+        return WorkerLogs(LaunchConfig.from_args(args), tmp_path / "run")
+
+    d = tmp_path / "l" / "j" / "attempt_0"
+    got = logs("-r", "1").attempt(0, [0, 1])
+    assert (got[0].stdout, got[0].stderr) == (str(d / "0" / "stdout.log"), None)
+    assert got[1].error_file == str(d / "1" / "error.json") and (d / "1").is_dir()
+    got = logs("-r", "0:2,1:3", "--local-ranks-filter", "1").attempt(0, [0, 1])
+    assert (got[0].stdout, got[0].stderr) == (os.devnull, str(d / "0" / "stderr.log"))
+    assert (got[1].stdout, got[1].stderr) == (str(d / "1" / "stdout.log"), str(d / "1" / "stderr.log"))
+    w = logs("-t", "3")
+    try:
+        got = w.attempt(3, [1])  # a replacement of local rank 1 in generation 3
+        assert got[1].stdout == str(tmp_path / "l" / "j" / "attempt_3" / "1" / "stdout.log")
+        assert len(w._tails) == 2  # stdout and stderr tailed
+    finally:
+        w.stop()
+    assert logs().attempt(0, [0])[0].stdout is None  # nothing asked: this console, as torchrun
