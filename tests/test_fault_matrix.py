@@ -23,9 +23,10 @@ DROPOUT = Config("dropout", "protect", 2)
 DROPOUT_FAULTS = ["sigkill", "sigstop", "exception", "launcher_sigterm"]
 
 # The main families of faults, on the config with the most state to get right (BatchNorm buffers
-# broadcast by DDP): a death, a hang (GIL held at a random point), a preemption and its resume.
+# broadcast by DDP): a death and a hang (GIL held at a random point). A preemption and its resume is
+# in tests/test_preemption.py's fast tests, and on BatchNorm in the slow matrix.
 FAST_CONFIG = Config("bn", "protect", 2)
-FAST = [("sigkill", FAST_CONFIG), ("gil", FAST_CONFIG), ("launcher_sigterm", FAST_CONFIG)]
+FAST = [("sigkill", FAST_CONFIG), ("gil", FAST_CONFIG)]
 
 SLOW = [(f, c) for c in MATRIX_CONFIGS for f in FAULTS if (f, c) not in FAST]
 SLOW += [(f, DROPOUT) for f in DROPOUT_FAULTS]
