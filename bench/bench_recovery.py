@@ -169,7 +169,7 @@ def bench_recovery(work: Path, steps: int, fail_step: int) -> dict:
 
 
 # ---- 3. write throughput ----------------------------------------------------------------------
-def bench_write(work: Path) -> dict:
+def bench_write(work: Path, reps: int = 3) -> dict:
     import torch
 
     from jitckpt.checkpoint_store import write_checkpoint
@@ -185,21 +185,23 @@ def bench_write(work: Path) -> dict:
     state = Protected(model, opt)
     d = work / "write"
     d.mkdir()
-    t0 = time.perf_counter()
-    path, meta = write_checkpoint(d, state.save, kind="jit", step=1, rank=0, world_size=1, gen=0)
-    jit_s = time.perf_counter() - t0
-    nbytes = meta.total_bytes
-    raw = d / "raw.bin"
     buf = os.urandom(8 << 20)
-    t0 = time.perf_counter()
-    fd = os.open(raw, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    left = nbytes
-    while left > 0:
-        left -= os.write(fd, buf[: min(len(buf), left)])
-    os.fsync(fd)
-    os.close(fd)
-    raw_s = time.perf_counter() - t0
-    return {"bytes": nbytes, "jit_save_s": jit_s, "raw_write_s": raw_s,
+    jit, raw = [], []
+    for i in range(reps):  # alternating, so both see the same disk; medians
+        t0 = time.perf_counter()
+        path, meta = write_checkpoint(d, state.save, kind="jit", step=i, rank=0, world_size=1, gen=0)
+        jit.append(time.perf_counter() - t0)
+        nbytes = meta.total_bytes
+        t0 = time.perf_counter()
+        fd = os.open(d / f"raw-{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, buf[: min(len(buf), left)])
+        os.fsync(fd)
+        os.close(fd)
+        raw.append(time.perf_counter() - t0)
+    jit_s, raw_s = statistics.median(jit), statistics.median(raw)
+    return {"bytes": nbytes, "jit_save_s": jit_s, "raw_write_s": raw_s, "jit_samples_s": jit, "raw_samples_s": raw,
             "jit_MBps": nbytes / jit_s / 1e6, "raw_MBps": nbytes / raw_s / 1e6,
             "fraction_of_raw": raw_s / jit_s}
 
