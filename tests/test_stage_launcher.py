@@ -108,7 +108,9 @@ def test_launcher_replaces_only_the_dead_stage_bitwise(tmp_path, reference, fail
 
 
 @pytest.mark.parametrize("injection,dead", [
-    (["--fail-stage", "1", "--also-fail", "2", "--fail-iter", str(FAIL_IT), "--fail-op", "0"], [1, 2]),
+    # Two stages at once: the slow suite (the two-node case below and a replacement dying cover the fallback).
+    pytest.param(["--fail-stage", "1", "--also-fail", "2", "--fail-iter", str(FAIL_IT), "--fail-op", "0"], [1, 2],
+                 marks=pytest.mark.slow),
     # stage 2's replacement (generation 1) dies replaying iteration CKPT + 1
     (["--fail-stage", "2", "--fail-iter", str(FAIL_IT), "--fail-op", "3",
       "--then-fail", f"2:{CKPT + 1}:0"], [2]),
