@@ -940,8 +940,7 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation) {
         }
         words[static_cast<size_t>(r)] = VoteWord::parse(got);
         if (words[static_cast<size_t>(r)].kind == VoteWord::kNo && r != c.rank)  // the others need not be read
-          verdict = "rank " + std::to_string(r) + " of a communicator of " + std::to_string(c.nranks) +
-                    " cannot recover transparently: " + got.substr(got.rfind("no: ", 0) == 0 ? 4 : 0);
+          verdict = words[static_cast<size_t>(r)].refusal(r, c.nranks);
       }
       if (!verdict.empty()) break;
       const RebuildPlan plan = plan_rebuild(words, comms.size());

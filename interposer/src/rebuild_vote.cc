@@ -19,6 +19,11 @@ VoteWord VoteWord::parse(const std::string& text) {
   return w;
 }
 
+std::string VoteWord::refusal(int rank, int nranks) const {
+  return "rank " + std::to_string(rank) + " of a communicator of " + std::to_string(nranks) +
+         " cannot recover transparently: " + text.substr(text.rfind("no: ", 0) == 0 ? 4 : 0);
+}
+
 bool RebuildPlan::receives(int rank) const {
   return std::find(receivers.begin(), receivers.end(), rank) != receivers.end();
 }
@@ -39,8 +44,7 @@ RebuildPlan plan_rebuild(const std::vector<VoteWord>& words, size_t comms) {
   for (int r = 0; r < n && plan.refusal.empty(); ++r) {
     const VoteWord& w = words[static_cast<size_t>(r)];
     if (w.kind == VoteWord::kNo) {
-      plan.refusal = "rank " + std::to_string(r) + of + " cannot recover transparently: " +
-                     w.text.substr(w.text.rfind("no: ", 0) == 0 ? 4 : 0);
+      plan.refusal = w.refusal(r, n);
       continue;
     }
     if (w.kind == VoteWord::kYes && w.minibatch == newest) continue;  // replays its own minibatch

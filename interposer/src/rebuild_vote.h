@@ -21,6 +21,8 @@ struct VoteWord {
   std::string text;
 
   static VoteWord parse(const std::string& text);
+  // A "no" word's refusal, as every rank says it: "rank R of a communicator of N cannot recover ...".
+  std::string refusal(int rank, int nranks) const;
 };
 
 // Where each rank's collectives go on after the recovery. The ranks with their buffers replay

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import re
@@ -326,9 +325,11 @@ class LaunchConfig:
             raise ValueError("--master-port applies to one node; with --nnodes > 1 node 0 picks the workers' port "
                              "and publishes it through --rdzv-endpoint")
         _check_seconds("--monitor-interval", self.monitor_interval, zero_ok=False)
-        if self.metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
-            raise ValueError("--metrics-port needs prometheus-client: pip install 'jitckpt[metrics]' "
-                             "(or pip install prometheus-client)")
+        if self.metrics_port is not None:
+            try:  # an optional dependency: refused at the flag, with metrics.py's install hint
+                import jitckpt.observability.metrics  # noqa: F401
+            except ImportError as e:
+                raise ValueError(str(e)) from None
         if self.no_python and self.module:
             raise ValueError("--no-python and -m/--module cannot be combined")
         if not self.no_python and not self.module and not os.path.isfile(self.script):
