@@ -118,7 +118,14 @@ class JitRecovery:
         if all(w.exit_code is not None for w in workers):
             if failure.t_covered is None and self.coord.shards_covered(gen):
                 failure.t_covered = now
-            return self.coord.node_done(gen, ok=False, wait=True)
+            if self.coord.node_done(gen, ok=False, wait=True):
+                return True
+            # Bounded: a node lost with its launcher never says its workers are gone.
+            if now - failure.t_detect > self.cfg.save_timeout:
+                log.error("not every node's launcher said its workers are gone within --save-timeout %.0fs (a node "
+                          "lost with its launcher?); going on without it", self.cfg.save_timeout)
+                return True
+            return False
         if failure.t_covered is None and self.coord.shards_covered(gen):
             failure.t_covered = now
         if failure.t_covered is not None:
