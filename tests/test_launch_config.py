@@ -37,6 +37,7 @@ def test_torchrun_spellings_and_script_args(tmp_path):
     (["--plugin", "logging", "--recovery", "jit"], "--recovery stage.*drop one of the two"),
     (["--plugin", "logging", "--snapshot-every", "2"], "Drop one of the two flags"),
     (["--recovery", "stage", "--snapshot-every", "2"], "Drop one of the two flags"),
+    (["--no-python", "--plugin", "logging"], "through the device proxy.*add --transparent"),
 ])
 def test_bad_config_is_named(tmp_path, argv, message):
     script = tmp_path / "t.py"

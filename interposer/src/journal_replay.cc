@@ -35,17 +35,6 @@ int private_copy(int fd) {
   return copy;
 }
 
-// A new unique id from the target (its rendezvous root), or "" with `why`.
-std::string fresh_unique_id(proxy::ProxyChannel& ch, std::string* why) {
-  std::vector<uint8_t> args(1 + sizeof(ncclUniqueId), 0);
-  args[0] = 1;  // the id's presence byte (see the generated fwd_ncclGetUniqueId)
-  const proxy::CallResult r = ch.call(ReplayJournal::unique_id_tag(), args.data(), args.size(), std::chrono::seconds(60));
-  if (r.status == 0 && r.results.size() == sizeof(ncclUniqueId))
-    return std::string(r.results.begin(), r.results.end());
-  *why = "ncclGetUniqueId in the new proxy failed (" + (r.error.empty() ? "status " + std::to_string(r.status) : r.error) + ")";
-  return "";
-}
-
 uint32_t sync_tag() { return proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_cudaDeviceSynchronize); }
 
 proxy::CallResult synchronize(proxy::ProxyChannel& ch, std::chrono::milliseconds wait) {
@@ -79,6 +68,16 @@ bool run_undo(ReplayTarget& target, std::string* why) {
 }
 
 }  // namespace
+
+std::string fresh_unique_id(proxy::ProxyChannel& ch, std::string* why) {
+  std::vector<uint8_t> args(1 + sizeof(ncclUniqueId), 0);
+  args[0] = 1;  // the id's presence byte (see the generated fwd_ncclGetUniqueId)
+  const proxy::CallResult r = ch.call(ReplayJournal::unique_id_tag(), args.data(), args.size(), std::chrono::seconds(60));
+  if (r.status == 0 && r.results.size() == sizeof(ncclUniqueId))
+    return std::string(r.results.begin(), r.results.end());
+  *why = "ncclGetUniqueId in the new proxy failed (" + (r.error.empty() ? "status " + std::to_string(r.status) : r.error) + ")";
+  return "";
+}
 
 bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const DeviceBuffers* buffers,
                     ReplayOutcome* out, std::string* why) {

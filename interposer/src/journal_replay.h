@@ -51,6 +51,9 @@ struct ReplayTarget {
   std::vector<UndoLaunch> undo;
 };
 
+// A new unique id from `ch`'s proxy (a communicator's rendezvous root), or "" with `why`.
+std::string fresh_unique_id(proxy::ProxyChannel& ch, std::string* why);
+
 struct ReplayOutcome {
   std::map<int64_t, proxy::CallResult> results;  // of calls the application was still waiting for
   size_t minibatch_calls = 0;                    // entries of the current minibatch

@@ -119,6 +119,7 @@ ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatyp
       r.recv_replay().dropped_send();
       return ncclSuccess;
     }
+    r.recv_replay().went_live(ctx);
   }
   return forward_collective("ncclSend", real_nccl.send, comm, stream, sendbuff, count, datatype, peer, comm,
                             stream);
@@ -134,6 +135,7 @@ ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int
       if (rc != ncclSuccess) report_sync_error(r, "ncclRecv (replay from the logs)", rc);
       return rc;
     }
+    r.recv_replay().went_live(ctx);
   }
   return forward_collective("ncclRecv", real_nccl.recv, comm, stream, recvbuff, count, datatype, peer, comm,
                             stream);

@@ -226,6 +226,22 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
   const bool watched = !journaled && Watchdog::on_watchdog_thread();
   const auto answer_within = std::chrono::milliseconds(
       static_cast<int64_t>(1000 * std::max(1.0, watched ? Registry::instance().hang_timeout() : 0.0)));
+  // A replacement stage joins the survivors at its first communicator with peers (stage_join.h):
+  // journaled as theirs (their recorded id), made with the id agreed with them.
+  std::string joined_id;
+  if (tag == ReplayJournal::comm_init_rank_tag() && join_.pending() &&
+      payload.size() >= ReplayJournal::kCommRankOffset + sizeof(int32_t)) {
+    int32_t nranks = 0, rank = 0;
+    std::memcpy(&nranks, payload.data() + sizeof(proxy::RequestHead) + 1, sizeof nranks);
+    std::memcpy(&rank, payload.data() + ReplayJournal::kCommRankOffset, sizeof rank);
+    std::string recorded;
+    if (nranks > 1 && !join_survivors(nranks, rank, &recorded, &joined_id, &r.error)) {
+      r.status = 999;
+      r.error = "this replacement stage cannot join the survivors: " + r.error;
+      return r;
+    }
+    if (nranks > 1) std::memcpy(payload.data() + ReplayJournal::kCommIdOffset, recorded.data(), recorded.size());
+  }
   for (;;) {
     // Taken before the recovery lock and let go before a recovery: see ReplayJournal::ordered.
     std::unique_lock<std::mutex> order(order_mu_, std::defer_lock);
@@ -267,6 +283,7 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
                                             source ? &source->source : nullptr, source ? source->bytes : nullptr,
                                             source ? source->size : 0);
     t_last_journal_id = index;
+    if (!joined_id.empty()) std::memcpy(payload.data() + ReplayJournal::kCommIdOffset, joined_id.data(), joined_id.size());
     if (fd >= 0 && !client_->send_fd(fd, fd_token)) {
       r.status = 999;
       r.error = "cannot hand shared memory to the proxy: " + client_->death();
@@ -623,6 +640,14 @@ void ProxySession::start_validation() {
   // can replay alone.
   // With peers elsewhere, every rank validates at this minibatch, their scratch proxies together.
   if (t_channel == nullptr || t_generation != generation_ || !cannot_recover().empty()) return;
+  // A replacement stage counts its minibatches from the global checkpoint, so its scratch
+  // communicator would wait for peers validating at another one; the survivors validated the
+  // program already.
+  if (join_.joined()) {
+    log_always("proxy mode: no replay validation at minibatch %llu: this replacement stage joined survivors that "
+               "validated the program's replay", static_cast<unsigned long long>(minibatches_));
+    return;
+  }
   std::string why;
   if (!validation_start_.save(*client_, *t_channel, next_token(), journal_.allocations_at_mark(),
                               std::chrono::seconds(60), &why)) {
@@ -916,6 +941,8 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation) {
       if (journal_.phase() == ReplayJournal::Phase::kOptimizerStep) text += "/optimizer";
       std::lock_guard<std::mutex> lock(save_mu_);
       if (!from_replica && save_.generation == generation && save_.undoable()) text += "/undo";
+      // A replacement of a dead stage replays the logs through the iteration before this one.
+      if (join_.logging()) text += "/it" + std::to_string(Registry::instance().log_context().get().iteration);
     }
     for (const ReplayJournal::PeerComm& c : comms) {
       std::string problem;
@@ -929,15 +956,15 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation) {
                           std::chrono::milliseconds(static_cast<int64_t>(2000 * Registry::instance().hang_timeout()));
     for (const ReplayJournal::PeerComm& c : comms) {
       std::vector<VoteWord> words(static_cast<size_t>(c.nranks));
+      std::map<int, std::string> newcomers;  // rank -> nonce
       for (int r = 0; r < c.nranks && verdict.empty(); ++r) {
-        std::string got = text, problem;
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-        if (r != c.rank && !store_.get(comm_key("vote", c.id) + "/" + std::to_string(r),
-                                       std::max(left, std::chrono::milliseconds(1)), &got, &problem)) {
+        std::string got = text, problem, nonce;
+        if (r != c.rank && !peer_word(c, r, deadline, &got, &nonce, &problem)) {
           verdict = "rank " + std::to_string(r) + " of a communicator of " + std::to_string(c.nranks) +
                     " did not join the transparent recovery (" + problem + ")";
           break;
         }
+        if (!nonce.empty()) newcomers[r] = nonce;
         words[static_cast<size_t>(r)] = VoteWord::parse(got);
         if (words[static_cast<size_t>(r)].kind == VoteWord::kNo && r != c.rank)  // the others need not be read
           verdict = words[static_cast<size_t>(r)].refusal(r, c.nranks);
@@ -945,6 +972,19 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation) {
       if (!verdict.empty()) break;
       const RebuildPlan plan = plan_rebuild(words, comms.size());
       verdict = plan.refusal;
+      // The lowest survivor gives the newcomers the terms (they wait for them, see stage_join.h).
+      const auto survivor = std::find_if(words.begin(), words.end(), [](const VoteWord& w) { return w.kind != VoteWord::kNew; });
+      if (verdict.empty() && !newcomers.empty() && survivor - words.begin() == c.rank) {
+        auto it = comm_rebuilds_.find(c.id);
+        const StageJoin::Terms terms{c.id, it == comm_rebuilds_.end() ? 0 : it->second, plan.through};
+        std::string problem;
+        for (const auto& [r, nonce] : newcomers)
+          if (verdict.empty() && !StageJoin::offer(store_, nonce, terms, &problem))
+            verdict = "cannot give the replacement of rank " + std::to_string(r) + " its terms: " + problem;
+        if (verdict.empty())
+          log_always("proxy mode: rank(s) of a communicator of %d replaced; they replay the logs through iteration "
+                     "%lld and join at the next", c.nranks, static_cast<long long>(plan.through));
+      }
       if (verdict.empty() && plan.receives(c.rank)) {
         vote.replica_key = comm_key("replica", c.id);
         vote.skip_minibatch = plan.skip[static_cast<size_t>(c.rank)];
@@ -966,6 +1006,47 @@ std::string ProxySession::agree_to_rebuild(uint64_t generation) {
   vote.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   vote_ = vote;
   return verdict;
+}
+
+bool ProxySession::peer_word(const ReplayJournal::PeerComm& c, int r, std::chrono::steady_clock::time_point deadline,
+                             std::string* word, std::string* nonce, std::string* why) {
+  const std::string key = comm_key("vote", c.id) + "/" + std::to_string(r);
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (!join_.logging()) return store_.get(key, std::max(left, std::chrono::milliseconds(1)), word, why);
+    // Either its word or its replacement comes: look for both, a slice at a time.
+    if (store_.get(key, std::min(std::max(left, std::chrono::milliseconds(1)), std::chrono::milliseconds(50)), word, why))
+      return true;
+    if (join_.arrived(store_, c.nranks, r, nonce)) {
+      *word = "new";
+      return true;
+    }
+    if (left.count() <= 0) return false;
+  }
+}
+
+bool ProxySession::join_survivors(int nranks, int rank, std::string* recorded, std::string* agreed, std::string* why) {
+  StageJoin::Terms terms;
+  if (!store_.available()) {
+    *why = "no store shared with the survivors (JITCKPT_STORE_SOCKET: `jitckpt run --transparent` sets it)";
+    return false;
+  }
+  log_always("proxy mode: this process replaces a dead stage; waiting for the survivors' terms");
+  if (!join_.join(store_, nranks, rank, peer_wait(), &terms, why)) return false;
+  Registry::instance().recv_replay().set_through(terms.through);
+  std::string fresh;
+  if (rank == 0) {
+    std::shared_lock<std::shared_mutex> shared(recovery_mu_);
+    proxy::ProxyChannel* ch = channel(why);
+    if (ch == nullptr || (fresh = fresh_unique_id(*ch, why)).empty()) return false;
+  }
+  std::unique_lock<std::shared_mutex> exclusive(recovery_mu_);  // comm_rebuilds_
+  comm_rebuilds_[terms.id] = terms.rebuilds;
+  *recorded = terms.id;
+  if (!agree_unique_id(terms.id, rank, fresh, agreed, why)) return false;
+  log_always("proxy mode: joined the survivors' communicator (rank %d of %d); replaying receives through iteration "
+             "%lld from the neighbours' send logs", rank, nranks, static_cast<long long>(terms.through));
+  return true;
 }
 
 bool ProxySession::take_replica_buffers(std::string* why) {

@@ -27,6 +27,7 @@
 #include "recovery_event.h"
 #include "rendezvous_store.h"
 #include "replay_journal.h"
+#include "stage_join.h"
 #include "update_undo.h"
 
 namespace jitckpt {
@@ -133,6 +134,14 @@ class ProxySession {
   // (issue 16 case 5). The lowest rank with its buffers gives them to those that lost theirs.
   // Once per generation; "" if all agreed, else why not.
   std::string agree_to_rebuild(uint64_t generation);
+  // The word of rank `r` of `c` (waiting until `deadline`), or "new" for a replacement of a dead
+  // stage that announced itself in its place (--plugin logging; its nonce in `nonce`).
+  bool peer_word(const ReplayJournal::PeerComm& c, int r, std::chrono::steady_clock::time_point deadline,
+                 std::string* word, std::string* nonce, std::string* why);
+  // A replacement stage's first communicator with peers (stage_join.h): takes the survivors'
+  // terms, agrees on the new unique id with them, and returns it (`recorded`: the id to journal,
+  // theirs). False with `why` if they did not take it in.
+  bool join_survivors(int nranks, int rank, std::string* recorded, std::string* agreed, std::string* why);
   // A rank's word: "yes/<minibatch>" (it can, with its own buffers), "replica/<minibatch>" (with a
   // replica's), or "no: <why>".
 
@@ -179,6 +188,7 @@ class ProxySession {
   ProxyKernels kernels_;
   HostRegistrations registrations_;
   UpdateUndo undo_;
+  StageJoin join_;
   std::mutex mu_;  // starting the proxy, opening channels
   std::unique_ptr<proxy::ProxyClient> client_;
   std::atomic<uint32_t> next_index_{0};  // channel indices, one per thread that made calls (0: the primary channel)

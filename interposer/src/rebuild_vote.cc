@@ -8,6 +8,10 @@ namespace jitckpt {
 VoteWord VoteWord::parse(const std::string& text) {
   VoteWord w;
   w.text = text;
+  if (text == "new") {
+    w.kind = kNew;
+    return w;
+  }
   const bool yes = text.rfind("yes/", 0) == 0, replica = text.rfind("replica/", 0) == 0;
   if (!yes && !replica) return w;
   w.kind = yes ? kYes : kReplica;
@@ -16,6 +20,7 @@ VoteWord VoteWord::parse(const std::string& text) {
   const std::string rest = end != nullptr ? end : "";
   w.undo = yes && rest.find("/undo") != std::string::npos;
   w.optimizer_step = w.undo || rest.find("/optimizer") != std::string::npos;
+  if (const size_t at = rest.find("/it"); at != std::string::npos) w.iteration = std::strtoll(rest.c_str() + at + 3, nullptr, 10);
   return w;
 }
 
@@ -28,7 +33,46 @@ bool RebuildPlan::receives(int rank) const {
   return std::find(receivers.begin(), receivers.end(), rank) != receivers.end();
 }
 
+namespace {
+
+// Survivors and newcomers: see RebuildPlan.
+RebuildPlan plan_join(const std::vector<VoteWord>& words) {
+  RebuildPlan plan;
+  const int n = static_cast<int>(words.size());
+  plan.skip.assign(words.size(), false);
+  const std::string of = " of a communicator of " + std::to_string(n);
+  int64_t iteration = -1;
+  int first = -1;
+  for (int r = 0; r < n && plan.refusal.empty(); ++r) {
+    const VoteWord& w = words[static_cast<size_t>(r)];
+    const std::string who = "rank " + std::to_string(r) + of;
+    if (w.kind == VoteWord::kNew) {
+      plan.newcomers.push_back(r);
+    } else if (w.kind == VoteWord::kNo) {
+      plan.refusal = w.refusal(r, n);
+    } else if (w.kind == VoteWord::kReplica) {
+      plan.refusal = who + " lost its buffers while a dead stage is replaced from the logs: a replica's buffers and a "
+                     "replacement stage in one recovery are not supported";
+    } else if (w.iteration < 0) {
+      plan.refusal = who + " has no send-log iteration (the program sets none with set_log_context): a replacement "
+                     "stage cannot tell which messages to replay";
+    } else if (first < 0) {
+      first = r, iteration = w.iteration;
+    } else if (w.iteration != iteration) {
+      plan.refusal = who + " is at iteration " + std::to_string(w.iteration) + " and rank " + std::to_string(first) +
+                     " at " + std::to_string(iteration) + ": the replacement stage can join only one";
+    }
+  }
+  if (plan.refusal.empty() && first < 0) plan.refusal = "every rank" + of + " is new: nobody kept the state";
+  plan.through = iteration - 1;
+  return plan;
+}
+
+}  // namespace
+
 RebuildPlan plan_rebuild(const std::vector<VoteWord>& words, size_t comms) {
+  if (std::any_of(words.begin(), words.end(), [](const VoteWord& w) { return w.kind == VoteWord::kNew; }))
+    return plan_join(words);
   RebuildPlan plan;
   const int n = static_cast<int>(words.size());
   plan.skip.assign(words.size(), false);

@@ -10,14 +10,18 @@
 
 namespace jitckpt {
 
-// A rank's word: "yes/<minibatch>[/optimizer][/undo]" (it has its buffers of the minibatch's
-// start, or partly updated ones its undo plugin undoes), "replica/<minibatch>[/optimizer]" (it lost
-// them), or "no: <why>". "/optimizer": its host had begun that minibatch's optimizer step.
+// A rank's word: "yes/<minibatch>[/optimizer][/undo][/it<iteration>]" (it has its buffers of the
+// minibatch's start, or partly updated ones its undo plugin undoes), "replica/<minibatch>[/optimizer]"
+// (it lost them), "no: <why>", or "new": a replacement of a dead pipeline stage that starts over
+// from the global checkpoint and replays from its neighbours' send logs (--plugin logging; the
+// survivors say it for it, see stage_join.h). "/optimizer": its host had begun that minibatch's
+// optimizer step. "/it<i>": the iteration its send log was at (set_log_context), with logging on.
 struct VoteWord {
-  enum Kind { kNo, kYes, kReplica } kind = kNo;
+  enum Kind { kNo, kYes, kReplica, kNew } kind = kNo;
   uint64_t minibatch = 0;
   bool optimizer_step = false;
   bool undo = false;  // a yes word's: undone only in its own replay, so no donor
+  int64_t iteration = -1;  // the log context's, or -1
   std::string text;
 
   static VoteWord parse(const std::string& text);
@@ -32,10 +36,18 @@ struct VoteWord {
 // 4): the donor got past that minibatch's collectives, so they were complete on every rank, and the
 // step (a lost proxy's, or one still running behind a collective merely not yet seen complete) is
 // the donor's. Anything else would leave a rank a collective out of step with the others: refused.
+//
+// With newcomers (SWIFT logging): every other rank replays its own minibatch, which must be the
+// same iteration on all of them; the newcomers replay their receives through the one before it from
+// the logs (`through`) and run that iteration live with them. No buffers change hands (a newcomer
+// has only the global checkpoint's), and the survivors' minibatch counts are not compared: a
+// newcomer of an earlier recovery counts its minibatches from its checkpoint.
 struct RebuildPlan {
   int donor = -1;
   std::vector<int> receivers;  // ranks that take the donor's buffers
   std::vector<bool> skip;      // per rank: it skips the rest of its minibatch
+  std::vector<int> newcomers;  // ranks that join from the logs
+  int64_t through = -1;        // with newcomers: the last iteration they replay from the logs
   std::string refusal;         // "" when the communicator can rebuild
 
   bool receives(int rank) const;

@@ -86,4 +86,15 @@ void append_validation_event(const ValidationRecord& r) {
   append_line(path, w.str() + "\n");
 }
 
+void append_stage_caught_up(int64_t checkpoint, int64_t replayed) {
+  const char* path = std::getenv("JITCKPT_EVENT_LOG");
+  if (path == nullptr || *path == '\0') return;
+  JsonWriter w;
+  begin_record(w, "stage_caught_up");
+  w.key("checkpoint").value(checkpoint);
+  w.key("replayed").value(replayed < 0 ? int64_t{0} : replayed);
+  w.end_object();
+  append_line(path, w.str() + "\n");
+}
+
 }  // namespace jitckpt

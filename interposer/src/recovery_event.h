@@ -40,5 +40,9 @@ struct ValidationRecord {
 // Appends `r` as one line with one write on the O_APPEND log, as the launcher's own writers do.
 void append_recovery_event(const RecoveryRecord& r);
 void append_validation_event(const ValidationRecord& r);
+// A replacement stage replayed its receives from the logs and now runs live (recv_replay.h): the
+// launcher's StageCaughtUp, for programs that have no control channel. `checkpoint`: the iteration
+// of the global checkpoint it started from; `replayed`: the iterations it replayed.
+void append_stage_caught_up(int64_t checkpoint, int64_t replayed);
 
 }  // namespace jitckpt

@@ -2,17 +2,21 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "json_writer.h"
 #include "log_chunk.h"
 #include "real_api.h"
+#include "recovery_event.h"
 
 namespace jitckpt {
 
 RecvReplay::RecvReplay() {
   const char* dirs = std::getenv("JITCKPT_RECV_REPLAY_DIRS");
   const char* through = std::getenv("JITCKPT_RECV_REPLAY_THROUGH");
-  if (dirs == nullptr || *dirs == '\0' || through == nullptr || *through == '\0') return;
+  const char* join = std::getenv("JITCKPT_STAGE_JOIN");
+  const bool joins = join != nullptr && std::strcmp(join, "1") == 0;  // the survivors say how far
+  if (dirs == nullptr || *dirs == '\0' || ((through == nullptr || *through == '\0') && !joins)) return;
   std::string all = dirs;
   for (size_t start = 0; start <= all.size();) {
     size_t end = all.find(':', start);
@@ -20,7 +24,7 @@ RecvReplay::RecvReplay() {
     if (end > start) dirs_.push_back(all.substr(start, end - start));
     start = end + 1;
   }
-  through_ = std::atoll(through);
+  through_ = through != nullptr && *through != '\0' ? std::atoll(through) : -1;
   enabled_ = !dirs_.empty();
 }
 
@@ -35,7 +39,7 @@ bool RecvReplay::load() {
   loaded_ = true;
   for (const std::string& dir : dirs_) {
     for (const ChunkFile& c : list_chunks(dir)) {
-      if (c.lo > through_) continue;  // nothing this replay will ask for
+      if (c.lo > through_.load()) continue;  // nothing this replay will ask for
       std::vector<ChunkRecord> records;
       std::string why;
       if (!read_chunk(dir + "/" + c.name, &records, &why)) {
@@ -44,7 +48,7 @@ bool RecvReplay::load() {
       }
       for (ChunkRecord& r : records) {
         const RecordMeta& m = r.meta;
-        if (m.kind != "send" || m.iteration > through_) continue;
+        if (m.kind != "send" || m.iteration > through_.load()) continue;
         Key key{m.iteration, m.micro_batch, m.payload, m.src, m.dst};
         auto it = messages_.find(key);
         // Re-sent after an earlier recovery: the newest generation's copy wins (as LogIndex).
@@ -82,7 +86,7 @@ ncclResult_t RecvReplay::serve(const LogContext::Value& ctx, void* buf, size_t c
     return fail(std::string("replay asked for ") + what + " out of its sender's original order: the replayed "
                 "stage diverged from the run that wrote the log");
   last_taken_[peer] = order;
-  ++served_;
+  if (served_++ == 0) first_served_ = ctx.iteration;
   // messages_ no longer changes once loaded: the bytes stay where they are after the unlock.
   const void* src = m.bytes.data();
   size_t nbytes = m.bytes.size();
@@ -95,6 +99,21 @@ ncclResult_t RecvReplay::serve(const LogContext::Value& ctx, void* buf, size_t c
   return ncclSuccess;
 }
 
+void RecvReplay::went_live(const LogContext::Value& ctx) {
+  if (!enabled_ || live_.load(std::memory_order_relaxed) || live_.exchange(true)) return;
+  int64_t first, served;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    first = first_served_ < 0 ? ctx.iteration : first_served_;
+    served = served_;
+  }
+  const int64_t through = through_.load();
+  std::fprintf(stderr, "[libjit] receive replay: caught up at iteration %lld (%lld message(s) replayed from the "
+               "logs, iterations %lld..%lld)\n", static_cast<long long>(ctx.iteration), static_cast<long long>(served),
+               static_cast<long long>(first), static_cast<long long>(through));
+  append_stage_caught_up(first - 1, through - first + 1);
+}
+
 void RecvReplay::dropped_send() {
   std::lock_guard<std::mutex> lock(mu_);
   ++dropped_sends_;
@@ -104,7 +123,7 @@ void RecvReplay::write_status(JsonWriter& w) const {
   std::lock_guard<std::mutex> lock(mu_);
   w.begin_object();
   w.key("enabled").value(enabled_);
-  w.key("through").value(through_);
+  w.key("through").value(through_.load());
   w.key("served").value(served_);
   w.key("dropped_sends").value(dropped_sends_);
   w.key("error").value(error_);

@@ -410,3 +410,24 @@ TEST(RebuildVote, RanksOutOfStepAreRefusedAlike) {
   EXPECT_NE(plan.refusal.find("rank 1 of a communicator of 2 cannot recover transparently: the journal is off"),
             std::string::npos) << plan.refusal;
 }
+
+// --plugin logging in proxy mode: a dead stage's replacement ("new") joins the survivors.
+TEST(RebuildVote, ANewcomerReplaysThroughTheIterationBeforeTheSurvivors) {
+  auto plan = jitckpt::plan_rebuild(words({"yes/9/it12", "new", "yes/3/it12"}), 1);  // rank 2 joined earlier
+  EXPECT_EQ(plan.refusal, "");
+  EXPECT_EQ(plan.newcomers, std::vector<int>{1});
+  EXPECT_EQ(plan.through, 11);
+  EXPECT_TRUE(plan.receivers.empty());
+  EXPECT_EQ(plan.donor, -1);
+  plan = jitckpt::plan_rebuild(words({"yes/9/it12", "new", "yes/9/it13"}), 1);
+  EXPECT_NE(plan.refusal.find("rank 2 of a communicator of 3 is at iteration 13 and rank 0 at 12"), std::string::npos)
+      << plan.refusal;
+  plan = jitckpt::plan_rebuild(words({"new", "replica/9/it4"}), 1);
+  EXPECT_NE(plan.refusal.find("not supported"), std::string::npos) << plan.refusal;
+  plan = jitckpt::plan_rebuild(words({"new", "yes/9"}), 1);
+  EXPECT_NE(plan.refusal.find("no send-log iteration"), std::string::npos) << plan.refusal;
+  plan = jitckpt::plan_rebuild(words({"new", "no: the journal is off"}), 1);
+  EXPECT_NE(plan.refusal.find("the journal is off"), std::string::npos) << plan.refusal;
+  EXPECT_EQ(jitckpt::VoteWord::parse("yes/4/optimizer/it7").iteration, 7);
+  EXPECT_TRUE(jitckpt::VoteWord::parse("yes/4/optimizer/it7").optimizer_step);
+}

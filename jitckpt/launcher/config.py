@@ -383,6 +383,10 @@ class LaunchConfig:
                                  f"--recovery {self.recovery}: drop one of the two")
         if self.recovery == "stage" and LoggingPlugin() not in plugins:
             self.plugins = (*self.plugins, LoggingPlugin.name)  # stage recovery is the logging recovery
+        if self.recovery == "stage" and self.no_python and not self.transparent:
+            raise ValueError("--no-python with --recovery stage (--plugin logging): a native program's dead stage is "
+                             "replaced through the device proxy, which rebuilds the survivors' communicators with "
+                             "the replacement: add --transparent")
         if self.recovery == "stage" and self.snapshot_every:
             raise ValueError("--recovery stage keeps the survivors' state in memory and replaces only the "
                              "dead rank; in-memory snapshots (--snapshot-every) serve --recovery jit. "

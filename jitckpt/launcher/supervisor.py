@@ -136,14 +136,22 @@ class Launcher:
         elif event == "job_end":
             self.display.say(self._tally.verdict(rec, self.workers, self.run_dir))
 
-    def _take_worker_records(self) -> None:
+    def _take_worker_records(self, launch: Optional[int] = None) -> None:
         """Count the records the workers' libjit.so appended (transparent recoveries, replay
-        validations) and say on the console what the user must know of them."""
+        validations, a native replacement stage caught up) and say on the console what the user
+        must know of them."""
         if self.worker_records is None:
             return
         for rec in self.worker_records.poll():
             if self.metrics is not None:
                 self.metrics.record_event(rec)
+            if rec["event"] == "stage_caught_up" and launch is not None and self.replacement is not None:
+                # A --no-python program has no control channel: its libjit.so says it in the log.
+                for w in self.workers:
+                    if w.rank == rec.get("rank") and w.proc.pid == rec.get("pid"):
+                        self.replacement.caught_up(launch, w, StageCaughtUp(
+                            rank=w.rank, generation=int(rec.get("gen", self.gen)),
+                            checkpoint=int(rec.get("checkpoint", 0)), replayed=int(rec.get("replayed", 0))))
             line = console_line(rec)
             if line is not None:
                 self.display.say(line)
@@ -368,7 +376,8 @@ class Launcher:
         rank = spec.rank
         if cfg.no_python:  # no Python to send the spec to: libjit.so reads the environment
             parent, child = channel_pair()
-            full_env = {**self._base_env(), **env, **spec.to_env(), ENV_FD: str(child.fileno())}
+            full_env = {**self._base_env(), **env, **spec.to_env(), ENV_FD: str(child.fileno()),
+                        **self._native_logging_env(rank, role)}
             with ExitStack() as files:
                 out, err = (files.enter_context(open(p, "ab")) if p else None for p in (streams.stdout, streams.stderr))
                 proc = subprocess.Popen([cfg.script, *cfg.script_args], env=full_env, stdout=out, stderr=err,
@@ -384,6 +393,20 @@ class Launcher:
             w = Worker(rank, local_rank, proc, ch, warm=warm)
         self.emit("worker_start", rank=rank, pid=proc.pid, warm=w.warm, role=role)
         return w
+
+    def _native_logging_env(self, rank: int, role: str) -> dict:
+        """--no-python --plugin logging: libjit.so logs every rank's sends under the run directory,
+        and a replacement of a dead stage replays its receives from the other ranks' logs, joining
+        the survivors in the device proxy (interposer/src/stage_join.h)."""
+        if self.replacement is None:
+            return {}
+        logs = Path(self.run_dir) / "send_logs"
+        (logs / f"rank{rank}").mkdir(parents=True, exist_ok=True)
+        env = {"JITCKPT_SEND_LOG_DIR": str(logs / f"rank{rank}")}
+        if role == "replacement":
+            others = [str(logs / f"rank{r}") for r in range(self.cfg.world_size) if r != rank]
+            env.update(JITCKPT_STAGE_JOIN="1", JITCKPT_RECV_REPLAY_DIRS=":".join(others))
+        return env
 
     def _replace_worker(self, launch: int, old: Worker, master: tuple[str, int],
                         sel: selectors.BaseSelector) -> bool:
@@ -461,7 +484,7 @@ class Launcher:
                     while w.channel.buffered():  # one socket read can carry several messages
                         failure = self._on_message(gen, w, w.channel.recv(), failure)
                 # Periodic checks.
-                self._take_worker_records()
+                self._take_worker_records(gen)
                 for w in self.workers:
                     if not w.eof and w.exit_code is None and w.proc.poll() is not None:
                         w.exit_code = w.proc.returncode

@@ -38,6 +38,10 @@ event                     fields
                           previous_exit (its exit code)
 ``stage_replaced``        rank, generation, restart_count (--recovery stage: the dead rank got a
                           replacement; the other ranks kept running)
+``stage_caught_up``       rank, pid, checkpoint, replayed (--no-python --plugin logging: written by
+                          libjit.so when a replacement stage, having replayed its receives of
+                          ``replayed`` iterations after global checkpoint ``checkpoint`` from its
+                          neighbours' send logs, makes its first call live with the survivors)
 ``transparent_validation`` rank, pid, minibatch, matched (bool), detail (the first difference, or
                           why it could not run, when not matched), calls, bytes, seconds
                           (--transparent: libjit.so replayed a minibatch into a scratch proxy and
@@ -93,6 +97,7 @@ EVENT_TYPES = (
     "warning",
     "transparent_recovery",
     "transparent_validation",
+    "stage_caught_up",
 )
 
 EVENTS_FILE = "events.jsonl"

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-WORKER_EVENTS = ("transparent_recovery", "transparent_validation")
+WORKER_EVENTS = ("transparent_recovery", "transparent_validation", "stage_caught_up")
 MAX_READ = 1 << 20  # per poll: a burst of records is taken over several polls, never all at once
 
 
