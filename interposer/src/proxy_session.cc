@@ -397,6 +397,12 @@ std::string ProxySession::kill_hung_proxy(uint64_t generation, uint32_t tag, std
 bool ProxySession::recover_now(const std::string& what) { return recover_live(what, false, false, nullptr); }
 
 bool ProxySession::recover_from_hang(const std::string& what, bool posted_in_optimizer_step, cudaEvent_t sentinel) {
+  // A replacement of a dead peer stage replays what this process sent (SWIFT): the log is written
+  // out first. Bounded: the copy behind a hung send never completes; every completed one is
+  // written within the bound.
+  std::string log_error;
+  if (Registry::instance().send_log().enabled() && !Registry::instance().send_log().flush(0.5, &log_error))
+    log_always("send log at the failure: %s", log_error.c_str());
   return recover_live(what, true, posted_in_optimizer_step, sentinel);
 }
 
@@ -1015,12 +1021,12 @@ bool ProxySession::peer_word(const ReplayJournal::PeerComm& c, int r, std::chron
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (!join_.logging()) return store_.get(key, std::max(left, std::chrono::milliseconds(1)), word, why);
     // Either its word or its replacement comes: look for both, a slice at a time.
-    if (store_.get(key, std::min(std::max(left, std::chrono::milliseconds(1)), std::chrono::milliseconds(50)), word, why))
-      return true;
     if (join_.arrived(store_, c.nranks, r, nonce)) {
       *word = "new";
       return true;
     }
+    if (store_.get(key, std::min(std::max(left, std::chrono::milliseconds(1)), std::chrono::milliseconds(50)), word, why))
+      return true;
     if (left.count() <= 0) return false;
   }
 }
@@ -1082,6 +1088,11 @@ std::string ProxySession::peer_found_failure() {
     if (store_.get(comm_key("vote", c.id) + "/found", std::chrono::milliseconds(0), &rank, &ignored) &&
         rank != std::to_string(c.rank))
       return "rank " + rank + " of a communicator of " + std::to_string(c.nranks) + " found a failure";
+    // --plugin logging: a replacement of a dead peer stage says so before any hang timeout would.
+    for (int r = 0; r < c.nranks && join_.logging(); ++r)
+      if (r != c.rank && join_.announced(store_, c.nranks, r))
+        return "rank " + std::to_string(r) + " of a communicator of " + std::to_string(c.nranks) +
+               " died and its replacement is waiting to join";
   }
   return "";
 }

@@ -90,6 +90,13 @@ bool StageJoin::join(const RendezvousStore& store, int nranks, int rank, std::ch
   return true;
 }
 
+bool StageJoin::announced(const RendezvousStore& store, int nranks, int rank) const {
+  std::string nonce, ignored;
+  if (!store.get(new_key(nranks, rank), std::chrono::milliseconds(0), &nonce, &ignored)) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return taken_.count(nonce) == 0;
+}
+
 bool StageJoin::arrived(const RendezvousStore& store, int nranks, int rank, std::string* nonce) {
   std::string ignored;
   if (!store.get(new_key(nranks, rank), std::chrono::milliseconds(0), nonce, &ignored)) return false;

@@ -46,6 +46,8 @@ class StageJoin {
   // `wait`) for the survivors' terms. Once per process: later communicators are made as usual.
   bool join(const RendezvousStore& store, int nranks, int rank, std::chrono::milliseconds wait, Terms* terms,
             std::string* why);
+  // A survivor: whether a replacement of rank `rank` announced itself and waits (not taken yet).
+  bool announced(const RendezvousStore& store, int nranks, int rank) const;
   // A survivor: whether a replacement of rank `rank` announced itself since the last one this
   // process took (its nonce, marked taken).
   bool arrived(const RendezvousStore& store, int nranks, int rank, std::string* nonce);

@@ -106,15 +106,7 @@ void Watchdog::poll() {
                     age, timeout);
       // In proxy mode with the journal on, every rank of the communicator rebuilds it and replays
       // its minibatch (issue 16 case 1); else the failure callback (user-level JIT) takes it.
-      if (registry_.proxy().enabled()) {
-        // A replacement of a dead peer stage replays what this process sent (SWIFT): its log is
-        // written out first. Bounded: the copy behind the hung send never completes, and every
-        // completed one is written within the bound.
-        std::string log_error;
-        if (registry_.send_log().enabled() && !registry_.send_log().flush(0.5, &log_error))
-          log_always("send log at the failure: %s", log_error.c_str());
-        if (registry_.proxy().recover_from_hang(detail, r.phase == "optimizer", r.sentinel)) return;
-      }
+      if (registry_.proxy().enabled() && registry_.proxy().recover_from_hang(detail, r.phase == "optimizer", r.sentinel)) return;
       registry_.report_failure("hang", detail, r.phase);
       return;
     }

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -76,29 +77,47 @@ class Job:
         return (self.dir / f"final-rank{rank}.bin").read_bytes()
 
 
+@pytest.fixture(scope="module")
+def clean_finals(prog: Program, tmp_path_factory) -> Callable[[int], list[bytes]]:
+    """clean_finals(world): every stage's final weights of a failure-free run (one per world size)."""
+    finals: dict[int, list[bytes]] = {}
+
+    def get(world: int) -> list[bytes]:
+        if world not in finals:
+            clean = Job(prog, tmp_path_factory.mktemp("clean"), "clean", world)
+            try:
+                assert clean.wait() == 0, clean.log.read_text()
+                finals[world] = [clean.final(r) for r in range(world)]
+            finally:
+                clean.close()
+        return finals[world]
+
+    return get
+
+
+def kill_at(job: Job, rank: int, at: int) -> int:
+    """SIGKILL rank's current process once it has done iteration `at`; its pid."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while job.progress(rank) < at and job.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)  # polling the program's progress: the moment is meant to be random
+    pid = [e["pid"] for e in job.events() if e["event"] == "worker_start" and e["rank"] == rank][-1]
+    assert job.proc.poll() is None and job.progress(rank) < ITERS, "the job ended before the kill"
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
 # Rank 0 of the rebuilt communicator makes its new unique id: the replacement, when stage 0 died.
 # Three stages: the middle one has two survivors as neighbours, which must agree on an iteration.
 @pytest.mark.parametrize("world,victim", [(2, 1), (2, 0), (3, 1)])
-def test_a_dead_stage_is_replaced_alone_and_replays_from_the_survivors_log(prog: Program, tmp_path: Path,
+def test_a_dead_stage_is_replaced_alone_and_replays_from_the_survivors_log(prog: Program, clean_finals, tmp_path: Path,
                                                                         world: int, victim: int) -> None:
-    flags = ("--transparent", "--plugin", "logging", "--hang-timeout", "2", "--max-restarts", "1")
-    clean = Job(prog, tmp_path, "clean", world)
-    try:
-        assert clean.wait() == 0, clean.log.read_text()
-        expected = [clean.final(r) for r in range(world)]
-    finally:
-        clean.close()
-
-    job = Job(prog, tmp_path, "killed", world, *flags)
+    expected = clean_finals(world)
+    # The default hang timeout: the survivors learn of the death from the replacement's word.
+    job = Job(prog, tmp_path, "killed", world, "--transparent", "--plugin", "logging", "--max-restarts", "1")
     try:
         # Past a global checkpoint and two iterations into the next, so that some are replayed.
-        at = random.choice([k for k in range(EVERY + 2, ITERS - 10) if k % EVERY in (2, 3)])
-        deadline = time.monotonic() + TIMEOUT_S
-        while job.progress(victim) < at and job.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)  # polling the program's progress: the moment is meant to be random
+        kill_at(job, victim, random.choice([k for k in range(EVERY + 2, ITERS - 10) if k % EVERY in (2, 3)]))
         starts = {e["rank"]: e["pid"] for e in job.events() if e["event"] == "worker_start"}
-        assert job.proc.poll() is None and job.progress(victim) < ITERS, "the job ended before the kill"
-        os.kill(starts[victim], signal.SIGKILL)
         rc = job.wait()
         log = job.log.read_text()
         assert rc == 0, log
@@ -121,6 +140,32 @@ def test_a_dead_stage_is_replaced_alone_and_replays_from_the_survivors_log(prog:
         summary = [e for e in events if e["event"] == "recovery_summary"]
         assert len(summary) == 1 and summary[0]["scope"] == "stage", summary
         for r in range(world):
+            assert job.final(r) == expected[r], f"rank {r}'s weights differ from the failure-free run"
+    finally:
+        job.close()
+
+
+@pytest.mark.slow
+def test_two_stages_die_one_after_the_other_and_each_is_replaced(prog: Program, clean_finals, tmp_path: Path) -> None:
+    """Three stages: stage 1 dies, its replacement catches up; later stage 2 dies, and stage 1's
+    replacement is now a survivor that takes stage 2's replacement in (it learnt of earlier
+    replacements as it joined). Nobody restarts; the weights are bitwise the failure-free run's."""
+    expected = clean_finals(3)
+    job = Job(prog, tmp_path, "twice", 3, "--transparent", "--plugin", "logging", "--max-restarts", "2")
+    try:
+        kill_at(job, 1, 8)
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any(e["event"] == "stage_caught_up" for e in job.events()) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the second death must find the first replacement caught up
+        kill_at(job, 2, 22)
+        assert job.wait() == 0, job.log.read_text()
+        events = job.events()
+        assert [e["rank"] for e in events if e["event"] == "worker_start"] == [0, 1, 2, 1, 2]
+        assert "restart" not in [e["event"] for e in events]
+        assert [e["rank"] for e in events if e["event"] == "stage_caught_up"] == [1, 2]
+        recs = [e for e in events if e["event"] == "transparent_recovery"]
+        assert len(recs) == 4 and all(e["recovered"] for e in recs), recs
+        for r in range(3):
             assert job.final(r) == expected[r], f"rank {r}'s weights differ from the failure-free run"
     finally:
         job.close()
