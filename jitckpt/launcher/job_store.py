@@ -1,0 +1,76 @@
+"""The job's cross-node store, for `jitckpt run --nnodes N` (N > 1).
+
+Two backends, chosen with torchrun's ``--rdzv-backend``:
+
+* ``c10d`` / ``static`` (the default): a c10d ``TCPStore`` that node 0's launcher serves at
+  ``--rdzv-endpoint``. It lives and dies with node 0's launcher, so losing node 0 ends the job.
+* ``etcd`` / ``etcd-v2``: etcd at ``--rdzv-endpoint`` through its v2 API (etcd 3.4 started with
+  ``--enable-v2``), with torch's own :class:`~torch.distributed.elastic.rendezvous.etcd_store.EtcdStore`
+  on the python-etcd client. No launcher serves it, so it outlives any node, node 0 included, and a
+  replacement node (a launcher with the lost node's ``--node-rank`` and the same ``--rdzv-id``)
+  can join the running job (:class:`~jitckpt.launcher.node_coordinator.NodeCoordinator`).
+
+Either way the job's keys are under its own prefix (run id and a hash of ``JITCKPT_TOKEN``).
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from jitckpt.launcher.config import LaunchConfig
+from jitckpt.runtime.generation_store import bind_listener
+
+ETCD_BACKENDS = ("etcd", "etcd-v2")
+# A wait that timed out: c10d raises DistStoreError (a RuntimeError), torch's EtcdStore LookupError.
+WAIT_TIMED_OUT = (RuntimeError, LookupError)
+ETCD_INSTALL = "pip install python-etcd (or: pip install 'jitckpt[etcd]')"
+
+
+def uses_etcd(cfg: LaunchConfig) -> bool:
+    return cfg.rdzv_backend in ETCD_BACKENDS
+
+
+def _etcd_client(cfg: LaunchConfig) -> Any:
+    try:
+        import etcd  # type: ignore[import-not-found]
+    except ImportError:
+        raise RuntimeError(f"--rdzv-backend {cfg.rdzv_backend} needs the python-etcd client: {ETCD_INSTALL}") from None
+    client = etcd.Client(host=cfg.rdzv_host, port=cfg.rdzv_port, protocol="http", read_timeout=10)
+    try:
+        client.read("/")
+    except etcd.EtcdKeyNotFound:
+        pass
+    except Exception as e:  # noqa: BLE001 - python-etcd raises several unrelated types here
+        raise RuntimeError(f"--rdzv-endpoint {cfg.rdzv_endpoint}: cannot reach etcd's v2 API ({e}); is etcd running "
+                           "there, started with --enable-v2?") from None
+    return client
+
+
+def connect(cfg: LaunchConfig, prefix: str, *, serve: bool) -> Any:
+    """A client of the job's store, its keys under ``prefix``. ``serve``: node 0 of the c10d
+    backend starts the server (on the rendezvous address only, not every interface)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=cfg.rdzv_timeout)
+    if uses_etcd(cfg):
+        from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+        return EtcdStore(_etcd_client(cfg), "/" + prefix, timeout)
+    listen_fd = bind_listener(cfg.rdzv_host, cfg.rdzv_port).detach() if serve else None
+    store = dist.TCPStore(cfg.rdzv_host, cfg.rdzv_port, world_size=None, is_master=serve, wait_for_workers=False,
+                          timeout=timeout, master_listen_fd=listen_fd)
+    return dist.PrefixStore(prefix, store)
+
+
+def forget(cfg: LaunchConfig, prefix: str) -> None:
+    """Delete the job's keys once it ended well (etcd keeps them otherwise; a c10d store ends with
+    node 0's launcher). A launcher of the same ``--rdzv-id`` started later then starts a new job
+    instead of joining this one as a replacement."""
+    if not uses_etcd(cfg):
+        return
+    import etcd  # type: ignore[import-not-found]
+
+    try:
+        _etcd_client(cfg).delete("/" + prefix, recursive=True, dir=True)
+    except (etcd.EtcdKeyNotFound, RuntimeError):
+        pass

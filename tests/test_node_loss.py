@@ -1,0 +1,164 @@
+"""Real node loss (issue 17): three "nodes" on this machine, each a launcher with its worker, the
+job's store on a real 3-member etcd cluster (``--rdzv-backend etcd-v2``). At a random step a whole
+node's process tree (launcher, worker, standbys) is SIGKILLed at once, as a machine going down: node
+0, whose launcher would have served a c10d store, or another. The survivors' ranks save JIT
+checkpoints (data-parallel replicas), a replacement launcher started with the lost node's
+``--node-rank`` joins the next generation, and the final parameters are bitwise a failure-free run's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from etcd_cluster import etcd_cluster  # noqa: F401  (fixture)
+from jobs import ROOT, TRAIN, kill_tree
+from test_multinode import free_port
+
+NODES, STEPS, TIMEOUT_S = 3, 30, 240
+
+
+class Node:
+    """One node's `jitckpt run` (launcher + its worker), in a session of its own."""
+
+    def __init__(self, tmp: Path, tag: str, node: int, endpoint: str, name: str = "", backend: str = "etcd-v2") -> None:
+        self.dir = tmp / f"{tag}-node{node}{name}"
+        self.dir.mkdir(parents=True)
+        cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", str(NODES), "--node-rank", str(node),
+               "--nproc-per-node", "1", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", tag,
+               "--checkpoint-dir", str(tmp / f"{tag}-ckpt"), "--run-dir", str(self.dir / "run"),
+               "--status-interval", "0", "--hang-timeout", "auto:floor=3,startup=60", "--save-timeout", "20",
+               "--max-restarts", "2", str(TRAIN), "--steps", str(STEPS), "--step-sleep", "0.05",
+               "--out", str(tmp / f"{tag}-final.pt"), "--steps-log", str(tmp / f"{tag}-train.jsonl")]
+        self.log = self.dir / "launcher.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, cwd=self.dir, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def power_off(self) -> None:
+        """SIGKILL the launcher and every process under it at once."""
+        procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=10)
+
+    def events(self) -> list[dict]:
+        path = self.dir / "run" / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def wait_all(nodes: list[Node]) -> list[int]:
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        return [n.proc.wait(timeout=max(1.0, deadline - time.monotonic())) for n in nodes]
+    except subprocess.TimeoutExpired:
+        raise AssertionError("a node did not end:\n" + "\n".join(f"--- {n.dir.name}\n{n.log.read_text()[-4000:]}"
+                                                                 for n in nodes)) from None
+
+
+def steps_done(log: Path) -> int:
+    if not log.exists():
+        return 0
+    return sum(1 for line in log.read_text().splitlines() if '"step"' in line)
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory) -> dict:
+    """The failure-free run's final parameters (node 0's c10d store: the math is the same)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    port = free_port()
+    nodes = [Node(tmp, "ref", n, f"127.0.0.1:{port}", backend="c10d") for n in range(NODES)]
+    try:
+        assert wait_all(nodes) == [0] * NODES, [n.log.read_text()[-3000:] for n in nodes]
+    finally:
+        for n in nodes:
+            kill_tree(n.proc.pid)
+    return torch.load(tmp / "ref-final.pt", weights_only=True)
+
+
+# Node 0: with a c10d store its launcher would take the job down with it. Another node: slow.
+@pytest.mark.parametrize("lost", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_whole_node_lost_is_replaced_and_the_job_ends_bitwise(tmp_path: Path, etcd_cluster, expected: dict,
+                                                                lost: int) -> None:
+    nodes = [Node(tmp_path, "loss", n, etcd_cluster.endpoint(n)) for n in range(NODES)]
+    try:
+        at = random.randint(4, STEPS - 12)
+        deadline = time.monotonic() + TIMEOUT_S
+        while steps_done(tmp_path / "loss-train.jsonl") < NODES * at and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling the training's progress: the moment is meant to be random
+        assert all(n.proc.poll() is None for n in nodes), "the job ended before the node loss"
+        nodes[lost].power_off()
+        nodes.append(Node(tmp_path, "loss", lost, etcd_cluster.endpoint(lost), name="-replacement"))
+        survivors = [n for i, n in enumerate(nodes) if i != lost]
+        rcs = wait_all(survivors)
+        assert rcs == [0] * NODES, "\n".join(f"--- {n.dir.name}\n{n.log.read_text()[-4000:]}" for n in nodes)
+        replacement = nodes[-1].events()
+        assert any(e["event"] == "worker_start" for e in replacement)
+        assert any(e["event"] == "checkpoint_saved" for n in survivors[:-1] for e in n.events()), "no JIT save"
+        final = torch.load(tmp_path / "loss-final.pt", weights_only=True)
+        assert all(torch.equal(final[k], expected[k]) for k in expected), "parameters differ from the failure-free run"
+    finally:
+        for n in nodes:
+            kill_tree(n.proc.pid)
+
+
+def test_a_replacement_launcher_joins_after_the_generation_that_lost_its_node(etcd_cluster) -> None:
+    """NodeCoordinator on etcd, two nodes in this process (no server thread: etcd serves): node 1's
+    launcher is gone; a new launcher with its --node-rank waits until the survivors found the
+    failure, says the lost node's workers are gone (the survivors stop waiting for them at once),
+    and joins generation 1 with node 0. A launcher of a job that is still gathering joins the
+    generation being gathered."""
+    import threading
+
+    from jitckpt.cli import build_parser
+    from jitckpt.launcher.config import LaunchConfig
+    from jitckpt.launcher.node_coordinator import NodeCoordinator
+
+    def cfg(node: int) -> LaunchConfig:
+        return LaunchConfig.from_args(build_parser().parse_args(
+            ["run", "--nnodes", "2", "--node-rank", str(node), "--rdzv-backend", "etcd-v2", "--rdzv-endpoint",
+             etcd_cluster.endpoint(node), "--rdzv-id", "coord", "--rdzv-conf", "timeout=30", str(TRAIN)]))
+
+    coords = [NodeCoordinator(cfg(0)), NodeCoordinator(cfg(1))]
+    try:
+        assert [c.first_launch() for c in coords] == [0, 0]  # a new job (node 0 not yet begun: nothing there)
+        ts = [threading.Thread(target=c.begin_generation, args=(0,)) for c in coords]
+        [t.start() for t in ts]
+        [t.join(30) for t in ts]
+        assert not any(t.is_alive() for t in ts)
+        coords[1].close()  # node 1 is lost
+        coords[1] = NodeCoordinator(cfg(1))
+        got: list[int] = []
+        joiner = threading.Thread(target=lambda: got.append(coords[1].first_launch()))
+        joiner.start()
+        joiner.join(0.5)
+        assert joiner.is_alive(), "the replacement did not wait for the survivors to find the failure"
+        coords[0].announce_failure(0, {"kind": "hang", "rank": 1, "detail": "node 1 gone"})
+        joiner.join(30)
+        assert got == [1]
+        assert coords[0].node_done(0, ok=False), "the survivors still wait for the lost node's workers"
+        begun: list[tuple] = []
+        t0 = threading.Thread(target=lambda: begun.append(coords[0].begin_generation(1)))
+        t0.start()
+        late = NodeCoordinator(cfg(1))  # a second launcher for node 1 while generation 1 gathers
+        try:
+            assert late.first_launch() == 1
+        finally:
+            late.close()
+        master = coords[1].begin_generation(1)
+        t0.join(30)
+        assert begun == [master] and master[0] == "127.0.0.1", (begun, master)
+    finally:
+        for c in coords:
+            c.close()
