@@ -34,6 +34,8 @@ class EtcdCluster:
         peer_ports = [_free_port() for _ in range(members)]
         cluster = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peer_ports))
         self.procs: list[subprocess.Popen] = []
+        self._cmds: list[list[str]] = []
+        self._data = data
         for i in range(members):
             (data / f"m{i}").mkdir(parents=True)
             cmd = ["etcd", "--name", f"m{i}", "--data-dir", str(data / f"m{i}"), "--enable-v2",
@@ -43,9 +45,22 @@ class EtcdCluster:
                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_ports[i]}",
                    "--initial-cluster", cluster, "--initial-cluster-state", "new",
                    "--initial-cluster-token", f"jitckpt-test-{peer_ports[0]}"]
-            log = open(data / f"m{i}.log", "wb")
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            log.close()
+            self._cmds.append(cmd)
+            self.procs.append(self._spawn(i))
+        self._wait_healthy(timeout=60)
+
+    def _spawn(self, i: int) -> subprocess.Popen:
+        with open(self._data / f"m{i}.log", "ab") as log:
+            return subprocess.Popen(self._cmds[i], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def endpoints(self, first: int = 0) -> str:
+        """Every member's HOST:PORT, comma-separated, member `first` first."""
+        n = len(self.client_ports)
+        return ",".join(self.endpoint((first + k) % n) for k in range(n))
+
+    def restart(self, i: int) -> None:
+        """Start member i again on its data directory (it rejoins the cluster)."""
+        self.procs[i] = self._spawn(i)
         self._wait_healthy(timeout=60)
 
     def endpoint(self, i: int = 0) -> str:
@@ -57,10 +72,11 @@ class EtcdCluster:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                etcd.Client(host="127.0.0.1", port=self.client_ports[0], read_timeout=2).write("/health-check", "1")
+                members = tuple(("127.0.0.1", p) for i, p in enumerate(self.client_ports) if self.procs[i].poll() is None)
+                etcd.Client(host=members, read_timeout=2, allow_reconnect=True).write("/health-check", "1")
                 return
             except Exception as e:  # noqa: BLE001 - not up yet: connection refused, no leader
-                if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                if time.monotonic() > deadline:
                     self.close()
                     raise RuntimeError(f"etcd cluster did not come up: {e}") from None
                 time.sleep(0.1)  # polling a server that is starting

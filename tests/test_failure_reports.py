@@ -3,6 +3,8 @@ rank saved, the failed rank of a hang (never the rank that reported it), failure
 recovery, and no "restarting" when no restart follows."""
 from __future__ import annotations
 
+import pytest
+
 import re
 import signal
 import types
@@ -30,6 +32,7 @@ def test_no_rank_saved_counts_every_minibatch_redone(tmp_path):
     assert "12 → 10" in res.out
 
 
+@pytest.mark.slow  # the fault matrix's gil/stop cases and the e2e hang cases cover hang recovery in the fast suite
 def test_hang_names_the_hung_rank_not_the_reporter(tmp_path):
     res = run_job(tmp_path, nproc=3, script_args=["--steps", "12", "--inject", "0:1:6:stop"],
                   launcher_args=HANG, timeout=240)

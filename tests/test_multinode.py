@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from jobs import ROOT, TRAIN, _read_jsonl, kill_tree
@@ -43,6 +44,9 @@ def launch_nodes(tmp_path, script_args, tag):
     return [p.returncode for p in procs], outs
 
 
+# Slow: the fast suite's several-node failures are the two-node stage tests (c10d), the snapshot node
+# losses and tests/test_node_loss.py (etcd, a whole node lost).
+@pytest.mark.slow
 def test_two_nodes_recover_from_a_killed_rank(tmp_path):
     rcs, outs = launch_nodes(tmp_path, [], "ref")
     assert rcs == [0, 0], outs

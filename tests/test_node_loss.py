@@ -29,14 +29,15 @@ NODES, STEPS, TIMEOUT_S = 3, 30, 240
 class Node:
     """One node's `jitckpt run` (launcher + its worker), in a session of its own."""
 
-    def __init__(self, tmp: Path, tag: str, node: int, endpoint: str, name: str = "", backend: str = "etcd-v2") -> None:
+    def __init__(self, tmp: Path, tag: str, node: int, endpoint: str, name: str = "", backend: str = "etcd-v2",
+                 step_sleep: float = 0.05) -> None:
         self.dir = tmp / f"{tag}-node{node}{name}"
         self.dir.mkdir(parents=True)
         cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", str(NODES), "--node-rank", str(node),
                "--nproc-per-node", "1", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", tag,
                "--checkpoint-dir", str(tmp / f"{tag}-ckpt"), "--run-dir", str(self.dir / "run"),
                "--status-interval", "0", "--hang-timeout", "auto:floor=3,startup=60", "--save-timeout", "20",
-               "--max-restarts", "2", str(TRAIN), "--steps", str(STEPS), "--step-sleep", "0.05",
+               "--max-restarts", "2", str(TRAIN), "--steps", str(STEPS), "--step-sleep", str(step_sleep),
                "--out", str(tmp / f"{tag}-final.pt"), "--steps-log", str(tmp / f"{tag}-train.jsonl")]
         self.log = self.dir / "launcher.log"
         with open(self.log, "wb") as out:
@@ -162,3 +163,68 @@ def test_a_replacement_launcher_joins_after_the_generation_that_lost_its_node(et
     finally:
         for c in coords:
             c.close()
+
+
+def start_job(tmp_path: Path, etcd_cluster, tag: str, step_sleep: float = 0.05) -> list[Node]:
+    """Three nodes, each given every etcd member (a different one first)."""
+    return [Node(tmp_path, tag, n, etcd_cluster.endpoints(first=n), step_sleep=step_sleep) for n in range(NODES)]
+
+
+def wait_for_step(tmp_path: Path, tag: str, at: int) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while steps_done(tmp_path / f"{tag}-train.jsonl") < NODES * at and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling the training's progress: the moment is meant to be random
+
+
+@pytest.mark.slow
+def test_losing_one_etcd_member_changes_nothing(tmp_path: Path, etcd_cluster, expected: dict) -> None:
+    nodes = start_job(tmp_path, etcd_cluster, "member")
+    try:
+        wait_for_step(tmp_path, "member", random.randint(3, STEPS - 10))
+        etcd_cluster.kill(0)  # the member node 0's launcher talks to first
+        assert wait_all(nodes) == [0] * NODES, [n.log.read_text()[-3000:] for n in nodes]
+        kinds = {e["event"] for n in nodes for e in n.events()}
+        assert "failure_detected" not in kinds and "restart" not in kinds, kinds
+        final = torch.load(tmp_path / "member-final.pt", weights_only=True)
+        assert all(torch.equal(final[k], expected[k]) for k in expected)
+    finally:
+        for n in nodes:
+            kill_tree(n.proc.pid)
+
+
+@pytest.mark.slow
+def test_losing_etcds_majority_stops_the_job_with_every_rank_saved_and_it_resumes(
+        tmp_path: Path, etcd_cluster, expected: dict) -> None:
+    """Two of three members die: no recovery could be coordinated any more. Every launcher finds
+    the store refusing writes, has its ranks save a JIT checkpoint and stops with exit code 1,
+    naming the store. With etcd back, the same command starts the job again (the dead run's keys
+    are told apart by their stale heartbeats) and it resumes from those checkpoints, bitwise."""
+    # Slow steps: a write to etcd without a quorum fails after ~7 s, the job must still be training.
+    nodes = start_job(tmp_path, etcd_cluster, "quorum", step_sleep=0.6)
+    try:
+        wait_for_step(tmp_path, "quorum", random.randint(2, 4))
+        etcd_cluster.kill(0)
+        etcd_cluster.kill(1)
+        assert wait_all(nodes) == [1] * NODES, [n.log.read_text()[-3000:] for n in nodes]
+        for n in nodes:
+            log = n.log.read_text()
+            assert "does not take writes" in log and "run the job again once the store is back" in log, log[-3000:]
+            saved = [e for e in n.events() if e["event"] == "checkpoint_saved" and e["kind"] == "jit"]
+            assert saved, f"{n.dir.name}: its rank saved no JIT checkpoint"
+            end = [e for e in n.events() if e["event"] == "job_end"]
+            assert end and end[-1]["status"] == "failed" and "etcd" in end[-1]["reason"], end
+    finally:
+        for n in nodes:
+            kill_tree(n.proc.pid)
+    etcd_cluster.restart(0)
+    etcd_cluster.restart(1)
+    again = [Node(tmp_path, "quorum", n, etcd_cluster.endpoints(first=n), name="-again") for n in range(NODES)]
+    try:
+        assert wait_all(again) == [0] * NODES, [n.log.read_text()[-3000:] for n in again]
+        resumed = [e for e in again[0].events() if e["event"] == "restore"]
+        assert resumed and resumed[0]["step"] > 0, again[0].events()
+        final = torch.load(tmp_path / "quorum-final.pt", weights_only=True)
+        assert all(torch.equal(final[k], expected[k]) for k in expected)
+    finally:
+        for n in again:
+            kill_tree(n.proc.pid)

@@ -108,12 +108,12 @@ def test_launcher_replaces_only_the_dead_stage_bitwise(tmp_path, reference, fail
 
 
 @pytest.mark.parametrize("injection,dead", [
-    # Two stages at once: the slow suite (the two-node case below and a replacement dying cover the fallback).
+    # Both in the slow suite: the two-node case below covers the whole-job fallback in the fast one.
     pytest.param(["--fail-stage", "1", "--also-fail", "2", "--fail-iter", str(FAIL_IT), "--fail-op", "0"], [1, 2],
                  marks=pytest.mark.slow),
     # stage 2's replacement (generation 1) dies replaying iteration CKPT + 1
-    (["--fail-stage", "2", "--fail-iter", str(FAIL_IT), "--fail-op", "3",
-      "--then-fail", f"2:{CKPT + 1}:0"], [2]),
+    pytest.param(["--fail-stage", "2", "--fail-iter", str(FAIL_IT), "--fail-op", "3",
+                  "--then-fail", f"2:{CKPT + 1}:0"], [2], marks=pytest.mark.slow),
 ], ids=["two-stages-at-once", "replacement-dies-replaying"])
 def test_overlapping_failures_restart_the_whole_job(tmp_path, reference, injection, dead):
     """Stages 1 and 2 die at the same op, or a replacement dies before it has caught up: the

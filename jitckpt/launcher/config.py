@@ -344,6 +344,9 @@ class LaunchConfig:
                 raise ValueError(f"--rdzv-backend {self.rdzv_backend} needs the python-etcd client: {ETCD_INSTALL}") from None
             if not self.rdzv_endpoint:
                 raise ValueError(f"--rdzv-backend {self.rdzv_backend} needs --rdzv-endpoint HOST:PORT of etcd")
+            from jitckpt.launcher.job_store import etcd_members
+
+            etcd_members(self.rdzv_endpoint)  # ValueError naming a bad entry
         if self.no_python and self.module:
             raise ValueError("--no-python and -m/--module cannot be combined")
         if not self.no_python and not self.module and not os.path.isfile(self.script):

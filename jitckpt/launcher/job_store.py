@@ -30,12 +30,30 @@ def uses_etcd(cfg: LaunchConfig) -> bool:
     return cfg.rdzv_backend in ETCD_BACKENDS
 
 
+def etcd_members(endpoint: str) -> tuple[tuple[str, int], ...]:
+    """``HOST:PORT[,HOST:PORT...]``: the etcd members a launcher may talk to (it moves to the next
+    when one stops answering). ValueError naming the bad entry."""
+    members = []
+    for item in filter(None, (e.strip() for e in endpoint.split(","))):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--rdzv-endpoint {endpoint!r}: {item!r} is not HOST:PORT (etcd members are "
+                             "HOST:PORT[,HOST:PORT...])")
+        members.append((host, int(port)))
+    if not members:
+        raise ValueError("--rdzv-endpoint: no etcd member given (HOST:PORT[,HOST:PORT...])")
+    return tuple(members)
+
+
 def _etcd_client(cfg: LaunchConfig) -> Any:
     try:
         import etcd  # type: ignore[import-not-found]
     except ImportError:
         raise RuntimeError(f"--rdzv-backend {cfg.rdzv_backend} needs the python-etcd client: {ETCD_INSTALL}") from None
-    client = etcd.Client(host=cfg.rdzv_host, port=cfg.rdzv_port, protocol="http", read_timeout=10)
+    members = etcd_members(cfg.rdzv_endpoint)
+    # Several members: the client goes on with the next one when one is lost (a majority must live).
+    client = etcd.Client(host=members if len(members) > 1 else members[0][0], port=members[0][1], protocol="http",
+                         read_timeout=10, allow_reconnect=len(members) > 1)
     try:
         client.read("/")
     except etcd.EtcdKeyNotFound:

@@ -3,9 +3,9 @@
 Single node: everything is local and no store is created. Several nodes: every launcher is a client
 of the job's store: a c10d TCPStore that node 0 serves at ``--rdzv-endpoint``, or etcd there.
 Keys, per generation ``g``: ``g/master`` (MASTER_ADDR:PORT chosen by node 0), ``g/joined``
-(counter; the last to join sets ``g/all_joined``), ``g/failed`` (the first failure: the first to
-count ``g/failures`` writes it), ``g/saved/<shard>`` (a replica of that shard saved a JIT
-checkpoint), ``g/exit_ready`` (counter of ranks at the exit barrier), ``g/done/<node>`` (that
+(counter; the last to join sets ``g/all_joined``), ``g/failed`` (a failure: the first, unless two
+nodes write it at once), ``g/saved/<shard>`` (a replica of that shard saved a JIT
+checkpoint), ``g/exit_ready/<rank>`` (that rank is at the exit barrier), ``g/done/<node>`` (that
 node's workers are gone); ``latest``: the newest generation begun. Node 0 is a fixed leader: no
 election, as with torchrun's static rendezvous. With c10d, if node 0's launcher dies the job ends.
 With etcd the store outlives it, and a launcher started with a lost node's ``--node-rank`` (node 0's
@@ -20,12 +20,15 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Optional
 
 from jitckpt.launcher import job_store
 from jitckpt.launcher.config import LaunchConfig
 
 log = logging.getLogger("jitckpt.launcher.node_coordinator")
+HEARTBEAT_S = 2.0  # how often a launcher writes to the job's store, to find it lost
+STORE_GRACE_S = 15.0  # how long the store may refuse writes before it is lost (an etcd election: ~1 s)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -47,6 +50,10 @@ class NodeCoordinator:
         self._lock = threading.Lock()
         self._watcher: Optional[threading.Thread] = None
         self._closing = threading.Event()
+        self._lost_said = False
+        self._beats = 0
+        self._beat_gen = -1  # the generation this launcher is in, for its heartbeat (-1: none yet)
+        self._heart: Optional[threading.Thread] = None
         if cfg.nnodes > 1:
             self._connect()
 
@@ -71,6 +78,8 @@ class NodeCoordinator:
         # A store client serves one request at a time: the blocking wait for a failure gets its own.
         self._watch_store = self._client()
         self._pipe_r, self._pipe_w = os.pipe()
+        self._heart = threading.Thread(target=self._heartbeat, name="jitckpt-store-heartbeat", daemon=True)
+        self._heart.start()
 
     def _k(self, gen: int, key: str) -> str:
         return f"g{gen}/{key}"
@@ -86,6 +95,7 @@ class NodeCoordinator:
             port = free_port(host if host != "localhost" else "127.0.0.1")
             s.set(self._k(gen, "master"), f"{host}:{port}")
         s.set("latest", str(gen))
+        self._beat_gen = gen
         if s.add(self._k(gen, "joined"), 1) == self.cfg.nnodes:
             s.set(self._k(gen, "all_joined"), "1")
         s.wait([self._k(gen, "master"), self._k(gen, "all_joined")])
@@ -102,10 +112,26 @@ class NodeCoordinator:
         its store outlived a lost node), the one after the generation that lost this node. This
         launcher then replaces the lost one: it says that node's workers are gone (the survivors
         stop waiting for it) and joins the next generation with the survivors."""
-        if self.store is None or not job_store.uses_etcd(self.cfg) or not self.store.check(["latest"]):
+        if self.store is None or not job_store.uses_etcd(self.cfg):
+            return 0
+        if self.store.check(["latest"]) and not self._gathering() and not self._peers_alive():
+            # The keys of a run whose launchers are all gone (it stopped when the store did): a
+            # new run of the job. Node 0 clears them; the others wait for its new run.
+            if self.cfg.node_rank == 0:
+                log.warning("job %s: the store holds a run whose launchers are all gone; starting anew "
+                            "(its checkpoints are kept)", self.cfg.run_id)
+                job_store.forget(self.cfg, self.prefix)
+                return 0
+            deadline = time.monotonic() + self.cfg.rdzv_timeout
+            while self.store.check(["latest"]) and not self._gathering():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"job {self.cfg.run_id}: the store holds a run whose launchers are gone, and "
+                                       "node 0 did not start a new one within the rendezvous timeout")
+                time.sleep(0.5)  # polling the store for node 0's new run
+        if not self.store.check(["latest"]):
             return 0
         latest = int(self.store.get("latest"))
-        if not self.store.check([self._k(latest, "all_joined")]):
+        if self._gathering():
             log.warning("job %s is gathering for generation %d: this launcher joins it in place of node %d",
                         self.cfg.run_id, latest, self.cfg.node_rank)
             return latest
@@ -115,28 +141,98 @@ class NodeCoordinator:
         self.store.set(self._k(latest, f"done/{self.cfg.node_rank}"), "lost")
         return latest + 1
 
+    def _gathering(self) -> bool:
+        """The newest generation is still gathering its nodes."""
+        latest = int(self.store.get("latest"))
+        return not self.store.check([self._k(latest, "all_joined")])
+
+    def _peers_alive(self) -> bool:
+        """Another node's launcher writes its heartbeat (every HEARTBEAT_S): one changes within
+        three periods. No wall clocks are compared."""
+        keys = [f"alive/{n}" for n in range(self.cfg.nnodes) if n != self.cfg.node_rank]
+
+        def beats() -> dict:  # of launchers in a generation (a launcher starting as this one does says -1)
+            got = {k: self.store.get(k).decode() for k in keys if self.store.check([k])}
+            return {k: v for k, v in got.items() if not v.startswith("-1 ")}
+
+        first = beats()
+        deadline = time.monotonic() + 3 * HEARTBEAT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.5)  # polling the peers' heartbeats
+            if any(first.get(k) != v for k, v in beats().items()):
+                return True
+        return False
+
     def _watch_failure(self, gen: int) -> None:
         key = self._k(gen, "failed")
         while not self._closing.is_set():
             try:
                 # Short waits, so close() can stop this thread before the store goes away.
                 self._watch_store.wait([key], datetime.timedelta(seconds=1))
+                info = json.loads(self._watch_store.get(key))
                 break
             except job_store.WAIT_TIMED_OUT:
                 continue
+            except Exception:  # noqa: BLE001 - a store in trouble: the heartbeat tells when it is lost
+                self._closing.wait(1.0)
         if self._closing.is_set():
             return
-        info = json.loads(self._watch_store.get(key))
+        self._post(gen, info)
+
+    def _post(self, gen: Optional[int], info: dict) -> None:
+        """A failure for the launcher's loop (``gen`` None: whatever generation runs)."""
         with self._lock:
             self._remote.append((gen, info))
         os.write(self._pipe_w, b"x")
+
+    def _guarded(self, op, default):  # type: ignore[no-untyped-def]
+        """``op()`` (idempotent: it may be tried again). A store that refuses it for STORE_GRACE_S
+        (longer than an etcd leader election) is lost: the launcher hears it (its loop stops the
+        job, every rank saving), and this returns ``default``."""
+        deadline = time.monotonic() + STORE_GRACE_S
+        while True:
+            try:
+                return op()
+            except Exception as e:  # noqa: BLE001 - the store's client raises its own types (etcd, c10d)
+                if time.monotonic() > deadline or self._closing.is_set():
+                    self._store_lost(e)
+                    return default
+                log.warning("the job's store refused a request (%s); trying again", e)
+                time.sleep(1.0)  # an etcd leader election takes about a second
+
+    def _store_lost(self, e: Exception) -> None:
+        with self._lock:
+            if self._lost_said:
+                return
+            self._lost_said = True
+        self._post(None, {"kind": "store_lost", "rank": None,
+                          "detail": f"the job's store ({self.cfg.rdzv_backend} at {self.cfg.rdzv_endpoint}) does not "
+                                    f"take writes: {type(e).__name__}: {e}"})
+
+    def _heartbeat(self) -> None:
+        """A write every HEARTBEAT_S for the launcher's life: a store that lost its quorum (etcd) or
+        its server (node 0's c10d store) still lets a wait time out, but refuses a write; and a
+        replacement launcher tells a running job from a dead run's keys by it (first_launch)."""
+        store = self._client()
+        failing_since: Optional[float] = None
+        while not self._closing.wait(0 if not self._beats else HEARTBEAT_S):
+            try:
+                store.set(f"alive/{self.cfg.node_rank}", f"{self._beat_gen} {time.time()}")
+                self._beats += 1
+                failing_since = None
+            except Exception as e:  # noqa: BLE001 - the store's client raises its own types (etcd, c10d)
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > STORE_GRACE_S and not self._closing.is_set():
+                    self._store_lost(e)
+                    return
 
     def _drop_stale_failures(self) -> None:
         """Forget failures of earlier generations that this launcher never read: when all ranks
         die at once, each launcher handles its own rank's death, and the store's report of that
         same failure must not count as a new failure of the next generation."""
-        with self._lock:
-            stale, self._remote = len(self._remote), []
+        with self._lock:  # a lost store (generation None) stays lost
+            kept = [(g, info) for g, info in self._remote if g is None]
+            stale, self._remote = len(self._remote) - len(kept), kept
         for _ in range(stale):  # one pipe byte per report; the previous watcher has exited
             os.read(self._pipe_r, 1)
 
@@ -150,62 +246,76 @@ class NodeCoordinator:
         with self._lock:
             while self._remote:
                 g, info = self._remote.pop(0)
-                if g == gen:
+                if g == gen or g is None:
                     return info
             return None
 
     # ---- failure and coverage ---------------------------------------------------------------
     def announce_failure(self, gen: int, info: dict) -> None:
-        if self.store is not None and self.store.add(self._k(gen, "failures"), 1) == 1:  # the first one wins
-            self.store.set(self._k(gen, "failed"), json.dumps(info))
+        if self.store is None:
+            return
+        def announce() -> None:
+            if not self.store.check([self._k(gen, "failed")]):  # the first one, mostly
+                self.store.set(self._k(gen, "failed"), json.dumps(info))
+
+        self._guarded(announce, None)  # a lost store: this node's own recovery goes on
 
     def report_saved(self, gen: int, shard_id: int, num_shards: int, rank: int) -> None:
         self._saved.setdefault(gen, set()).add(shard_id)
         self._num_shards[gen] = num_shards
         if self.store is not None:
-            self.store.set(self._k(gen, f"saved/{shard_id}"), str(rank))
-            self.store.set(self._k(gen, "num_shards"), str(num_shards))
+            self._guarded(lambda: (self.store.set(self._k(gen, f"saved/{shard_id}"), str(rank)),
+                                   self.store.set(self._k(gen, "num_shards"), str(num_shards))), None)
 
     def shards_covered(self, gen: int) -> bool:
         if self.store is None:
             n = self._num_shards.get(gen)
             return n is not None and len(self._saved.get(gen, ())) >= n
-        if not self.store.check([self._k(gen, "num_shards")]):
-            return False
-        n = int(self.store.get(self._k(gen, "num_shards")))
-        return self.store.check([self._k(gen, f"saved/{i}") for i in range(n)])
+        def covered() -> bool:
+            if not self.store.check([self._k(gen, "num_shards")]):
+                return False
+            n = int(self.store.get(self._k(gen, "num_shards")))
+            return self.store.check([self._k(gen, f"saved/{i}") for i in range(n)])
+
+        return self._guarded(covered, False)
 
     # ---- exit barrier and generation end ------------------------------------------------------
     def report_exit_ready(self, gen: int, rank: int) -> None:
         self._exit_ready.setdefault(gen, set()).add(rank)
         if self.store is not None:
-            self.store.add(self._k(gen, "exit_ready"), 1)
+            self._guarded(lambda: self.store.set(self._k(gen, f"exit_ready/{rank}"), "1"), None)
 
     def all_exit_ready(self, gen: int) -> bool:
         if self.store is None:
             return True  # the launcher checks its local workers itself
-        return self.store.add(self._k(gen, "exit_ready"), 0) >= self.cfg.world_size
+        keys = [self._k(gen, f"exit_ready/{r}") for r in range(self.cfg.world_size)]
+        return self._guarded(lambda: self.store.check(keys), False)
 
     def node_done(self, gen: int, *, ok: bool, wait: bool = False) -> bool:
         """Mark this node's workers as gone; True when every node's are (or at once, if ok)."""
         if self.store is None:
             return True
-        self.store.set(self._k(gen, f"done/{self.cfg.node_rank}"), "ok" if ok else "failed")
         keys = [self._k(gen, f"done/{n}") for n in range(self.cfg.nnodes)]
-        if ok:
-            if self.cfg.node_rank == 0:  # node 0 serves the store (c10d): stay until everyone is done
-                try:
-                    self.store.wait(keys, datetime.timedelta(seconds=self.cfg.rdzv_timeout))
-                    job_store.forget(self.cfg, self.prefix)  # etcd: the job's keys go with it
-                except job_store.WAIT_TIMED_OUT:
-                    pass
-            return True
-        return self.store.check(keys)
+
+        def mark() -> bool:
+            self.store.set(self._k(gen, f"done/{self.cfg.node_rank}"), "ok" if ok else "failed")
+            if ok:
+                if self.cfg.node_rank == 0:  # node 0 serves the store (c10d): stay until everyone is done
+                    try:
+                        self.store.wait(keys, datetime.timedelta(seconds=self.cfg.rdzv_timeout))
+                        job_store.forget(self.cfg, self.prefix)  # etcd: the job's keys go with it
+                    except job_store.WAIT_TIMED_OUT:
+                        pass
+                return True
+            return self.store.check(keys)
+
+        return self._guarded(mark, True)  # a lost store: nobody else to wait for
 
     def close(self) -> None:
         self._closing.set()
-        if self._watcher is not None:
-            self._watcher.join(timeout=5)
+        for t in (self._watcher, self._heart):
+            if t is not None:
+                t.join(timeout=5)
         for fd in (self._pipe_r, self._pipe_w):
             if fd is not None:
                 try:

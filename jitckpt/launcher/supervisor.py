@@ -101,6 +101,7 @@ class Launcher:
         self.stage: Optional[StageGenerations] = None
         self.replacement: Optional[StageReplacement] = None  # --recovery stage
         self.preempt_signal: Optional[int] = None  # the first SIGTERM/SIGINT (see run())
+        self.store_lost: Optional[str] = None  # why the job's cross-node store stopped answering
         self._stopping = False  # a second one arrived: stop at once
         self._omp_warned = False
         if cfg.recovery == "stage":
@@ -191,6 +192,12 @@ class Launcher:
             raise _StopNow()
 
     def _end_preempted(self) -> int:
+        if self.store_lost is not None:
+            log.error("job stopped: %s. Its ranks saved JIT checkpoints of their current step; run the job again "
+                      "once the store is back (etcd: a majority of its members), and it resumes from them",
+                      self.store_lost)
+            self.emit("job_end", status="failed", exit_code=1, restarts=self._restarts_used(), reason=self.store_lost)
+            return 1
         code = 128 + int(self.preempt_signal or signal.SIGTERM)
         name = signal.Signals(self.preempt_signal or signal.SIGTERM).name
         log.warning("job preempted (%s), exit code %d; run it again to resume from its newest "
@@ -457,7 +464,12 @@ class Launcher:
                     w = key.data
                     if w is None:
                         info = self.coord.read_remote_failure(gen)
-                        if info is not None and info["kind"] == "preempted":
+                        if info is not None and info["kind"] == "store_lost" and self.store_lost is None:
+                            # No recovery can be coordinated: every rank saves, as for a preemption.
+                            self.store_lost = info["detail"]
+                            log.error("%s: every worker saves a JIT checkpoint, then the job stops", self.store_lost)
+                            self.preempt_signal = self.preempt_signal or signal.SIGTERM
+                        elif info is not None and info["kind"] == "preempted":
                             self.preempt_signal = self.preempt_signal or signal.SIGTERM
                         elif info is not None and failure is None:
                             failure = self.jit.on_failure(gen, self.workers, info["kind"],
@@ -546,11 +558,12 @@ class Launcher:
                          failure: Optional[FailureRecord]) -> FailureRecord:
         """Tell every live worker (and the other nodes) to save a JIT checkpoint now."""
         name = signal.Signals(self.preempt_signal).name
-        log.warning("%s: every worker saves a JIT checkpoint, then the job stops (send it "
-                    "again to stop at once)", name)
+        if self.store_lost is None:
+            log.warning("%s: every worker saves a JIT checkpoint, then the job stops (send it "
+                        "again to stop at once)", name)
         if failure is not None:
             return failure  # a recovery is under way: its workers are saving already
-        detail = f"received {name}"
+        detail = self.store_lost or f"received {name}"
         for w in self.workers:
             if w.live:
                 w.channel.send(SaveNow(kind="preempted", rank=None, detail=detail))

@@ -29,7 +29,8 @@ event                     fields
                           scope "stage" for a --recovery stage replacement (restore_s: its
                           checkpoint load and replay; steps_redone: by that rank alone)
 ``job_end``               status (ok|failed|preempted), exit_code, restarts; signal (preempted:
-                          SIGTERM|SIGINT; exit_code is then 128 + its number)
+                          SIGTERM|SIGINT; exit_code is then 128 + its number); reason (failed
+                          because the job's cross-node store stopped taking writes)
 ``warning``               rank, reason (a worker cannot do what a flag asks, e.g. --periodic-every
                           without a safe point to save at)
 ``death_after_verdict``   rank, pid, detail (a worker died after every rank passed the exit

@@ -134,6 +134,14 @@ std::string ProxyClient::death() const {
       reaped_ = true;
     else if (!socket_closed(sock_))
       return "";  // running (or reaped by the application, but still connected)
+    // Its socket closed as it exits: give the kernel a moment to make it reapable, so the cause
+    // (a signal, an exit code) can be said. Bounded; reaped elsewhere, it never becomes so.
+    for (int i = 0; i < 50 && !reaped_; ++i) {
+      std::this_thread::sleep_for(kWaitSlice);
+      const pid_t got = waitpid(pid_, &wait_status_, WNOHANG);
+      reaped_ = got == pid_;
+      if (got < 0) break;  // not our child to reap (the application reaped it)
+    }
   }
   std::string who = "jitckpt-proxy (pid " + std::to_string(pid_) + ")";
   if (!reaped_) return who + " closed its connection";  // reaped elsewhere, or exiting

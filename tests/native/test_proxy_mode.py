@@ -130,6 +130,12 @@ def test_killing_the_proxy_fails_the_application_clearly_without_the_replay_jour
     app = start_rank(tmp_path, "proxy", 0, 1, 10**7, env={"JITCKPT_REPLAY_LIMIT_MB": "0"})
     try:
         proxy = wait_for_proxy(app)
+        # Past the proxy's start: the NCCL unique id (made in the proxy) is written. A kill during
+        # the start is another message ("cannot start the jitckpt device proxy": seen on a busy VM).
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "id").exists() and time.monotonic() < deadline and app.poll() is None:
+            time.sleep(0.02)  # polling for the file, with a deadline
+        assert (tmp_path / "id").exists(), app.communicate()
         proxy.send_signal(signal.SIGKILL)
         out, err = app.communicate(timeout=30)
         assert app.returncode != 0
