@@ -1,4 +1,4 @@
-"""The `jitckpt` command: run, analyze, report, doctor."""
+"""The `jitckpt` command: run, analyze, report, doctor, daemon."""
 from __future__ import annotations
 
 import argparse
@@ -40,8 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.set_defaults(func=_cmd_run)
     from jitckpt.observability import analyze_cli, report
 
+    from jitckpt.daemon import daemon_cli
+
     analyze_cli.register(sub)
     report.register(sub)
+    daemon_cli.register(sub)
     p_doc = sub.add_parser("doctor", help="check what this installation can do")
     p_doc.add_argument("--api-coverage", action="store_true",
                        help="per library, what proxy mode does with each CUDA symbol PyTorch imports")

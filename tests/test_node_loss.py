@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -45,14 +44,8 @@ class Node:
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def power_off(self) -> None:
-        """SIGKILL the launcher and every process under it at once."""
-        procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=10)
+        """SIGKILL the launcher and every process under it at once, as a machine going down."""
+        kill_tree(self.proc.pid)
 
     def events(self) -> list[dict]:
         path = self.dir / "run" / "events.jsonl"

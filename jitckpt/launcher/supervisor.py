@@ -40,6 +40,7 @@ from jitckpt.launcher.config import LaunchConfig, check_writable_dir
 from jitckpt.launcher.node_coordinator import NodeCoordinator
 from jitckpt.launcher.store_relay import StoreRelay, local_store_factory
 from jitckpt.launcher.standby_pool import StandbyPool
+from jitckpt.launcher.daemon_link import DaemonLink, NodeDraining
 from jitckpt.launcher.job_tally import JobTally
 from jitckpt.launcher.worker_logs import WorkerLogs, WorkerStreams
 from jitckpt.launcher.jit_recovery import NOT_A_CULPRIT, FailureRecord, JitRecovery
@@ -89,6 +90,7 @@ class Launcher:
             from jitckpt.observability.metrics import JobMetrics
             self.metrics = JobMetrics(port=cfg.metrics_port, addr=cfg.metrics_addr,
                                       token=os.environ.get("JITCKPT_METRICS_TOKEN") or None)
+        self.daemon = DaemonLink(run_id=cfg.run_id, node_rank=cfg.node_rank, world_size=cfg.world_size)
         self.coord = NodeCoordinator(cfg)
         self.display = StatusDisplay(enabled=cfg.status_interval > 0, interval=cfg.status_interval,
                                      hang_timeout=HangTimeout.parse(cfg.hang_timeout))
@@ -129,6 +131,7 @@ class Launcher:
         rec = self.events.emit(event, **fields)
         if self.metrics is not None:
             self.metrics.record_event(rec)
+        self.daemon.on_event(event, rec)
         if event == "job_start":
             self.display.say(f"job {self.cfg.run_id}: run directory {self.run_dir}, checkpoints in "
                              f"{self.cfg.checkpoint_dir}")
@@ -224,6 +227,12 @@ class Launcher:
             # failure before then restarts on standbys still importing: no slower than cold).
             self.pool.fill(count=cfg.nproc_per_node)
         try:
+            try:
+                self.daemon.start(os.getpid())
+            except NodeDraining as e:
+                log.error("%s; start the job on another node", e)
+                self.emit("job_end", status="failed", exit_code=1, restarts=0, reason=str(e))
+                return 1
             gen = self.coord.first_launch()  # whole-job launches (the coordinator's generations)
             self.restart_count = gen  # a replacement node counts the restarts the job had before it
             while True:

@@ -1,0 +1,103 @@
+"""`jitckpt run`'s link to its node's daemon (`jitckpt daemon run`), when one serves this node.
+
+The launcher registers its job and processes, reports failures, checkpoints and how the job ended,
+from its own event records. Without a daemon (no socket) nothing happens, as before the daemon
+existed. A daemon that stops answering is said once and left alone: it never takes the job down.
+A draining node refuses the job at its start (:class:`NodeDraining`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+log = logging.getLogger("jitckpt.launcher.daemon_link")
+
+
+class NodeDraining(RuntimeError):
+    """The node's daemon takes no new jobs."""
+
+
+class DaemonLink:
+    def __init__(self, *, run_id: str, node_rank: int, world_size: int) -> None:
+        self.run_id, self.node_rank, self.world_size = run_id, node_rank, world_size
+        self._client: Any = None
+        self._processes: dict[int, tuple[int, int, str]] = {}  # rank -> (rank, pid, kind)
+        self._keeper: Optional[int] = None
+        self._gen = 0
+        self._registered = False
+        try:
+            from jitckpt.daemon.server import default_socket
+
+            path = default_socket()
+        except ImportError:  # gRPC not installed: no daemon can be running for us either
+            return
+        if os.path.exists(path):
+            from jitckpt.daemon.client import Client
+
+            self._client = Client(socket_path=path, timeout=5.0)
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    def on_event(self, event: str, rec: dict) -> None:
+        """One of the launcher's event records."""
+        if self._client is None:
+            return
+        if event == "worker_start":
+            self._processes[int(rec["rank"])] = (int(rec["rank"]), int(rec["pid"]), "worker")
+            self._register()
+        elif event == "snapshot_keeper_start":
+            self._keeper = int(rec["pid"])
+            self._register()
+        elif event == "restart":
+            self._gen = int(rec.get("restart_count", self._gen + 1))
+        elif event == "failure_detected":
+            self._call("report_failure", run_id=self.run_id, generation=self._gen, kind=str(rec.get("kind", "")),
+                       rank=int(rec["rank"]) if isinstance(rec.get("rank"), int) else -1,
+                       detail=str(rec.get("detail", ""))[:4000])
+        elif event == "checkpoint_saved":
+            self._call("report_checkpoint", run_id=self.run_id, rank=int(rec["rank"]), step=int(rec["step"]),
+                       kind=str(rec.get("kind") or "jit"), path=str(rec.get("path") or "")[:4000],
+                       nbytes=int(rec.get("bytes") or 0))
+        elif event == "job_end" and self._registered:
+            self._call("end_job", run_id=self.run_id, status=str(rec.get("status", "failed")))
+
+    def start(self, launcher_pid: int) -> None:
+        """The job starts on this node: registered, or NodeDraining."""
+        self._launcher_pid = launcher_pid
+        if self._client is None:
+            return
+        from jitckpt.daemon.client import DaemonRefused
+
+        try:
+            self._register(raise_draining=True)
+        except DaemonRefused as e:
+            raise NodeDraining(str(e)) from None
+
+    def _register(self, raise_draining: bool = False) -> None:
+        procs = list(self._processes.values()) + ([(-1, self._keeper, "keeper")] if self._keeper else [])
+        self._registered |= self._call("register_job", raise_draining=raise_draining, run_id=self.run_id,
+                                       node_rank=self.node_rank, launcher_pid=self._launcher_pid,
+                                       world_size=self.world_size, generation=self._gen, processes=procs)
+
+    def _call(self, method: str, raise_draining: bool = False, **kwargs: Any) -> bool:
+        import grpc
+
+        from jitckpt.daemon.client import DaemonRefused, DaemonUnavailable
+
+        if self._client is None:
+            return False
+        try:
+            getattr(self._client, method)(**kwargs)
+            return True
+        except DaemonRefused as e:
+            if raise_draining and e.code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("the node's jitckpt daemon refused %s: %s", method, e)
+        except DaemonUnavailable as e:
+            log.warning("%s; going on without it", e)
+            self._client.close()
+            self._client = None
+        return False
