@@ -36,7 +36,7 @@ class Client:
 
     def __init__(self, *, socket_path: Optional[str] = None, address: str = "", token: str = "",
                  timeout: float = 5.0) -> None:
-        from jitckpt.daemon.server import default_socket
+        from jitckpt.daemon.socket_path import default_socket
 
         if timeout <= 0:
             raise ValueError("timeout must be > 0 seconds")

@@ -19,20 +19,10 @@ from typing import Any, Callable, Optional
 import grpc
 
 from jitckpt.daemon.node_state import BadRequest, Draining, NodeState
+from jitckpt.daemon.socket_path import default_socket
 from jitckpt.daemon.schema import MAX_MESSAGE_BYTES, pb, rpc
 
 log = logging.getLogger("jitckpt.daemon")
-
-
-def default_socket() -> str:
-    """``$JITCKPT_DAEMON_SOCKET``, else ``$XDG_RUNTIME_DIR/jitckpt/daemon.sock``, else
-    ``/tmp/jitckpt-<uid>/daemon.sock``."""
-    if os.environ.get("JITCKPT_DAEMON_SOCKET"):
-        return os.environ["JITCKPT_DAEMON_SOCKET"]
-    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/jitckpt-{os.getuid()}"
-    if base.startswith("/tmp/jitckpt-"):
-        return os.path.join(base, "daemon.sock")
-    return os.path.join(base, "jitckpt", "daemon.sock")
 
 
 class _TokenCheck(grpc.ServerInterceptor):
@@ -134,7 +124,7 @@ class DaemonServer:
             os.makedirs(d, mode=0o700, exist_ok=True)
             os.chmod(d, 0o700)
             if os.path.exists(self.socket_path):
-                from jitckpt.daemon.client import Client, DaemonUnavailable
+                from jitckpt.daemon.client import Client, DaemonUnavailable  # one way: client imports no server
 
                 try:
                     Client(socket_path=self.socket_path, timeout=2).health()

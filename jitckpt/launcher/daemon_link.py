@@ -26,16 +26,17 @@ class DaemonLink:
         self._keeper: Optional[int] = None
         self._gen = 0
         self._registered = False
-        try:
-            from jitckpt.daemon.server import default_socket
+        from jitckpt.daemon.socket_path import default_socket
 
-            path = default_socket()
-        except ImportError:  # gRPC not installed: no daemon can be running for us either
+        path = default_socket()
+        if not os.path.exists(path):
             return
-        if os.path.exists(path):
+        try:
             from jitckpt.daemon.client import Client
-
-            self._client = Client(socket_path=path, timeout=5.0)
+        except ImportError as e:
+            log.warning("a jitckpt daemon socket is at %s, but this installation cannot talk to it: %s", path, e)
+            return
+        self._client = Client(socket_path=path, timeout=5.0)
 
     @property
     def connected(self) -> bool:

@@ -15,10 +15,12 @@ Either way the job's keys are under its own prefix (run id and a hash of ``JITCK
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jitckpt.launcher.config import LaunchConfig
 from jitckpt.runtime.generation_store import bind_listener
+
+if TYPE_CHECKING:  # config imports this module's checks
+    from jitckpt.launcher.config import LaunchConfig
 
 ETCD_BACKENDS = ("etcd", "etcd-v2")
 # A wait that timed out: c10d raises DistStoreError (a RuntimeError), torch's EtcdStore LookupError.
@@ -26,7 +28,7 @@ WAIT_TIMED_OUT = (RuntimeError, LookupError)
 ETCD_INSTALL = "pip install python-etcd (or: pip install 'jitckpt[etcd]')"
 
 
-def uses_etcd(cfg: LaunchConfig) -> bool:
+def uses_etcd(cfg: "LaunchConfig") -> bool:
     return cfg.rdzv_backend in ETCD_BACKENDS
 
 

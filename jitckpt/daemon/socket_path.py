@@ -1,0 +1,15 @@
+"""Where a node's daemon listens by default (the daemon and its clients agree on it here)."""
+from __future__ import annotations
+
+import os
+
+
+def default_socket() -> str:
+    """``$JITCKPT_DAEMON_SOCKET``, else ``$XDG_RUNTIME_DIR/jitckpt/daemon.sock``, else
+    ``/tmp/jitckpt-<uid>/daemon.sock``."""
+    if os.environ.get("JITCKPT_DAEMON_SOCKET"):
+        return os.environ["JITCKPT_DAEMON_SOCKET"]
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/jitckpt-{os.getuid()}"
+    if base.startswith("/tmp/jitckpt-"):
+        return os.path.join(base, "daemon.sock")
+    return os.path.join(base, "jitckpt", "daemon.sock")
