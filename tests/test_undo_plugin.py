@@ -64,6 +64,7 @@ def test_torn_step_undone_and_saved_from_survivors(reference, tmp_path):
         assert ((final[k] - p).abs() <= PARAM_REL_BOUND * (1 + p.abs())).all(), k
 
 
+@pytest.mark.slow  # the proxy-mode negative (test_transparent_peers) stays fast
 def test_without_the_plugin_the_torn_survivors_cannot_save(reference, tmp_path):
     res = run_job(tmp_path, nproc=NPROC, script_args=[*SCRIPT, *FAIL], launcher_args=HANG)
     assert res.rc == 0, res.out[-4000:]
