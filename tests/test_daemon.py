@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -222,3 +224,50 @@ def test_jitckpt_run_reports_its_job_to_the_nodes_daemon_and_a_draining_node_ref
     refused = subprocess.run(["dj2" if a == "dj" else a for a in cmd], env=env, capture_output=True, text=True, timeout=120,
                              cwd=tmp_path)
     assert refused.returncode == 1 and "drained" in refused.stderr, refused.stderr
+
+
+def test_a_jobs_snapshots_outlive_its_killed_launcher_in_the_daemons_keeper(daemon, tmp_path):
+    """With a daemon, the job's snapshot keeper is the daemon's child. The launcher, its workers and
+    standbys are SIGKILLed together at a random step (the launcher's own crash, or an operator's
+    kill -9); the keeper lives on, and the same command run again resumes from its in-memory
+    snapshot, bitwise. Once the job ends well, the keeper is stopped."""
+    def cmd(tag: str) -> list:
+        return [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", "2", "--rdzv-id", tag,
+                "--checkpoint-dir", str(tmp_path / "ckpt"), "--status-interval", "0", "--snapshot-every", "1",
+                "--snapshot-protection", "none", str(TRAIN), "--steps", "30", "--step-sleep", "0.05",
+                "--out", str(tmp_path / f"{tag}.pt"), "--steps-log", str(tmp_path / f"{tag}.jsonl")]
+
+    ref = subprocess.run(cmd("ref"), env=daemon.env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    first = subprocess.Popen(cmd("dk"), env=daemon.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             cwd=tmp_path, start_new_session=True)
+    try:
+        at = random.randint(5, 20)
+        deadline = time.monotonic() + 120
+        log = tmp_path / "dk.jsonl"
+        while time.monotonic() < deadline and first.poll() is None and (
+                not log.exists() or sum('"step"' in line for line in log.read_text().splitlines()) < 2 * at):
+            time.sleep(0.01)  # polling the training's progress: the moment is meant to be random
+        assert first.poll() is None, "the job ended before the kill"
+        kill_tree(first.pid)
+    finally:
+        kill_tree(first.pid)
+    with daemon.client() as c:
+        job = {j.run_id: j for j in c.status().jobs}["dk"]
+    keepers = [p.pid for p in job.processes if p.kind == "keeper"]
+    assert len(keepers) == 1 and psutil.pid_exists(keepers[0]), job
+    again = subprocess.run(cmd("dk"), env=daemon.env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    events = [json.loads(line) for line in (tmp_path / "ckpt" / "runs" / "dk" / "events.jsonl").read_text().splitlines()
+              if line.strip()]
+    starts = [i for i, e in enumerate(events) if e["event"] == "job_start"]
+    events = events[starts[-1]:]  # the second run's (both runs of the job share its run directory)
+    restores = [e for e in events if e["event"] == "restore"]
+    assert restores and all(e["source"] == "memory" and e["step"] >= at - 1 for e in restores), restores
+    a = torch.load(tmp_path / "dk.pt", weights_only=True)
+    b = torch.load(tmp_path / "ref.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in b), "the resumed run differs from the failure-free one"
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(keepers[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling for the daemon's stop of its child, with a deadline
+    assert not psutil.pid_exists(keepers[0]), "the keeper outlived the job that ended well"

@@ -47,9 +47,9 @@ class Client:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", 16 * MAX_MESSAGE_BYTES)])
         self._stub = rpc.NodeDaemonStub(self._channel)
 
-    def _call(self, method: str, request: Any) -> Any:
+    def _call(self, method: str, request: Any, timeout: Optional[float] = None) -> Any:
         try:
-            return getattr(self._stub, method)(request, timeout=self._timeout, metadata=self._metadata)
+            return getattr(self._stub, method)(request, timeout=timeout or self._timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             code = e.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -85,6 +85,14 @@ class Client:
 
     def drain(self, on: bool = True) -> None:
         self._call("Drain", pb.DrainRequest(drain=on))
+
+    def ensure_keeper(self, *, run_id: str, node_rank: int) -> Any:
+        """The job's snapshot keeper on this node, started by the daemon if none runs (may take
+        as long as a Python start)."""
+        return self._call("EnsureKeeper", pb.EnsureKeeperRequest(run_id=run_id, node_rank=node_rank), timeout=90)
+
+    def stop_keeper(self, *, run_id: str) -> None:
+        self._call("StopKeeper", pb.StopKeeperRequest(run_id=run_id))
 
     def request_migration(self, *, run_id: str, rank: int, target: str) -> None:
         self._call("RequestMigration", pb.MigrationRequest(run_id=run_id, rank=rank, target=target))

@@ -42,8 +42,9 @@ class _TokenCheck(grpc.ServerInterceptor):
 
 
 class _Servicer(rpc.NodeDaemonServicer):
-    def __init__(self, state: NodeState) -> None:
+    def __init__(self, state: NodeState, keepers: "DaemonKeepers") -> None:
         self.state = state
+        self.keepers = keepers
 
     def _apply(self, context: grpc.ServicerContext, fn: Callable[[], Any], reply: Any) -> Any:
         try:
@@ -87,9 +88,63 @@ class _Servicer(rpc.NodeDaemonServicer):
         self.state.drain(request.drain)
         return pb.DrainReply()
 
+    def EnsureKeeper(self, request, context):  # noqa: N802
+        try:
+            keeper = self.keepers.ensure(request.run_id, request.node_rank)
+        except BadRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (RuntimeError, OSError) as e:
+            context.abort(grpc.StatusCode.INTERNAL, f"cannot start the snapshot keeper: {e}")
+        started, sup = keeper
+        prev = sup.previous_exit
+        return pb.EnsureKeeperReply(socket_path=sup.socket_path, pid=sup.pid or 0, started=started,
+                                    previous_exit=-1000 if prev is None else prev, starts=sup.starts)
+
+    def StopKeeper(self, request, context):  # noqa: N802
+        return self._apply(context, lambda: self.keepers.stop(request.run_id), pb.StopKeeperReply())
+
     def RequestMigration(self, request, context):  # noqa: N802
         context.abort(grpc.StatusCode.UNIMPLEMENTED,
                       "CRIU migration is not built yet: recover the rank with `jitckpt run`'s JIT recovery")
+
+
+class DaemonKeepers:
+    """The snapshot keepers this daemon started, one per job (its children: they outlive launchers)."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self._lock = threading.Lock()
+        self._keepers: dict[str, Any] = {}
+
+    def ensure(self, run_id: str, node_rank: int) -> tuple[bool, Any]:
+        import sys
+
+        from jitckpt.daemon.node_state import _int, _run_id
+        from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
+
+        run_id, node_rank = _run_id(run_id), _int("node_rank", node_rank, 0)
+        with self._lock:  # one start at a time; a start waits for the keeper's "ready" line
+            sup = self._keepers.get(run_id)
+            if sup is None:
+                run_dir = os.path.join(self.base, run_id)
+                os.makedirs(run_dir, mode=0o700, exist_ok=True)
+                sup = KeeperSupervisor(run_dir=run_dir, node=node_rank, python=sys.executable, env=dict(os.environ))
+                self._keepers[run_id] = sup
+            return sup.ensure_running(), sup
+
+    def stop(self, run_id: str) -> None:
+        from jitckpt.daemon.node_state import _run_id
+
+        with self._lock:
+            sup = self._keepers.pop(_run_id(run_id), None)
+        if sup is not None:
+            sup.stop()
+
+    def stop_all(self) -> None:
+        with self._lock:
+            sups, self._keepers = list(self._keepers.values()), {}
+        for sup in sups:
+            sup.stop()
 
 
 class DaemonServer:
@@ -114,7 +169,8 @@ class DaemonServer:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=interceptors,
                                    options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                             ("grpc.max_send_message_length", 16 * MAX_MESSAGE_BYTES)])
-        rpc.add_NodeDaemonServicer_to_server(_Servicer(self.state), self._server)
+        self.keepers = DaemonKeepers(os.path.join(os.path.dirname(self.socket_path or default_socket()), "keepers"))
+        rpc.add_NodeDaemonServicer_to_server(_Servicer(self.state, self.keepers), self._server)
         self.port: Optional[int] = None
         self._stopped = threading.Event()
 
@@ -145,6 +201,8 @@ class DaemonServer:
 
     def stop(self) -> None:
         self._server.stop(grace=1).wait()
+        self.keepers.stop_all()
+        log.info("jitckpt daemon (pid %d) stopped", os.getpid())
         if self.socket_path and os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
         self._stopped.set()

@@ -18,6 +18,41 @@ class NodeDraining(RuntimeError):
     """The node's daemon takes no new jobs."""
 
 
+class DaemonKeeper:
+    """The node's snapshot keeper for this job, as the daemon runs it (the launcher's
+    KeeperSupervisor's interface). The daemon's child outlives this launcher: a job run again
+    after its launcher died finds its snapshots. It is stopped only when the job ended well."""
+
+    def __init__(self, client: Any, run_id: str, node: int) -> None:
+        self._client, self.run_id, self.node = client, run_id, node
+        self.socket_path = ""
+        self.pid: Optional[int] = None
+        self.starts = 0
+        self.previous_exit: Optional[int] = None
+        self.job_ok = False
+
+    def ensure_running(self) -> bool:
+        from jitckpt.daemon.client import DaemonRefused, DaemonUnavailable
+
+        try:
+            r = self._client.ensure_keeper(run_id=self.run_id, node_rank=self.node)
+        except (DaemonRefused, DaemonUnavailable) as e:
+            raise RuntimeError(f"the node's daemon cannot run the snapshot keeper: {e}") from None
+        self.socket_path, self.pid, self.starts = r.socket_path, r.pid, r.starts
+        self.previous_exit = None if r.previous_exit == -1000 else r.previous_exit
+        return r.started
+
+    def stop(self) -> None:
+        if not self.job_ok:
+            return  # kept for a run of the job again
+        from jitckpt.daemon.client import DaemonRefused, DaemonUnavailable
+
+        try:
+            self._client.stop_keeper(run_id=self.run_id)
+        except (DaemonRefused, DaemonUnavailable) as e:
+            log.warning("could not stop the job's snapshot keeper in the node's daemon: %s", e)
+
+
 class DaemonLink:
     def __init__(self, *, run_id: str, node_rank: int, world_size: int) -> None:
         self.run_id, self.node_rank, self.world_size = run_id, node_rank, world_size
@@ -26,6 +61,7 @@ class DaemonLink:
         self._keeper: Optional[int] = None
         self._gen = 0
         self._registered = False
+        self._keeper_handle: Optional[DaemonKeeper] = None
         from jitckpt.daemon.socket_path import default_socket
 
         path = default_socket()
@@ -41,6 +77,13 @@ class DaemonLink:
     @property
     def connected(self) -> bool:
         return self._client is not None
+
+    def keeper(self, node: int) -> Optional[DaemonKeeper]:
+        """The daemon's keeper for this job (None without a daemon)."""
+        if self._client is None:
+            return None
+        self._keeper_handle = DaemonKeeper(self._client, self.run_id, node)
+        return self._keeper_handle
 
     def on_event(self, event: str, rec: dict) -> None:
         """One of the launcher's event records."""
@@ -63,6 +106,8 @@ class DaemonLink:
                        kind=str(rec.get("kind") or "jit"), path=str(rec.get("path") or "")[:4000],
                        nbytes=int(rec.get("bytes") or 0))
         elif event == "job_end" and self._registered:
+            if self._keeper_handle is not None:
+                self._keeper_handle.job_ok = rec.get("status") == "ok"
             self._call("end_job", run_id=self.run_id, status=str(rec.get("status", "failed")))
 
     def start(self, launcher_pid: int) -> None:

@@ -40,7 +40,7 @@ from jitckpt.launcher.config import LaunchConfig, check_writable_dir
 from jitckpt.launcher.node_coordinator import NodeCoordinator
 from jitckpt.launcher.store_relay import StoreRelay, local_store_factory
 from jitckpt.launcher.standby_pool import StandbyPool
-from jitckpt.launcher.daemon_link import DaemonLink, NodeDraining
+from jitckpt.launcher.daemon_link import DaemonKeeper, DaemonLink, NodeDraining
 from jitckpt.launcher.job_tally import JobTally
 from jitckpt.launcher.worker_logs import WorkerLogs, WorkerStreams
 from jitckpt.launcher.jit_recovery import NOT_A_CULPRIT, FailureRecord, JitRecovery
@@ -98,7 +98,7 @@ class Launcher:
         self.workers: list[Worker] = []
         self.jit = JitRecovery(cfg=cfg, coord=self.coord, emit=self.emit, display=self.display)
         self.restart_count = 0
-        self.keeper: Optional[KeeperSupervisor] = None
+        self.keeper: Optional[KeeperSupervisor | DaemonKeeper] = None
         self.gen = 0  # process-group generation; --recovery stage advances it per replacement
         self.stage: Optional[StageGenerations] = None
         self.replacement: Optional[StageReplacement] = None  # --recovery stage
@@ -123,8 +123,9 @@ class Launcher:
                 self.replica_dir = os.path.join(cfg.checkpoint_dir, f".jitckpt-replicas-{cfg.run_id}")
                 os.makedirs(self.replica_dir, mode=0o700, exist_ok=True)
         if cfg.snapshot_every:
-            self.keeper = KeeperSupervisor(run_dir=str(self.run_dir), node=cfg.node_rank,
-                                           python=sys.executable, env=self._base_env())
+            # The node's daemon runs it when there is one, so it outlives this launcher.
+            self.keeper = self.daemon.keeper(cfg.node_rank) or KeeperSupervisor(
+                run_dir=str(self.run_dir), node=cfg.node_rank, python=sys.executable, env=self._base_env())
 
     # ---- events ---------------------------------------------------------------------------
     def emit(self, event: str, **fields) -> None:
