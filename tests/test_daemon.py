@@ -29,7 +29,7 @@ from jitckpt.daemon import Client, DaemonRefused  # noqa: E402
 from jitckpt.daemon.schema import MAX_MESSAGE_BYTES, SERVICE, pb  # noqa: E402
 
 METHODS = ("RegisterJob", "ReportFailure", "ReportCheckpoint", "EndJob", "Health", "Status", "Drain",
-           "RequestMigration")
+           "EnsureKeeper", "StopKeeper", "RequestMigration")
 
 
 class Daemon:
