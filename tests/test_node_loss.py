@@ -27,15 +27,17 @@ NODES, STEPS, TIMEOUT_S = 3, 30, 240
 class Node:
     """One node's `jitckpt run` (launcher + its worker), in a session of its own."""
 
-    def __init__(self, tmp: Path, tag: str, node: int, endpoint: str, name: str = "", step_sleep: float = 0.05) -> None:
+    def __init__(self, tmp: Path, tag: str, node: int, endpoint: str, name: str = "", step_sleep: float = 0.05,
+                 flags: tuple = (), script_args: tuple = ()) -> None:
         self.dir = tmp / f"{tag}-node{node}{name}"
         self.dir.mkdir(parents=True)
         cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", str(NODES), "--node-rank", str(node),
                "--nproc-per-node", "1", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", endpoint, "--rdzv-id", tag,
                "--checkpoint-dir", str(tmp / f"{tag}-ckpt"), "--run-dir", str(self.dir / "run"),
                "--status-interval", "0", "--hang-timeout", "auto:floor=3,startup=60", "--save-timeout", "20",
-               "--max-restarts", "2", str(TRAIN), "--steps", str(STEPS), "--step-sleep", str(step_sleep),
-               "--out", str(tmp / f"{tag}-final.pt"), "--steps-log", str(tmp / f"{tag}-train.jsonl")]
+               "--max-restarts", "2", *flags, str(TRAIN), "--steps", str(STEPS), "--step-sleep", str(step_sleep),
+               "--out", str(tmp / f"{tag}-final.pt"), "--steps-log", str(tmp / f"{tag}-train.jsonl"),
+               *script_args]
         self.log = self.dir / "launcher.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=self.dir, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -217,4 +219,38 @@ def test_losing_etcds_majority_stops_the_job_with_every_rank_saved_and_it_resume
         assert all(torch.equal(final[k], expected[k]) for k in expected)
     finally:
         for n in again:
+            kill_tree(n.proc.pid)
+
+
+@pytest.mark.slow
+def test_a_lost_zero_node_comes_back_from_parity_and_replicas_in_memory(tmp_path: Path, etcd_cluster) -> None:
+    """ZeRO-1 (no JIT checkpoint can cover a lost optimizer partition), snapshots every step with
+    AEC: node 2's whole process tree, its snapshot keeper included, is SIGKILLed. The replacement
+    node starts an empty keeper; every rank resumes from the in-memory snapshot, node 2's data
+    part decoded from parity and its optimizer partitions from other nodes' AOR replicas; bitwise."""
+    zero, snap = ("--optim", "zero-adam"), ("--snapshot-every", "1", "--snapshot-protection", "aec")
+    ref = [Node(tmp_path, "zref", n, etcd_cluster.endpoints(first=n), flags=snap, script_args=zero) for n in range(NODES)]
+    try:
+        assert wait_all(ref) == [0] * NODES, [n.log.read_text()[-3000:] for n in ref]
+    finally:
+        for n in ref:
+            kill_tree(n.proc.pid)
+    expected = torch.load(tmp_path / "zref-final.pt", weights_only=True)
+    nodes = [Node(tmp_path, "zloss", n, etcd_cluster.endpoints(first=n), flags=snap, script_args=zero)
+             for n in range(NODES)]
+    try:
+        wait_for_step(tmp_path, "zloss", random.randint(4, STEPS - 12))
+        assert all(n.proc.poll() is None for n in nodes), "the job ended before the node loss"
+        nodes[2].power_off()
+        nodes.append(Node(tmp_path, "zloss", 2, etcd_cluster.endpoints(first=2), name="-replacement", flags=snap,
+                          script_args=zero))
+        survivors = [nodes[0], nodes[1], nodes[3]]
+        assert wait_all(survivors) == [0] * NODES, "\n".join(n.log.read_text()[-3000:] for n in nodes)
+        restores = [e for n in survivors for e in n.events() if e["event"] == "restore"]
+        assert len(restores) == NODES and {e["source"] for e in restores} == {"memory"}, restores
+        assert [e["decoded"] for e in restores if e["rank"] == 2] == [["x2.0"]], restores
+        final = torch.load(tmp_path / "zloss-final.pt", weights_only=True)
+        assert all(torch.equal(final[k], expected[k]) for k in expected), "parameters differ from the failure-free run"
+    finally:
+        for n in nodes:
             kill_tree(n.proc.pid)
