@@ -25,12 +25,23 @@ NODES, STEPS, TIMEOUT_S = 3, 30, 240
 
 
 class Node:
-    """One node's `jitckpt run` (launcher + its worker), in a session of its own."""
+    """One node's `jitckpt run` (launcher + its worker), in a session of its own; with ``daemon``,
+    the node's `jitckpt daemon run` too (its own socket), which then runs the snapshot keeper."""
 
     def __init__(self, tmp: Path, tag: str, node: int, endpoint: str, name: str = "", step_sleep: float = 0.05,
-                 flags: tuple = (), script_args: tuple = ()) -> None:
+                 flags: tuple = (), script_args: tuple = (), daemon: bool = False) -> None:
         self.dir = tmp / f"{tag}-node{node}{name}"
         self.dir.mkdir(parents=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "JITCKPT_DAEMON_SOCKET": str(self.dir / "daemon" / "d.sock")}
+        self.daemon = None
+        if daemon:
+            self.daemon = subprocess.Popen([sys.executable, "-m", "jitckpt", "daemon", "run"], env=env,
+                                           stdout=open(self.dir / "daemon.log", "wb"), stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+            deadline = time.monotonic() + 30
+            while not (self.dir / "daemon" / "d.sock").exists() and time.monotonic() < deadline:
+                time.sleep(0.02)  # polling for the socket of a starting server
+            assert (self.dir / "daemon" / "d.sock").exists(), (self.dir / "daemon.log").read_text()
         cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", str(NODES), "--node-rank", str(node),
                "--nproc-per-node", "1", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", endpoint, "--rdzv-id", tag,
                "--checkpoint-dir", str(tmp / f"{tag}-ckpt"), "--run-dir", str(self.dir / "run"),
@@ -40,12 +51,14 @@ class Node:
                *script_args]
         self.log = self.dir / "launcher.log"
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=self.dir, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, cwd=self.dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
 
     def power_off(self) -> None:
-        """SIGKILL the launcher and every process under it at once, as a machine going down."""
-        kill_tree(self.proc.pid)
+        """SIGKILL the daemon, the launcher and every process under them, as a machine going down."""
+        for p in (self.daemon, self.proc):
+            if p is not None:
+                kill_tree(p.pid)
 
     def events(self) -> list[dict]:
         path = self.dir / "run" / "events.jsonl"
@@ -84,7 +97,8 @@ def expected(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("lost", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_whole_node_lost_is_replaced_and_the_job_ends_bitwise(tmp_path: Path, etcd_cluster, expected: dict,
                                                                 lost: int) -> None:
-    nodes = [Node(tmp_path, "loss", n, etcd_cluster.endpoint(n)) for n in range(NODES)]
+    # Each node with its daemon (which runs nothing here but is part of what the node loses).
+    nodes = [Node(tmp_path, "loss", n, etcd_cluster.endpoint(n), daemon=True) for n in range(NODES)]
     try:
         at = random.randint(4, STEPS - 12)
         deadline = time.monotonic() + TIMEOUT_S
@@ -92,7 +106,7 @@ def test_a_whole_node_lost_is_replaced_and_the_job_ends_bitwise(tmp_path: Path, 
             time.sleep(0.01)  # polling the training's progress: the moment is meant to be random
         assert all(n.proc.poll() is None for n in nodes), "the job ended before the node loss"
         nodes[lost].power_off()
-        nodes.append(Node(tmp_path, "loss", lost, etcd_cluster.endpoint(lost), name="-replacement"))
+        nodes.append(Node(tmp_path, "loss", lost, etcd_cluster.endpoint(lost), name="-replacement", daemon=True))
         survivors = [n for i, n in enumerate(nodes) if i != lost]
         rcs = wait_all(survivors)
         assert rcs == [0] * NODES, "\n".join(f"--- {n.dir.name}\n{n.log.read_text()[-4000:]}" for n in nodes)
@@ -101,9 +115,15 @@ def test_a_whole_node_lost_is_replaced_and_the_job_ends_bitwise(tmp_path: Path, 
         assert any(e["event"] == "checkpoint_saved" for n in survivors[:-1] for e in n.events()), "no JIT save"
         final = torch.load(tmp_path / "loss-final.pt", weights_only=True)
         assert all(torch.equal(final[k], expected[k]) for k in expected), "parameters differ from the failure-free run"
+        from jitckpt.daemon import Client
+
+        with Client(socket_path=str(survivors[0].dir / "daemon" / "d.sock")) as c:  # a survivor's daemon
+            st = c.status()
+        job = {j.run_id: j for j in st.jobs}["loss"]
+        assert job.status == "ok" and job.generation == 1 and st.failures, st
     finally:
         for n in nodes:
-            kill_tree(n.proc.pid)
+            n.power_off()
 
 
 def test_a_replacement_launcher_joins_after_the_generation_that_lost_its_node(etcd_cluster) -> None:
@@ -181,7 +201,7 @@ def test_losing_one_etcd_member_changes_nothing(tmp_path: Path, etcd_cluster, ex
         assert all(torch.equal(final[k], expected[k]) for k in expected)
     finally:
         for n in nodes:
-            kill_tree(n.proc.pid)
+            n.power_off()
 
 
 @pytest.mark.slow
@@ -207,7 +227,7 @@ def test_losing_etcds_majority_stops_the_job_with_every_rank_saved_and_it_resume
             assert end and end[-1]["status"] == "failed" and "etcd" in end[-1]["reason"], end
     finally:
         for n in nodes:
-            kill_tree(n.proc.pid)
+            n.power_off()
     etcd_cluster.restart(0)
     etcd_cluster.restart(1)
     again = [Node(tmp_path, "quorum", n, etcd_cluster.endpoints(first=n), name="-again") for n in range(NODES)]
@@ -219,7 +239,7 @@ def test_losing_etcds_majority_stops_the_job_with_every_rank_saved_and_it_resume
         assert all(torch.equal(final[k], expected[k]) for k in expected)
     finally:
         for n in again:
-            kill_tree(n.proc.pid)
+            n.power_off()
 
 
 @pytest.mark.slow
@@ -234,7 +254,7 @@ def test_a_lost_zero_node_comes_back_from_parity_and_replicas_in_memory(tmp_path
         assert wait_all(ref) == [0] * NODES, [n.log.read_text()[-3000:] for n in ref]
     finally:
         for n in ref:
-            kill_tree(n.proc.pid)
+            n.power_off()
     expected = torch.load(tmp_path / "zref-final.pt", weights_only=True)
     nodes = [Node(tmp_path, "zloss", n, etcd_cluster.endpoints(first=n), flags=snap, script_args=zero)
              for n in range(NODES)]
@@ -253,4 +273,4 @@ def test_a_lost_zero_node_comes_back_from_parity_and_replicas_in_memory(tmp_path
         assert all(torch.equal(final[k], expected[k]) for k in expected), "parameters differ from the failure-free run"
     finally:
         for n in nodes:
-            kill_tree(n.proc.pid)
+            n.power_off()
