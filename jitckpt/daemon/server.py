@@ -178,6 +178,8 @@ class DaemonServer:
         if self.socket_path:
             d = os.path.dirname(self.socket_path)
             os.makedirs(d, mode=0o700, exist_ok=True)
+            if os.stat(d).st_uid != os.getuid():  # e.g. planted in /tmp by another user
+                raise RuntimeError(f"{d} belongs to another user: choose a socket elsewhere (--socket)")
             os.chmod(d, 0o700)
             if os.path.exists(self.socket_path):
                 from jitckpt.daemon.client import Client, DaemonUnavailable  # one way: client imports no server
