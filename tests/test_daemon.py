@@ -43,11 +43,14 @@ class Daemon:
             self.proc = subprocess.Popen([sys.executable, "-m", "jitckpt", "daemon", "run", *extra], env=self.env,
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30
-        while not self.socket.exists() and self.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)  # polling for the socket of a starting server
-        if not self.socket.exists():
+        while not self.serving() and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # polling for the line a started server writes (after every listener is up)
+        if not self.serving():
             self.close()
             raise AssertionError(f"the daemon did not start:\n{self.log.read_text()}")
+
+    def serving(self) -> bool:
+        return self.log.exists() and "serving" in self.log.read_text()
 
     def client(self) -> Client:
         return Client(socket_path=str(self.socket))

@@ -38,10 +38,11 @@ class Node:
             self.daemon = subprocess.Popen([sys.executable, "-m", "jitckpt", "daemon", "run"], env=env,
                                            stdout=open(self.dir / "daemon.log", "wb"), stderr=subprocess.STDOUT,
                                            start_new_session=True)
+            log = self.dir / "daemon.log"
             deadline = time.monotonic() + 30
-            while not (self.dir / "daemon" / "d.sock").exists() and time.monotonic() < deadline:
-                time.sleep(0.02)  # polling for the socket of a starting server
-            assert (self.dir / "daemon" / "d.sock").exists(), (self.dir / "daemon.log").read_text()
+            while "serving" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.02)  # polling for the line a started server writes
+            assert "serving" in log.read_text(), log.read_text()
         cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", str(NODES), "--node-rank", str(node),
                "--nproc-per-node", "1", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", endpoint, "--rdzv-id", tag,
                "--checkpoint-dir", str(tmp / f"{tag}-ckpt"), "--run-dir", str(self.dir / "run"),
