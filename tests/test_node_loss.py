@@ -75,6 +75,12 @@ def wait_all(nodes: list[Node]) -> list[int]:
                                                                  for n in nodes)) from None
 
 
+def assert_bitwise(final: Path, expected: dict) -> None:
+    got = torch.load(final, weights_only=True)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected), \
+        "parameters differ from the failure-free run"
+
+
 def steps_done(log: Path) -> int:
     if not log.exists():
         return 0
@@ -114,8 +120,7 @@ def test_a_whole_node_lost_is_replaced_and_the_job_ends_bitwise(tmp_path: Path, 
         replacement = nodes[-1].events()
         assert any(e["event"] == "worker_start" for e in replacement)
         assert any(e["event"] == "checkpoint_saved" for n in survivors[:-1] for e in n.events()), "no JIT save"
-        final = torch.load(tmp_path / "loss-final.pt", weights_only=True)
-        assert all(torch.equal(final[k], expected[k]) for k in expected), "parameters differ from the failure-free run"
+        assert_bitwise(tmp_path / "loss-final.pt", expected)
         from jitckpt.daemon import Client
 
         with Client(socket_path=str(survivors[0].dir / "daemon" / "d.sock")) as c:  # a survivor's daemon
@@ -198,8 +203,7 @@ def test_losing_one_etcd_member_changes_nothing(tmp_path: Path, etcd_cluster, ex
         assert wait_all(nodes) == [0] * NODES, [n.log.read_text()[-3000:] for n in nodes]
         kinds = {e["event"] for n in nodes for e in n.events()}
         assert "failure_detected" not in kinds and "restart" not in kinds, kinds
-        final = torch.load(tmp_path / "member-final.pt", weights_only=True)
-        assert all(torch.equal(final[k], expected[k]) for k in expected)
+        assert_bitwise(tmp_path / "member-final.pt", expected)
     finally:
         for n in nodes:
             n.power_off()
@@ -236,8 +240,7 @@ def test_losing_etcds_majority_stops_the_job_with_every_rank_saved_and_it_resume
         assert wait_all(again) == [0] * NODES, [n.log.read_text()[-3000:] for n in again]
         resumed = [e for e in again[0].events() if e["event"] == "restore"]
         assert resumed and resumed[0]["step"] > 0, again[0].events()
-        final = torch.load(tmp_path / "quorum-final.pt", weights_only=True)
-        assert all(torch.equal(final[k], expected[k]) for k in expected)
+        assert_bitwise(tmp_path / "quorum-final.pt", expected)
     finally:
         for n in again:
             n.power_off()
@@ -270,8 +273,7 @@ def test_a_lost_zero_node_comes_back_from_parity_and_replicas_in_memory(tmp_path
         restores = [e for n in survivors for e in n.events() if e["event"] == "restore"]
         assert len(restores) == NODES and {e["source"] for e in restores} == {"memory"}, restores
         assert [e["decoded"] for e in restores if e["rank"] == 2] == [["x2.0"]], restores
-        final = torch.load(tmp_path / "zloss-final.pt", weights_only=True)
-        assert all(torch.equal(final[k], expected[k]) for k in expected), "parameters differ from the failure-free run"
+        assert_bitwise(tmp_path / "zloss-final.pt", expected)
     finally:
         for n in nodes:
             n.power_off()
