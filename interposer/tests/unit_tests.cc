@@ -19,6 +19,7 @@
 #include "log_chunk.h"
 #include "next_symbol.h"
 #include "rebuild_vote.h"
+#include "stage_join.h"
 #include "stream_graph.h"
 
 namespace {
@@ -430,4 +431,16 @@ TEST(RebuildVote, ANewcomerReplaysThroughTheIterationBeforeTheSurvivors) {
   EXPECT_NE(plan.refusal.find("the journal is off"), std::string::npos) << plan.refusal;
   EXPECT_EQ(jitckpt::VoteWord::parse("yes/4/optimizer/it7").iteration, 7);
   EXPECT_TRUE(jitckpt::VoteWord::parse("yes/4/optimizer/it7").optimizer_step);
+}
+
+// The survivors' terms for a replacement stage go through the store as text.
+TEST(StageJoin, TermsSurviveTheStoreAndBadTextIsRefused) {
+  jitckpt::StageJoin::Terms terms{std::string{'\0', '\xff', '\x10', 'a', 'b'}, 3, 41}, back;
+  ASSERT_TRUE(jitckpt::StageJoin::Terms::decode(terms.encode(), &back));
+  EXPECT_EQ(back.id, terms.id);
+  EXPECT_EQ(back.rebuilds, 3u);
+  EXPECT_EQ(back.through, 41);
+  EXPECT_FALSE(jitckpt::StageJoin::Terms::decode("zz/1/2", &back));  // not hex
+  EXPECT_FALSE(jitckpt::StageJoin::Terms::decode("abc/1/2", &back));  // odd length
+  EXPECT_FALSE(jitckpt::StageJoin::Terms::decode("ab", &back));       // fields missing
 }
