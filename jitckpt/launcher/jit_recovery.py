@@ -115,9 +115,9 @@ class JitRecovery:
     def can_proceed(self, gen: int, workers: list[Worker], failure: FailureRecord) -> bool:
         """All local workers gone, or every shard covered plus a short grace for more replicas."""
         now = time.time()
+        if failure.t_covered is None and self.coord.shards_covered(gen):
+            failure.t_covered = now
         if all(w.exit_code is not None for w in workers):
-            if failure.t_covered is None and self.coord.shards_covered(gen):
-                failure.t_covered = now
             if self.coord.node_done(gen, ok=False, wait=True):
                 return True
             # Bounded: a node lost with its launcher never says its workers are gone.
@@ -126,8 +126,6 @@ class JitRecovery:
                           "lost with its launcher?); going on without it", self.cfg.save_timeout)
                 return True
             return False
-        if failure.t_covered is None and self.coord.shards_covered(gen):
-            failure.t_covered = now
         if failure.t_covered is not None:
             grace = max(1.0, failure.save_s or 0.0)
             if now - failure.t_covered > grace:
