@@ -60,3 +60,8 @@ def test_pip_install_ships_the_native_parts_and_doctor_reports_them(tmp_path: Pa
     assert not list((pkg / "lib").glob("libcudart*")) and not list((pkg / "lib").glob("libnccl*"))
     for soname, info in doctor["runtime"].items():
         assert "simcuda" not in (info.get("kind") or ""), (soname, info)
+    # The daemon's schema (daemon.proto, compiled at import) ships in the wheel: importing it from the
+    # installed copy compiles the installed file.
+    schema = _run([str(py), "-c", "import jitckpt.daemon.schema as s, os; print(os.path.dirname(s.__file__))"],
+                  cwd=tmp_path, env=env, timeout=120).strip()
+    assert Path(schema) == pkg / "daemon" and (pkg / "daemon" / "daemon.proto").is_file(), schema
