@@ -47,12 +47,15 @@ from dp_build import DP_LIBS, DRIVER, need_build  # noqa: E402
 SIZE = 1024
 
 
-def journal_overhead(steps: int, reps: int, tmp: Path) -> dict:
+def journal_overhead(steps: int, pairs: int, tmp: Path) -> dict:
+    """Paired runs with the journal on and off; the order alternates from pair to pair (on-off,
+    off-on, ...) so a machine growing busier or quieter during the bench does not favour one side."""
     runs: dict[str, list[float]] = {"journal_on": [], "journal_off": []}
-    for rep in range(reps):
-        runs["journal_on"].append(statistics.median(dp_step_times("proxy", steps, SIZE, tmp / f"on{rep}")))
-        runs["journal_off"].append(statistics.median(
-            dp_step_times("proxy", steps, SIZE, tmp / f"off{rep}", JITCKPT_REPLAY_LIMIT_MB="0")))
+    variants = {"journal_on": {}, "journal_off": {"JITCKPT_REPLAY_LIMIT_MB": "0"}}
+    for rep in range(pairs):
+        for name in (("journal_on", "journal_off") if rep % 2 == 0 else ("journal_off", "journal_on")):
+            runs[name].append(statistics.median(dp_step_times("proxy", steps, SIZE, tmp / f"{name}{rep}",
+                                                              **variants[name])))
     paired = [on / off - 1 for on, off in zip(runs["journal_on"], runs["journal_off"])]
     return {"overhead": statistics.median(paired), "paired_overheads": paired, "runs_s": runs, "steps": steps,
             "dim": SIZE, "batch": SIZE, "ranks": 2}
@@ -167,18 +170,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and runs (make bench)")
     ap.add_argument("--reps", type=int, default=None, help="runs per variant (default 5, 2 with --quick)")
+    ap.add_argument("--journal-pairs", type=int, default=None,
+                    help="journal on/off run pairs (default 9, 3 with --quick): more narrow the median")
+    ap.add_argument("--only-journal", action="store_true", help="measure the journal's overhead only")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout)")
     args = ap.parse_args()
     if args.reps is not None and args.reps < 1:
         ap.error("--reps must be at least 1")
+    if args.journal_pairs is not None and args.journal_pairs < 1:
+        ap.error("--journal-pairs must be at least 1")
     need_build()
     steps, reps = (200, 2) if args.quick else (400, 5)
     reps = args.reps or reps
     with tempfile.TemporaryDirectory() as d:
-        result = {"journal": journal_overhead(steps, reps, Path(d) / "journal"),
-                  "recovery": recovery(steps * 2, steps, reps, Path(d) / "recovery"),
-                  "recovery_2_ranks": recovery(steps * 2, steps, reps, Path(d) / "recovery2", ranks=2),
-                  "optimizer_step_2_ranks": optimizer_step_recovery(steps * 2, steps, reps, Path(d) / "opt2")}
+        result = {"journal": journal_overhead(steps, args.journal_pairs or (3 if args.quick else 9),
+                                              Path(d) / "journal")}
+        if args.only_journal:
+            return emit(result, args.out)
+        result |= {"recovery": recovery(steps * 2, steps, reps, Path(d) / "recovery"),
+                   "recovery_2_ranks": recovery(steps * 2, steps, reps, Path(d) / "recovery2", ranks=2),
+                   "optimizer_step_2_ranks": optimizer_step_recovery(steps * 2, steps, reps, Path(d) / "opt2")}
     return emit(result, args.out)
 
 
