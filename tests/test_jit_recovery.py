@@ -12,7 +12,12 @@ from jitckpt.launcher.jit_recovery import FailureRecord, JitRecovery
 
 
 class LostPeerNode:
-    """The coordinator's view when node 1 vanished with its launcher."""
+    """The coordinator's view when node 1 vanished with its launcher (this launcher is the controller)."""
+
+    leads = True
+
+    def decide_restart(self, gen: int) -> None:
+        pass
 
     def shards_covered(self, gen: int) -> bool:
         return True

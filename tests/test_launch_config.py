@@ -68,9 +68,18 @@ def test_missing_script_is_a_clear_cli_error(tmp_path):
     assert r.returncode == 2 and "not found" in r.stderr
 
 
-def test_elastic_range_refused():
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["run", "--nnodes", "1:4", "x.py"])
+def test_nnodes_takes_torchruns_range_and_refuses_a_bad_one(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    cfg = parse("--nnodes", "2:3", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf",
+                "last_call_timeout=4", str(script))
+    assert (cfg.min_nodes, cfg.nnodes, cfg.elastic, cfg.last_call_timeout) == (2, 3, True, 4.0)
+    assert not parse("--nnodes", "2:2", "--rdzv-endpoint", "127.0.0.1:1", str(script)).elastic
+    for bad in ("3:2", "0:2", "x", "1:y"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["run", "--nnodes", bad, "x.py"])
+    with pytest.raises(ValueError, match="--recovery stage replaces a dead stage in a job of fixed size"):
+        parse("--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", "--recovery", "stage", str(script))
 
 
 def test_hang_timeout_parsing():

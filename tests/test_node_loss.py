@@ -175,9 +175,64 @@ def test_a_replacement_launcher_joins_after_the_generation_that_lost_its_node(et
             assert late.first_launch() == 1
         finally:
             late.close()
-        master = coords[1].begin_generation(1)
+        joined = coords[1].begin_generation(1)
         t0.join(30)
-        assert begun == [master] and master[0] == "127.0.0.1", (begun, master)
+        assert [g.master for g in begun] == [joined.master] and joined.master[0] == "127.0.0.1", (begun, joined)
+        assert (joined.gen, joined.nodes, joined.group_rank, begun[0].group_rank) == (1, (0, 1), 1, 0)
+    finally:
+        for c in coords:
+            c.close()
+
+
+def test_with_a_node_range_the_job_goes_on_with_fewer_nodes_and_grows_when_one_joins(etcd_cluster) -> None:
+    """NodeCoordinator on etcd with --nnodes 2:3, three nodes in this process. Node 0, the
+    controller, is lost: a survivor takes the controller's lease, and after the last call generation
+    1 has nodes 1 and 2 (node 1's address is the workers' store, its ranks are 0..). A launcher for
+    slot 0 started later asks the job to grow (a scale_up failure of generation 1) and generation 2
+    has all three."""
+    import threading
+
+    from jitckpt.cli import build_parser
+    from jitckpt.launcher.config import LaunchConfig
+    from jitckpt.launcher.node_coordinator import SCALE_UP, NodeCoordinator
+
+    def cfg(node: int) -> LaunchConfig:
+        return LaunchConfig.from_args(build_parser().parse_args(
+            ["run", "--nnodes", "2:3", "--node-rank", str(node), "--rdzv-backend", "etcd-v2", "--rdzv-endpoint",
+             etcd_cluster.endpoints(first=node), "--rdzv-id", "elastic", "--rdzv-conf",
+             "timeout=30,last_call_timeout=1", "--local-addr", f"127.0.0.{node + 1}", str(TRAIN)]))
+
+    def begin(cs: list, gen: int) -> list:
+        out: dict = {}
+        ts = [threading.Thread(target=lambda c=c: out.__setitem__(c, c.begin_generation(gen))) for c in cs]
+        [t.start() for t in ts]
+        [t.join(30) for t in ts]
+        assert not any(t.is_alive() for t in ts), "begin_generation did not return"
+        return [out[c] for c in cs]
+
+    coords = [NodeCoordinator(cfg(n)) for n in range(3)]
+    try:
+        assert [c.first_launch() for c in coords] == [0, 0, 0]
+        assert [c.leads for c in coords] == [True, False, False]  # the first to take the lease
+        gens = begin(coords, 0)
+        assert [(g.nodes, g.group_rank, g.master[0]) for g in gens] == [((0, 1, 2), r, "127.0.0.1") for r in range(3)]
+        coords[0].close()  # node 0 is lost (its launcher gone: the lease is free)
+        survivors = coords[1:]
+        survivors[0].announce_failure(0, {"kind": "signal", "rank": 0, "detail": "node 0 gone"})
+        t0 = time.monotonic()
+        gens = begin(survivors, 1)
+        assert [(g.gen, g.nodes, g.group_rank) for g in gens] == [(1, (1, 2), 0), (1, (1, 2), 1)], gens
+        assert gens[0].master == gens[1].master and gens[0].master[0] == "127.0.0.2"  # node 1 has rank 0
+        assert time.monotonic() - t0 >= 1.0, "closed before the last call"
+        assert sum(c.leads for c in survivors) == 1, "no survivor took the controller's lease"
+        newcomer = NodeCoordinator(cfg(0))
+        coords.append(newcomer)
+        assert newcomer.first_launch() == 2
+        failed = json.loads(survivors[0].store.get("g1/failed"))
+        assert failed["kind"] == SCALE_UP and "node 0 joins" in failed["detail"], failed
+        gens = begin([newcomer, *survivors], 2)
+        assert [(g.nodes, g.group_rank) for g in gens] == [((0, 1, 2), r) for r in range(3)], gens
+        assert gens[0].master[0] == "127.0.0.1"
     finally:
         for c in coords:
             c.close()
@@ -274,6 +329,41 @@ def test_a_lost_zero_node_comes_back_from_parity_and_replicas_in_memory(tmp_path
         assert len(restores) == NODES and {e["source"] for e in restores} == {"memory"}, restores
         assert [e["decoded"] for e in restores if e["rank"] == 2] == [["x2.0"]], restores
         assert_bitwise(tmp_path / "zloss-final.pt", expected)
+    finally:
+        for n in nodes:
+            n.power_off()
+
+
+def test_with_a_node_range_a_lost_node_0_leaves_two_nodes_training_and_a_new_one_grows_the_job(
+        tmp_path: Path, etcd_cluster) -> None:
+    """--nnodes 2:3: node 0 (the first controller, the workers' store) is SIGKILLed whole at a random
+    step and no replacement comes. After the last call the two survivors go on as a 2-node job
+    (world 2; their ranks saved JIT checkpoints, so no step is lost). A launcher for slot 0 started
+    later grows the job back to 3 nodes (a scale-up, which does not use up --max-restarts 1)."""
+    elastic = ("--nnodes", "2:3", "--rdzv-conf", "last_call_timeout=2", "--max-restarts", "1")
+    slow = ("--step-sleep", "0.4")
+    nodes = [Node(tmp_path, "elastic", n, etcd_cluster.endpoints(first=n), flags=elastic, script_args=slow)
+             for n in range(NODES)]
+    try:
+        wait_for_step(tmp_path, "elastic", random.randint(3, 6))
+        assert all(n.proc.poll() is None for n in nodes), "the job ended before the node loss"
+        nodes[0].power_off()
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and not any(e["event"] == "resumed" for e in nodes[1].events()):
+            time.sleep(0.05)  # polling the survivors' event log for their resumption
+        two = [e for e in nodes[1].events() if e["event"] == "generation_nodes"]
+        assert two and two[-1]["nodes"] == [1, 2] and two[-1]["world_size"] == 2, two
+        assert nodes[1].proc.poll() is None, nodes[1].log.read_text()[-3000:]
+        nodes.append(Node(tmp_path, "elastic", 0, etcd_cluster.endpoints(first=0), name="-new", flags=elastic,
+                          script_args=slow))
+        assert wait_all(nodes[1:]) == [0] * NODES, "\n".join(f"--- {n.dir.name}\n{n.log.read_text()[-3000:]}"
+                                                             for n in nodes)
+        worlds = [e["world_size"] for e in nodes[1].events() if e["event"] == "generation_nodes"]
+        assert worlds == [3, 2, 3], worlds
+        summaries = [e for e in nodes[1].events() if e["event"] == "recovery_summary"]
+        assert summaries and summaries[0]["steps_redone"] <= 1, summaries  # from the survivors' JIT checkpoints
+        assert any(e["failure_kind"] == "scale_up" for e in summaries), summaries
+        assert torch.load(tmp_path / "elastic-final.pt", weights_only=True)
     finally:
         for n in nodes:
             n.power_off()

@@ -23,15 +23,16 @@ DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default --signal
 _STD_RE = re.compile(r"^[0-3]$|^\d+:[0-3](,\d+:[0-3])*$")  # torchrun's Std.from_str grammar
 
 
-def _nnodes(text: str) -> int:
-    lo, _, hi = text.partition(":")
-    if hi and hi != lo:
-        raise argparse.ArgumentTypeError(
-            f"--nnodes {text}: elastic ranges are not supported; give a fixed node count like 2")
-    n = int(lo)
-    if n < 1:
-        raise argparse.ArgumentTypeError("--nnodes must be >= 1")
-    return n
+def _nnodes(text: str) -> tuple[int, int]:
+    """torchrun's ``N`` or ``MIN:MAX``: (min, max) nodes."""
+    lo, colon, hi = text.partition(":")
+    try:
+        low, high = int(lo), int(hi if colon else lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nnodes {text}: expected a node count N or a range MIN:MAX") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"--nnodes {text}: expected 1 <= MIN <= MAX")
+    return low, high
 
 
 def _nproc(text: str) -> int:
@@ -99,7 +100,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         g.add_argument(*flags, **kw)
 
     g = p.add_argument_group("torchrun's flags (torch.distributed.run), with torchrun's meaning unless said")
-    both("--nnodes", type=_nnodes, default=1, help="number of nodes (fixed; MIN:MAX ranges are refused)")
+    both("--nnodes", type=_nnodes, default=(1, 1),
+         help="number of nodes, N or MIN:MAX: with a range a generation starts with the nodes present once MIN "
+              "joined and --rdzv-conf last_call_timeout passed (or all MAX joined), so the job goes on with fewer "
+              "nodes after a node loss and grows again when a launcher joins")
     both("--nproc-per-node", type=_nproc, default=1,
          help="workers per node: a number, or gpu, cpu, xpu or auto with torchrun's meaning")
     both("--rdzv-backend", default="c10d", choices=["c10d", "static", "etcd", "etcd-v2"],
@@ -111,7 +115,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     both("--rdzv-id", default="", help="job id shared by all nodes; its checkpoints go to "
          "<checkpoint-dir>/<id>/ (without an id: <checkpoint-dir>/ itself)")
     both("--rdzv-conf", default="", help="key=value,...: timeout or join_timeout (seconds to wait for the "
-         "other nodes at each generation); other keys are refused")
+         "other nodes at each generation), last_call_timeout (with --nnodes MIN:MAX: seconds to wait for more "
+         "nodes once MIN joined; default 30, as torchrun); other keys are refused")
     g.add_argument("--standalone", action="store_true", help="single node, local rendezvous (what one node does anyway)")
     both("--max-restarts", type=int, default=3, help="restarts before giving up (torchrun's default is 0)")
     both("--monitor-interval", type=_seconds, default=0.2,
@@ -137,13 +142,16 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
          help="comma-separated local ranks whose output is shown on the console (files keep everything)")
     both("--duplicate-stdout-filters", default="", help="refused (not supported)")
     both("--duplicate-stderr-filters", default="", help="refused (not supported)")
-    both("--node-rank", type=int, default=0, help="this node's rank (0..nnodes-1)")
+    both("--node-rank", type=int, default=0,
+         help="this node's slot (0..MAX-1); with MIN:MAX a generation's global ranks follow the slots present")
     both("--master-addr", default="127.0.0.1", help="MASTER_ADDR of the workers (rank 0 serves their store there): "
          "one node, or node 0's address the other nodes reach with --rdzv-backend etcd (with c10d it is node 0's "
          "--rdzv-endpoint host)")
     both("--master-port", type=_port, default=None,
          help="one node: MASTER_PORT of the first generation (a restart takes a free port: the old one may linger)")
-    both("--local-addr", default=None, help="refused (not supported)")
+    both("--local-addr", default=None,
+         help="this node's address the others reach (its workers' store, when it holds the job's lowest rank); "
+              "default: --master-addr on node 0, else this host's name (loopback when --master-addr is loopback)")
     both("--logs-specs", default=None, help="refused: --log-dir, --redirects and --tee are built in")
     both("--numa-binding", default=None, choices=["node", "socket", "exclusive", "core-complex"],
          help="refused (not supported)")
@@ -208,7 +216,6 @@ _REFUSED = (
     ("--event-log-handler", ("null",), "jitckpt writes its events to <run-dir>/events.jsonl (see `jitckpt report`)"),
     ("--duplicate-stdout-filters", ("",), "not supported"),
     ("--duplicate-stderr-filters", ("",), "not supported"),
-    ("--local-addr", (None,), "not supported; the workers' store is on --master-addr, the nodes' on --rdzv-endpoint"),
     ("--logs-specs", (None,), "only the built-in --log-dir/--redirects/--tee layout is supported"),
     ("--numa-binding", (None,), "not supported"),
     ("--signals-to-handle", (DEFAULT_SIGNALS,), "jitckpt handles SIGTERM and SIGINT as a preemption (the workers "
@@ -226,23 +233,25 @@ def refuse_torchrun_flags(a: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {value}: {why}")
 
 
-def _rdzv_timeout(conf: str) -> float:
+def _rdzv_conf(conf: str) -> dict[str, float]:
     """--rdzv-conf key=value,...: timeout and join_timeout (torchrun's c10d rendezvous keys) bound the
-    wait for the other nodes; any other key is refused."""
-    timeout = 300.0
+    wait for the other nodes, last_call_timeout (torchrun's etcd rendezvous key) the wait for more
+    nodes than MIN; any other key is refused."""
+    out = {"rdzv_timeout": 300.0, "last_call_timeout": 30.0}
     for item in filter(None, (x.strip() for x in conf.split(","))):
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"--rdzv-conf {conf!r}: expected key=value pairs separated by commas")
-        if key not in ("timeout", "join_timeout"):
+        if key not in ("timeout", "join_timeout", "last_call_timeout"):
             raise ValueError(f"--rdzv-conf {key}: not supported (only timeout and join_timeout, the seconds to wait "
-                             "for the other nodes)")
+                             "for the other nodes, and last_call_timeout)")
         try:
-            timeout = float(value)
-            _check_seconds(f"--rdzv-conf {key}", timeout, zero_ok=False)
+            seconds = float(value)
+            _check_seconds(f"--rdzv-conf {key}", seconds, zero_ok=key == "last_call_timeout")
         except ValueError:
             raise ValueError(f"--rdzv-conf {key}={value}: expected a finite number of seconds > 0") from None
-    return timeout
+        out["last_call_timeout" if key == "last_call_timeout" else "rdzv_timeout"] = seconds
+    return out
 
 
 def _local_ranks(text: str) -> frozenset:
@@ -274,7 +283,8 @@ def check_writable_dir(path: str, flag: str) -> None:
 class LaunchConfig:
     script: str
     script_args: list = field(default_factory=list)
-    nnodes: int = 1
+    nnodes: int = 1            # MAX of --nnodes MIN:MAX
+    min_nodes: Optional[int] = None  # MIN (None: nnodes)
     nproc_per_node: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""
@@ -300,11 +310,13 @@ class LaunchConfig:
     snapshot_protection: Optional[str] = None
     snapshot_flush_every: int = 0
     rdzv_timeout: float = 300.0
+    last_call_timeout: float = 30.0
     omp_num_threads: int = 1
     # torchrun's flags with an effect here (see add_run_arguments)
     role: str = "default"
     master_addr: str = "127.0.0.1"
     master_port: Optional[int] = None
+    local_addr: Optional[str] = None
     monitor_interval: float = 0.2
     log_dir: str = ""
     redirects: str = "0"
@@ -317,6 +329,10 @@ class LaunchConfig:
             raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT of node 0 (same on every node)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes})")
+        self.min_nodes = self.nnodes if self.min_nodes is None else self.min_nodes
+        if not 1 <= self.min_nodes <= self.nnodes:
+            raise ValueError(f"--nnodes {self.min_nodes}:{self.nnodes}: expected 1 <= MIN <= MAX")
+        _check_seconds("last_call_timeout", self.last_call_timeout, zero_ok=True)
         if self.max_restarts < 0 or self.periodic_every < 0:
             raise ValueError("--max-restarts and --periodic-every must be >= 0")
         _check_seconds("--save-timeout", self.save_timeout, zero_ok=False)
@@ -407,6 +423,9 @@ class LaunchConfig:
         if self.recovery == "stage" and self.nnodes > 1 and self.rdzv_backend in ("etcd", "etcd-v2"):
             raise ValueError("--recovery stage across nodes keeps its generations in a c10d store the workers reach; "
                              "with --rdzv-backend etcd it is not supported yet: use --rdzv-backend c10d")
+        if self.recovery == "stage" and self.elastic:
+            raise ValueError(f"--recovery stage replaces a dead stage in a job of fixed size; --nnodes "
+                             f"{self.min_nodes}:{self.nnodes} may change it: give a fixed --nnodes")
         if self.recovery == "stage" and self.snapshot_every:
             raise ValueError("--recovery stage keeps the survivors' state in memory and replaces only the "
                              "dead rank; in-memory snapshots (--snapshot-every) serve --recovery jit. "
@@ -431,7 +450,13 @@ class LaunchConfig:
 
     @property
     def world_size(self) -> int:
+        """The most ranks a generation has (MAX nodes'); a generation's own is the coordinator's."""
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def elastic(self) -> bool:
+        """--nnodes MIN:MAX with MIN < MAX: a generation may have fewer nodes than MAX."""
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
 
     @property
     def rdzv_host(self) -> str:
@@ -450,7 +475,8 @@ class LaunchConfig:
         if script_args and script_args[0] == "--":
             script_args = script_args[1:]
         refuse_torchrun_flags(a)
-        return cls(script=a.script, script_args=script_args, nnodes=a.nnodes,
+        min_nodes, max_nodes = a.nnodes if isinstance(a.nnodes, tuple) else (a.nnodes, a.nnodes)
+        return cls(script=a.script, script_args=script_args, nnodes=max_nodes, min_nodes=min_nodes,
                    nproc_per_node=a.nproc_per_node, node_rank=a.node_rank,
                    rdzv_endpoint=a.rdzv_endpoint, rdzv_backend=a.rdzv_backend, run_id=a.rdzv_id, max_restarts=a.max_restarts,
                    module=a.module, no_python=a.no_python, checkpoint_dir=a.checkpoint_dir,
@@ -460,7 +486,7 @@ class LaunchConfig:
                    metrics_addr=a.metrics_addr, preload=a.preload, transparent=a.transparent,
                    plugins=tuple(filter(None, a.plugin.split(","))), recovery=a.recovery,
                    snapshot_every=a.snapshot_every, snapshot_protection=a.snapshot_protection,
-                   snapshot_flush_every=a.snapshot_flush_every, rdzv_timeout=_rdzv_timeout(a.rdzv_conf),
-                   role=a.role, master_addr=a.master_addr, master_port=a.master_port,
+                   snapshot_flush_every=a.snapshot_flush_every, **_rdzv_conf(a.rdzv_conf),
+                   role=a.role, master_addr=a.master_addr, master_port=a.master_port, local_addr=a.local_addr,
                    monitor_interval=a.monitor_interval, log_dir=a.log_dir, redirects=a.redirects, tee=a.tee,
                    local_ranks_filter=_local_ranks(a.local_ranks_filter))

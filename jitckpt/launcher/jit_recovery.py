@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 from jitckpt.checkpoint_store import prune
 from jitckpt.launcher.config import LaunchConfig
+from jitckpt.launcher.controller_lease import LEASE_TTL_S
 from jitckpt.launcher.worker_handle import Worker, pid_of
 from jitckpt.protocol.control_messages import SaveNow
 from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED, EXIT_NO_SAVE
@@ -45,6 +46,7 @@ class FailureRecord:
     reporter: Optional[int] = None       # the healthy rank that detected it (a hang, an error)
     first_kind: Optional[str] = None     # of the failure this one interrupted the recovery from
     during_recovery: int = 0             # how many failures in a row hit the recovery
+    timed_out: bool = False              # --save-timeout passed before every shard was covered (said once)
 
     @property
     def label(self) -> str:
@@ -113,10 +115,19 @@ class JitRecovery:
         return rec
 
     def can_proceed(self, gen: int, workers: list[Worker], failure: FailureRecord) -> bool:
-        """All local workers gone, or every shard covered plus a short grace for more replicas."""
+        """All local workers gone, or the restart decided: by the job's controller (this launcher
+        with one node) once every shard is covered plus a short grace for more replicas, or once
+        --save-timeout passed. The others follow its decision, bounded by the lease's TTL more
+        should the controller itself be lost."""
         now = time.time()
         if failure.t_covered is None and self.coord.shards_covered(gen):
             failure.t_covered = now
+        if self.coord.leads:
+            decided = self._restart_due(failure, now)
+            if decided:
+                self.coord.decide_restart(gen)
+        else:
+            decided = self.coord.restart_decided(gen)
         if all(w.exit_code is not None for w in workers):
             if self.coord.node_done(gen, ok=False, wait=True):
                 return True
@@ -126,13 +137,16 @@ class JitRecovery:
                           "lost with its launcher?); going on without it", self.cfg.save_timeout)
                 return True
             return False
-        if failure.t_covered is not None:
-            grace = max(1.0, failure.save_s or 0.0)
-            if now - failure.t_covered > grace:
-                return True
+        return decided or now - failure.t_detect > self.cfg.save_timeout + LEASE_TTL_S
+
+    def _restart_due(self, failure: FailureRecord, now: float) -> bool:
+        if failure.t_covered is not None and now - failure.t_covered > max(1.0, failure.save_s or 0.0):
+            return True
         if now - failure.t_detect > self.cfg.save_timeout:
-            log.error("no complete JIT checkpoint from every shard within %.0fs; restarting from "
-                      "the newest complete checkpoint", self.cfg.save_timeout)
+            if not failure.timed_out:
+                failure.timed_out = True
+                log.error("no complete JIT checkpoint from every shard within %.0fs; restarting from "
+                          "the newest complete checkpoint", self.cfg.save_timeout)
             return True
         return False
 
@@ -181,7 +195,7 @@ class JitRecovery:
         self.emit("recovery_summary", **summary)
         self.display.show_summary(summary)
         self.pending = None
-        if self.cfg.node_rank != 0:
+        if not self.coord.leads:  # one launcher prunes: the job's controller
             return
         try:
             prune(self.cfg.checkpoint_dir, older_than_step=step_resumed)

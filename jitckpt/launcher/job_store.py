@@ -82,6 +82,23 @@ def connect(cfg: LaunchConfig, prefix: str, *, serve: bool) -> Any:
     return dist.PrefixStore(prefix, store)
 
 
+def set_once(store: Any, key: str, value: str) -> str:
+    """Write ``key`` = ``value`` unless some client wrote it first; the value it holds after
+    (this one, or the first writer's). An atomic create: c10d's compare-and-set, etcd's
+    ``prevExist=false`` (under the store's prefix, beside its keys: '_' is not base64)."""
+    client = getattr(store, "client", None)  # torch's EtcdStore keeps its python-etcd client
+    if client is None:
+        return store.compare_set(key, "", value).decode()
+    import etcd  # type: ignore[import-not-found]
+
+    path = store.prefix + "once_" + key.replace("/", "_")
+    try:
+        client.write(path, value, prevExist=False)
+    except etcd.EtcdAlreadyExist:
+        pass
+    return client.read(path).value
+
+
 def forget(cfg: LaunchConfig, prefix: str) -> None:
     """Delete the job's keys once it ended well (etcd keeps them otherwise; a c10d store ends with
     node 0's launcher). A launcher of the same ``--rdzv-id`` started later then starts a new job

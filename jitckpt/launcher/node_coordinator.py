@@ -2,14 +2,21 @@
 
 Single node: everything is local and no store is created. Several nodes: every launcher is a client
 of the job's store: a c10d TCPStore that node 0 serves at ``--rdzv-endpoint``, or etcd there.
-Keys, per generation ``g``: ``g/master`` (MASTER_ADDR:PORT chosen by node 0), ``g/joined``
-(counter; the last to join sets ``g/all_joined``), ``g/failed`` (a failure: the first, unless two
-nodes write it at once), ``g/saved/<shard>`` (a replica of that shard saved a JIT
-checkpoint), ``g/exit_ready/<rank>`` (that rank is at the exit barrier), ``g/done/<node>`` (that
-node's workers are gone); ``latest``: the newest generation begun. Node 0 is a fixed leader: no
-election, as with torchrun's static rendezvous. With c10d, if node 0's launcher dies the job ends.
+Keys, per generation ``g``: ``g/joined/<node>`` (that node's launcher is in, with the address its
+workers' store would take), ``g/members`` (the generation's nodes and its workers' store, decided by
+the controller), ``g/failed`` (a failure: the first, unless two nodes write it at once),
+``g/saved/<shard>`` (a replica of that shard saved a JIT checkpoint), ``g/exit_ready/<rank>`` (that
+rank is at the exit barrier), ``g/done/<node>`` (that node's workers are gone); ``latest``: the
+newest generation begun; ``alive/<node>``: heartbeats.
+
+The job's controller (:mod:`jitckpt.launcher.controller_lease`: an etcd lease, or node 0 with c10d)
+closes each generation's gathering: once every node joined, or, with ``--nnodes MIN:MAX``, once MIN
+did and ``last_call_timeout`` passed. The generation's ranks follow its nodes in slot order; its
+lowest node's address is the workers' store. With c10d, if node 0's launcher dies the job ends.
 With etcd the store outlives it, and a launcher started with a lost node's ``--node-rank`` (node 0's
-too) joins the generation after the one that lost it (:meth:`NodeCoordinator.first_launch`).
+too) joins the generation after the one that lost it (:meth:`NodeCoordinator.first_launch`); with
+a range, a launcher whose slot the running generation does not have asks the job to grow (a
+``scale_up`` "failure": every rank saves, and the next generation has the new node).
 """
 from __future__ import annotations
 
@@ -21,14 +28,17 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from jitckpt.launcher import job_store
 from jitckpt.launcher.config import LaunchConfig
+from jitckpt.launcher.controller_lease import ControllerLease
 
 log = logging.getLogger("jitckpt.launcher.node_coordinator")
 HEARTBEAT_S = 2.0  # how often a launcher writes to the job's store, to find it lost
 STORE_GRACE_S = 15.0  # how long the store may refuse writes before it is lost (an etcd election: ~1 s)
+SCALE_UP = "scale_up"  # the failure kind of a node asking a running job to grow (--nnodes MIN:MAX)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -37,9 +47,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         return s.getsockname()[1]
 
+def _local_addr(cfg: LaunchConfig) -> str:
+    """The address this node's workers' store takes if the node has a generation's lowest rank:
+    --local-addr; node 0: --master-addr (c10d: the store's host); else this host's name, or loopback
+    when --master-addr is loopback (every node on one machine)."""
+    if cfg.local_addr:
+        return cfg.local_addr
+    if cfg.node_rank == 0:
+        return cfg.master_addr if job_store.uses_etcd(cfg) else cfg.rdzv_host
+    if cfg.master_addr in ("127.0.0.1", "localhost", "::1"):
+        return cfg.master_addr
+    return socket.getfqdn()
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation of the job as this node sees it: its number, its workers' store, its nodes
+    (slots, ascending) and this node's place among them (the group rank)."""
+
+    gen: int
+    master: tuple[str, int]
+    nodes: tuple[int, ...]
+    group_rank: int
+
+
 class NodeCoordinator:
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
+        self.current = Generation(0, (cfg.master_addr, 0), (0,), 0)  # one node's; set per generation
+        self.lease: Optional[ControllerLease] = None
         self._saved: dict[int, set] = {}
         self._num_shards: dict[int, int] = {}
         self._exit_ready: dict[int, set] = {}
@@ -52,6 +88,7 @@ class NodeCoordinator:
         self._closing = threading.Event()
         self._lost_said = False
         self._beats = 0
+        self._beats_seen: dict[int, tuple] = {}  # node -> (its heartbeat, when this launcher saw it change)
         self._beat_gen = -1  # the generation this launcher is in, for its heartbeat (-1: none yet)
         self._heart: Optional[threading.Thread] = None
         if cfg.nnodes > 1:
@@ -75,6 +112,7 @@ class NodeCoordinator:
 
     def _connect(self) -> None:
         self.store = self._client(server=self.cfg.node_rank == 0)
+        self.lease = ControllerLease(store=self.store, etcd=job_store.uses_etcd(self.cfg), node=self.cfg.node_rank)
         # A store client serves one request at a time: the blocking wait for a failure gets its own.
         self._watch_store = self._client()
         self._pipe_r, self._pipe_w = os.pipe()
@@ -84,28 +122,79 @@ class NodeCoordinator:
     def _k(self, gen: int, key: str) -> str:
         return f"g{gen}/{key}"
 
-    def begin_generation(self, gen: int) -> tuple[str, int]:
+    @property
+    def leads(self) -> bool:
+        """This launcher is the job's controller (one node: always)."""
+        return self.lease is None or self.lease.held
+
+    def begin_generation(self, gen: int) -> Generation:
+        """Join generation ``gen`` and wait until its nodes are decided; the generation this node
+        is in: ``gen``, or with --nnodes MIN:MAX a later one when ``gen`` closed without it."""
         if self.store is None:  # one node: torchrun's --master-addr/--master-port; a restart's port is fresh
             port = self.cfg.master_port if gen == 0 and self.cfg.master_port else free_port(self.cfg.master_addr)
-            return self.cfg.master_addr, port
-        s = self.store
-        if self.cfg.node_rank == 0:
-            # c10d: node 0 serves the store at --rdzv-endpoint, so its host is node 0's; etcd runs elsewhere.
-            host = self.cfg.master_addr if job_store.uses_etcd(self.cfg) else self.cfg.rdzv_host
-            port = free_port(host if host != "localhost" else "127.0.0.1")
-            s.set(self._k(gen, "master"), f"{host}:{port}")
-        s.set("latest", str(gen))
-        self._beat_gen = gen
-        if s.add(self._k(gen, "joined"), 1) == self.cfg.nnodes:
-            s.set(self._k(gen, "all_joined"), "1")
-        s.wait([self._k(gen, "master"), self._k(gen, "all_joined")])
-        host, _, port = s.get(self._k(gen, "master")).decode().rpartition(":")
+            self.current = Generation(gen, (self.cfg.master_addr, port), (0,), 0)
+            return self.current
+        while True:
+            members = self._gather(gen)
+            if self.cfg.node_rank in members["nodes"]:
+                break
+            log.warning("generation %d of job %s began with nodes %s, without this one (it joined after the last "
+                        "call); asking the job to grow", gen, self.cfg.run_id, members["nodes"])
+            gen = self._ask_to_grow(gen)
+        host, _, port = members["master"].rpartition(":")
+        nodes = tuple(members["nodes"])
+        self.current = Generation(gen, (host, int(port)), nodes, nodes.index(self.cfg.node_rank))
         if self._watcher is not None:
             self._watcher.join()
         self._drop_stale_failures()
         self._watcher = threading.Thread(target=self._watch_failure, args=(gen,), daemon=True)
         self._watcher.start()
-        return host, int(port)
+        return self.current
+
+    def _gather(self, gen: int) -> dict:
+        """Say this node is in generation ``gen`` and wait for its nodes, closing the gathering when
+        this launcher is the controller; {"nodes": [...], "master": "host:port"}."""
+        s = self.store
+        host = _local_addr(self.cfg)
+        try:
+            port = free_port(host if host != "localhost" else "127.0.0.1")
+        except OSError:  # a name this host does not bind by: any interface's free port
+            port = free_port("")
+        s.set(self._k(gen, f"joined/{self.cfg.node_rank}"), f"{host}:{port}")
+        s.set("latest", str(gen))
+        self._beat_gen = gen
+        key = self._k(gen, "members")
+        deadline = time.monotonic() + self.cfg.rdzv_timeout
+        enough_since: Optional[float] = None  # when MIN nodes had joined (the last call's start)
+        while not s.check([key]):
+            if self.leads:
+                joined = [n for n in range(self.cfg.nnodes) if s.check([self._k(gen, f"joined/{n}")])]
+                if len(joined) >= self.cfg.min_nodes:
+                    enough_since = enough_since or time.monotonic()
+                if len(joined) == self.cfg.nnodes or (
+                        enough_since is not None and time.monotonic() - enough_since >= self.cfg.last_call_timeout):
+                    decided = json.dumps({"nodes": joined, "master": s.get(self._k(gen, f"joined/{joined[0]}")).decode()})
+                    s.set(key, job_store.set_once(s, key, decided))  # one decision, were there two controllers
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"job {self.cfg.run_id}: generation {gen} did not get its nodes within the rendezvous "
+                                   f"timeout ({self.cfg.rdzv_timeout:.0f}s; --rdzv-conf join_timeout): "
+                                   f"--nnodes {self.cfg.min_nodes}:{self.cfg.nnodes} needs at least "
+                                   f"{self.cfg.min_nodes} launchers with the same --rdzv-id")
+            try:
+                s.wait([key], datetime.timedelta(seconds=0.5))
+            except job_store.WAIT_TIMED_OUT:
+                pass  # the controller (maybe this launcher, once the lease is ours) decides
+        return json.loads(s.get(key))
+
+    def _ask_to_grow(self, gen: int) -> int:
+        """This node is not in running generation ``gen``: announce a scale-up (every rank saves a
+        JIT checkpoint, as for a failure) and return the next generation, which it joins."""
+        info = {"kind": SCALE_UP, "rank": None, "reporter": None,
+                "detail": f"node {self.cfg.node_rank} joins the job (--nnodes {self.cfg.min_nodes}:{self.cfg.nnodes})"}
+        if not self.store.check([self._k(gen, "failed")]):
+            self.store.set(self._k(gen, "failed"), json.dumps(info))
+        return gen + 1
 
     def first_launch(self) -> int:
         """The generation this launcher's workers start in: 0, or, when the job already runs (etcd:
@@ -135,6 +224,10 @@ class NodeCoordinator:
             log.warning("job %s is gathering for generation %d: this launcher joins it in place of node %d",
                         self.cfg.run_id, latest, self.cfg.node_rank)
             return latest
+        if self.cfg.node_rank not in json.loads(self.store.get(self._k(latest, "members")))["nodes"]:
+            log.warning("job %s runs generation %d without node %d: this launcher asks it to grow", self.cfg.run_id,
+                        latest, self.cfg.node_rank)
+            return self._ask_to_grow(latest)
         log.warning("job %s is running (generation %d): this launcher replaces node %d, whose launcher is "
                     "gone; waiting for the survivors to find the failure", self.cfg.run_id, latest, self.cfg.node_rank)
         self.store.wait([self._k(latest, "failed")], datetime.timedelta(seconds=self.cfg.rdzv_timeout))
@@ -144,7 +237,7 @@ class NodeCoordinator:
     def _gathering(self) -> bool:
         """The newest generation is still gathering its nodes."""
         latest = int(self.store.get("latest"))
-        return not self.store.check([self._k(latest, "all_joined")])
+        return not self.store.check([self._k(latest, "members")])
 
     def _peers_alive(self) -> bool:
         """Another node's launcher writes its heartbeat (every HEARTBEAT_S): one changes within
@@ -219,6 +312,8 @@ class NodeCoordinator:
             try:
                 store.set(f"alive/{self.cfg.node_rank}", f"{self._beat_gen} {time.time()}")
                 self._beats += 1
+                if self.lease is not None:
+                    self.lease.renew()
                 failing_since = None
             except Exception as e:  # noqa: BLE001 - the store's client raises its own types (etcd, c10d)
                 failing_since = failing_since or time.monotonic()
@@ -279,6 +374,17 @@ class NodeCoordinator:
 
         return self._guarded(covered, False)
 
+    def decide_restart(self, gen: int) -> None:
+        """The controller's decision: generation ``gen``'s survivors saved enough (or waited long
+        enough); every launcher now ends it."""
+        if self.store is not None:
+            self._guarded(lambda: self.store.set(self._k(gen, "restart"), "1"), None)
+
+    def restart_decided(self, gen: int) -> bool:
+        if self.store is None:
+            return False
+        return self._guarded(lambda: self.store.check([self._k(gen, "restart")]), False)
+
     # ---- exit barrier and generation end ------------------------------------------------------
     def report_exit_ready(self, gen: int, rank: int) -> None:
         self._exit_ready.setdefault(gen, set()).add(rank)
@@ -288,35 +394,51 @@ class NodeCoordinator:
     def all_exit_ready(self, gen: int) -> bool:
         if self.store is None:
             return True  # the launcher checks its local workers itself
-        keys = [self._k(gen, f"exit_ready/{r}") for r in range(self.cfg.world_size)]
+        world = len(self.current.nodes) * self.cfg.nproc_per_node
+        keys = [self._k(gen, f"exit_ready/{r}") for r in range(world)]
         return self._guarded(lambda: self.store.check(keys), False)
 
     def node_done(self, gen: int, *, ok: bool, wait: bool = False) -> bool:
         """Mark this node's workers as gone; True when every node's are (or at once, if ok)."""
         if self.store is None:
             return True
-        keys = [self._k(gen, f"done/{n}") for n in range(self.cfg.nnodes)]
+        keys = [self._k(gen, f"done/{n}") for n in self.current.nodes]
 
         def mark() -> bool:
             self.store.set(self._k(gen, f"done/{self.cfg.node_rank}"), "ok" if ok else "failed")
             if ok:
-                if self.cfg.node_rank == 0:  # node 0 serves the store (c10d): stay until everyone is done
+                # The controller (c10d: node 0, which serves the store) stays until everyone is done.
+                if self.leads:
                     try:
                         self.store.wait(keys, datetime.timedelta(seconds=self.cfg.rdzv_timeout))
                         job_store.forget(self.cfg, self.prefix)  # etcd: the job's keys go with it
                     except job_store.WAIT_TIMED_OUT:
                         pass
                 return True
-            return self.store.check(keys)
+            return all(self.store.check([k]) or self._silent(n) for n, k in zip(self.current.nodes, keys))
 
         return self._guarded(mark, True)  # a lost store: nobody else to wait for
+
+    def _silent(self, node: int) -> bool:
+        """Node ``node``'s heartbeat has not changed for three periods: its launcher is gone (a lost
+        node never says its workers are). Only this launcher's clock is read."""
+        key = f"alive/{node}"
+        beat = self.store.get(key).decode() if self.store.check([key]) else None
+        seen, since = self._beats_seen.get(node, (None, None))
+        if since is None or beat != seen:
+            self._beats_seen[node] = (beat, time.monotonic())
+            return False
+        return time.monotonic() - since > 3 * HEARTBEAT_S
 
     def close(self) -> None:
         self._closing.set()
         for t in (self._watcher, self._heart):
             if t is not None:
                 t.join(timeout=5)
-        for fd in (self._pipe_r, self._pipe_w):
+        if self.lease is not None:
+            self.lease.release()
+        fds, self._pipe_r, self._pipe_w = (self._pipe_r, self._pipe_w), None, None  # once: a closed number is reused
+        for fd in fds:
             if fd is not None:
                 try:
                     os.close(fd)

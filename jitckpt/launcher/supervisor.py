@@ -37,7 +37,7 @@ from jitckpt.observability.events import EVENTS_FILE, EventLog
 from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
 from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED
 from jitckpt.launcher.config import LaunchConfig, check_writable_dir
-from jitckpt.launcher.node_coordinator import NodeCoordinator
+from jitckpt.launcher.node_coordinator import SCALE_UP, NodeCoordinator
 from jitckpt.launcher.store_relay import StoreRelay, local_store_factory
 from jitckpt.launcher.standby_pool import StandbyPool
 from jitckpt.launcher.daemon_link import DaemonKeeper, DaemonLink, NodeDraining
@@ -244,18 +244,28 @@ class Launcher:
                 if not self._ensure_keeper():
                     self.emit("job_end", status="failed", exit_code=1, restarts=self._restarts_used())
                     return 1
-                ok = self._run_generation(gen)
+                joined = self.coord.begin_generation(gen)
+                if joined.gen != gen:  # --nnodes MIN:MAX: it closed without this node, which joins a later one
+                    gen = self.gen = self.events.gen = joined.gen
+                if cfg.nnodes > 1:
+                    self.emit("generation_nodes", nodes=list(joined.nodes), group_rank=joined.group_rank,
+                              world_size=len(joined.nodes) * cfg.nproc_per_node, controller=self.coord.leads)
+                ok = self._run_generation(gen, joined.master)
                 if ok:
                     self._prune_finished()
                     self.emit("job_end", status="ok", exit_code=0, restarts=self._restarts_used())
                     return 0
                 if self.preempt_signal is not None:
                     return self._end_preempted()
-                if self._restarts_used() >= cfg.max_restarts:
+                # A change of the job's nodes (a node joined: --nnodes MIN:MAX) is no failure: as
+                # with torchrun, it does not use up a restart.
+                scale_up = self.jit.pending is not None and self.jit.pending.kind == SCALE_UP
+                if self._restarts_used() >= cfg.max_restarts and not scale_up:
                     log.error("job failed and --max-restarts=%d is used up", cfg.max_restarts)
                     self.emit("job_end", status="failed", exit_code=1, restarts=self._restarts_used())
                     return 1
-                self.restart_count += 1
+                if not scale_up:
+                    self.restart_count += 1
                 gen += 1
                 if self.replacement is not None:  # killed with the rest; launch ``gen`` counts afresh
                     self.replacement.reset()
@@ -335,11 +345,12 @@ class Launcher:
         ``init_process_group`` read them); jitckpt's own settings are in ``spec``."""
         cfg = self.cfg
         rank, gen = spec.rank, spec.gen
+        nodes = self.coord.current
         env = {
-            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(cfg.world_size),
-            "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node), "GROUP_RANK": str(cfg.node_rank),
-            "GROUP_WORLD_SIZE": str(cfg.nnodes),
-            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(cfg.world_size), "ROLE_NAME": cfg.role,
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size),
+            "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node), "GROUP_RANK": str(nodes.group_rank),
+            "GROUP_WORLD_SIZE": str(len(nodes.nodes)),
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(spec.world_size), "ROLE_NAME": cfg.role,
             "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
             "TORCHELASTIC_RESTART_COUNT": str(gen), "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
             "TORCHELASTIC_RUN_ID": cfg.run_id,
@@ -373,8 +384,9 @@ class Launcher:
                                     ranks_per_node=cfg.nproc_per_node)
         if self.stage is not None:
             stage = self.stage.worker_spec(role)
-        return WorkerSpec(rank=cfg.node_rank * cfg.nproc_per_node + local_rank,
-                          world_size=cfg.world_size, gen=gen, checkpoint_dir=cfg.checkpoint_dir,
+        nodes = self.coord.current  # the generation's nodes: with --nnodes MIN:MAX maybe fewer than MAX
+        return WorkerSpec(rank=nodes.group_rank * cfg.nproc_per_node + local_rank,
+                          world_size=len(nodes.nodes) * cfg.nproc_per_node, gen=gen, checkpoint_dir=cfg.checkpoint_dir,
                           run_dir=str(self.run_dir), hang_timeout=cfg.hang_timeout,
                           periodic_every=cfg.periodic_every, save_timeout=cfg.save_timeout,
                           plugins=cfg.plugins, host_store=not cfg.no_python, snapshot=snapshot,
@@ -449,8 +461,7 @@ class Launcher:
         return True
 
     # ---- one generation ---------------------------------------------------------------------
-    def _run_generation(self, gen: int) -> bool:
-        master = self.coord.begin_generation(gen)
+    def _run_generation(self, gen: int, master: tuple[str, int]) -> bool:
         t_start = time.time()
         self._start_workers(gen, master)
         if self.jit.pending is not None:
@@ -560,7 +571,7 @@ class Launcher:
         failure.t_killed = time.time()
         # Said before run() decides, so that nothing announces a restart that does not come.
         restarting = (self.preempt_signal is None
-                      and self._restarts_used() < self.cfg.max_restarts)
+                      and (self._restarts_used() < self.cfg.max_restarts or failure.kind == SCALE_UP))
         self.jit.finish(self.workers, failure, restarting=restarting)
         return False
 

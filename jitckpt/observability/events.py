@@ -99,6 +99,7 @@ EVENT_TYPES = (
     "transparent_recovery",
     "transparent_validation",
     "stage_caught_up",
+    "generation_nodes",
 )
 
 EVENTS_FILE = "events.jsonl"
