@@ -72,6 +72,11 @@ BENCHES = [
                  lambda v: v < 0.01),
            Ratio("restore from memory vs cold torch.load", lambda d: d["restore_speedup_vs_disk_cold"], "{:.2f}x",
                  ">= 10x", lambda v: v >= 10),
+           Ratio("restore into the model / one memcpy of the state", lambda d: d["restore_total_over_one_memcpy"],
+                 "{:.2f}x", "<= 1.5x", lambda v: v <= 1.5),
+           Ratio("  ceiling: memcpy + checksum / one memcpy (same run)",
+                 lambda d: d["restore_ceiling_one_copy"]["memcpy_and_checksum_seconds_median"]
+                 / d["restore_ceiling_one_copy"]["memcpy_seconds_median"], "{:.2f}x", "(physical limit)"),
            Ratio("  ceiling: one memcpy vs cold torch.load (same run)",
                  lambda d: d["restore_ceiling_one_copy"]["max_speedup_of_a_one_copy_restore"], "{:.2f}x",
                  "(physical limit)"))),

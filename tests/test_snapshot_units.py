@@ -411,6 +411,86 @@ def test_corrupt_newest_step_falls_back_to_the_older_copy_in_memory(keeper) -> N
     _assert_same(states[1], res.state)
 
 
+def _trainer(seed: int, *, stepped: bool = True) -> tuple:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.BatchNorm1d(13), torch.nn.Linear(13, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    if stepped:
+        model(torch.randn(5, 7)).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _live(model, opt) -> dict:
+    return {"step": 0, "model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+@pytest.mark.parametrize("stepped", [True, False], ids=["optimizer-state-live", "fresh-optimizer"])
+def test_restore_into_the_live_tensors_copies_once_and_load_state_dict_copies_nothing(keeper, stepped) -> None:
+    """Issue 19: one rank's restore copies the snapshot straight into the model's parameters and
+    the optimizer's state (verified in the same pass); loading the result changes no tensor
+    again. A fresh optimizer (no state yet) gets new tensors for its state."""
+    sock, _ = keeper
+    model, opt = _trainer(0)
+    state = _live(model, opt)
+    state["step"] = 11
+    _take(sock, state, 11).close()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in opt.state.values()]
+    other, other_opt = _trainer(5, stepped=stepped)
+    params = [p.data_ptr() for p in other.parameters()]
+    own_moments = [s["exp_avg"].data_ptr() for s in other_opt.state.values()]
+    res = restore(socket_path=sock, ranks_per_node=1, into=_live(other, other_opt))
+    assert (res.source, res.step) == ("memory", 11) and res.state["step"] == 11
+    # Already in the parameters before any load_state_dict: the state holds the live tensors.
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in expected.items())
+    assert [res.state["model"][k].data_ptr() for k in ("0.weight", "0.bias", "2.weight", "2.bias")] == [
+        params[0], params[1], params[4], params[5]]
+    other.load_state_dict(res.state["model"])
+    other_opt.load_state_dict(res.state["optimizer"])
+    assert [p.data_ptr() for p in other.parameters()] == params
+    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(other_opt.state.values(), moments))
+    if stepped:  # the optimizer kept its own tensors, now holding the snapshot's values
+        assert [s["exp_avg"].data_ptr() for s in other_opt.state.values()] == own_moments
+
+
+def test_restore_into_a_corrupt_snapshot_falls_back_to_disk_or_refuses_to_go_on(keeper, tmp_path) -> None:
+    """A checksum mismatch found while copying into the live tensors: they hold partial data, so
+    the disk tier's state is loaded, and with no disk tier restore raises instead of returning
+    nothing (a job would train on from half-written parameters)."""
+    sock, _ = keeper
+    model, opt = _trainer(0)
+    _take(sock, _live(model, opt), 4).close()
+    c = KeeperClient(sock)
+    m, _ = c.open("x0.0", 4)
+    m[len(m) // 2] ^= 0x10
+    c.close()
+    other, other_opt = _trainer(1)
+    with pytest.raises(RuntimeError, match="partial data.*fails its checksum"):
+        restore(socket_path=sock, ranks_per_node=1, into=_live(other, other_opt))
+    ckpt = tmp_path / "ckpt"
+    good = _live(*_trainer(2))
+    write_checkpoint(ckpt, lambda d: torch.save(good, Path(d) / STATE_FILE), kind="jit", step=3, rank=0,
+                     world_size=1, gen=0)
+    res = restore(socket_path=sock, ranks_per_node=1, checkpoint_dir=str(ckpt), into=_live(other, other_opt))
+    assert (res.source, res.step) == ("disk", 3)
+    _assert_same(good, res.state)
+
+
+def test_restore_into_rejects_a_nan_snapshot_and_takes_the_older_step(keeper) -> None:
+    sock, _ = keeper
+    states = {1: {"w": torch.arange(100.0), "n": 1}, 2: {"w": torch.full((100,), math.nan), "n": 2}}
+    snap = SnapshotTaker(state_fn=lambda: states[step], socket_path=sock, scheme="none")
+    for step in (1, 2):
+        assert snap.begin(step) and snap.wait() == step
+    snap.close()
+    live = {"w": torch.zeros(100), "n": 0}
+    res = restore(socket_path=sock, ranks_per_node=1, into=live)
+    assert (res.source, res.step) == ("memory", 1) and res.state["w"] is live["w"]
+    assert torch.equal(live["w"], torch.arange(100.0)) and res.state["n"] == 1
+    assert any("NaN" in why for _, why in res.skipped)
+
+
 def test_disk_flush_goes_through_the_shared_checkpoint_format(keeper, tmp_path) -> None:
     sock, _ = keeper
     state = {"step": 2, "w": torch.arange(10.0)}

@@ -416,7 +416,8 @@ class Protected:
         return None
 
     def _restore_tiered(self, rt: Any) -> int:
-        point = self._snapshots.resolve()
+        # One rank: the snapshot is loaded straight into the live tensors (load_state_dict then copies nothing).
+        point = self._snapshots.resolve(into=None if self._zero else self.state_dict())
         if point is None:
             return self.step
         t0 = time.monotonic()

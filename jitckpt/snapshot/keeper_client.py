@@ -63,15 +63,20 @@ class KeeperClient:
             raise
         return reply, fd
 
-    def _map(self, key: str, reply: Message, fd: Optional[int]) -> mmap.mmap:
+    def _map(self, key: str, reply: Message, fd: Optional[int], *, ahead: bool = False) -> mmap.mmap:
         try:
             if fd is None or not isinstance(reply, Granted):
                 raise KeeperError(f"snapshot keeper sent no buffer for {key}")
             cache_key = (key, reply.buf_id)
             m = self._maps.get(cache_key)
             if m is None or len(m) != reply.size:
-                # MAP_POPULATE: fault the pages in now, in one go, not one by one during the copy.
-                m = mmap.mmap(fd, reply.size, flags=mmap.MAP_SHARED | _POPULATE)
+                if ahead:  # mapped now, its pages faulted in by a helper thread while the caller reads
+                    m = mmap.mmap(fd, reply.size, flags=mmap.MAP_SHARED)
+                    threading.Thread(target=_populate, args=(m,), name="jitckpt-keeper-populate",
+                                     daemon=True).start()
+                else:
+                    # MAP_POPULATE: fault the pages in now, in one go, not one by one during the copy.
+                    m = mmap.mmap(fd, reply.size, flags=mmap.MAP_SHARED | _POPULATE)
                 self._maps[cache_key] = m
             return m
         finally:
@@ -90,10 +95,13 @@ class KeeperClient:
         """Every complete object version: {key, step, size, checksum, algo}."""
         return self.request(ListObjects())[0].objects
 
-    def open(self, key: str, step: int) -> tuple[mmap.mmap, Granted]:
-        """A mapping of the complete object (key, step) and its metadata (checksum, algo)."""
+    def open(self, key: str, step: int, *, sequential: bool = False) -> tuple[mmap.mmap, Granted]:
+        """A mapping of the complete object (key, step) and its metadata (checksum, algo).
+
+        ``sequential``: the caller reads it once from start to end; its pages are faulted in by a
+        helper thread running ahead of the reader (the other core), not all before this returns."""
         reply, fd = self.request(Open(key=key, step=step))
-        return self._map(key, reply, fd), reply
+        return self._map(key, reply, fd, ahead=sequential), reply
 
     def reject(self, step: int) -> None:
         """A restore from ``step`` failed: the keeper frees it and never offers it again."""
@@ -110,6 +118,31 @@ class KeeperClient:
     def close(self) -> None:
         # Mappings are not closed explicitly: a restored tensor may still view one (torch keeps a
         # reference to the mmap object, not a buffer export), and munmap under it would crash.
-        # Each unmaps when its last user is gone.
-        self._maps.clear()
+        # Each unmaps when its last user is gone: dropped on a helper thread, since unmapping tens
+        # of MiB takes milliseconds the caller (a restore) need not wait for.
+        maps, self._maps = self._maps, {}
+        if maps:
+            threading.Thread(target=maps.clear, name="jitckpt-keeper-unmap", daemon=True).start()
         self._sock.close()
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python 3.11 lacks the name
+_WINDOW = 2 << 20
+
+
+def _populate(m: mmap.mmap) -> None:
+    """Fault ``m``'s pages in from its start, a window at a time (the reader follows behind; a page
+    it reaches first it faults itself). Through ctypes, which releases the GIL during the call
+    (mmap.madvise holds it). Older kernels refuse the advice: the reader faults the pages then."""
+    import ctypes
+
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    view = (ctypes.c_char * len(m)).from_buffer(m)  # an export: the mapping stays while it lives
+    try:
+        base = ctypes.addressof(view)
+        for start in range(0, len(m), _WINDOW):
+            if madvise(base + start, min(_WINDOW, len(m) - start), _MADV_POPULATE_READ) != 0:
+                return
+    finally:
+        del view

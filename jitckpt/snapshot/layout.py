@@ -160,15 +160,20 @@ def parse_layout(skeleton: Union[bytes, str, dict]) -> dict:
     return doc
 
 
-def rebuild(skeleton: Union[bytes, str, dict], flat: Any) -> Any:
-    """The state from its layout (see :class:`FlatState`) and a buffer holding the flat bytes.
+def rebuild(skeleton: Union[bytes, str, dict], flat: Any = None, *,
+            tensors: Optional[list[torch.Tensor]] = None) -> Any:
+    """The state from its layout (see :class:`FlatState`) and a buffer holding the flat bytes, or
+    the layout's tensors already loaded (``tensors``, in table order).
 
     The tensors view ``flat`` (no copy). Every table entry is checked against the buffer and its
     dtype, so a damaged layout gives a ValueError, never an out-of-range view.
     """
     doc = parse_layout(skeleton)
-    buf = memoryview(flat).cast("B")
-    tensors = [_tensor(entry, buf) for entry in doc["tensors"]]
+    if tensors is None:
+        buf = memoryview(flat).cast("B")
+        tensors = [_tensor(entry, buf) for entry in doc["tensors"]]
+    elif len(tensors) != len(doc["tensors"]):
+        raise ValueError("snapshot layout: the tensors given do not match its table")
 
     def decode(node: Any) -> Any:
         if not isinstance(node, (dict, list)):

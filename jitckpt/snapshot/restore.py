@@ -239,10 +239,70 @@ def _newest_memory_step(keeper: Optional[KeeperClient], topo: Topology, group: A
     return None
 
 
+def _direct_step(keeper: KeeperClient, into: Any, newer_than: Optional[int], skipped: list,
+                 check_finite: bool) -> tuple[Optional[tuple[int, Any]], bool]:
+    """One rank, one node: the newest in-memory step (newer than ``newer_than``, the disk tier's),
+    loaded straight into ``into``'s tensors and verified in the same pass
+    (:mod:`jitckpt.snapshot.direct_load`). ((step, state) or None, whether ``into``'s tensors were
+    written); None also when the snapshot is not one whole-state object (the general path takes it)."""
+    import numpy as np
+
+    from jitckpt.snapshot.direct_load import copy_verified_into, targets_in
+    from jitckpt.snapshot.layout import parse_layout
+
+    listing = keeper.listing()
+    written = False
+    for step in sorted({int(e["step"]) for e in listing}, reverse=True):
+        if newer_than is not None and step < newer_than:
+            break
+        objs = {e["key"]: e for e in listing if e["step"] == step}
+        if set(objs) != {META_KEY, "x0.0"}:
+            _skip(skipped, f"memory step {step}", "not one whole-state object")
+            continue
+        try:
+            m, info = keeper.open(META_KEY, step)
+            if checksum_of(memoryview(m)[:objs[META_KEY]["size"]], info.algo) != info.checksum:
+                raise ValueError("its metadata object fails its checksum")
+            meta = parse_meta(m[:objs[META_KEY]["size"]])
+            plan = ProtectionPlan(**meta["plan"])
+            if (plan.m, plan.r) != (1, 1) or plan.padded_total != objs["x0.0"]["size"]:
+                raise ValueError("taken by a job of another shape")
+            doc = parse_layout(meta["layout"])
+            dm, dinfo = keeper.open("x0.0", step, sequential=True)
+            src = np.frombuffer(dm, dtype=np.uint8, count=objs["x0.0"]["size"])
+            targets = targets_in(doc, into)
+            written = written or any(t is not None for t in targets)
+            tensors, value, finite = copy_verified_into(doc, src, dinfo.algo, targets, check_finite=check_finite)
+        except (KeeperError, ValueError, TypeError, KeyError) as e:
+            _skip(skipped, f"memory step {step}", str(e))
+            continue
+        if value != dinfo.checksum:
+            log.warning("in-memory snapshot step %s fails its checksum; not used", step)
+            _skip(skipped, f"memory step {step}", "fails its checksum")
+            continue
+        if not finite:
+            _skip(skipped, f"memory step {step}", "restored state has NaN/Inf")
+            keeper.reject(step)
+            continue
+        if any(int(e["step"]) > step for e in listing):  # stale partial versions go (as in restore())
+            keeper.discard_newer(step)
+        return (step, rebuild(doc, tensors=tensors)), written
+    return None, written
+
+
 def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] = None,
             checkpoint_dir: Optional[str] = None, group: Any = None,
-            check_finite: bool = True) -> RestoreResult:
-    """Load the newest usable state (memory or disk tier); see the module docstring."""
+            check_finite: bool = True, into: Any = None) -> RestoreResult:
+    """Load the newest usable state (memory or disk tier); see the module docstring.
+
+    ``into``: the trainer's live state, of the structure the snapshots were taken of (e.g.
+    ``{"model": model.state_dict(), "optimizer": opt.state_dict(), ...}``). One rank on one node:
+    an in-memory snapshot is copied straight into its tensors (those of the same place, dtype and
+    shape) and verified in the same pass; the state returned holds those very tensors, so
+    ``load_state_dict`` of it copies nothing. Should every in-memory step fail its checksum after
+    ``into``'s tensors were written, they hold partial data: the disk tier then loads, and without
+    one this raises rather than let training go on from them.
+    """
     t0 = time.monotonic()
     topo = Topology.detect(ranks_per_node, group)
     skipped: list = []
@@ -252,10 +312,22 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
         keeper = KeeperClient(socket_path)
     except (KeeperError, ValueError) as e:
         _skip(skipped, "memory tier", str(e))
-    # One rank: the whole state is one object; it is verified while copied out (one pass).
-    choice = _newest_memory_step(keeper, topo, group, skipped, kept)
     disk = find_latest(checkpoint_dir) if checkpoint_dir else None
     disk_step = disk[1].step if disk else None
+    written = False
+    if into is not None and topo.world == 1 and keeper is not None:
+        try:
+            direct, written = _direct_step(keeper, into, disk_step, skipped, check_finite)
+        except KeeperError as e:
+            direct = None
+            _skip(skipped, "memory tier", str(e))
+        if direct is not None:
+            keeper.close()
+            return RestoreResult("memory", direct[0], direct[1], time.monotonic() - t0, skipped=skipped)
+        choice = None  # the memory tier is done: the disk's turn
+    else:
+        # One rank: the whole state is one object; it is verified while copied out (one pass).
+        choice = _newest_memory_step(keeper, topo, group, skipped, kept)
     try:
         if choice is not None and (disk_step is None or choice.step >= disk_step):
             remote: list = []
@@ -287,6 +359,10 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
                 return RestoreResult("disk", meta.step, state, time.monotonic() - t0, skipped=skipped,
                                      path=str(path))
             _skip(skipped, f"disk {path}", "restored state has NaN/Inf")
+        if written:
+            raise RuntimeError("restore: an in-memory snapshot failed its checks while being loaded into the "
+                               "trainer's tensors, which now hold partial data, and no other checkpoint is left "
+                               f"({'; '.join(f'{w}: {y}' for w, y in skipped)}); start the job anew")
         return RestoreResult("none", None, None, time.monotonic() - t0, skipped=skipped)
     finally:
         if keeper is not None:

@@ -78,8 +78,11 @@ class SnapshotTier:
                                "dist.init_process_group() before state.restore() and the first forward")
 
     # Resume -------------------------------------------------------------------------------------
-    def resolve(self) -> Optional[ResumePoint]:
-        """The newest usable state over all tiers (collective on the first call; cached)."""
+    def resolve(self, into: Any = None) -> Optional[ResumePoint]:
+        """The newest usable state over all tiers (collective on the first call; cached).
+
+        ``into``: the trainer's live state (one rank: an in-memory snapshot is loaded straight into
+        its tensors; see :func:`jitckpt.snapshot.restore.restore`)."""
         if self._resolved:
             return self._resume
         self._check_group()
@@ -93,8 +96,10 @@ class SnapshotTier:
                                "this job cannot resume consistently; restart it from scratch with a new "
                                "--rdzv-id (fresh keepers)")
         # A ZeRO job's partitions exist only in the keepers: the disk tier cannot resume it.
+        one_rank = not (dist.is_initialized() and dist.get_world_size() > 1)
         res = restore(socket_path=self.socket_path, ranks_per_node=self.ranks_per_node,
-                      checkpoint_dir=None if zero_job else self.checkpoint_dir)
+                      checkpoint_dir=None if zero_job else self.checkpoint_dir,
+                      into=into if one_rank else None)
         self._resolved = True
         for what, why in res.skipped:
             log.warning("resume: skipped %s: %s", what, why)
@@ -104,7 +109,7 @@ class SnapshotTier:
                                f"{res.step}); this job cannot resume consistently")
         if res.state is not None:
             state = res.state
-            if res.source == "memory" and dist.is_initialized() and dist.get_world_size() == 1:
+            if res.source == "memory" and one_rank and into is None:
                 # One rank: the tensors view the keeper's buffers, which later snapshots reuse.
                 state = _clone(state)
             self._resume = ResumePoint(res.source, int(res.step), state, res.path, res.seconds,
