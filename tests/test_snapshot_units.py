@@ -491,6 +491,22 @@ def test_restore_into_rejects_a_nan_snapshot_and_takes_the_older_step(keeper) ->
     assert any("NaN" in why for _, why in res.skipped)
 
 
+def test_open_many_is_one_round_trip_and_a_refusal_leaks_no_descriptor(keeper) -> None:
+    sock, _ = keeper
+    _take(sock, {"w": torch.arange(100.0)}, 1).close()
+    c = KeeperClient(sock)
+    try:
+        (meta, _), (data, info) = c.open_many([META_KEY, "x0.0"], 1, sequential=("x0.0",))
+        assert checksum_of(memoryview(data)[:400], info.algo) is not None and len(meta) > 0
+        before = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(KeeperError, match="refused"):
+            c.open_many(["x0.0", "nope", META_KEY], 1)
+        assert len(os.listdir("/proc/self/fd")) == before
+        assert c.listing()  # the connection is still in step: every reply was read
+    finally:
+        c.close()
+
+
 def test_disk_flush_goes_through_the_shared_checkpoint_format(keeper, tmp_path) -> None:
     sock, _ = keeper
     state = {"step": 2, "w": torch.arange(10.0)}

@@ -41,13 +41,40 @@ class KeeperClient:
     def request(self, req: Message) -> tuple[Message, Optional[int]]:
         """Send one request; its reply and the file descriptor that came with it (if any).
         :class:`KeeperError` when the keeper refuses or cannot be reached."""
+        return self.requests([req])[0]
+
+    def requests(self, reqs: list) -> list:
+        """Several requests in one round trip (all sent, then every reply read: the keeper answers
+        in order); a (reply, fd) per request. The first refusal raises, closing every fd."""
+        received = []
         with self._lock:
             try:
-                self._sock.send(req.encode())
-                data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_PACKET, 1)
+                for req in reqs:
+                    self._sock.send(req.encode())
+                for req in reqs:
+                    data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_PACKET, 1)
+                    received.append((req, data, fds[0] if fds else None))
             except OSError as e:
-                raise KeeperError(f"snapshot keeper at {self.path}: {req.TYPE} failed: {e}") from None
-        fd = fds[0] if fds else None
+                for _, _, fd in received:
+                    if fd is not None:
+                        os.close(fd)
+                raise KeeperError(f"snapshot keeper at {self.path}: {', '.join(r.TYPE for r in reqs)} failed: "
+                                  f"{e}") from None
+        out = []
+        try:
+            for req, data, fd in received:
+                out.append(self._reply(req, data, fd))
+        except KeeperError:
+            for _, _, fd in received[len(out) + 1:]:
+                if fd is not None:
+                    os.close(fd)
+            for _, fd in out:
+                if fd is not None:
+                    os.close(fd)
+            raise
+        return out
+
+    def _reply(self, req: Message, data: bytes, fd: Optional[int]) -> tuple[Message, Optional[int]]:
         try:
             if not data:
                 raise KeeperError(f"snapshot keeper at {self.path} closed the connection during {req.TYPE}")
@@ -100,8 +127,21 @@ class KeeperClient:
 
         ``sequential``: the caller reads it once from start to end; its pages are faulted in by a
         helper thread running ahead of the reader (the other core), not all before this returns."""
-        reply, fd = self.request(Open(key=key, step=step))
-        return self._map(key, reply, fd, ahead=sequential), reply
+        return self.open_many([key], step, sequential=(key,) if sequential else ())[0]
+
+    def open_many(self, keys: list, step: int, *, sequential: tuple = ()) -> list:
+        """:meth:`open` of several objects of ``step`` in one round trip."""
+        replies = self.requests([Open(key=k, step=step) for k in keys])
+        maps = []
+        for i, (key, (reply, fd)) in enumerate(zip(keys, replies)):
+            try:
+                maps.append((self._map(key, reply, fd, ahead=key in sequential), reply))
+            except KeeperError:
+                for _, other in replies[i + 1:]:
+                    if other is not None:
+                        os.close(other)
+                raise
+        return maps
 
     def reject(self, step: int) -> None:
         """A restore from ``step`` failed: the keeper frees it and never offers it again."""

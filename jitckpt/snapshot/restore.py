@@ -260,7 +260,8 @@ def _direct_step(keeper: KeeperClient, into: Any, newer_than: Optional[int], ski
             _skip(skipped, f"memory step {step}", "not one whole-state object")
             continue
         try:
-            m, info = keeper.open(META_KEY, step)
+            # Both objects in one round trip; the data's pages are faulted in behind the copy.
+            (m, info), (dm, dinfo) = keeper.open_many([META_KEY, "x0.0"], step, sequential=("x0.0",))
             if checksum_of(memoryview(m)[:objs[META_KEY]["size"]], info.algo) != info.checksum:
                 raise ValueError("its metadata object fails its checksum")
             meta = parse_meta(m[:objs[META_KEY]["size"]])
@@ -268,7 +269,6 @@ def _direct_step(keeper: KeeperClient, into: Any, newer_than: Optional[int], ski
             if (plan.m, plan.r) != (1, 1) or plan.padded_total != objs["x0.0"]["size"]:
                 raise ValueError("taken by a job of another shape")
             doc = parse_layout(meta["layout"])
-            dm, dinfo = keeper.open("x0.0", step, sequential=True)
             src = np.frombuffer(dm, dtype=np.uint8, count=objs["x0.0"]["size"])
             targets = targets_in(doc, into)
             written = written or any(t is not None for t in targets)
