@@ -7,7 +7,6 @@ import json
 import os
 import random
 import secrets
-import signal
 import socket
 import stat
 import subprocess
@@ -22,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from daemon_process import Daemon
 from jobs import ROOT, TRAIN, kill_tree
 
 pytest.importorskip("grpc_tools", reason="the daemon needs grpcio-tools: pip install grpcio-tools")
@@ -30,38 +30,6 @@ from jitckpt.daemon.schema import MAX_MESSAGE_BYTES, SERVICE, pb  # noqa: E402
 
 METHODS = ("RegisterJob", "ReportFailure", "ReportCheckpoint", "EndJob", "Health", "Status", "Drain",
            "EnsureKeeper", "StopKeeper", "RequestMigration")
-
-
-class Daemon:
-    """`jitckpt daemon run` in its own session, on a socket in the test's directory."""
-
-    def __init__(self, tmp: Path, *extra: str, env: dict | None = None) -> None:
-        self.socket = tmp / "d" / "daemon.sock"
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "JITCKPT_DAEMON_SOCKET": str(self.socket), **(env or {})}
-        self.log = tmp / "daemon.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "jitckpt", "daemon", "run", *extra], env=self.env,
-                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 30
-        while not self.serving() and self.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)  # polling for the line a started server writes (after every listener is up)
-        if not self.serving():
-            self.close()
-            raise AssertionError(f"the daemon did not start:\n{self.log.read_text()}")
-
-    def serving(self) -> bool:
-        return self.log.exists() and "serving" in self.log.read_text()
-
-    def client(self) -> Client:
-        return Client(socket_path=str(self.socket))
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                kill_tree(self.proc.pid)
 
 
 @pytest.fixture

@@ -72,6 +72,7 @@ class NodeState:
         self.failures: deque = deque(maxlen=FAILURES_KEPT)
         self.draining = False
         self.started = time.time()
+        self.proxies: dict[int, tuple[str, int]] = {}  # pid -> (run id, rank): started by the broker, running
 
     def register_job(self, req: Any) -> None:
         run_id = _run_id(req.run_id)
@@ -140,9 +141,22 @@ class NodeState:
                      for r, pid, kind in j.processes]
         return [p for p in procs if not psutil.pid_exists(p[2])]
 
-    def snapshot(self) -> tuple[bool, list[JobRecord], list[dict]]:
+    def proxy_started(self, pid: int, run_id: str, rank: int) -> None:
+        """The proxy broker started ``pid`` for rank ``rank`` of job ``run_id`` (as its environment says)."""
         with self._lock:
-            jobs = [JobRecord(**{**vars(j), "processes": list(j.processes)}) for j in self.jobs.values()]
+            self.proxies[pid] = (run_id, rank)
+
+    def proxy_ended(self, pid: int, status: int) -> None:
+        with self._lock:
+            self.proxies.pop(pid, None)
+
+    def snapshot(self) -> tuple[bool, list[JobRecord], list[dict]]:
+        """The jobs (with the running proxies the broker started for them), failures, draining."""
+        with self._lock:
+            jobs = [JobRecord(**{**vars(j), "processes": list(j.processes) + [
+                (rank if 0 <= rank < j.world_size else -1, pid, "proxy")
+                for pid, (run_id, rank) in sorted(self.proxies.items()) if run_id == j.run_id]})
+                for j in self.jobs.values()]
             return self.draining, jobs, list(self.failures)
 
     def _job(self, run_id: str) -> JobRecord:

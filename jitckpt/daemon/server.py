@@ -19,7 +19,8 @@ from typing import Any, Callable, Optional
 import grpc
 
 from jitckpt.daemon.node_state import BadRequest, Draining, NodeState
-from jitckpt.daemon.socket_path import default_socket
+from jitckpt.daemon.proxy_broker import ProxyBroker
+from jitckpt.daemon.socket_path import broker_socket, default_socket
 from jitckpt.daemon.schema import MAX_MESSAGE_BYTES, pb, rpc
 
 log = logging.getLogger("jitckpt.daemon")
@@ -170,6 +171,9 @@ class DaemonServer:
                                    options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                             ("grpc.max_send_message_length", 16 * MAX_MESSAGE_BYTES)])
         self.keepers = DaemonKeepers(os.path.join(os.path.dirname(self.socket_path or default_socket()), "keepers"))
+        # Device proxies of the node's processes, started as this daemon's children (Unix socket only).
+        self.broker = ProxyBroker(broker_socket(self.socket_path), on_start=self.state.proxy_started,
+                                  on_exit=self.state.proxy_ended) if self.socket_path else None
         rpc.add_NodeDaemonServicer_to_server(_Servicer(self.state, self.keepers), self._server)
         self.port: Optional[int] = None
         self._stopped = threading.Event()
@@ -197,11 +201,15 @@ class DaemonServer:
         self._server.start()
         if self.socket_path:
             os.chmod(self.socket_path, 0o600)
+        if self.broker is not None:
+            self.broker.start()
         log.info("jitckpt daemon (pid %d) serving %s", os.getpid(),
                  ", ".join(filter(None, [self.socket_path and f"unix:{self.socket_path}",
                                          self.listen and f"tcp:{self.listen} (token)"])))
 
     def stop(self) -> None:
+        if self.broker is not None:
+            self.broker.stop()
         self._server.stop(grace=1).wait()
         self.keepers.stop_all()
         log.info("jitckpt daemon (pid %d) stopped", os.getpid())

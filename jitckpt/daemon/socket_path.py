@@ -13,3 +13,8 @@ def default_socket() -> str:
     if base.startswith("/tmp/jitckpt-"):
         return os.path.join(base, "daemon.sock")
     return os.path.join(base, "jitckpt", "daemon.sock")
+
+
+def broker_socket(daemon_socket: str) -> str:
+    """The daemon's proxy broker (:mod:`jitckpt.daemon.proxy_broker`), beside its socket."""
+    return os.path.join(os.path.dirname(daemon_socket), "proxy-broker.sock")

@@ -78,6 +78,16 @@ class DaemonLink:
     def connected(self) -> bool:
         return self._client is not None
 
+    @property
+    def proxy_broker(self) -> Optional[str]:
+        """The daemon's proxy broker socket (device proxies start as the daemon's children), or None."""
+        if self._client is None:
+            return None
+        from jitckpt.daemon.socket_path import broker_socket, default_socket
+
+        path = broker_socket(default_socket())
+        return path if os.path.exists(path) else None
+
     def keeper(self, node: int) -> Optional[DaemonKeeper]:
         """The daemon's keeper for this job (None without a daemon)."""
         if self._client is None:

@@ -365,6 +365,8 @@ class Launcher:
             env["LD_PRELOAD"] = cfg.preload
         if cfg.transparent:
             env.update(transparent_env(cfg))
+            if self.daemon.proxy_broker:  # the node's daemon starts (and owns) the device proxies
+                env["JITCKPT_PROXY_BROKER"] = self.daemon.proxy_broker
             # libjit.so records a lost proxy it replaced (and replayed) in the job's event log.
             env["JITCKPT_EVENT_LOG"] = str(Path(spec.run_dir) / EVENTS_FILE)
             env["JITCKPT_EVENT_GEN"] = str(gen)

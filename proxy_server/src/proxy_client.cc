@@ -1,5 +1,6 @@
 #include "proxy_client.h"
 
+#include "proxy_broker.h"
 #include "proxy_functions.h"
 
 #include <fcntl.h>
@@ -56,6 +57,14 @@ bool socket_closed(int sock) {
 
 std::unique_ptr<ProxyClient> ProxyClient::start(const std::string& binary, std::chrono::milliseconds timeout,
                                                 const std::vector<std::string>* env) {
+  if (const std::string broker = ProxyBroker::from_environment(); !broker.empty()) {
+    std::vector<std::string> own;  // the proxy's environment: this process's when none is given
+    if (env == nullptr)
+      for (char** e = environ; e && *e; ++e) own.emplace_back(*e);
+    const ProxyBroker::Spawned s = ProxyBroker(broker).spawn(binary, env ? *env : own, timeout);
+    return handshake(binary, timeout, std::unique_ptr<ProxyClient>(new ProxyClient(
+        s.pid, s.socket, ShmRing::create(kRingBytes), ShmRing::create(kRingBytes))));
+  }
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0)
     throw start_error(std::string("socketpair: ") + std::strerror(errno));
@@ -81,7 +90,12 @@ std::unique_ptr<ProxyClient> ProxyClient::start(const std::string& binary, std::
     close(sv[0]);
     throw start_error(binary + ": " + std::strerror(rc));
   }
-  std::unique_ptr<ProxyClient> client(new ProxyClient(pid, sv[0], std::move(requests), std::move(replies)));
+  return handshake(binary, timeout,
+                   std::unique_ptr<ProxyClient>(new ProxyClient(pid, sv[0], std::move(requests), std::move(replies))));
+}
+
+std::unique_ptr<ProxyClient> ProxyClient::handshake(const std::string& binary, std::chrono::milliseconds timeout,
+                                                    std::unique_ptr<ProxyClient> client) {
   const Hello hello{kHelloMagic, kProtocolVersion};
   const int fds[2] = {client->primary_.requests_.fd(), client->primary_.replies_.fd()};
   if (!send_with_fds(client->sock_, &hello, sizeof hello, fds, 2))

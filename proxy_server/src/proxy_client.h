@@ -76,7 +76,8 @@ class ProxyChannel {
 class ProxyClient {
  public:
   // Starts `binary` with this process's environment; throws std::runtime_error naming the problem
-  // if it cannot start or does not answer within `timeout`.
+  // if it cannot start or does not answer within `timeout`. With JITCKPT_PROXY_BROKER set, the node
+  // daemon starts it (proxy_broker.h): the proxy is then the daemon's child, not this process's.
   // `env`: the proxy's environment ("NAME=value" strings); this process's when null.
   static std::unique_ptr<ProxyClient> start(const std::string& binary,
                                             std::chrono::milliseconds timeout = std::chrono::seconds(30),
@@ -112,6 +113,9 @@ class ProxyClient {
 
  private:
   ProxyClient(pid_t pid, int sock, ShmRing requests, ShmRing replies);
+  // The hello and ready exchange with a started proxy; throws naming the problem.
+  static std::unique_ptr<ProxyClient> handshake(const std::string& binary, std::chrono::milliseconds timeout,
+                                                std::unique_ptr<ProxyClient> client);
 
   pid_t pid_;
   int sock_;
