@@ -202,9 +202,10 @@ def test_with_a_node_range_the_job_goes_on_with_fewer_nodes_and_grows_when_one_j
              etcd_cluster.endpoints(first=node), "--rdzv-id", "elastic", "--rdzv-conf",
              "timeout=30,last_call_timeout=1", "--local-addr", f"127.0.0.{node + 1}", str(TRAIN)]))
 
-    def begin(cs: list, gen: int) -> list:
+    def begin(cs: list, gen: int, restarts: int = 0) -> list:
         out: dict = {}
-        ts = [threading.Thread(target=lambda c=c: out.__setitem__(c, c.begin_generation(gen))) for c in cs]
+        ts = [threading.Thread(target=lambda c=c: out.__setitem__(c, c.begin_generation(gen, restarts=restarts)))
+              for c in cs]
         [t.start() for t in ts]
         [t.join(30) for t in ts]
         assert not any(t.is_alive() for t in ts), "begin_generation did not return"
@@ -220,7 +221,7 @@ def test_with_a_node_range_the_job_goes_on_with_fewer_nodes_and_grows_when_one_j
         survivors = coords[1:]
         survivors[0].announce_failure(0, {"kind": "signal", "rank": 0, "detail": "node 0 gone"})
         t0 = time.monotonic()
-        gens = begin(survivors, 1)
+        gens = begin(survivors, 1, restarts=1)
         assert [(g.gen, g.nodes, g.group_rank) for g in gens] == [(1, (1, 2), 0), (1, (1, 2), 1)], gens
         assert gens[0].master == gens[1].master and gens[0].master[0] == "127.0.0.2"  # node 1 has rank 0
         assert time.monotonic() - t0 >= 1.0, "closed before the last call"
@@ -228,9 +229,10 @@ def test_with_a_node_range_the_job_goes_on_with_fewer_nodes_and_grows_when_one_j
         newcomer = NodeCoordinator(cfg(0))
         coords.append(newcomer)
         assert newcomer.first_launch() == 2
+        assert newcomer.restarts_before(2) == survivors[0].restarts_before(1) == 1  # the loss; the growth is none
         failed = json.loads(survivors[0].store.get("g1/failed"))
         assert failed["kind"] == SCALE_UP and "node 0 joins" in failed["detail"], failed
-        gens = begin([newcomer, *survivors], 2)
+        gens = begin([newcomer, *survivors], 2, restarts=1)
         assert [(g.nodes, g.group_rank) for g in gens] == [((0, 1, 2), r) for r in range(3)], gens
         assert gens[0].master[0] == "127.0.0.1"
     finally:

@@ -202,7 +202,12 @@ class DaemonServer:
         if self.socket_path:
             os.chmod(self.socket_path, 0o600)
         if self.broker is not None:
-            self.broker.start()
+            try:
+                self.broker.start()
+            except OSError as e:  # e.g. a path over the socket limit: proxies stay the applications' children
+                log.warning("the proxy broker cannot serve %s (%s); device proxies are started by their "
+                            "applications instead", self.broker.socket_path, e)
+                self.broker = None
         log.info("jitckpt daemon (pid %d) serving %s", os.getpid(),
                  ", ".join(filter(None, [self.socket_path and f"unix:{self.socket_path}",
                                          self.listen and f"tcp:{self.listen} (token)"])))

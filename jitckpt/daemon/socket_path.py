@@ -16,5 +16,6 @@ def default_socket() -> str:
 
 
 def broker_socket(daemon_socket: str) -> str:
-    """The daemon's proxy broker (:mod:`jitckpt.daemon.proxy_broker`), beside its socket."""
-    return os.path.join(os.path.dirname(daemon_socket), "proxy-broker.sock")
+    """The daemon's proxy broker (:mod:`jitckpt.daemon.proxy_broker`), beside its socket (a name no
+    longer than the daemon's, so it fits wherever the daemon's socket path does)."""
+    return os.path.join(os.path.dirname(daemon_socket), "proxy.sock")

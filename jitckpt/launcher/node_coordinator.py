@@ -127,14 +127,31 @@ class NodeCoordinator:
         """This launcher is the job's controller (one node: always)."""
         return self.lease is None or self.lease.held
 
-    def begin_generation(self, gen: int) -> Generation:
+    def restarts_before(self, gen: int) -> int:
+        """The restarts the job used before generation ``gen`` (a launcher joining a running job:
+        the store keeps the count; a scale-up is no restart)."""
+        if gen == 0 or self.store is None:
+            return gen
+        def read() -> int:
+            prev = self._k(gen - 1, "restarts")
+            if not self.store.check([prev]):
+                return gen
+            failed = self._k(gen - 1, "failed")
+            grew = self.store.check([failed]) and json.loads(self.store.get(failed)).get("kind") == SCALE_UP
+            return int(self.store.get(prev)) + (0 if grew else 1)
+
+        return self._guarded(read, gen)
+
+    def begin_generation(self, gen: int, *, restarts: int = 0) -> Generation:
         """Join generation ``gen`` and wait until its nodes are decided; the generation this node
-        is in: ``gen``, or with --nnodes MIN:MAX a later one when ``gen`` closed without it."""
+        is in: ``gen``, or with --nnodes MIN:MAX a later one when ``gen`` closed without it.
+        ``restarts``: those the job used before it (kept in the store for a replacement node)."""
         if self.store is None:  # one node: torchrun's --master-addr/--master-port; a restart's port is fresh
             port = self.cfg.master_port if gen == 0 and self.cfg.master_port else free_port(self.cfg.master_addr)
             self.current = Generation(gen, (self.cfg.master_addr, port), (0,), 0)
             return self.current
         while True:
+            self.store.set(self._k(gen, "restarts"), str(restarts))
             members = self._gather(gen)
             if self.cfg.node_rank in members["nodes"]:
                 break

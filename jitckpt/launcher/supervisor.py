@@ -235,7 +235,7 @@ class Launcher:
                 self.emit("job_end", status="failed", exit_code=1, restarts=0, reason=str(e))
                 return 1
             gen = self.coord.first_launch()  # whole-job launches (the coordinator's generations)
-            self.restart_count = gen  # a replacement node counts the restarts the job had before it
+            self.restart_count = self.coord.restarts_before(gen)  # a replacement: the job's restarts so far
             while True:
                 self.gen = self.stage.for_launch(gen) if self.stage is not None else gen
                 self.events.gen = self.gen
@@ -244,7 +244,7 @@ class Launcher:
                 if not self._ensure_keeper():
                     self.emit("job_end", status="failed", exit_code=1, restarts=self._restarts_used())
                     return 1
-                joined = self.coord.begin_generation(gen)
+                joined = self.coord.begin_generation(gen, restarts=self.restart_count)
                 if joined.gen != gen:  # --nnodes MIN:MAX: it closed without this node, which joins a later one
                     gen = self.gen = self.events.gen = joined.gen
                 if cfg.nnodes > 1:

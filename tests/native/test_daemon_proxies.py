@@ -57,7 +57,7 @@ def wait_for(cond, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-de
 def test_the_daemon_starts_owns_and_replaces_a_programs_proxy_and_the_run_ends_bitwise(
         prog: Program, reference: dict, tmp_path) -> None:
     d = Daemon(tmp_path)
-    broker = str(d.socket.parent / "proxy-broker.sock")
+    broker = str(d.socket.parent / "proxy.sock")
     try:
         with d.client() as c:
             c.register_job(run_id="brokered", node_rank=0, launcher_pid=d.proc.pid, world_size=1, generation=0,
@@ -94,7 +94,7 @@ def test_the_daemon_starts_owns_and_replaces_a_programs_proxy_and_the_run_ends_b
 
 def test_the_broker_refuses_what_is_not_its_protocol_and_starts_nothing(tmp_path) -> None:
     d = Daemon(tmp_path)
-    broker = str(d.socket.parent / "proxy-broker.sock")
+    broker = str(d.socket.parent / "proxy.sock")
     rnd = random.Random(7)
     requests = [rnd.randbytes(rnd.choice([0, 1, 30, 5000])) for _ in range(30)] + [
         b"jitckpt-proxy-spawn/1\0relative/binary\0\0",
@@ -114,7 +114,7 @@ def test_the_broker_refuses_what_is_not_its_protocol_and_starts_nothing(tmp_path
                 reply, fds, _, _ = socket.recv_fds(s, 4096, 1)
             assert reply.startswith(b"error ") and not fds, (req[:60], reply)
         assert d.proc.poll() is None and not daemon_proxies(d)
-        assert (d.socket.parent / "proxy-broker.sock").stat().st_mode & 0o777 == 0o600
+        assert (d.socket.parent / "proxy.sock").stat().st_mode & 0o777 == 0o600
     finally:
         d.close()
 
