@@ -69,6 +69,10 @@ def parse():
                    help="with --no-jitckpt: torch.save on rank 0 every N steps, resume from it (the "
                         "torchrun + periodic checkpoint baseline)")
     p.add_argument("--baseline-dir", default="")
+    p.add_argument("--baseline-dcp-every", type=int, default=0,
+                   help="with --no-jitckpt: torch.distributed.checkpoint.async_save of every rank's state "
+                        "every N steps into --baseline-dir, resume from the newest complete one (the "
+                        "torchrun + DCP baseline)")
     p.add_argument("--overlap-step", action="store_true",
                    help="no DDP; each parameter's update waits only for its own gradient all-reduce")
     args = p.parse_args()
@@ -123,6 +127,51 @@ def batch_for(step, rank, args):
     x = torch.randn(args.batch, args.in_dim, generator=g)
     y = torch.randn(args.batch, args.out_dim, generator=g)
     return x, y
+
+
+class DcpBaseline:
+    """torchrun + torch.distributed.checkpoint, as a user would set it up today: async_save of
+    every rank's model and optimizer state (and the scheduler, the step) every N steps, one save in
+    flight at a time; a restarted job loads the newest complete one (DCP writes .metadata last)."""
+
+    def __init__(self, args, model, opt, sched):
+        self.dir, self.model, self.opt, self.sched = args.baseline_dir, model, opt, sched
+        self.pending = None
+        # The background save's collectives on a group of their own: on the training's group they
+        # would interleave with the gradient all-reduces (gloo runs one stream of operations).
+        self.group = dist.new_group(backend="gloo")
+
+    def _state(self, step):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt)
+        return {"model": msd, "optim": osd, "extra": {"step": step, "sched": self.sched.state_dict()}}
+
+    def save(self, step):
+        import torch.distributed.checkpoint as dcp
+
+        if self.pending is not None:
+            self.pending.result()
+        self.pending = dcp.async_save(self._state(step), checkpoint_id=os.path.join(self.dir, f"step-{step:08d}"),
+                                      process_group=self.group)
+
+    def restore(self, start):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        done = sorted(d for d in os.listdir(self.dir) if os.path.exists(os.path.join(self.dir, d, ".metadata"))) \
+            if os.path.isdir(self.dir) else []
+        if not done:
+            return start
+        sd = self._state(0)
+        dcp.load(sd, checkpoint_id=os.path.join(self.dir, done[-1]), process_group=self.group)
+        set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        self.sched.load_state_dict(sd["extra"]["sched"])
+        return int(sd["extra"]["step"])
+
+    def finish(self):
+        if self.pending is not None:
+            self.pending.result()
 
 
 def wait_gone(pid, timeout=10.0):
@@ -194,6 +243,9 @@ def main():
         opt.load_state_dict(sd["optimizer"])
         sched.load_state_dict(sd["scheduler"])
         start = sd["step"]
+    dcp_saver = DcpBaseline(args, model, opt, sched) if args.no_jitckpt and args.baseline_dcp_every else None
+    if dcp_saver is not None:
+        start = dcp_saver.restore(start)
     if "fwdkill" in mine:
         def die_in_forward(*_a):
             if state.step == mine["fwdkill"]:
@@ -258,6 +310,8 @@ def main():
             torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
                         "scheduler": sched.state_dict(), "step": step + 1}, baseline_file + ".tmp")
             os.replace(baseline_file + ".tmp", baseline_file)
+        if dcp_saver is not None and (step + 1) % args.baseline_dcp_every == 0:
+            dcp_saver.save(step + 1)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if logf:
@@ -265,6 +319,8 @@ def main():
             logf.write(json.dumps({"gen": gen, "rank": rank, "step": step, "loss": loss.item(), "psum": psum,
                                    "t": time.time(), "dt": time.perf_counter() - t0}) + "\n")
             logf.flush()
+    if dcp_saver is not None:
+        dcp_saver.finish()
     if rank == 0 and args.out:
         sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
         tmp = args.out + ".tmp"
