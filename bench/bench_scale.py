@@ -89,12 +89,13 @@ def plot(rows: list, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for ranks in sorted({r["ranks"] for r in rows}):
+    for i, ranks in enumerate(sorted({r["ranks"] for r in rows})):
         mine = sorted((r for r in rows if r["ranks"] == ranks), key=lambda r: r["params"])
-        xs = [r["params"] / 1e6 for r in mine]
-        a.plot(xs, [r["recovery"]["resumed_s"] for r in mine], "o-", label=f"{ranks} ranks: resumed")
-        a.plot(xs, [r["recovery"]["redone_s"] for r in mine], "x--", label=f"{ranks} ranks: failed step redone")
-        b.plot(xs, [100 * (r["overhead"]["overhead"] or 0) for r in mine], "o-", label=f"{ranks} ranks")
+        xs, c = [r["params"] / 1e6 for r in mine], f"C{i}"
+        a.plot(xs, [r["recovery"]["resumed_s"] for r in mine], "o-", color=c, label=f"{ranks} ranks: resumed")
+        a.plot(xs, [r["recovery"]["redone_s"] for r in mine], "x--", color=c, label=f"{ranks} ranks: failed step redone")
+        b.plot(xs, [100 * (r["overhead"]["overhead"] or 0) for r in mine], "o-", color=c,
+               label=f"{ranks} ranks (one run each)")
     a.set(xscale="log", xlabel="parameters (millions)", ylabel="seconds after the SIGKILL",
           title="recovery (jitckpt run, one node, CPU)")
     b.set(xscale="log", xlabel="parameters (millions)", ylabel="% step time vs torchrun",
