@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from jobs import ROOT, TRAIN
+
+pytestmark = pytest.mark.slow  # a benchmark's baseline (~15 s), not jitckpt itself
 
 ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 

@@ -336,6 +336,7 @@ def test_a_lost_zero_node_comes_back_from_parity_and_replicas_in_memory(tmp_path
             n.power_off()
 
 
+@pytest.mark.slow  # ~30 s; the coordinator test of the same range is in the fast suite
 def test_with_a_node_range_a_lost_node_0_leaves_two_nodes_training_and_a_new_one_grows_the_job(
         tmp_path: Path, etcd_cluster) -> None:
     """--nnodes 2:3: node 0 (the first controller, the workers' store) is SIGKILLed whole at a random
