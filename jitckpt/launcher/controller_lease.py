@@ -71,8 +71,6 @@ class ControllerLease:
         """Give the lease up (the launcher ends), so a survivor takes it at once, not after the TTL."""
         if not (self._etcd and self._held):
             return
-        import etcd  # type: ignore[import-not-found]
-
         with self._lock:
             try:
                 self._client.delete(self._key, prevValue=self._holder)
