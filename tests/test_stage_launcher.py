@@ -195,6 +195,7 @@ def test_two_nodes_each_launcher_replaces_its_own_dead_stage(tmp_path, reference
     _assert_bitwise(tmp_path / "run", reference)
 
 
+@pytest.mark.slow  # ~15 s: two deaths at once; one death per node is in the fast suite
 def test_two_nodes_losing_a_stage_each_at_once_restart_the_whole_job(tmp_path, reference):
     """Stage 1 (node 0) and stage 2 (node 1) die at the same op: the store lets one launcher
     start a replacement; the other falls back to the whole-job restart, which reaches the first

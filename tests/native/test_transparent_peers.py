@@ -309,6 +309,7 @@ def test_a_failure_inside_the_optimizer_step_is_undone_with_the_undo_plugin(jobs
         assert finals == expected, "nothing ran to undo, yet the result differs from the failure-free run"
 
 
+@pytest.mark.slow  # ~15 s: the negative of the undo plugin's test, which stays fast
 def test_a_failure_inside_the_optimizer_step_without_the_undo_plugin_is_not_saved_torn(jobs, reference,
                                                                                       tmp_path: Path) -> None:
     """The same failure without `--plugin undo`, the optimizer kernel having run: refused on every
