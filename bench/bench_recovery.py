@@ -69,6 +69,18 @@ def step_times(log: list, skip: int) -> list:
 
 
 # ---- 1. steady-state overhead ------------------------------------------------------------------
+def first_step_after_standbys(d: Path) -> tuple[int, float]:
+    """A `jitckpt run` in ``d``: the first step rank 0 began once the warm standbys had imported
+    torch (steady state), and how long they took. RuntimeError when they never were ready."""
+    ev = [json.loads(x) for x in (d / "run" / "events.jsonl").read_text().splitlines()]
+    ready = next((e for e in ev if e["event"] == "standby_ready"), None)
+    steps = [r["step"] for r in read_log(d / "log.jsonl")
+             if ready is not None and r.get("rank") == 0 and "dt" in r and r["t"] - r["dt"] > ready["t"]]
+    if not steps:
+        raise RuntimeError("the standby pool never became ready before the last step; make the run longer")
+    return min(steps), ready["seconds"]
+
+
 def bench_overhead(work: Path, steps: int, reps: int) -> dict:
     """Median step time of the same script under torchrun and `jitckpt run` (and the DCP baselines
     under torchrun), runs interleaved. Like for like: every variant's samples are the same steps,
@@ -89,13 +101,9 @@ def bench_overhead(work: Path, steps: int, reps: int) -> dict:
                 run(torchrun(2, [*args, "--no-jitckpt", *BASELINES[kind], "--baseline-dir", str(d / "ckpt")], d), d)
             else:
                 run(jitrun(2, args, d), d)
-                ev = [json.loads(x) for x in (d / "run" / "events.jsonl").read_text().splitlines()]
-                t_ready = next((e["t"] for e in ev if e["event"] == "standby_ready"), None)
-                if t_ready is None:
-                    raise RuntimeError("the standby pool never became ready; make the run longer")
-                standby_s.append(next(e["seconds"] for e in ev if e["event"] == "standby_ready"))
-                first_ready.append(min(r["step"] for r in read_log(d / "log.jsonl")
-                                       if r.get("rank") == 0 and "dt" in r and r["t"] - r["dt"] > t_ready))
+                step, seconds = first_step_after_standbys(d)
+                standby_s.append(seconds)
+                first_ready.append(step)
             logs[kind].append(read_log(d / "log.jsonl"))
     skip = max(10, *first_ready)
     if steps - skip < 10:

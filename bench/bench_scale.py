@@ -27,7 +27,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from bench_recovery import TRAIN, back_at_failed_step, jitrun, read_log, run, step_times, torchrun  # noqa: E402
+from bench_recovery import (TRAIN, back_at_failed_step, first_step_after_standbys, jitrun, read_log, run,  # noqa: E402
+                            step_times, torchrun)
 
 HIDDEN = {8: 2048, 64: 7168, 512: 21504}  # millions of parameters -> hidden width
 
@@ -70,11 +71,11 @@ def overhead(work: Path, millions: int, ranks: int, steps: int) -> dict:
             run(torchrun(ranks, [*args, "--no-jitckpt"], d), d, timeout=3600)
         else:
             run(jitrun(ranks, args, d), d, timeout=3600)
-            ev = [json.loads(x) for x in (d / "run" / "events.jsonl").read_text().splitlines()]
-            t_ready = next((e["t"] for e in ev if e["event"] == "standby_ready"), 0.0)
+            try:
+                skip = max(3, first_step_after_standbys(d)[0])
+            except RuntimeError:
+                skip = steps
         logs[kind] = read_log(d / "log.jsonl")
-    ready = [r["step"] for r in logs["jit"] if r.get("rank") == 0 and "dt" in r and r["t"] - r["dt"] > t_ready]
-    skip = max(3, min(ready) if ready else steps)
     plain, jit = step_times(logs["plain"], skip), step_times(logs["jit"], skip)
     if len(plain) < 3 or len(jit) < 3:
         return {"overhead": None, "why": f"fewer than 3 steps after the standbys were ready (from step {skip})"}
