@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jobs import run_job
+from jobs import COLD, run_job
 
 STEPS = 12
 FAIL_STEP = 5
@@ -18,7 +18,7 @@ COMMON = ["--steps", str(STEPS)]
 def reference(request, tmp_path_factory):
     nproc = request.param
     res = run_job(tmp_path_factory.mktemp(f"ref{nproc}"), nproc=nproc, script_args=COMMON,
-                  launcher_args=HANG)
+                  launcher_args=[*HANG, *COLD])
     assert res.rc == 0, res.out[-4000:]
     assert not res.ev("failure_detected")
     return nproc, res.final_params()
@@ -78,6 +78,8 @@ def test_single_failure_recovers_bitwise(reference, tmp_path, mode):
     # optimizer step (after the all-reduce): the healthy ranks finish it and save at the next one.
     expected_step = FAIL_STEP + 1 if mode == "optim" else FAIL_STEP
     assert {e["step"] for e in saved} == {expected_step}
+    # One node: the survivors left their checkpoints in the page cache, the launcher fsynced them.
+    assert {e["path"] for e in saved} <= {e["path"] for e in res.ev("checkpoint_durable")}
     assert_at_most_one_minibatch_redone(res)
     assert_bitwise(res.final_params(), ref)
 

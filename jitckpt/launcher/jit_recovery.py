@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from jitckpt.checkpoint_store import prune
+from jitckpt.launcher.checkpoint_flush import CheckpointFlusher
 from jitckpt.launcher.config import LaunchConfig
 from jitckpt.launcher.controller_lease import LEASE_TTL_S
 from jitckpt.launcher.worker_handle import Worker, pid_of
@@ -73,8 +74,9 @@ class JitRecovery:
     """
 
     def __init__(self, *, cfg: LaunchConfig, coord: Any, emit: Callable[..., None],
-                 display: Any) -> None:
+                 display: Any, flusher: Optional[CheckpointFlusher] = None) -> None:
         self.cfg, self.coord, self.emit, self.display = cfg, coord, emit, display
+        self.flusher = flusher  # one node: JIT checkpoints reach the disk after the restart began
         # The failure whose recovery has not yet been summarized (the workers did not resume).
         self.pending: Optional[FailureRecord] = None
 
@@ -197,7 +199,14 @@ class JitRecovery:
         self.pending = None
         if not self.coord.leads:  # one launcher prunes: the job's controller
             return
-        try:
-            prune(self.cfg.checkpoint_dir, older_than_step=step_resumed)
-        except OSError as e:
-            log.warning("could not prune old checkpoints: %s", e)
+
+        def prune_older() -> None:
+            try:
+                prune(self.cfg.checkpoint_dir, older_than_step=step_resumed)
+            except OSError as e:
+                log.warning("could not prune old checkpoints: %s", e)
+
+        if self.flusher is None:
+            prune_older()
+        else:  # not before the checkpoint resumed from is on disk
+            self.flusher.then(prune_older, what=f"pruning the checkpoints older than step {step_resumed}")

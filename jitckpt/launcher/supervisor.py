@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from jitckpt.checkpoint_store import prune_finished
+from jitckpt.launcher.checkpoint_flush import CheckpointFlusher
 from jitckpt.protocol.control_channel import ENV_FD, channel_pair
 from jitckpt.protocol.worker_spec import SnapshotSpec, WorkerSpec
 from jitckpt.protocol.control_messages import (Assign, ExitReady, FailureReport, Hello, Message, PeerExit,
@@ -96,7 +97,10 @@ class Launcher:
                                      hang_timeout=HangTimeout.parse(cfg.hang_timeout))
         self.pool: Optional[StandbyPool] = None
         self.workers: list[Worker] = []
-        self.jit = JitRecovery(cfg=cfg, coord=self.coord, emit=self.emit, display=self.display)
+        # One node: a survivor's JIT save returns at the page cache, this launcher fsyncs it.
+        self.flusher = CheckpointFlusher(emit=self.emit) if cfg.nnodes == 1 else None
+        self.jit = JitRecovery(cfg=cfg, coord=self.coord, emit=self.emit, display=self.display,
+                               flusher=self.flusher)
         self.restart_count = 0
         self.keeper: Optional[KeeperSupervisor | DaemonKeeper] = None
         self.gen = 0  # process-group generation; --recovery stage advances it per replacement
@@ -278,6 +282,8 @@ class Launcher:
                 if self.replica_dir and cfg.nnodes > 1 and cfg.node_rank == 0:
                     shutil.rmtree(self.replica_dir, ignore_errors=True)
             self.coord.close()
+            if self.flusher is not None:  # the last JIT checkpoints reach the disk before the launcher ends
+                self.flusher.close()
             if self.metrics is not None:
                 self.metrics.close()
             self.events.close()
@@ -295,6 +301,8 @@ class Launcher:
         """The job finished: its JIT checkpoints (mid-run states, often several replicas' copies)
         and dead writers' temporary directories go; periodic checkpoints and flushed snapshots,
         which the user asked for, stay."""
+        if self.flusher is not None:
+            self.flusher.close()  # no fsync left running in a directory removed here
         try:
             removed = prune_finished(self.cfg.checkpoint_dir)
         except OSError as e:
@@ -392,7 +400,7 @@ class Launcher:
                           run_dir=str(self.run_dir), hang_timeout=cfg.hang_timeout,
                           periodic_every=cfg.periodic_every, save_timeout=cfg.save_timeout,
                           plugins=cfg.plugins, host_store=not cfg.no_python, snapshot=snapshot,
-                          stage=stage)
+                          stage=stage, launcher_fsyncs=self.flusher is not None)
 
     def _start_workers(self, launch: int, master: tuple[str, int]) -> None:
         role = "initial" if launch == 0 else "restart"
@@ -660,6 +668,8 @@ class Launcher:
         elif isinstance(msg, Saved):
             self.emit("checkpoint_saved", rank=w.rank, step=msg.step, bytes=msg.bytes,
                       seconds=msg.seconds, path=msg.path, kind=msg.kind, undone=msg.undone)
+            if not msg.durable and self.flusher is not None:
+                self.flusher.flush(msg.path)
             if msg.kind == "jit":
                 self.coord.report_saved(gen, msg.shard_id, msg.num_shards, w.rank)
                 if failure is not None:

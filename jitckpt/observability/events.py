@@ -19,6 +19,9 @@ event                     fields
                           --plugin undo rolled back before this JIT save, else null)
 ``checkpoint_failed``     rank, reason; kind (jit|periodic) and step for a failed periodic save
                           (the job goes on), e.g. reason "no space left on <dir>: N bytes needed"
+``checkpoint_durable``    path, seconds (one node: the launcher's fsync of a JIT checkpoint the
+                          worker left in the page cache, done while the restart runs)
+``checkpoint_flush_failed`` path, reason (that fsync failed: older checkpoints are no longer pruned)
 ``restart``               reason, restart_count
 ``restore``               rank, step, path, seconds, source (disk|memory), decoded (snapshot
                           parts rebuilt from parity), fetched (ZeRO partitions this rank got
@@ -87,6 +90,8 @@ EVENT_TYPES = (
     "failure_detected",
     "checkpoint_saved",
     "checkpoint_failed",
+    "checkpoint_durable",
+    "checkpoint_flush_failed",
     "restart",
     "restore",
     "resumed",

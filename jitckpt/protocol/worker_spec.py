@@ -88,6 +88,9 @@ class WorkerSpec:
     host_store: bool = False   # rank 0 serves the generation's c10d store on MASTER_ADDR only
     snapshot: Optional[SnapshotSpec] = None
     stage: Optional[StageSpec] = None
+    # One node: a JIT save returns once its files are in the page cache; the launcher fsyncs them
+    # after the restart has begun (jitckpt.launcher.checkpoint_flush).
+    launcher_fsyncs: bool = False
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1 and 0 <= self.rank < self.world_size,

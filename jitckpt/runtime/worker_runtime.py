@@ -552,7 +552,9 @@ class WorkerRuntime:
         try:
             # DDP buffers and RNG as of the start of the minibatch recorded (the process exits next).
             self.ddp_buffers.rewind_for_save()
-            path, meta = self._write("jit", step)
+            # The process exits next: a launcher that fsyncs for it lets the restart start first.
+            durable = not (self.spec is not None and self.spec.launcher_fsyncs)
+            path, meta = self._write("jit", step, fsync=durable)
         except CheckpointError as e:  # e.g. "no space left on <dir>: N bytes needed"
             self._give_up(f"JIT save failed: {e}")
         except BaseException as e:  # noqa: BLE001 - any save error must end in a clean report
@@ -563,7 +565,7 @@ class WorkerRuntime:
         if self.channel is not None:
             self.channel.send(Saved(rank=self.rank, path=str(path), step=step,
                               bytes=meta.total_bytes, seconds=seconds, shard_id=self.shard_id,
-                              num_shards=self.num_shards, kind="jit", undone=undone))
+                              num_shards=self.num_shards, kind="jit", undone=undone, durable=durable))
         self._exit(EXIT_JIT_SAVED)
 
     def _roll_back_if_torn(self) -> Optional[int]:
@@ -595,13 +597,13 @@ class WorkerRuntime:
                 pass
         os._exit(code)
 
-    def _write(self, kind: str, step: int):  # type: ignore[no-untyped-def]
+    def _write(self, kind: str, step: int, *, fsync: bool = True):  # type: ignore[no-untyped-def]
         assert self.save_fn is not None
         # DDP's bucket layout goes into every checkpoint, before its files are checksummed.
         save_fn = self.ddp_layouts.saving(self.save_fn)
         return write_checkpoint(self.checkpoint_dir, save_fn, kind=kind, step=step,
                                 rank=self.rank, world_size=self.world_size, gen=self.gen,
-                                shard_id=self.shard_id, num_shards=self.num_shards)
+                                shard_id=self.shard_id, num_shards=self.num_shards, fsync=fsync)
 
     # ---- periodic tier ------------------------------------------------------------------
     def _periodic_save(self, step: int) -> None:
