@@ -53,6 +53,7 @@ class ReplicaStats:
     copy_seconds: float = 0.0      # gradient copies in capture()
     blocked_seconds: float = 0.0   # waiting for the worker (capture, state_dict, ...)
     update_seconds: float = 0.0    # recomputed optimizer steps, on the worker
+    update_cpu_seconds: float = 0.0  # the CPU time of those (what they take from training on busy cores)
 
 
 def _hyperparameters(group: dict) -> dict:
@@ -191,7 +192,7 @@ class OptimizerReplica:
             pending.result()
 
     def _update(self, hyper: list[dict], has_grad: list[bool]) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         flags = iter(has_grad)
         for group, h, pin, shadows, stage in zip(self._opt.param_groups, hyper, self._pinned,
                                                  self.shadow, self.staging):
@@ -202,3 +203,4 @@ class OptimizerReplica:
         self._opt.step()
         self.stats.updates += 1
         self.stats.update_seconds += time.perf_counter() - t0
+        self.stats.update_cpu_seconds += time.thread_time() - c0
