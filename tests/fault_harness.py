@@ -388,7 +388,7 @@ class Reference:
 
 def run_reference(workdir: Path, cfg: Config) -> Reference:
     """A failure-free run of ``cfg`` (with periodic checkpoints, to size the disk-full case)."""
-    job = Job(workdir, cfg, ckpt=workdir / "ckpt", name="ref", launcher_args=("--periodic-every", str(PERIODIC)))
+    job = Job(workdir, cfg, ckpt=workdir / "ckpt", name="ref", launcher_args=("--periodic-every", str(PERIODIC), "--warm-standby", "0"))
     problems = job.finish()
     assert job.rc == 0 and not problems, (problems, job.output())
     assert not job.ev("failure_detected"), job.output()

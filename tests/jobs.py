@@ -62,6 +62,11 @@ def run_bounded(cmd: list, *, cwd: Path, timeout: float, env: Optional[dict] = N
     return proc.returncode, out
 
 
+# A failure-free reference run restarts nothing: without warm standbys (each imports torch as
+# training runs) it does not compete with its own workers for the machine's 2 cores.
+COLD = ["--warm-standby", "0"]
+
+
 def run_job(workdir: Path, *, nproc: int, script_args: list, launcher_args: Optional[list] = None,
             timeout: float = 180.0, script: Path = TRAIN, env: Optional[dict] = None,
             ckpt: Optional[Path] = None) -> JobResult:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from jitckpt.checkpoint_store import META_FILE, _crc32c_file, list_candidates, write_checkpoint
-from jobs import ROOT, run_job
+from jobs import COLD, ROOT, run_job
 
 STEPS = 12
 COMMON = ["--steps", str(STEPS)]
@@ -22,7 +22,7 @@ COMMON = ["--steps", str(STEPS)]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    res = run_job(tmp_path_factory.mktemp("ref"), nproc=2, script_args=COMMON)
+    res = run_job(tmp_path_factory.mktemp("ref"), nproc=2, script_args=COMMON, launcher_args=COLD)
     assert res.rc == 0, res.out[-4000:]
     return res.final_params()
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from jobs import ROOT, run_job
+from jobs import COLD, ROOT, run_job
 
 NPROC = 3
 STEPS = 8
@@ -30,7 +30,7 @@ _refs: dict = {}
 def reference(tmp_path_factory, model: str) -> dict:
     if model not in _refs:
         res = run_job(tmp_path_factory.mktemp(f"ref-{model}"), nproc=NPROC,
-                      script_args=["--steps", str(STEPS), "--model", model], launcher_args=HANG,
+                      script_args=["--steps", str(STEPS), "--model", model], launcher_args=[*HANG, *COLD],
                       timeout=300)
         assert res.rc == 0 and not res.ev("failure_detected"), res.out[-4000:]
         _refs[model] = res.final_params()

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from jobs import ROOT, TRAIN, _read_jsonl, kill_tree, run_job
+from jobs import COLD, ROOT, TRAIN, _read_jsonl, kill_tree, run_job
 
 STEPS = 14
 HANG = ["--hang-timeout", "60"]  # a stopped rank is left to the preemption, not hang detection
@@ -28,7 +28,7 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     res = run_job(tmp_path_factory.mktemp("ref"), nproc=2, script_args=["--steps", str(STEPS)],
-                  launcher_args=HANG)
+                  launcher_args=[*HANG, *COLD])
     assert res.rc == 0, res.out[-4000:]
     return res.final_params()
 

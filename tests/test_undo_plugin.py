@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jobs import run_job
+from jobs import COLD, run_job
 
 STEPS, FAIL_STEP, VICTIM, NPROC = 10, 5, 2, 3
 UNDONE = 2  # train_ddp.MIDSTEP_ALLREDUCES
@@ -33,7 +33,7 @@ FAIL = ["--inject", f"0:{VICTIM}:{FAIL_STEP}:midstep"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    res = run_job(tmp_path_factory.mktemp("ref"), nproc=NPROC, script_args=SCRIPT, launcher_args=HANG)
+    res = run_job(tmp_path_factory.mktemp("ref"), nproc=NPROC, script_args=SCRIPT, launcher_args=[*HANG, *COLD])
     assert res.rc == 0, res.out[-4000:]
     return res
 

@@ -194,7 +194,7 @@ def test_a_proxy_killed_mid_training_is_rebuilt_from_a_replica(jobs, reference, 
     reads them into its new proxy, and every rank replays the minibatch. No restart, bitwise. (At
     minibatch 5, validation checked that rank 0's buffers stand in for each rank's.)"""
     need_build()
-    steps = 4000  # several seconds: the kill lands mid-training
+    steps = 1500  # ~5 s: the kill (0.5-1.5 s after the proxies start) lands mid-training
     expected = reference(steps)
     job, worker = kill_a_proxy_mid_training(jobs, tmp_path, "kill", steps)
     assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
@@ -237,7 +237,7 @@ def test_a_rank_that_cannot_recover_makes_every_rank_fall_back_to_user_level(job
     buffers can stand in for the worker's, so it refuses; the others read its refusal in the store,
     save JIT checkpoints from their live proxies, and the launcher restarts the job (case 5)."""
     need_build()
-    steps = 4000
+    steps = 1500
     expected = reference(steps)
     job, worker = kill_a_proxy_mid_training(jobs, tmp_path, "kill", steps, JITCKPT_VALIDATE_AT="0")
     rc = job.wait(TIMEOUT_S)
