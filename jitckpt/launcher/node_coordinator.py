@@ -71,6 +71,27 @@ class Generation:
     group_rank: int
 
 
+class HeartbeatWatch:
+    """When each launcher's heartbeat (``alive/<node>``, rewritten every HEARTBEAT_S) last changed,
+    on this launcher's clock: no wall clocks of two machines are compared. Three periods without a
+    change mean that launcher is gone."""
+
+    def __init__(self) -> None:
+        self._seen: dict = {}  # node -> (its heartbeat, when this launcher saw it change)
+
+    def saw(self, node: int, beat: Optional[str]) -> bool:
+        """Record a read of ``node``'s heartbeat; True if it changed since the previous read."""
+        prev = self._seen.get(node)
+        if prev is None or prev[0] != beat:
+            self._seen[node] = (beat, time.monotonic())
+        return prev is not None and prev[0] != beat
+
+    def silent(self, node: int) -> bool:
+        """Unchanged for three periods since this launcher first read it."""
+        seen = self._seen.get(node)
+        return seen is not None and time.monotonic() - seen[1] > 3 * HEARTBEAT_S
+
+
 class NodeCoordinator:
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
@@ -88,7 +109,7 @@ class NodeCoordinator:
         self._closing = threading.Event()
         self._lost_said = False
         self._beats = 0
-        self._beats_seen: dict[int, tuple] = {}  # node -> (its heartbeat, when this launcher saw it change)
+        self._heartbeats = HeartbeatWatch()  # the other nodes' launchers, for _silent
         self._beat_gen = -1  # the generation this launcher is in, for its heartbeat (-1: none yet)
         self._heart: Optional[threading.Thread] = None
         if cfg.nnodes > 1:
@@ -257,19 +278,26 @@ class NodeCoordinator:
         return not self.store.check([self._k(latest, "members")])
 
     def _peers_alive(self) -> bool:
-        """Another node's launcher writes its heartbeat (every HEARTBEAT_S): one changes within
-        three periods. No wall clocks are compared."""
-        keys = [f"alive/{n}" for n in range(self.cfg.nnodes) if n != self.cfg.node_rank]
+        """Another node's launcher, in a generation, writes its heartbeat: one changes within three
+        periods (a launcher starting as this one does says -1, and does not count)."""
+        nodes = [n for n in range(self.cfg.nnodes) if n != self.cfg.node_rank]
+        watch = HeartbeatWatch()
 
-        def beats() -> dict:  # of launchers in a generation (a launcher starting as this one does says -1)
-            got = {k: self.store.get(k).decode() for k in keys if self.store.check([k])}
-            return {k: v for k, v in got.items() if not v.startswith("-1 ")}
+        def changed() -> bool:
+            found = False
+            for n in nodes:
+                key = f"alive/{n}"
+                beat = self.store.get(key).decode() if self.store.check([key]) else None
+                if beat is not None and beat.startswith("-1 "):
+                    beat = None
+                found = watch.saw(n, beat) and beat is not None or found
+            return found
 
-        first = beats()
+        changed()
         deadline = time.monotonic() + 3 * HEARTBEAT_S
         while time.monotonic() < deadline:
             time.sleep(0.5)  # polling the peers' heartbeats
-            if any(first.get(k) != v for k, v in beats().items()):
+            if changed():
                 return True
         return False
 
@@ -440,12 +468,8 @@ class NodeCoordinator:
         """Node ``node``'s heartbeat has not changed for three periods: its launcher is gone (a lost
         node never says its workers are). Only this launcher's clock is read."""
         key = f"alive/{node}"
-        beat = self.store.get(key).decode() if self.store.check([key]) else None
-        seen, since = self._beats_seen.get(node, (None, None))
-        if since is None or beat != seen:
-            self._beats_seen[node] = (beat, time.monotonic())
-            return False
-        return time.monotonic() - since > 3 * HEARTBEAT_S
+        self._heartbeats.saw(node, self.store.get(key).decode() if self.store.check([key]) else None)
+        return self._heartbeats.silent(node)
 
     def close(self) -> None:
         self._closing.set()
