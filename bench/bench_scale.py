@@ -8,9 +8,10 @@ count, one run of each, on this machine (CPU, gloo, one node):
   (from the first one after jitckpt's warm standbys were ready, as bench_recovery.py does).
 
 Model: the MLP of bench_recovery.py (1024 -> hidden -> hidden -> 1024, Adam), hidden chosen for the
-parameter counts asked (8 M: 2048; 64 M: 7168; 512 M: 21504, about 8 GB per rank with Adam and its
-JIT checkpoint: as large as this 24 GB machine takes for 2 ranks). Writes JSON and a plot under
-bench/results/.
+parameter counts asked (8 M: 2048; 64 M: 7168; 256 M: 15104, about 8 GB per rank at its peak
+(parameters, gradients, Adam, DDP's buckets, the restore's copy): as large as this 24 GB machine
+takes for 2 ranks; 512 M: 21504). Writes JSON and a plot under bench/results/; the rows of an
+earlier run for other sizes or rank counts are kept.
 
 Usage: python bench/bench_scale.py [--sizes 8,64] [--ranks 2,3,4] [--steps 30] [--fail-at 20]
 """
@@ -30,7 +31,7 @@ sys.path.insert(0, str(BENCH))
 from bench_recovery import (TRAIN, back_at_failed_step, first_step_after_standbys, jitrun, read_log, run,  # noqa: E402
                             step_times, torchrun)
 
-HIDDEN = {8: 2048, 64: 7168, 512: 21504}  # millions of parameters -> hidden width
+HIDDEN = {8: 2048, 64: 7168, 256: 15104, 512: 21504}  # millions of parameters -> hidden width
 
 
 def model_args(millions: int) -> list:
@@ -110,7 +111,7 @@ def plot(rows: list, out: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="8,64", help="millions of parameters, of 8, 64, 512")
+    ap.add_argument("--sizes", default="8,64", help="millions of parameters, of 8, 64, 256, 512")
     ap.add_argument("--ranks", default="2,3,4")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--fail-at", type=int, default=20)
@@ -134,6 +135,13 @@ def main() -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
+    # The rows of an earlier run (other sizes or rank counts) stay: a large size can be run on its own.
+    if a.out.exists():
+        measured = {(r["params"], r["ranks"]) for r in rows}
+        old = json.loads(a.out.read_text())
+        if (old.get("steps"), old.get("fail_at")) == (a.steps, a.fail_at):
+            rows = sorted([r for r in old["rows"] if (r["params"], r["ranks"]) not in measured] + rows,
+                          key=lambda r: (r["params"], r["ranks"]))
     a.out.write_text(json.dumps({"script": str(TRAIN.name), "steps": a.steps, "fail_at": a.fail_at, "rows": rows},
                                 indent=1) + "\n")
     plot(rows, a.out.with_suffix(".png"))

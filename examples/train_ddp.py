@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -137,6 +138,7 @@ class DcpBaseline:
     def __init__(self, args, model, opt, sched):
         self.dir, self.model, self.opt, self.sched = args.baseline_dir, model, opt, sched
         self.pending = None
+        self.last = ""  # the newest save started
         # The background save's collectives on a group of their own: on the training's group they
         # would interleave with the gradient all-reduces (gloo runs one stream of operations).
         self.group = dist.new_group(backend="gloo")
@@ -151,8 +153,13 @@ class DcpBaseline:
         import torch.distributed.checkpoint as dcp
 
         if self.pending is not None:
-            self.pending.result()
-        self.pending = dcp.async_save(self._state(step), checkpoint_id=os.path.join(self.dir, f"step-{step:08d}"),
+            self.pending.result()  # every rank's part of the previous save is written, .metadata too
+            if dist.get_rank() == 0:  # older ones go, as a user's retention would (every step fills a disk)
+                for d in os.listdir(self.dir):
+                    if d.startswith("step-") and d < self.last:
+                        shutil.rmtree(os.path.join(self.dir, d), ignore_errors=True)
+        self.last = f"step-{step:08d}"
+        self.pending = dcp.async_save(self._state(step), checkpoint_id=os.path.join(self.dir, self.last),
                                       process_group=self.group)
 
     def restore(self, start):
