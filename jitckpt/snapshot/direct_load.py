@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from jitckpt.snapshot.checksum import Checksum
-from jitckpt.snapshot.layout import _DICT, _LIST, _TENSOR, _TUPLE, _DTYPES, ALIGN
+from jitckpt.snapshot.layout import ALIGN, dtype_named, places_in
 
 CHUNK = 1 << 20  # hashed right after its copy, from L2
 
@@ -29,32 +29,16 @@ def targets_in(doc: dict, live: Any) -> list[Optional[torch.Tensor]]:
     the bytes in place (CPU, contiguous, same dtype and shape), else None."""
     table = doc["tensors"]
     out: list[Optional[torch.Tensor]] = [None] * len(table)
-
-    def walk(node: Any, obj: Any) -> None:
-        if not isinstance(node, dict):
-            return
-        if _TENSOR in node:
-            i = node[_TENSOR]
-            if isinstance(i, int) and 0 <= i < len(table) and isinstance(obj, torch.Tensor) and _fits(table[i], obj):
-                out[i] = obj
-        elif _DICT in node and isinstance(obj, dict):
-            for key, value in node[_DICT]:
-                if isinstance(key, (str, int)) and key in obj:  # encoded keys (tuples...) are not matched
-                    walk(value, obj[key])
-        elif isinstance(obj, (list, tuple)):
-            items = node.get(_LIST, node.get(_TUPLE))
-            if isinstance(items, list):
-                for value, o in zip(items, obj):
-                    walk(value, o)
-
-    walk(doc["tree"], live)
+    for i, obj in places_in(doc, live):
+        if isinstance(obj, torch.Tensor) and _fits(table[i], obj):
+            out[i] = obj
     return out
 
 
 def _fits(entry: list, t: torch.Tensor) -> bool:
     name, shape, _, _ = entry
     return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and not t.is_quantized
-            and _DTYPES.get(name) == t.dtype and list(t.shape) == list(shape) and t.numel() > 0)
+            and dtype_named(name) == t.dtype and list(t.shape) == list(shape) and t.numel() > 0)
 
 
 def copy_verified_into(doc: dict, src: np.ndarray, algorithm: str,
@@ -72,7 +56,7 @@ def copy_verified_into(doc: dict, src: np.ndarray, algorithm: str,
     size = len(src)
     for name, shape, offset, nbytes in table:
         if not (isinstance(offset, int) and isinstance(nbytes, int) and 0 <= offset <= size - nbytes
-                and offset % ALIGN == 0 and name in _DTYPES):
+                and offset % ALIGN == 0 and dtype_named(name) is not None):
             raise ValueError(f"snapshot layout: tensor {name} at {offset}+{nbytes} does not fit the "
                              f"{size}-byte object")
     h = Checksum(algorithm)
@@ -84,7 +68,7 @@ def copy_verified_into(doc: dict, src: np.ndarray, algorithm: str,
             raise ValueError("snapshot layout: tensors overlap or are out of order")
         if offset > pos:
             h.update(src[pos:offset])  # alignment gap
-        t = target if target is not None else torch.empty([int(s) for s in shape], dtype=_DTYPES[name])
+        t = target if target is not None else torch.empty([int(s) for s in shape], dtype=dtype_named(name))
         if nbytes:
             dst = t.reshape(-1).view(torch.uint8).numpy()
             if dst.size != nbytes:

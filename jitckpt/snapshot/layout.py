@@ -17,7 +17,7 @@ import bisect
 import json
 import math
 from collections import OrderedDict
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -201,6 +201,37 @@ def rebuild(skeleton: Union[bytes, str, dict], flat: Any = None, *,
         return decode(doc["tree"])
     except (KeyError, IndexError, TypeError) as e:
         raise ValueError(f"snapshot layout is damaged: {e!r}") from None
+
+
+def dtype_named(name: str) -> Optional[torch.dtype]:
+    """The dtype a layout's tensor table names (``"float32"``...), or None for a name torch lacks."""
+    return _DTYPES.get(name)
+
+
+def places_in(doc: dict, live: Any) -> Iterator[tuple[int, Any]]:
+    """For each tensor of layout ``doc`` whose place (dict key by dict key, item by item) exists in
+    ``live``: (its index in ``doc["tensors"]``, the object at that place of ``live``). Keys the layout
+    encodes (tuples...) are not matched."""
+    table_size = len(doc["tensors"])
+
+    def walk(node: Any, obj: Any) -> Iterator[tuple[int, Any]]:
+        if not isinstance(node, dict):
+            return
+        if _TENSOR in node:
+            i = node[_TENSOR]
+            if isinstance(i, int) and 0 <= i < table_size:
+                yield i, obj
+        elif _DICT in node and isinstance(obj, dict):
+            for key, value in node[_DICT]:
+                if isinstance(key, (str, int)) and key in obj:
+                    yield from walk(value, obj[key])
+        elif isinstance(obj, (list, tuple)):
+            items = node.get(_LIST, node.get(_TUPLE))
+            if isinstance(items, list):
+                for value, o in zip(items, obj):
+                    yield from walk(value, o)
+
+    yield from walk(doc["tree"], live)
 
 
 def _tensor(entry: Any, buf: memoryview) -> torch.Tensor:
