@@ -108,6 +108,16 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def make_durable(directory: str | os.PathLike) -> None:
+    """fsync a checkpoint written with ``fsync=False``: every file in it, the directory and its parent
+    (where its rename landed). OSError if any of them cannot be flushed."""
+    directory = Path(directory)
+    for p in sorted(p for p in directory.rglob("*") if p.is_file()):
+        _fsync_path(p)
+    _fsync_path(directory)
+    _fsync_path(directory.parent)
+
+
 def _data_files(directory: Path) -> Iterable[Path]:
     for p in sorted(directory.rglob("*")):
         if p.is_file() and p.name != META_FILE:

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from jitckpt.checkpoint_store import _fsync_path
+from jitckpt.checkpoint_store import make_durable
 
 log = logging.getLogger("jitckpt.launcher.checkpoint_flush")
 
@@ -34,7 +34,7 @@ class CheckpointFlusher:
         self.failed = False  # a flush failed: later prunes are skipped, older checkpoints stay
 
     def flush(self, path: str) -> None:
-        """fsync every file of checkpoint directory ``path``, the directory and its parent."""
+        """Make checkpoint directory ``path`` durable (:func:`~jitckpt.checkpoint_store.make_durable`)."""
         self._pending.append(self._pool.submit(self._flush, Path(path)))
 
     def then(self, fn: Callable[[], None], *, what: str) -> None:
@@ -50,10 +50,7 @@ class CheckpointFlusher:
     def _flush(self, path: Path) -> None:
         t0 = time.monotonic()
         try:
-            for f in sorted(p for p in path.rglob("*") if p.is_file()):
-                _fsync_path(f)
-            _fsync_path(path)
-            _fsync_path(path.parent)
+            make_durable(path)
         except OSError as e:
             self.failed = True
             log.error("could not flush JIT checkpoint %s to disk: %s; it stays usable from memory, and "

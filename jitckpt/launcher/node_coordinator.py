@@ -286,11 +286,10 @@ class NodeCoordinator:
         def changed() -> bool:
             found = False
             for n in nodes:
-                key = f"alive/{n}"
-                beat = self.store.get(key).decode() if self.store.check([key]) else None
-                if beat is not None and beat.startswith("-1 "):
-                    beat = None
-                found = watch.saw(n, beat) and beat is not None or found
+                beat = self._read_heartbeat(n)
+                in_generation = beat is not None and not beat.startswith("-1 ")
+                if watch.saw(n, beat if in_generation else None) and in_generation:
+                    found = True
             return found
 
         changed()
@@ -467,9 +466,13 @@ class NodeCoordinator:
     def _silent(self, node: int) -> bool:
         """Node ``node``'s heartbeat has not changed for three periods: its launcher is gone (a lost
         node never says its workers are). Only this launcher's clock is read."""
-        key = f"alive/{node}"
-        self._heartbeats.saw(node, self.store.get(key).decode() if self.store.check([key]) else None)
+        self._heartbeats.saw(node, self._read_heartbeat(node))
         return self._heartbeats.silent(node)
+
+    def _read_heartbeat(self, node: int) -> Optional[str]:
+        """Node ``node``'s launcher's last heartbeat in the store (None: none yet)."""
+        key = f"alive/{node}"
+        return self.store.get(key).decode() if self.store.check([key]) else None
 
     def close(self) -> None:
         self._closing.set()

@@ -668,7 +668,7 @@ class Launcher:
         elif isinstance(msg, Saved):
             self.emit("checkpoint_saved", rank=w.rank, step=msg.step, bytes=msg.bytes,
                       seconds=msg.seconds, path=msg.path, kind=msg.kind, undone=msg.undone)
-            if not msg.durable and self.flusher is not None:
+            if msg.kind == "jit" and self.flusher is not None:  # its workers leave the fsync to it
                 self.flusher.flush(msg.path)
             if msg.kind == "jit":
                 self.coord.report_saved(gen, msg.shard_id, msg.num_shards, w.rank)

@@ -62,7 +62,6 @@ class Saved(Message):
     num_shards: int = 1
     kind: str = "jit"             # or "periodic"
     undone: Optional[int] = None  # parameters a SWIFT undo rolled back before the save
-    durable: bool = True          # False: in the page cache, the launcher fsyncs it
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ class WorkerSpec:
     snapshot: Optional[SnapshotSpec] = None
     stage: Optional[StageSpec] = None
     # One node: a JIT save returns once its files are in the page cache; the launcher fsyncs them
-    # after the restart has begun (jitckpt.launcher.checkpoint_flush).
+    # after the restart has begun (jitckpt.launcher.checkpoint_flush), for every JIT save reported.
     launcher_fsyncs: bool = False
 
     def __post_init__(self) -> None:

@@ -553,8 +553,8 @@ class WorkerRuntime:
             # DDP buffers and RNG as of the start of the minibatch recorded (the process exits next).
             self.ddp_buffers.rewind_for_save()
             # The process exits next: a launcher that fsyncs for it lets the restart start first.
-            durable = not (self.spec is not None and self.spec.launcher_fsyncs)
-            path, meta = self._write("jit", step, fsync=durable)
+            path, meta = self._write("jit", step,
+                                     fsync=not (self.spec is not None and self.spec.launcher_fsyncs))
         except CheckpointError as e:  # e.g. "no space left on <dir>: N bytes needed"
             self._give_up(f"JIT save failed: {e}")
         except BaseException as e:  # noqa: BLE001 - any save error must end in a clean report
@@ -565,7 +565,7 @@ class WorkerRuntime:
         if self.channel is not None:
             self.channel.send(Saved(rank=self.rank, path=str(path), step=step,
                               bytes=meta.total_bytes, seconds=seconds, shard_id=self.shard_id,
-                              num_shards=self.num_shards, kind="jit", undone=undone, durable=durable))
+                              num_shards=self.num_shards, kind="jit", undone=undone))
         self._exit(EXIT_JIT_SAVED)
 
     def _roll_back_if_torn(self) -> Optional[int]:
