@@ -30,9 +30,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import inprocess_floor  # noqa: E402
+from jitckpt.launcher.supervisor import with_malloc_hugepages  # noqa: E402
 TRAIN = ROOT / "examples" / "train_ddp.py"
 MODEL = ["--in-dim", "1024", "--hidden", "2048", "--layers", "2", "--out-dim", "1024",
          "--batch", "32", "--lr", "0.001"]
+# Like for like: every variant (torchrun baselines, the in-process floor) runs with the malloc
+# setting `jitckpt run` gives its workers (huge pages for large allocations).
+os.environ["GLIBC_TUNABLES"] = with_malloc_hugepages(os.environ.get("GLIBC_TUNABLES", ""))
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
        "OMP_NUM_THREADS": "1"}
 

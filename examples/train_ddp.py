@@ -66,6 +66,9 @@ def parse():
     p.add_argument("--steps-log", default="")
     p.add_argument("--no-jitckpt", action="store_true", help="plain DDP, for overhead comparisons")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (slow steps)")
+    p.add_argument("--slow-forward", default="", metavar="STEP:SECONDS",
+                   help="in the first launch, the forward of minibatch STEP takes SECONDS longer on every "
+                        "rank (a slow model)")
     p.add_argument("--baseline-save-every", type=int, default=0,
                    help="with --no-jitckpt: torch.save on rank 0 every N steps, resume from it (the "
                         "torchrun + periodic checkpoint baseline)")
@@ -263,6 +266,13 @@ def main():
             if state.step == mine["optim"]:
                 os.kill(os.getpid(), signal.SIGKILL)
         opt.register_step_pre_hook(die_in_step)
+    if args.slow_forward and gen == 0:
+        slow_step, slow_s = args.slow_forward.split(":")
+
+        def slow(*_a):
+            if state.step == int(slow_step):
+                time.sleep(float(slow_s))
+        net.register_forward_pre_hook(slow)
     logf = open(args.steps_log, "a") if args.steps_log else None
     loss_fn = nn.MSELoss()
     for step in range(start, args.steps):

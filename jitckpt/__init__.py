@@ -145,6 +145,7 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
                              "the newest snapshot")
     else:
         init(state.save, step_fn=lambda: state.step, shard_id=shard_id, num_shards=num_shards)
+        rt.saveable_while_running = state.untouched_mid_minibatch
     rt.consistency_check = state.consistent_now
     for plugin in rt.plugins:
         plugin.on_protect(state, rt)

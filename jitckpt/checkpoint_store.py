@@ -41,6 +41,7 @@ _DIR_RE = re.compile(r"^(?P<kind>[a-z]+)-g(?P<gen>\d+)-r(?P<rank>\d+)-s(?P<step>
 _CHUNK = 8 << 20
 QUARANTINE_PREFIX = "bad-"
 QUARANTINE_NOTE = "jitckpt-quarantine.txt"
+RESERVE_PREFIX = ".reserve-"  # jitckpt.runtime.save_reserve's files
 # A save that fails with less free space than this left is taken as one that ran out of space:
 # torch.save's zip writer reports a failed write as "unexpected pos", without the errno.
 _FULL_MARGIN = 1 << 20
@@ -359,7 +360,7 @@ def prune(root: str | os.PathLike, *, older_than_step: int) -> list[Path]:
 
 
 def prune_finished(root: str | os.PathLike) -> list[Path]:
-    """At a successful job end: delete every JIT checkpoint and stale temporary directory.
+    """At a successful job end: delete every JIT checkpoint, save reserve and stale temporary directory.
 
     JIT checkpoints hold mid-run states of a job that has since finished (several replicas' copies
     of one step, typically): a later job in the same directory must not resume from them.
@@ -372,6 +373,12 @@ def prune_finished(root: str | os.PathLike) -> list[Path]:
         if c.kind == "jit":
             shutil.rmtree(c.path, ignore_errors=True)
             removed.append(c.path)
+    for p in root.glob(RESERVE_PREFIX + "*"):  # the workers' JIT save reserves: all done now
+        try:
+            p.unlink()
+        except OSError:
+            continue
+        removed.append(p)
     return removed + _remove_stale_tmp(root)
 
 
@@ -380,7 +387,7 @@ def _remove_stale_tmp(root: Path) -> list[Path]:
     removed = []
     for p in root.glob(".tmp-*"):
         pid = p.name.rsplit("-", 2)[-2]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
@@ -415,7 +422,8 @@ def quarantine(directory: str | os.PathLike, reason: str) -> Optional[Path]:
     raise CheckpointError(f"{src}: cannot quarantine it: too many {QUARANTINE_PREFIX}{src.name}* exist")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (a writer of a temporary file is gone if not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -84,6 +84,26 @@ def test_single_failure_recovers_bitwise(reference, tmp_path, mode):
     assert_bitwise(res.final_params(), ref)
 
 
+@pytest.mark.parametrize("reference", [2], indirect=True, ids=["2ranks"])
+def test_survivor_saves_while_its_forward_still_runs(reference, tmp_path):
+    """The failed minibatch's forward takes 30 s more on the survivor: it saves once the launcher
+    reports the dead peer, without waiting for that forward, its backward and the failing
+    all-reduce (parameters and optimizer state are untouched until optimizer.step()). The save
+    overwrites the reserve file written after the first step, and no reserve outlives the job."""
+    nproc, ref = reference
+    res = run_job(tmp_path, nproc=nproc, launcher_args=HANG,
+                  script_args=[*COMMON, "--inject", f"0:1:{FAIL_STEP}:kill", "--slow-forward", f"{FAIL_STEP}:30"])
+    assert res.rc == 0, res.out[-4000:]
+    detected = res.ev("failure_detected")[0]["t"]
+    saved = [e for e in res.ev("checkpoint_saved") if e["kind"] == "jit"]
+    assert [(e["rank"], e["step"]) for e in saved] == [(0, FAIL_STEP)], saved
+    assert saved[0]["t"] - detected < 10, "the save waited for the slow forward"
+    assert "over its reserve's pages" in res.out, res.out[-4000:]
+    assert not list(res.ckpt.glob(".reserve-*"))
+    assert_at_most_one_minibatch_redone(res)
+    assert_bitwise(res.final_params(), ref)
+
+
 @BOTH
 def test_second_failure_during_recovery(reference, tmp_path):
     nproc, ref = reference

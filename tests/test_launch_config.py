@@ -195,3 +195,11 @@ def test_nproc_per_node_words_mean_what_they_mean_to_torchrun(tmp_path, capsys):
         with pytest.raises(SystemExit):
             parse("--nproc-per-node", bad, str(script))
         assert f"--nproc-per-node {bad}" in capsys.readouterr().err
+
+
+def test_workers_get_malloc_huge_pages_unless_the_user_set_it():
+    from jitckpt.launcher.supervisor import with_malloc_hugepages
+
+    assert with_malloc_hugepages("") == "glibc.malloc.hugetlb=1"
+    assert with_malloc_hugepages("glibc.malloc.arena_max=2") == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert with_malloc_hugepages("glibc.malloc.hugetlb=0") == "glibc.malloc.hugetlb=0"

@@ -14,7 +14,9 @@ thread is blocked there (hang detection, a save while it is held) and sees a tra
 * Global optimizer step pre/post hooks mark the optimizer phase, the one interval in which
   parameters and optimizer state change and a save would be torn.
 
-DDP itself is untouched (no comm hook), so its numerics are exactly those of plain DDP. The
+DDP's numerics are untouched (no comm hook): they are exactly those of plain DDP. A resumed job's
+DDP constructor skips its parameter broadcast while a checkpoint is about to be loaded
+(:mod:`~jitckpt.runtime.ddp_init_sync`). The
 :class:`~jitckpt.runtime.ddp_layout.LayoutTracker` records each DDP model's bucket layout on the training
 thread, so every checkpoint can carry it; :class:`~jitckpt.runtime.ddp_buffers.BufferTracker` the buffers
 and RNG state a JIT save must record.
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from jitckpt.runtime.ddp_buffers import BufferTracker
+from jitckpt.runtime.ddp_init_sync import DeferredInitSync
 from jitckpt.runtime.ddp_layout import LayoutTracker
 
 
@@ -75,8 +78,9 @@ def _distributed(*args: Any, **kwargs: Any) -> bool:
 class CollectiveHooks:
     """Installs the wrappers and hooks once per process; ``remove()`` restores the originals."""
 
-    def __init__(self, sink: RegionSink) -> None:
+    def __init__(self, sink: RegionSink, *, resuming: Callable[[], bool] = lambda: False) -> None:
         self._sink = sink
+        self.init_sync = DeferredInitSync(resuming)
         self._saved: list[tuple[Any, str, Any]] = []
         self._handles: list[Any] = []
         self.layouts = LayoutTracker()
@@ -95,6 +99,11 @@ class CollectiveHooks:
     def install(self) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if not hasattr(DDP.__init__, "__jitckpt_wrapped__"):  # inside the regions wrapped next
+            for name, wrap in (("__init__", self.init_sync.wrap_init),
+                               ("_pre_forward", self.init_sync.wrap_pre_forward)):
+                self._saved.append((DDP, name, DDP.__dict__[name]))
+                setattr(DDP, name, wrap(DDP.__dict__[name]))
         self._wrap(dist.Work, "wait", "collective", _distributed)
         # torch.futures.Future.wait calls this one: wrapping it covers both.
         self._wrap(torch._C.Future, "wait", "collective", _distributed)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -136,6 +137,7 @@ class Protected:
         self._aor: Any = None                # ZeRO: AorSnapshotter writing both partitions
         self._peer_state: Optional[dict] = None  # ZeRO: the successor's partition, restored
         self._resumed_step: Optional[int] = None
+        self._reserve_asked = False    # for the runtime's JIT save reserve, after the first step
         self._handles = [
             model.register_forward_pre_hook(self._on_forward),
             optimizer.register_step_pre_hook(self._before_step),
@@ -278,6 +280,42 @@ class Protected:
         self.step += 1
         self._mid_minibatch = False
         self._stepped = True
+        if not self._reserve_asked:  # the optimizer state exists now: the state's size is known
+            self._reserve_asked = True
+            rt = runtime_or_none()
+            if rt is not None and rt.save_fn == self.save:
+                rt.save_reserve.prepare(self._state_bytes() + (1 << 20))  # + the pickle and RNG
+
+    def _state_bytes(self) -> int:
+        seen: set = set()
+        total = 0
+
+        def add(obj: Any) -> None:
+            nonlocal total
+            if isinstance(obj, torch.Tensor):
+                storage = obj.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            elif isinstance(obj, dict):
+                for v in obj.values():
+                    add(v)
+            elif isinstance(obj, (list, tuple)):
+                for v in obj:
+                    add(v)
+
+        add(self.model.state_dict())
+        add(self.optimizer.state)
+        return total
+
+    def untouched_mid_minibatch(self) -> bool:
+        """True from a minibatch's first forward until its ``optimizer.step()`` begins.
+
+        Parameters and optimizer state do not change there, and the buffers and RNG states of the
+        minibatch's start are recorded, so :meth:`state_dict` reads the start of this minibatch
+        even while the training thread goes on with its forward and backward: another thread may
+        save then without waiting for it to block."""
+        return self._mid_minibatch and not self._in_step and not self._stepped and not self._zero
 
     def consistent_now(self) -> bool:
         """False between optimizer.step() and the scheduler's step of the same minibatch."""
@@ -320,8 +358,17 @@ class Protected:
         # CRC-32 of each zip record would be a second pass over the bytes (~40 % of the write).
         from torch.utils.serialization import config as serialization_config
 
+        target = Path(path) / STATE_FILE
+        rt = runtime_or_none()
+        reserve = rt.take_save_reserve() if rt is not None else None
         with serialization_config.patch({"save.compute_crc32": False}):
-            torch.save(self.state_dict(), Path(path) / STATE_FILE)
+            if reserve is None:
+                torch.save(self.state_dict(), target)
+                return
+            os.rename(reserve, target)  # its pages are in the page cache: overwritten in place
+            with open(target, "r+b") as f:
+                torch.save(self.state_dict(), f)
+                f.truncate()
 
     def load(self, path: str) -> int:
         """Load a checkpoint directory written by :meth:`save`; return the step to continue from."""
@@ -375,6 +422,7 @@ class Protected:
             return self.step
         path, sd = found
         step = self.load_state_dict(sd)
+        rt.ddp_init_sync.loaded()  # every replica loads these bytes: DDP's broadcast is not owed
         rt.report_restored(path, step, time.monotonic() - t0)
         return step
 

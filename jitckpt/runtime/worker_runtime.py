@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Callable, Optional
 
 from jitckpt.checkpoint_store import (CheckpointError, find_latest, quarantine, read_meta,
@@ -36,6 +37,7 @@ from jitckpt.protocol.control_messages import (ExitReady, FailureReport, Hello, 
 from jitckpt.plugins import get as get_plugins
 from jitckpt.torch_compat import warn_if_untested
 from jitckpt.hang_timeout import HangTimeout
+from jitckpt.runtime.save_reserve import SaveReserve
 from jitckpt.runtime.watchdog import DurationHistory, Watchdog
 from jitckpt.console_log import configure as configure_console_log
 
@@ -77,6 +79,12 @@ class WorkerRuntime:
         self.no_save_reason: Optional[str] = None  # why this job registers no save function
         self.step_fn: Optional[Callable[[], int]] = None
         self.consistency_check: Optional[Callable[[], bool]] = None
+        # protect(): True while the training thread computes a minibatch without touching the
+        # saved state (forward/backward): a failure's save need not wait for it to block.
+        self.saveable_while_running: Optional[Callable[[], bool]] = None
+        self.save_reserve = SaveReserve(checkpoint_dir)  # page-cache pages for the JIT save
+        self._jit_saving = False
+        self._reserve_used = False
         # --plugin undo: puts a torn state (interrupted optimizer step, or its minibatch unfinished)
         # back to the start of the minibatch; returns the number of parameters undone.
         self.roll_back: Optional[Callable[[], int]] = None
@@ -91,7 +99,8 @@ class WorkerRuntime:
         self._verdict_evt = threading.Event()
         self._save_claimed = False
         self._history = DurationHistory(hang_timeout)
-        self._hooks = CollectiveHooks(self)
+        self._hooks = CollectiveHooks(self, resuming=self._resuming_from_disk)
+        self.ddp_init_sync = self._hooks.init_sync  # protect()'s restore settles what DDP deferred
         self.ddp_layouts = self._hooks.layouts  # saved with every checkpoint this rank writes
         self.ddp_buffers = self._hooks.buffers  # what a JIT save records of DDP buffers and RNG
         self._watchdog = Watchdog(oldest=self._oldest_region, history=self._history,
@@ -227,6 +236,10 @@ class WorkerRuntime:
         self.save_fn, self.step_fn = save_fn, step_fn
         self.shard_id, self.num_shards = shard_id, num_shards
         self.replica_id = self.rank // num_shards if replica_id is None else replica_id
+
+    def _resuming_from_disk(self) -> bool:
+        """A checkpoint on disk will be resumed from (the in-memory tier decides collectively)."""
+        return self.snapshots is None and self.latest_checkpoint() is not None
 
     def latest_checkpoint(self) -> Optional[str]:
         """The newest complete checkpoint, chosen once per process so every caller agrees."""
@@ -413,11 +426,11 @@ class WorkerRuntime:
             self._history.add(kind, time.monotonic() - start)
 
     def optimizer_pre_step(self) -> None:
-        with self._lock:
+        with self._lock:  # atomic with a saver's claim: it either sees this step begun or wins
             held = self._save_claimed
+            self._in_optimizer = not held
         if held:
             self._park()
-        self._in_optimizer = True
         self._native_phase("optimizer")
 
     def optimizer_post_step(self) -> None:
@@ -505,9 +518,10 @@ class WorkerRuntime:
         threading.Thread(target=self._save_when_blocked, name="jitckpt-saver", daemon=True).start()
 
     def _save_when_blocked(self) -> None:
-        """Save from this thread once the main thread is stuck in a blocking region.
-
-        If the region completes instead, the main thread reaches a safe point and saves itself.
+        """Save from this thread once the main thread is stuck in a blocking region, or at once
+        while it computes a minibatch without touching the saved state (``protect()``: its
+        forward and backward, which a failed peer makes futile; it parks before its optimizer
+        step). Otherwise the main thread reaches a safe point and saves itself.
         Without a save function there is nothing to wait for: give up at once.
         """
         if self.save_fn is None:
@@ -517,14 +531,16 @@ class WorkerRuntime:
             with self._lock:
                 if self._save_claimed:
                     return
+                running = self.saveable_while_running is not None and self.saveable_while_running()
                 blocked = [on_main for _, start, on_main in self._regions.values()
                            if time.monotonic() - start > self.blocked_grace]
                 # A torn state is rolled back only while the main thread, which mutates it, waits.
-                claim = bool(blocked) and (not self._torn() or (self.roll_back is not None and any(blocked)))
+                claim = (running and not self._torn()) or (
+                    bool(blocked) and (not self._torn() or (self.roll_back is not None and any(blocked))))
                 if claim:
                     self._save_claimed = True
             if claim:
-                self._do_save_and_exit()
+                self._do_save_and_exit(rewind=not running)
             time.sleep(0.02)
         self._give_up(f"main thread reached no safe point within {self.save_timeout}s")
 
@@ -541,7 +557,9 @@ class WorkerRuntime:
         while True:  # another thread is saving; it ends the process
             time.sleep(3600)
 
-    def _do_save_and_exit(self) -> None:
+    def _do_save_and_exit(self, *, rewind: bool = True) -> None:
+        """Save and end the process. ``rewind=False``: the main thread still runs its forward,
+        whose buffers a rewind would race with (``protect()``'s state records the start anyway)."""
         if self.save_fn is None:
             self._give_up(self.no_save_reason or "no save function registered (call jitckpt.init(save_fn))")
         undone = self._roll_back_if_torn()
@@ -551,8 +569,10 @@ class WorkerRuntime:
         t0 = time.monotonic()
         try:
             # DDP buffers and RNG as of the start of the minibatch recorded (the process exits next).
-            self.ddp_buffers.rewind_for_save()
+            if rewind:
+                self.ddp_buffers.rewind_for_save()
             # The process exits next: a launcher that fsyncs for it lets the restart start first.
+            self._jit_saving = True
             path, meta = self._write("jit", step,
                                      fsync=not (self.spec is not None and self.spec.launcher_fsyncs))
         except CheckpointError as e:  # e.g. "no space left on <dir>: N bytes needed"
@@ -560,13 +580,20 @@ class WorkerRuntime:
         except BaseException as e:  # noqa: BLE001 - any save error must end in a clean report
             self._give_up(f"JIT save failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         seconds = time.monotonic() - t0
-        log.warning("JIT checkpoint of step %d saved to %s (%.3fs)", step,
-                    path, seconds)
+        log.warning("JIT checkpoint of step %d saved to %s (%.3fs%s)", step, path, seconds,
+                    ", over its reserve's pages" if self._reserve_used else "")
         if self.channel is not None:
             self.channel.send(Saved(rank=self.rank, path=str(path), step=step,
                               bytes=meta.total_bytes, seconds=seconds, shard_id=self.shard_id,
                               num_shards=self.num_shards, kind="jit", undone=undone))
         self._exit(EXIT_JIT_SAVED)
+
+    def take_save_reserve(self) -> Optional[Path]:
+        """For the save function: a file of ready page-cache pages to rename into the checkpoint
+        and overwrite (:mod:`jitckpt.runtime.save_reserve`), during a JIT save only; else None."""
+        reserve = self.save_reserve.take() if self._jit_saving else None
+        self._reserve_used = self._reserve_used or reserve is not None
+        return reserve
 
     def _roll_back_if_torn(self) -> Optional[int]:
         """--plugin undo: undo the torn step before saving; the number of parameters undone."""
