@@ -282,6 +282,7 @@ def main() -> None:
     results["overhead"].update(bench_hook_cost(results["overhead"]["median_step_plain_s"]))
     print("overhead:", json.dumps(results["overhead"], indent=1), flush=True)
     results["recovery"] = bench_recovery(work, steps=40, fail_step=25)
+    print("recovery:", json.dumps(results["recovery"], indent=1), flush=True)
     # The route the issue names (survivors keep their processes), reduced to what it cannot skip.
     results["recovery"]["inprocess_floor"] = inprocess_floor.measure(reps=3)
     results["recovery"]["resumed_over_inprocess_floor"] = (
