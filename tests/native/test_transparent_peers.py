@@ -174,10 +174,19 @@ def kill_a_proxy_mid_training(jobs, tmp: Path, name: str, steps: int, **extra: s
                 pass
         return found
 
+    def training() -> bool:  # a rank reported a step past the first: the minibatches run
+        try:
+            return any(e["event"] == "step" and e["step"] > 0 for e in job.events())
+        except (OSError, ValueError):
+            return False
+
     deadline = time.monotonic() + 60
-    while len(proxies()) < WORLD and time.monotonic() < deadline and job.proc.poll() is None:
-        time.sleep(0.05)  # polling for the proxies to start, bounded by the deadline
-    time.sleep(random.uniform(0.5, 1.5))  # the random moment, well inside the run (not synchronization)
+    while ((len(proxies()) < WORLD or not training()) and time.monotonic() < deadline
+           and job.proc.poll() is None):
+        time.sleep(0.05)  # polling for the proxies and the first steps, bounded by the deadline
+    # The random moment, well inside the run (not synchronization): training began ~0.5 s ago (the
+    # status heartbeat's period) and lasts seconds more, even at ~1000 steps/s.
+    time.sleep(random.uniform(0.0, 0.5))
     # One per worker by now (replay validation's scratch proxies, at minibatch 5, are long gone).
     live = proxies()
     assert len(live) == WORLD and len({p.ppid() for p in live}) == WORLD, (live, job.log.read_text())
@@ -194,7 +203,7 @@ def test_a_proxy_killed_mid_training_is_rebuilt_from_a_replica(jobs, reference, 
     reads them into its new proxy, and every rank replays the minibatch. No restart, bitwise. (At
     minibatch 5, validation checked that rank 0's buffers stand in for each rank's.)"""
     need_build()
-    steps = 1500  # ~5 s: the kill (0.5-1.5 s after the proxies start) lands mid-training
+    steps = 3000  # 3-10 s of training: the kill (< 0.5 s after the first step report) lands mid-training
     expected = reference(steps)
     job, worker = kill_a_proxy_mid_training(jobs, tmp_path, "kill", steps)
     assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
@@ -237,7 +246,7 @@ def test_a_rank_that_cannot_recover_makes_every_rank_fall_back_to_user_level(job
     buffers can stand in for the worker's, so it refuses; the others read its refusal in the store,
     save JIT checkpoints from their live proxies, and the launcher restarts the job (case 5)."""
     need_build()
-    steps = 1500
+    steps = 3000
     expected = reference(steps)
     job, worker = kill_a_proxy_mid_training(jobs, tmp_path, "kill", steps, JITCKPT_VALIDATE_AT="0")
     rc = job.wait(TIMEOUT_S)
