@@ -42,6 +42,9 @@ from jitckpt.runtime.watchdog import DurationHistory, Watchdog
 from jitckpt.console_log import configure as configure_console_log
 
 log = logging.getLogger("jitckpt.worker")
+# Failures that leave every rank alive: the minibatch under way can still finish, and every replica
+# then saves the same step at its next safe point rather than the minibatch's start.
+MINIBATCH_CAN_FINISH = ("preempted", "snapshot")
 
 from jitckpt.protocol.worker_spec import WorkerSpec
 from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED, EXIT_LAUNCHER_GONE, EXIT_NO_SAVE
@@ -520,8 +523,9 @@ class WorkerRuntime:
     def _save_when_blocked(self) -> None:
         """Save from this thread once the main thread is stuck in a blocking region, or at once
         while it computes a minibatch without touching the saved state (``protect()``: its
-        forward and backward, which a failed peer makes futile; it parks before its optimizer
-        step). Otherwise the main thread reaches a safe point and saves itself.
+        forward and backward, which a lost peer makes futile; it parks before its optimizer
+        step; not after a preemption, whose minibatch can finish). Otherwise the main thread
+        reaches a safe point and saves itself.
         Without a save function there is nothing to wait for: give up at once.
         """
         if self.save_fn is None:
@@ -531,7 +535,8 @@ class WorkerRuntime:
             with self._lock:
                 if self._save_claimed:
                     return
-                running = self.saveable_while_running is not None and self.saveable_while_running()
+                running = (self._failure is not None and self._failure["kind"] not in MINIBATCH_CAN_FINISH
+                           and self.saveable_while_running is not None and self.saveable_while_running())
                 blocked = [on_main for _, start, on_main in self._regions.values()
                            if time.monotonic() - start > self.blocked_grace]
                 # A torn state is rolled back only while the main thread, which mutates it, waits.
