@@ -42,15 +42,13 @@ from jitckpt.runtime.watchdog import DurationHistory, Watchdog
 from jitckpt.console_log import configure as configure_console_log
 
 log = logging.getLogger("jitckpt.worker")
-# Failures that leave every rank alive: the minibatch under way can still finish, and every replica
-# then saves the same step at its next safe point rather than the minibatch's start.
-MINIBATCH_CAN_FINISH = ("preempted", "snapshot")
 
 from jitckpt.protocol.worker_spec import WorkerSpec
 from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED, EXIT_LAUNCHER_GONE, EXIT_NO_SAVE
 
-
-
+# Failures that leave every rank alive: the minibatch under way can still finish, and every replica
+# then saves the same step at its next safe point rather than the minibatch's start.
+MINIBATCH_CAN_FINISH = ("preempted", "snapshot")
 # A rank blocked this long in a collective after a peer reached its exit barrier waits for it in
 # vain (see WorkerRuntime._on_peer_exit).
 PEER_EXIT_GRACE = 5.0
