@@ -66,6 +66,9 @@ def parse():
     p.add_argument("--steps-log", default="")
     p.add_argument("--no-jitckpt", action="store_true", help="plain DDP, for overhead comparisons")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (slow steps)")
+    p.add_argument("--pause-before-step", default="", metavar="RANK:STEP:SECONDS",
+                   help="in the first launch, RANK sleeps SECONDS between the backward and the optimizer "
+                        "step of minibatch STEP (its gradient all-reduce done)")
     p.add_argument("--slow-forward", default="", metavar="STEP:SECONDS",
                    help="in the first launch, the forward of minibatch STEP takes SECONDS longer on every "
                         "rank (a slow model)")
@@ -306,6 +309,10 @@ def main():
         loss = loss_fn(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if args.pause_before_step and gen == 0:
+            p_rank, p_step, p_s = args.pause_before_step.split(":")
+            if (int(p_rank), int(p_step)) == (rank, step):
+                time.sleep(float(p_s))
         if args.overlap_step:
             params = [p for p in model.parameters() if p.grad is not None]
             if mine.get("midstep") == step:

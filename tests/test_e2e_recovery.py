@@ -104,6 +104,22 @@ def test_survivor_saves_while_its_forward_still_runs(reference, tmp_path):
     assert_bitwise(res.final_params(), ref)
 
 
+@pytest.mark.parametrize("reference", [2], indirect=True, ids=["2ranks"])
+def test_survivor_finishes_a_minibatch_the_failed_rank_completed(reference, tmp_path):
+    """Rank 1 completes minibatch 5 and raises at the top of 6, while rank 0, its all-reduce of 5
+    done, pauses 5 s before its optimizer step: rank 0 must finish 5 and save 6 (nothing lost),
+    not save the start of 5, although its training thread sits inside minibatch 5."""
+    nproc, ref = reference
+    res = run_job(tmp_path, nproc=nproc, launcher_args=HANG,
+                  script_args=[*COMMON, "--inject", f"0:1:{FAIL_STEP + 1}:raise",
+                               "--pause-before-step", f"0:{FAIL_STEP}:5"])
+    assert res.rc == 0, res.out[-4000:]
+    saved = [e for e in res.ev("checkpoint_saved") if e["kind"] == "jit"]
+    assert [(e["rank"], e["step"]) for e in saved] == [(0, FAIL_STEP + 1)], saved
+    assert_at_most_one_minibatch_redone(res)
+    assert_bitwise(res.final_params(), ref)
+
+
 @BOTH
 def test_second_failure_during_recovery(reference, tmp_path):
     nproc, ref = reference

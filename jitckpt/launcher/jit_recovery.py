@@ -108,9 +108,11 @@ class JitRecovery:
             log.warning("failure detected (%s) on unknown rank: %s", kind, detail)
         self.emit("failure_detected", kind=kind, rank=rank, node=self.cfg.node_rank,
                   pid=pid_of(workers, rank), detail=detail, reporter=reporter)
+        # The minibatch the failed rank was in: a survivor behind it can still finish its own.
+        failed_step = next((w.step for w in workers if rank is not None and w.rank == rank), None)
         for w in workers:
             if w.live and w.rank not in rec.failed_ranks:
-                w.channel.send(SaveNow(kind=kind, rank=rank, detail=detail))
+                w.channel.send(SaveNow(kind=kind, rank=rank, detail=detail, step=failed_step))
         if not remote:
             self.coord.announce_failure(gen, {"kind": kind, "rank": rank, "detail": detail,
                                               "reporter": reporter})

@@ -135,11 +135,13 @@ class Assign(Message):
 
 @dataclass(frozen=True)
 class SaveNow(Message):
-    """Another rank failed (``rank`` None: not known yet), or the job is preempted: save."""
+    """Another rank failed (``rank`` None: not known yet), or the job is preempted: save.
+    ``step``: the minibatch the failed rank was in (its last report), when known."""
     TYPE: ClassVar[str] = "failure"
     kind: str
     rank: Optional[int]
     detail: str = ""
+    step: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,11 @@ class WorkerRuntime:
         self.save_reserve = SaveReserve(checkpoint_dir)  # page-cache pages for the JIT save
         self._jit_saving = False
         self._reserve_used = False
+        # A JIT save begun while the main thread still computes its minibatch: set once written.
+        self._speculation: Optional[threading.Event] = None
+        # The main thread's minibatch can finish: its backward (DDP's all-reduce) completed, or
+        # it reached optimizer.step(). A speculative save then yields to the minibatch's end.
+        self._moved_on = False
         # --plugin undo: puts a torn state (interrupted optimizer step, or its minibatch unfinished)
         # back to the start of the minibatch; returns the number of parameters undone.
         self.roll_back: Optional[Callable[[], int]] = None
@@ -336,6 +341,8 @@ class WorkerRuntime:
         """A minibatch boundary: a safe point, the status heartbeat and the periodic tier."""
         if self._failure_evt.is_set():
             self._save_and_exit(on_main=True)
+        with self._lock:
+            self._moved_on = False  # a new minibatch: its collectives are still ahead
         if self._native is not None:
             self._native.mark_minibatch(step)
             self._native.set_phase("forward")
@@ -411,7 +418,7 @@ class WorkerRuntime:
 
     def region_exit(self, token: int, exc: Optional[BaseException]) -> None:
         with self._lock:
-            kind, start, _ = self._regions.pop(token, ("?", time.monotonic(), False))
+            kind, start, on_main = self._regions.pop(token, ("?", time.monotonic(), False))
             held = self._save_claimed  # another thread is saving: stay inside, params untouched
         if held:
             self._park()
@@ -420,6 +427,9 @@ class WorkerRuntime:
             # pending) the state is torn: report, but let the error reach the user's code.
             self.report_failure("error", f"{kind} raised {type(exc).__name__}: {exc}",
                                 on_main=self._consistent())
+        if exc is None and kind == "backward" and on_main:
+            with self._lock:  # DDP's gradient all-reduce is done: this minibatch can finish
+                self._moved_on = True
         if exc is None:
             # A collective that completed had every rank's input: its result is valid, so after
             # a failure elsewhere the main thread may still finish this minibatch and save at the
@@ -427,6 +437,12 @@ class WorkerRuntime:
             self._history.add(kind, time.monotonic() - start)
 
     def optimizer_pre_step(self) -> None:
+        with self._lock:
+            speculation = self._speculation
+            if not self._save_claimed:
+                self._moved_on = True  # its collectives completed: it can finish, and is saved at its end
+        if speculation is not None:
+            speculation.wait()  # the speculative save reads the state this step updates
         with self._lock:  # atomic with a saver's claim: it either sees this step begun or wins
             held = self._save_claimed
             self._in_optimizer = not held
@@ -499,15 +515,16 @@ class WorkerRuntime:
 
     def report_failure(self, kind: str, detail: str, *, on_main: bool = False,
                        from_launcher: bool = False, detect_s: Optional[float] = None,
-                       culprit: Optional[int] = None) -> None:
+                       culprit: Optional[int] = None, peer_step: Optional[int] = None) -> None:
         """Record a failure (first one wins), tell the launcher, and save when it is safe.
 
-        ``culprit``: the failed rank, when this (healthy) rank knows which one it waits for."""
+        ``culprit``: the failed rank, when this (healthy) rank knows which one it waits for;
+        ``peer_step``: the minibatch the failed rank was in, when the launcher knows it."""
         with self._lock:
             first = self._failure is None
             if first:
                 self._failure = {"kind": kind, "detail": detail, "rank": self.rank,
-                                 "t": time.time(), "step": self.current_step()}
+                                 "t": time.time(), "step": self.current_step(), "peer_step": peer_step}
         if first:
             self._failure_evt.set()
             log.warning("failure detected (%s): %s", kind, detail)
@@ -519,11 +536,15 @@ class WorkerRuntime:
         threading.Thread(target=self._save_when_blocked, name="jitckpt-saver", daemon=True).start()
 
     def _save_when_blocked(self) -> None:
-        """Save from this thread once the main thread is stuck in a blocking region, or at once
-        while it computes a minibatch without touching the saved state (``protect()``: its
-        forward and backward, which a lost peer makes futile; it parks before its optimizer
-        step; not after a preemption, whose minibatch can finish). Otherwise the main thread
-        reaches a safe point and saves itself.
+        """Save from this thread once the main thread is stuck in a blocking region. Otherwise
+        the main thread reaches a safe point and saves itself.
+
+        While the main thread computes a minibatch without touching the saved state
+        (``protect()``: its forward and backward) this thread saves at once, speculatively: a
+        lost peer usually makes that minibatch futile, and the save is then ready when its
+        collective fails. Should the minibatch's collectives complete instead (the peer had
+        contributed before it failed), the main thread finishes the minibatch and saves its end,
+        losing nothing. Not after a preemption, whose minibatch always can finish.
         Without a save function there is nothing to wait for: give up at once.
         """
         if self.save_fn is None:
@@ -533,24 +554,64 @@ class WorkerRuntime:
             with self._lock:
                 if self._save_claimed:
                     return
-                running = (self._failure is not None and self._failure["kind"] not in MINIBATCH_CAN_FINISH
+                running = (self._failure is not None and self._minibatch_futile(self._failure)
                            and self.saveable_while_running is not None and self.saveable_while_running())
                 blocked = [on_main for _, start, on_main in self._regions.values()
                            if time.monotonic() - start > self.blocked_grace]
                 # A torn state is rolled back only while the main thread, which mutates it, waits.
-                claim = (running and not self._torn()) or (
-                    bool(blocked) and (not self._torn() or (self.roll_back is not None and any(blocked))))
+                claim = bool(blocked) and (not self._torn() or (self.roll_back is not None and any(blocked)))
+                speculate = (not claim and running and not self._torn() and self._speculation is None
+                             and not self._moved_on)
                 if claim:
                     self._save_claimed = True
+                if speculate:
+                    self._speculation = threading.Event()
             if claim:
-                self._do_save_and_exit(rewind=not running)
+                self._do_save_and_exit()
+            if speculate:
+                self._speculate()
             time.sleep(0.02)
         self._give_up(f"main thread reached no safe point within {self.save_timeout}s")
 
-    def _save_and_exit(self, *, on_main: bool) -> None:
+    def _minibatch_futile(self, failure: dict) -> bool:
+        """Whether this failure may keep the minibatch under way from finishing: not a
+        preemption (no rank is lost), nor a rank that failed in a later minibatch (it took part
+        in every collective of this one)."""
+        peer = failure.get("peer_step")
+        return failure["kind"] not in MINIBATCH_CAN_FINISH and (peer is None or peer <= self.current_step())
+
+    def _speculate(self) -> None:
+        """The speculative save (see :meth:`_save_when_blocked`): kept and reported if the main
+        thread is still in its minibatch once it is written, else left as an older checkpoint.
+        No buffer rewind: the main thread may be in its forward (``protect()`` records the start)."""
+        assert self._speculation is not None
+        step, t0 = self.current_step(), time.monotonic()
+        try:
+            path, meta = self._write_jit(step)
+            error: Optional[BaseException] = None
+        except BaseException as e:  # noqa: BLE001 - reported below if the save is kept
+            error = e
         with self._lock:
-            claim = not self._save_claimed
-            self._save_claimed = True
+            keep = not self._moved_on
+            self._save_claimed = self._save_claimed or keep
+        self._speculation.set()
+        if not keep:
+            log.info("the minibatch went on after the failure: its JIT save waits for its end")
+            return
+        if error is not None:
+            self._give_up(self._save_error(error))
+        self._report_saved_and_exit(path, meta, step, time.monotonic() - t0, undone=None)
+
+    def _save_and_exit(self, *, on_main: bool) -> None:
+        with self._lock:  # one decision with the saver thread's: a speculative save, or this one
+            speculation = self._speculation
+            claim = speculation is None and not self._save_claimed
+            self._save_claimed = self._save_claimed or claim
+        if speculation is not None:
+            speculation.wait()  # it keeps the state it read, or yields to this one
+            with self._lock:
+                claim = not self._save_claimed
+                self._save_claimed = True
         if claim:
             self._do_save_and_exit()
         self._park()
@@ -560,29 +621,35 @@ class WorkerRuntime:
         while True:  # another thread is saving; it ends the process
             time.sleep(3600)
 
-    def _do_save_and_exit(self, *, rewind: bool = True) -> None:
-        """Save and end the process. ``rewind=False``: the main thread still runs its forward,
-        whose buffers a rewind would race with (``protect()``'s state records the start anyway)."""
+    def _do_save_and_exit(self) -> None:
         if self.save_fn is None:
             self._give_up(self.no_save_reason or "no save function registered (call jitckpt.init(save_fn))")
         undone = self._roll_back_if_torn()
         step = self.current_step()
-        if self._native is not None:  # this thread's device copies go to libjit.so's save stream
-            self._native.set_save_thread(True)
         t0 = time.monotonic()
         try:
             # DDP buffers and RNG as of the start of the minibatch recorded (the process exits next).
-            if rewind:
-                self.ddp_buffers.rewind_for_save()
-            # The process exits next: a launcher that fsyncs for it lets the restart start first.
-            self._jit_saving = True
-            path, meta = self._write("jit", step,
-                                     fsync=not (self.spec is not None and self.spec.launcher_fsyncs))
-        except CheckpointError as e:  # e.g. "no space left on <dir>: N bytes needed"
-            self._give_up(f"JIT save failed: {e}")
+            self.ddp_buffers.rewind_for_save()
+            path, meta = self._write_jit(step)
         except BaseException as e:  # noqa: BLE001 - any save error must end in a clean report
-            self._give_up(f"JIT save failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        seconds = time.monotonic() - t0
+            self._give_up(self._save_error(e))
+        self._report_saved_and_exit(path, meta, step, time.monotonic() - t0, undone=undone)
+
+    def _write_jit(self, step: int):  # type: ignore[no-untyped-def]
+        if self._native is not None:  # this thread's device copies go to libjit.so's save stream
+            self._native.set_save_thread(True)
+        # The process exits next: a launcher that fsyncs for it lets the restart start first.
+        self._jit_saving = True
+        return self._write("jit", step, fsync=not (self.spec is not None and self.spec.launcher_fsyncs))
+
+    @staticmethod
+    def _save_error(e: BaseException) -> str:
+        if isinstance(e, CheckpointError):  # e.g. "no space left on <dir>: N bytes needed"
+            return f"JIT save failed: {e}"
+        return f"JIT save failed: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}"
+
+    def _report_saved_and_exit(self, path, meta, step: int, seconds: float,  # type: ignore[no-untyped-def]
+                               *, undone: Optional[int]) -> None:
         log.warning("JIT checkpoint of step %d saved to %s (%.3fs%s)", step, path, seconds,
                     ", over its reserve's pages" if self._reserve_used else "")
         if self.channel is not None:
@@ -668,7 +735,7 @@ class WorkerRuntime:
             if isinstance(msg, SaveNow) and getattr(self, "_verdict_ok", False):
                 continue  # every rank finished: nothing to recover, the job is complete
             if isinstance(msg, SaveNow):
-                self.report_failure(msg.kind, msg.detail, from_launcher=True)
+                self.report_failure(msg.kind, msg.detail, from_launcher=True, peer_step=msg.step)
             elif isinstance(msg, Verdict):
                 self._verdict_ok = bool(msg.ok)
                 self._verdict_evt.set()
