@@ -420,6 +420,8 @@ class WorkerRuntime:
         with self._lock:
             kind, start, on_main = self._regions.pop(token, ("?", time.monotonic(), False))
             held = self._save_claimed  # another thread is saving: stay inside, params untouched
+            if exc is None and kind == "backward" and on_main:
+                self._moved_on = True  # DDP's gradient all-reduce is done: this minibatch can finish
         if held:
             self._park()
         if exc is not None and is_collective_failure(exc):
@@ -427,9 +429,6 @@ class WorkerRuntime:
             # pending) the state is torn: report, but let the error reach the user's code.
             self.report_failure("error", f"{kind} raised {type(exc).__name__}: {exc}",
                                 on_main=self._consistent())
-        if exc is None and kind == "backward" and on_main:
-            with self._lock:  # DDP's gradient all-reduce is done: this minibatch can finish
-                self._moved_on = True
         if exc is None:
             # A collective that completed had every rank's input: its result is valid, so after
             # a failure elsewhere the main thread may still finish this minibatch and save at the
@@ -437,15 +436,15 @@ class WorkerRuntime:
             self._history.add(kind, time.monotonic() - start)
 
     def optimizer_pre_step(self) -> None:
-        with self._lock:
-            speculation = self._speculation
-            if not self._save_claimed:
-                self._moved_on = True  # its collectives completed: it can finish, and is saved at its end
+        with self._lock:  # atomic with a saver's claim: it either sees this step begun or wins
+            speculation, held = self._speculation, self._save_claimed
+            self._moved_on = self._moved_on or not held  # its collectives completed: it can finish
+            self._in_optimizer = speculation is None and not held
         if speculation is not None:
             speculation.wait()  # the speculative save reads the state this step updates
-        with self._lock:  # atomic with a saver's claim: it either sees this step begun or wins
-            held = self._save_claimed
-            self._in_optimizer = not held
+            with self._lock:
+                held = self._save_claimed
+                self._in_optimizer = not held
         if held:
             self._park()
         self._native_phase("optimizer")
