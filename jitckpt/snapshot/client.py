@@ -314,22 +314,25 @@ class SnapshotTaker:
     def _write(self, job: _Job, spec: ObjectSpec, m: Any) -> dict:
         dst_all = torch.frombuffer(m, dtype=torch.uint8, count=spec.size)
         h = Checksum(DEFAULT_ALGORITHM)
-        mv = memoryview(m)
-        try:
-            for c in range(0, spec.size, self.chunk):
-                n = min(self.chunk, spec.size - c)
-                self.stats.chunks[self._gate()] += 1
-                dst = dst_all[c:c + n]
-                (off0, _), rest = spec.sources[0], spec.sources[1:]
+        (off0, _), rest = spec.sources[0], spec.sources[1:]
+        for c in range(0, spec.size, self.chunk):
+            n = min(self.chunk, spec.size - c)
+            self.stats.chunks[self._gate()] += 1
+            dst = dst_all[c:c + n]
+            if rest:  # parity: the XOR of several ranges, hashed once complete
                 job.flat.read_into(off0 + c, dst)
                 for off, _ in rest:
                     tmp = self._tmp[:n]
                     job.flat.read_into(off + c, tmp)
                     xor_into(dst, tmp)
-                h.update(mv[c:c + n])
-                self.stats.bytes_copied += n
-        finally:
-            mv.release()
+                h.update(dst.numpy())
+            else:
+                # Streaming stores: the trainer never reads the keeper's copy, so it should not
+                # evict the trainer's data from the shared cache.
+                d = dst.numpy()
+                for pos, src, k in job.flat.segments(off0 + c, n):
+                    h.copy(d[pos:pos + k], src, bypass_cache=True)
+            self.stats.bytes_copied += n
         return {"key": spec.key, "step": job.step, "checksum": h.value(), "algo": h.algorithm}
 
     def _start_flush(self, job: _Job) -> None:

@@ -75,9 +75,7 @@ def copy_verified_into(doc: dict, src: np.ndarray, algorithm: str,
                 raise ValueError(f"snapshot layout: tensor {shape} {name} cannot take {nbytes} bytes")
             for at in range(0, nbytes, CHUNK):
                 end = min(at + CHUNK, nbytes)
-                # numpy's copy is glibc memcpy, and releases the GIL
-                np.copyto(dst[at:end], src[offset + at:offset + end])
-                h.update(dst[at:end])
+                h.copy(dst[at:end], src[offset + at:offset + end])
             if check_finite and finite and t.is_floating_point() and not bool(torch.isfinite(t.sum())):
                 finite = bool(torch.isfinite(t).all())  # a non-finite sum may be an overflow only
         tensors.append(t)

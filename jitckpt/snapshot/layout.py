@@ -120,14 +120,26 @@ class FlatState:
 
         Bytes past the end of the state or between tensors read as zero.
         """
-        n, pos, tensors, out_np = out.numel(), 0, self.tensors, out.numpy()
+        out_np = out.numpy()
+        for pos, src, n in self.segments(start, out.numel()):
+            if src is None:
+                out_np[pos:pos + n] = 0
+            else:
+                # numpy's copy is glibc memcpy (about 1.7x torch's single-thread uint8 copy_ here)
+                # and, like torch, releases the GIL for the trainer
+                np.copyto(out_np[pos:pos + n], src)
+
+    def segments(self, start: int, n: int) -> Iterator[tuple[int, Optional[np.ndarray], int]]:
+        """Bytes ``[start, start + n)`` of the layout as ``(position, source, length)`` pieces in
+        order: ``source`` a uint8 array of a tensor's bytes, or None where they read as zero."""
+        pos, tensors = 0, self.tensors
         i = max(bisect.bisect_right(self.offsets, start) - 1, 0)
         while pos < n:
             at = start + pos
             if i >= len(tensors) or at < self.offsets[i]:
                 nxt = self.offsets[i] if i < len(tensors) else at + (n - pos)
                 gap = min(nxt - at, n - pos)
-                out[pos:pos + gap].zero_()
+                yield pos, None, gap
                 pos += gap
                 continue
             t, off = tensors[i], at - self.offsets[i]
@@ -135,9 +147,7 @@ class FlatState:
                 i += 1
                 continue
             take = min(t.numel() - off, n - pos)
-            # numpy's copy is glibc memcpy (about 1.7x torch's single-thread uint8 copy_ here) and,
-            # like torch, releases the GIL for the trainer
-            np.copyto(out_np[pos:pos + take], t.numpy()[off:off + take])
+            yield pos, t.numpy()[off:off + take], take
             pos += take
 
 

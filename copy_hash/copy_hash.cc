@@ -1,0 +1,143 @@
+// jitckpt._copy_hash: copy bytes and hash them (XXH3-64) in one pass, with the GIL released.
+//
+// Why native: a snapshot copies the whole training state every step on the core the trainer does
+// not use. Done from Python (numpy copy, then xxhash over the copy) it reads the bytes twice,
+// fills the shared L3 cache with a copy nobody reads again, and takes the GIL once per chunk. Here
+// each 64 KiB block is copied and then hashed from the source while it is still in L1/L2, and a
+// copy that only lands in another process's memory (the snapshot keeper's) can bypass the cache
+// with streaming stores.
+#define XXH_INLINE_ALL
+#include <pybind11/pybind11.h>
+#include <xxhash.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr size_t kBlock = 64 << 10;  // copied, then hashed while in L1/L2
+constexpr size_t kStreamMin = 256 << 10;  // smaller copies are worth keeping in cache
+
+// memcpy with non-temporal stores (the destination's lines are not brought into the cache).
+void stream_copy(char* dst, const char* src, size_t n) {
+#if defined(__SSE2__)
+  size_t i = 0;
+  const size_t head = (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16;
+  if (head != 0) {
+    std::memcpy(dst, src, head < n ? head : n);
+    i = head < n ? head : n;
+  }
+  for (; i + 64 <= n; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+void store_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();  // streaming stores are weakly ordered: visible to readers before we return
+#endif
+}
+
+// A contiguous view of a Python buffer (released with the object).
+class Buffer {
+ public:
+  Buffer(const py::handle& obj, bool writable, const char* what) {
+    if (PyObject_GetBuffer(obj.ptr(), &view_, writable ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
+                                                        : PyBUF_C_CONTIGUOUS) != 0) {
+      PyErr_Clear();
+      throw py::type_error(std::string(what) + " must be a C-contiguous" +
+                           (writable ? " writable" : "") + " buffer (numpy array, memoryview, mmap)");
+    }
+  }
+  ~Buffer() { PyBuffer_Release(&view_); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  char* data() const { return static_cast<char*>(view_.buf); }
+  size_t size() const { return static_cast<size_t>(view_.len); }
+
+ private:
+  Py_buffer view_{};
+};
+
+// Streaming XXH3-64 (seed 0): the same value as xxhash.xxh3_64 over the same bytes.
+class Xxh3 {
+ public:
+  Xxh3() : state_(XXH3_createState(), &XXH3_freeState) {
+    if (!state_ || XXH3_64bits_reset(state_.get()) != XXH_OK) throw std::bad_alloc();
+  }
+
+  void update(const py::buffer& data) {
+    Buffer src(data, false, "data");
+    py::gil_scoped_release nogil;
+    XXH3_64bits_update(state_.get(), src.data(), src.size());
+  }
+
+  // Copy ``src`` into ``dst`` (same length; None: zero-fill) and hash what was written.
+  void copy(const py::buffer& dst_obj, const py::object& src_obj, bool bypass_cache) {
+    Buffer dst(dst_obj, true, "dst");
+    if (src_obj.is_none()) {
+      py::gil_scoped_release nogil;
+      std::memset(dst.data(), 0, dst.size());
+      XXH3_64bits_update(state_.get(), dst.data(), dst.size());
+      return;
+    }
+    Buffer src(src_obj, false, "src");
+    if (src.size() != dst.size()) {
+      throw py::value_error("copy: src has " + std::to_string(src.size()) + " bytes, dst " +
+                            std::to_string(dst.size()));
+    }
+    py::gil_scoped_release nogil;
+    const bool stream = bypass_cache && dst.size() >= kStreamMin;
+    for (size_t at = 0; at < dst.size(); at += kBlock) {
+      const size_t n = dst.size() - at < kBlock ? dst.size() - at : kBlock;
+      if (stream) {
+        stream_copy(dst.data() + at, src.data() + at, n);
+      } else {
+        std::memcpy(dst.data() + at, src.data() + at, n);
+      }
+      XXH3_64bits_update(state_.get(), src.data() + at, n);  // the block just read: in cache
+    }
+    if (stream) store_fence();
+  }
+
+  uint64_t intdigest() const { return XXH3_64bits_digest(state_.get()); }
+
+ private:
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> state_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_copy_hash, m) {
+  m.doc() = "Copy + XXH3-64 in one pass, GIL released (jitckpt.snapshot.checksum uses it).";
+  py::class_<Xxh3>(m, "Xxh3", "Streaming XXH3-64 (seed 0), equal to xxhash.xxh3_64.")
+      .def(py::init<>())
+      .def("update", &Xxh3::update, py::arg("data"), "Hash the bytes of a buffer.")
+      .def("copy", &Xxh3::copy, py::arg("dst"), py::arg("src"), py::kw_only(),
+           py::arg("bypass_cache") = false,
+           "Copy buffer src into the writable buffer dst of the same length (src None: zero-fill "
+           "dst) and hash the bytes. bypass_cache: write large copies with streaming stores that "
+           "skip the cache (for memory this process will not read again soon).")
+      .def("intdigest", &Xxh3::intdigest, "The hash of everything so far.");
+}
