@@ -88,6 +88,8 @@ BENCHES = [
     Bench("snapshot", lambda out: [sys.executable, str(BENCH / "bench_snapshot.py"), "--quick", "--out", str(out)],
           (Ratio("snapshot every step: step overhead", lambda d: d["overhead_fraction"], "{:+.2%}", "< 1 %",
                  lambda v: v < 0.01),
+           Ratio("  ceiling: the same bytes copied + checksummed on the other core (same run)",
+                 lambda d: d["ceiling_overhead_fraction"], "{:+.2%}", "(physical limit)"),
            Ratio("restore from memory vs cold torch.load", lambda d: d["restore_speedup_vs_disk_cold"], "{:.2f}x",
                  ">= 10x", lambda v: v >= 10),
            Ratio("restore into the model / one memcpy of the state", lambda d: d["restore_total_over_one_memcpy"],
