@@ -52,6 +52,27 @@ void stream_copy(char* dst, const char* src, size_t n) {
 #endif
 }
 
+// True if no element of [p, p + n) has every bit of ``mask`` (the exponent) set: no NaN or Inf.
+template <typename U>
+bool all_finite(const char* p, size_t n, U mask) {
+  U bad = 0;
+  for (size_t i = 0; i + sizeof(U) <= n; i += sizeof(U)) {
+    U v;
+    std::memcpy(&v, p + i, sizeof(U));  // any alignment; vectorized by the compiler
+    bad |= static_cast<U>((v & mask) == mask);
+  }
+  return bad == 0;
+}
+
+bool block_finite(const char* p, size_t n, size_t itemsize, uint64_t mask) {
+  switch (itemsize) {
+    case 2: return all_finite<uint16_t>(p, n, static_cast<uint16_t>(mask));
+    case 4: return all_finite<uint32_t>(p, n, static_cast<uint32_t>(mask));
+    case 8: return all_finite<uint64_t>(p, n, mask);
+    default: return true;
+  }
+}
+
 void store_fence() {
 #if defined(__SSE2__)
   _mm_sfence();  // streaming stores are weakly ordered: visible to readers before we return
@@ -93,14 +114,20 @@ class Xxh3 {
     XXH3_64bits_update(state_.get(), src.data(), src.size());
   }
 
-  // Copy ``src`` into ``dst`` (same length; None: zero-fill) and hash what was written.
-  void copy(const py::buffer& dst_obj, const py::object& src_obj, bool bypass_cache) {
+  // Copy ``src`` into ``dst`` (same length; None: zero-fill) and hash what was written. With an
+  // ``itemsize`` (2, 4 or 8) and the floating type's exponent ``mask``, also check every element
+  // for NaN/Inf in the same pass; returns false if one is found.
+  bool copy(const py::buffer& dst_obj, const py::object& src_obj, bool bypass_cache, size_t itemsize,
+            uint64_t exponent_mask) {
+    if (itemsize != 0 && itemsize != 2 && itemsize != 4 && itemsize != 8) {
+      throw py::value_error("copy: itemsize must be 0 (no check), 2, 4 or 8, got " + std::to_string(itemsize));
+    }
     Buffer dst(dst_obj, true, "dst");
     if (src_obj.is_none()) {
       py::gil_scoped_release nogil;
       std::memset(dst.data(), 0, dst.size());
       XXH3_64bits_update(state_.get(), dst.data(), dst.size());
-      return;
+      return true;
     }
     Buffer src(src_obj, false, "src");
     if (src.size() != dst.size()) {
@@ -109,6 +136,7 @@ class Xxh3 {
     }
     py::gil_scoped_release nogil;
     const bool stream = bypass_cache && dst.size() >= kStreamMin;
+    bool finite = true;
     for (size_t at = 0; at < dst.size(); at += kBlock) {
       const size_t n = dst.size() - at < kBlock ? dst.size() - at : kBlock;
       if (stream) {
@@ -117,8 +145,10 @@ class Xxh3 {
         std::memcpy(dst.data() + at, src.data() + at, n);
       }
       XXH3_64bits_update(state_.get(), src.data() + at, n);  // the block just read: in cache
+      if (itemsize != 0 && finite) finite = block_finite(src.data() + at, n, itemsize, exponent_mask);
     }
     if (stream) store_fence();
+    return finite;
   }
 
   uint64_t intdigest() const { return XXH3_64bits_digest(state_.get()); }
@@ -135,9 +165,11 @@ PYBIND11_MODULE(_copy_hash, m) {
       .def(py::init<>())
       .def("update", &Xxh3::update, py::arg("data"), "Hash the bytes of a buffer.")
       .def("copy", &Xxh3::copy, py::arg("dst"), py::arg("src"), py::kw_only(),
-           py::arg("bypass_cache") = false,
+           py::arg("bypass_cache") = false, py::arg("itemsize") = 0, py::arg("exponent_mask") = 0,
            "Copy buffer src into the writable buffer dst of the same length (src None: zero-fill "
            "dst) and hash the bytes. bypass_cache: write large copies with streaming stores that "
-           "skip the cache (for memory this process will not read again soon).")
+           "skip the cache (for memory this process will not read again soon). itemsize (2, 4, 8) "
+           "and exponent_mask: check the floats copied for NaN/Inf in the same pass; returns False "
+           "if one is found (True without a check).")
       .def("intdigest", &Xxh3::intdigest, "The hash of everything so far.");
 }

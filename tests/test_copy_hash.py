@@ -68,3 +68,35 @@ def test_bad_buffers_are_refused_without_writing() -> None:
         h.copy(readonly, np.ones(8, dtype=np.uint8))
     with pytest.raises(TypeError, match="C-contiguous"):
         h.copy(np.zeros(16, dtype=np.uint8)[::2], np.ones(8, dtype=np.uint8))
+
+
+FLOATS = ["float16", "bfloat16", "float32", "float64"]
+
+
+@pytest.mark.parametrize("dtype_name", FLOATS)
+@pytest.mark.parametrize("native", [True, False], ids=["native", "fallback"])
+def test_copy_finds_a_nan_or_inf_anywhere_and_passes_the_largest_finite(dtype_name: str, native: bool,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    if not native:
+        monkeypatch.setattr(checksum, "_native", None)
+    dtype = getattr(torch, dtype_name)
+    n = (200 << 10) // dtype.itemsize + 3  # several 64 KiB blocks and a ragged end
+    big = torch.full((n,), torch.finfo(dtype).max, dtype=dtype)  # every exponent bit but one: finite
+    big[::7] = -torch.finfo(dtype).max
+    big[1::5] = torch.finfo(dtype).tiny / 2  # subnormal
+    src = big.view(torch.uint8).numpy()
+    dst = np.empty_like(src)
+    h = Checksum("xxh3_64")
+    assert h.copy(dst, src, finite=dtype) is True and np.array_equal(dst, src)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, (64 << 10) // dtype.itemsize, n - 1):  # first, a block's first, last
+            t = big.clone()
+            t[at] = bad
+            src = t.view(torch.uint8).numpy()
+            h = Checksum("xxh3_64")
+            assert h.copy(dst, src, finite=dtype) is False, (bad, at)
+            assert np.array_equal(dst, src)  # still copied and hashed: the caller decides
+            assert h.value() == xxhash.xxh3_64(src.tobytes()).intdigest()
+    assert Checksum("xxh3_64").copy(dst, src) is True  # not asked: no check

@@ -23,6 +23,9 @@ except ImportError:  # pragma: no cover - exercised only without the optional pa
     _xxhash = None
 
 ALGORITHMS = ("xxh3_64", "crc32")
+# A floating type's element size and exponent bits: all of them set is a NaN or an Inf.
+_EXPONENT = {"torch.float16": (2, 0x7C00), "torch.bfloat16": (2, 0x7F80),
+             "torch.float32": (4, 0x7F800000), "torch.float64": (8, 0x7FF0000000000000)}
 DEFAULT_ALGORITHM = "xxh3_64" if _native is not None or _xxhash is not None else "crc32"
 
 
@@ -48,20 +51,34 @@ class Checksum:
         else:
             self._crc = zlib.crc32(data, self._crc)
 
-    def copy(self, dst: np.ndarray, src: Optional[np.ndarray], *, bypass_cache: bool = False) -> None:
+    def copy(self, dst: np.ndarray, src: Optional[np.ndarray], *, bypass_cache: bool = False,
+             finite: Any = None) -> bool:
         """Copy ``src`` into ``dst`` (uint8 arrays of one length; None: zero-fill) and hash the bytes.
 
         Natively in one pass (each block hashed while in cache, the GIL released); ``bypass_cache``
         writes a large copy with streaming stores, for memory this process will not read soon (the
-        keeper's). Otherwise a numpy copy (glibc memcpy), then a hash of the copy."""
+        keeper's). Otherwise a numpy copy (glibc memcpy), then a hash of the copy. ``finite``: a
+        floating torch dtype the bytes hold; returns False if one of them is NaN or Inf (checked
+        in the same pass natively for float16/bfloat16/float32/float64), True otherwise."""
+        exponent = _EXPONENT.get(str(finite)) if finite is not None else None
         if self._one_pass:
-            self._h.copy(dst, src, bypass_cache=bypass_cache)
-            return
-        if src is None:
-            dst.fill(0)
+            ok = self._h.copy(dst, src, bypass_cache=bypass_cache, itemsize=exponent[0] if exponent else 0,
+                              exponent_mask=exponent[1] if exponent else 0)
+            if exponent or finite is None:
+                return ok
         else:
-            np.copyto(dst, src)
-        self.update(dst)
+            if src is None:
+                dst.fill(0)
+            else:
+                np.copyto(dst, src)
+            self.update(dst)
+            if finite is None:
+                return True
+        import torch  # local: only a floating check needs it
+
+        t = torch.from_numpy(dst).view(finite)
+        # a finite sum proves every element finite; a non-finite one may be an overflow only
+        return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
     def value(self) -> int:
         return self._h.intdigest() if self._h is not None else self._crc

@@ -46,8 +46,8 @@ def copy_verified_into(doc: dict, src: np.ndarray, algorithm: str,
                        check_finite: bool) -> tuple[list[torch.Tensor], int, bool]:
     """Copy the tensors of snapshot object ``src`` (the whole flat state, uint8) into ``targets``
     (fresh tensors where None); the tensors, the checksum of ``src``'s bytes as copied, and
-    whether every floating tensor is finite (checked on each tensor right after its copy, while
-    it is in cache; True when not asked).
+    whether every floating tensor is finite (checked in the copy's pass, while the bytes are in
+    cache; True when not asked).
 
     Gaps between tensors (alignment, always zero when written) are hashed from ``src``. A layout
     entry outside ``src`` or misaligned is a ValueError before anything is written.
@@ -73,11 +73,11 @@ def copy_verified_into(doc: dict, src: np.ndarray, algorithm: str,
             dst = t.reshape(-1).view(torch.uint8).numpy()
             if dst.size != nbytes:
                 raise ValueError(f"snapshot layout: tensor {shape} {name} cannot take {nbytes} bytes")
+            check = t.dtype if check_finite and finite and t.is_floating_point() else None
             for at in range(0, nbytes, CHUNK):
                 end = min(at + CHUNK, nbytes)
-                h.copy(dst[at:end], src[offset + at:offset + end])
-            if check_finite and finite and t.is_floating_point() and not bool(torch.isfinite(t.sum())):
-                finite = bool(torch.isfinite(t).all())  # a non-finite sum may be an overflow only
+                # NaN/Inf checked in the copy's pass, while the bytes are in cache
+                finite = h.copy(dst[at:end], src[offset + at:offset + end], finite=check) and finite
         tensors.append(t)
         pos = offset + nbytes
     if pos < size:
