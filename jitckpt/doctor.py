@@ -37,6 +37,14 @@ def _native_module() -> dict[str, Any]:
     return {"present": True, "path": _native.__file__, "built_with": dict(_native.built_with)}
 
 
+def _snapshot_checksum() -> dict[str, Any]:
+    from jitckpt.snapshot import checksum
+
+    return {"algorithm": checksum.DEFAULT_ALGORITHM,
+            "one_pass": checksum._native is not None,  # jitckpt._copy_hash built
+            "path": checksum._native.__file__ if checksum._native is not None else None}
+
+
 def report() -> dict[str, Any]:
     """Everything `jitckpt doctor` says, as data."""
     lib = native_lib_dir()
@@ -47,6 +55,7 @@ def report() -> dict[str, Any]:
         "libjit.so": str(lib / "libjit.so") if lib else None,
         "jitckpt-proxy": str(proxy) if proxy else None,
         "jitckpt._native": _native_module(),
+        "jitckpt._copy_hash": _snapshot_checksum(),
     }
     runtime = {}
     for soname in ("libcudart.so.13", "libnccl.so.2"):
@@ -81,6 +90,10 @@ def render(r: dict[str, Any]) -> str:
                      f"NCCL {b['nccl_version']} ({b['nccl_include']})")
     else:
         lines.append(f"    jitckpt._native: missing ({mod['why']})")
+    ch = n["jitckpt._copy_hash"]
+    lines.append("    jitckpt._copy_hash: " + ("yes: snapshot copies and checksums in one native pass"
+                                                  if ch["one_pass"] else
+                                                  f"missing: snapshots copy with numpy, then checksum ({ch['algorithm']})"))
     for soname, info in r["runtime"].items():
         lines.append(f"  {soname}: " + (f"{info['kind']}, {info['path']}" if info["path"]
                                         else f"not found ({info['why']})"))
