@@ -104,7 +104,7 @@ def test_doctor_without_a_question_says_what_the_installation_has():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "jitckpt installation"
-    for what in ("native parts:", "libcudart.so.13:", "libnccl.so.2:", "torch:", "criu:", "etcd:"):
+    for what in ("native parts:", "jitckpt._copy_hash:", "libcudart.so.13:", "libnccl.so.2:", "torch:", "criu:", "etcd:"):
         assert any(line.strip().startswith(what) for line in lines), (what, out.stdout)
 
 
