@@ -62,9 +62,9 @@ class Checksum:
         in the same pass natively for float16/bfloat16/float32/float64), True otherwise."""
         exponent = _EXPONENT.get(str(finite)) if finite is not None else None
         if self._one_pass:
-            ok = self._h.copy(dst, src, bypass_cache=bypass_cache, itemsize=exponent[0] if exponent else 0,
-                              exponent_mask=exponent[1] if exponent else 0)
-            if exponent or finite is None:
+            itemsize, mask = exponent or (0, 0)
+            ok = self._h.copy(dst, src, bypass_cache=bypass_cache, itemsize=itemsize, exponent_mask=mask)
+            if finite is None or exponent is not None:
                 return ok
         else:
             if src is None:
@@ -74,7 +74,8 @@ class Checksum:
             self.update(dst)
             if finite is None:
                 return True
-        import torch  # local: only a floating check needs it
+        import torch  # local: only a floating type without a native check gets here
+
 
         t = torch.from_numpy(dst).view(finite)
         # a finite sum proves every element finite; a non-finite one may be an overflow only
