@@ -101,9 +101,9 @@ namespace {
 
 struct Trainer {
   int rank = 0, world = 1, dim = 0, batch = 0;
-  // DP_TRAIN_OPTIMIZER_PAUSE=<step>:<ms>: at that step, after the all-reduce and the optimizer
-  // kernel are posted, dp_step says so on stdout and waits before it synchronizes, so a test can
-  // fail this rank inside its optimizer step (issue 16 case 4).
+  // DP_TRAIN_OPTIMIZER_PAUSE=<step>:<ms>: at that step, once the all-reduce has completed and the
+  // optimizer kernel is posted, dp_step says so on stdout and waits before it synchronizes, so a
+  // test can fail this rank inside its optimizer step (issue 16 case 4).
   long long pause_step = -1;
   long pause_ms = 0;
   // DP_TRAIN_CHECK_REPLICAS=after: after the optimizer kernel, the ranks all-reduce a checksum of
@@ -235,7 +235,10 @@ int dp_step(long long step) {
                                                           t->momentum);
   CUDA_OK(cudaGetLastError());
   if (t->check_replicas && !t->check_first && check_replicas(t) != 0) return 1;
-  if (step == t->pause_step) {  // see dp_init
+  if (step == t->pause_step) {  // see Trainer::pause_step
+    // The test kills this rank once every rank has printed: the all-reduce must be done by then,
+    // however slowly the proxies run.
+    CUDA_OK(cudaEventSynchronize(t->reduced));
     std::printf("rank %d: in the optimizer step of step %lld\n", t->rank, step);
     std::fflush(stdout);
     std::this_thread::sleep_for(std::chrono::milliseconds(t->pause_ms));
