@@ -99,4 +99,27 @@ def test_copy_finds_a_nan_or_inf_anywhere_and_passes_the_largest_finite(dtype_na
             assert h.copy(dst, src, finite=dtype) is False, (bad, at)
             assert np.array_equal(dst, src)  # still copied and hashed: the caller decides
             assert h.value() == xxhash.xxh3_64(src.tobytes()).intdigest()
+            h = Checksum("xxh3_64")  # the same check without a copy: the restore's verifier
+            assert h.update(src, finite=dtype) is False, (bad, at)
+            assert h.value() == xxhash.xxh3_64(src.tobytes()).intdigest()
     assert Checksum("xxh3_64").copy(dst, src) is True  # not asked: no check
+    assert Checksum("xxh3_64").update(big.view(torch.uint8).numpy(), finite=dtype) is True
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("native", [True, False], ids=["native", "fallback"])
+def test_copy_bytes_streams_or_not_and_writes_exactly_its_range(n: int, native: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    if not native:
+        monkeypatch.setattr(checksum, "_native", None)
+    rng = np.random.default_rng(n)
+    src_buf = rng.integers(0, 256, n + 64, dtype=np.uint8)
+    dst_buf = np.full(n + 64, 7, dtype=np.uint8)
+    for bypass_cache in (False, True):
+        for src_off, dst_off in [(0, 0), (3, 0), (0, 5), (9, 13)]:
+            checksum.copy_bytes(dst_buf[dst_off:dst_off + n], src_buf[src_off:src_off + n], bypass_cache=bypass_cache)
+            assert np.array_equal(dst_buf[dst_off:dst_off + n], src_buf[src_off:src_off + n])
+            assert dst_buf[:dst_off].tolist() == [7] * dst_off and dst_buf[dst_off + n:].tolist() == [7] * (64 - dst_off)
+            dst_buf[:] = 7
+    with pytest.raises(ValueError):
+        checksum.copy_bytes(np.zeros(8, dtype=np.uint8), np.ones(9, dtype=np.uint8))

@@ -293,3 +293,59 @@ def test_zero_failure_restores_partitions_through_aor(zero_reference, tmp_path, 
     assert final.keys() == zero_reference.keys()
     for k in zero_reference:
         assert torch.equal(final[k], zero_reference[k]), f"parameter {k} differs from the failure-free run; restores {restores}"
+
+
+def test_one_rank_restart_restores_from_buffers_its_standby_mapped_ahead(tmp_path):
+    """Issue 19, from outside: a one-rank job with --snapshot-every 1 and a warm standby; its worker
+    is SIGKILLed by PID at a random step once the standby is up. The standby mapped the keeper's
+    buffers while idle (jitckpt.snapshot.premap), so the restarted rank loads the newest snapshot
+    into its tensors without mapping anything, and the job ends bitwise equal to an unfailed run."""
+    import random
+    import signal
+    import time
+
+    steps, extra = 80, random.Random().randint(3, 10)
+
+    def job(tag: str) -> subprocess.Popen:
+        d = tmp_path / tag
+        d.mkdir()
+        cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", "1", "--checkpoint-dir", str(d / "ckpt"),
+               "--run-dir", str(d / "run"), "--status-interval", "0", "--warm-standby", "1", "--max-restarts", "1",
+               "--snapshot-every", "1", str(TRAIN), "--steps", str(steps), "--model", "bn", "--step-sleep", "0.1",
+               "--out", str(d / "final.pt"), "--steps-log", str(d / "train.jsonl")]
+        return subprocess.Popen(cmd, cwd=d, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    ref, run = job("ref"), job("fail")
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        log = tmp_path / "fail" / "train.jsonl"
+        events = tmp_path / "fail" / "run" / "events.jsonl"
+        worker = kill_at = None
+        while time.monotonic() < deadline and run.poll() is None:
+            done = max([-1] + [r["step"] for r in (_read_jsonl(log) if log.exists() else []) if "step" in r])
+            if kill_at is None and events.exists() and "standby_ready" in events.read_text():
+                kill_at = done + extra  # a random step once the standby is up (and mapping)
+            if kill_at is not None and done >= kill_at:
+                worker = next(e["pid"] for e in _read_jsonl(events) if e["event"] == "worker_start")
+                os.kill(worker, signal.SIGKILL)
+                break
+            time.sleep(0.02)  # polling the job's logs, bounded by the deadline
+        assert worker is not None, f"the job ended before its standby was up and {extra} more steps done"
+        outs = {}
+        for tag, p in (("ref", ref), ("fail", run)):
+            outs[tag] = p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+            assert p.returncode == 0, outs[tag][-4000:]
+    finally:
+        for p in (ref, run):
+            kill_tree(p.pid)
+    ev = _read_jsonl(events)
+    restores = [e for e in ev if e["event"] == "restore"]
+    assert [e["source"] for e in restores] == ["memory"], (restores, [e["event"] for e in ev], outs["fail"][-3000:])
+    worker_log = "\n".join(f.read_text() for f in (tmp_path / "fail" / "run").rglob("*.log")) + outs["fail"]
+    assert "its buffers were mapped ahead by the warm standby" in worker_log, worker_log[-4000:]
+    final = torch.load(tmp_path / "fail" / "final.pt", weights_only=True)
+    expected = torch.load(tmp_path / "ref" / "final.pt", weights_only=True)
+    assert final.keys() == expected.keys()
+    for k in expected:
+        assert torch.equal(final[k], expected[k]), f"{k} differs from the failure-free run (killed at {kill_at})"

@@ -523,6 +523,103 @@ def test_restore_into_rejects_a_nan_snapshot_and_takes_the_older_step(keeper) ->
     assert any("NaN" in why for _, why in res.skipped)
 
 
+def test_restore_into_finds_nan_in_any_tensor_and_takes_the_older_step(keeper) -> None:
+    """The NaN/Inf check runs beside the copy, per tensor: a NaN in the last tensor of the layout
+    (after clean ones, a bfloat16 and an integer one) is found as surely as in the first."""
+    sock, _ = keeper
+    clean = {"a": torch.arange(5000.0), "b": torch.ones(300, dtype=torch.bfloat16), "i": torch.arange(7)}
+    bad = {**clean, "z": torch.ones(40000)}
+    bad["z"][-1] = math.inf
+    states = {1: {**clean, "z": torch.zeros(40000)}, 2: bad}
+    snap = SnapshotTaker(state_fn=lambda: states[step], socket_path=sock, scheme="none")
+    for step in (1, 2):
+        assert snap.begin(step) and snap.wait() == step
+    snap.close()
+    live = {"a": torch.zeros(5000), "b": torch.zeros(300, dtype=torch.bfloat16), "i": torch.zeros(7, dtype=torch.int64),
+            "z": torch.full((40000,), 3.0)}
+    res = restore(socket_path=sock, ranks_per_node=1, into=live)
+    assert (res.source, res.step) == ("memory", 1) and res.state["z"] is live["z"]
+    assert torch.equal(live["z"], torch.zeros(40000)) and torch.equal(live["a"], clean["a"])
+    assert any("NaN" in why for _, why in res.skipped)
+
+
+def test_premapper_maps_each_keeper_buffer_once_and_a_restore_through_it_maps_nothing(keeper) -> None:
+    """Issue 19: a warm standby maps the keeper's buffers while idle. The keeper rewrites the same
+    two buffers per object, so later snapshots need no new mapping, and a restore through the
+    standby's client maps nothing (mapped_ahead) yet loads the newest step bitwise."""
+    import time
+
+    from jitckpt.snapshot.premap import Premapper
+
+    sock, _ = keeper
+    model, opt = _trainer(0)
+    state = _live(model, opt)
+    step = 0
+    snap = SnapshotTaker(state_fn=lambda: {**state, "step": step}, socket_path=sock, scheme="none")
+    premapper = Premapper(sock, interval=0.01, fast=0.01)
+
+    def snapshot_and_premap(n: int) -> None:
+        nonlocal step
+        step = n
+        assert snap.begin(n) and snap.wait() == n
+        rounds, deadline = premapper.rounds, time.monotonic() + 10
+        while premapper.rounds < rounds + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling the premapper's round count, bounded by the deadline
+        assert premapper.rounds >= rounds + 2
+
+    try:
+        snapshot_and_premap(1)
+        snapshot_and_premap(2)  # the second buffer of each object
+        client = premapper.stop()
+    finally:
+        premapper.stop()
+    assert client is not None
+    try:
+        mapped = client.mappings_made
+        assert mapped == 4 and client.mapped_both_buffers(), mapped  # metadata + data, two buffers each
+        step = 3
+        assert snap.begin(3) and snap.wait() == 3  # rewrites step 1's buffers
+        snap.close()
+        assert client.premap() == 0  # the same buffers: nothing new to map
+        other, other_opt = _trainer(1)
+        res = restore(socket_path=sock, ranks_per_node=1, into=_live(other, other_opt), keeper=client)
+        assert (res.source, res.step, res.mapped_ahead) == ("memory", 3, True), res.skipped
+        assert client.mappings_made == mapped
+        _assert_same({**state, "step": 3}, res.state)
+        assert client.listing()  # the caller's client is not closed by restore()
+    finally:
+        client.close()
+    res = restore(socket_path=sock, ranks_per_node=1, into=_live(*_trainer(2)))
+    assert (res.source, res.step, res.mapped_ahead) == ("memory", 3, False)
+
+
+def test_keeper_buffers_only_grow_so_a_mapping_outlives_smaller_objects() -> None:
+    """The metadata object's size changes from step to step: its buffer keeps its id (a reader's
+    mapping stays valid) unless an object no longer fits."""
+    from jitckpt.snapshot.keeper import SnapshotKeeper
+
+    k = SnapshotKeeper(node=0)
+    ids = []
+    for step, size in enumerate((100, 90, 100, 80, 120, 110)):
+        b = k.begin("meta", step, size)
+        assert b.size == size and b.capacity >= size and os.fstat(b.fd).st_size == b.capacity
+        k.commit([{"key": "meta", "step": step, "checksum": 0, "algo": "crc32"}])
+        ids.append(b.buf_id)
+    # Two buffers alternate: steps 0, 2, 4 in one (100, 100, 120: grown at step 4), 1, 3, 5 in the
+    # other (90, 80, 110: grown at step 5).
+    assert ids[0] == ids[2] != ids[4] and ids[1] == ids[3] != ids[5], ids
+    assert {e["step"]: e["size"] for e in k.listing()} == {4: 120, 5: 110}
+
+
+def test_premapper_waits_for_a_keeper_that_is_not_up_yet(tmp_path) -> None:
+    from jitckpt.snapshot.premap import Premapper
+
+    with pytest.raises(ValueError, match="fast"):
+        Premapper(str(tmp_path / "k.sock"), interval=0.01, fast=0.1)
+    premapper = Premapper(str(tmp_path / "none.sock"), fast=0.01)
+    assert premapper.stop() is None and premapper.rounds == 0
+
+
 def test_open_many_is_one_round_trip_and_a_refusal_leaks_no_descriptor(keeper) -> None:
     sock, _ = keeper
     _take(sock, {"w": torch.arange(100.0)}, 1).close()

@@ -36,6 +36,7 @@ from jitckpt.protocol.control_messages import (Assign, ExitReady, FailureReport,
                                                Status, Verdict, WorkerWarning)
 from jitckpt.observability.events import EVENTS_FILE, EventLog
 from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
+from jitckpt.snapshot.premap import ENV_PREMAP
 from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED
 from jitckpt.launcher.config import LaunchConfig, check_writable_dir
 from jitckpt.launcher.node_coordinator import SCALE_UP, NodeCoordinator
@@ -341,6 +342,10 @@ class Launcher:
             self.emit("snapshot_keeper_start", node=self.cfg.node_rank, pid=self.keeper.pid,
                       socket=self.keeper.socket_path, replaced=self.keeper.starts > 1,
                       previous_exit=self.keeper.previous_exit)
+        if self.pool is not None and self.cfg.world_size == 1:
+            # One rank restores straight into its tensors: its standby maps the keeper's buffers
+            # while idle (with more ranks the restore is collective and copies anyway).
+            self.pool.env[ENV_PREMAP] = self.keeper.socket_path
         return True
 
     def _base_env(self) -> dict:

@@ -26,6 +26,7 @@ def redirect_output(stdout: str, stderr: str) -> None:
 def main() -> None:
     from jitckpt.protocol.control_channel import ENV_FD, ControlChannel
     from jitckpt.protocol.control_messages import TO_WORKER, Assign, Ready
+    from jitckpt.snapshot.premap import ENV_PREMAP
 
     from jitckpt.process_title import set_title, worker_title
 
@@ -43,9 +44,15 @@ def main() -> None:
     from jitckpt.runtime.worker_runtime import WorkerRuntime
 
     channel.send(Ready())
+    premapper = None
+    if os.environ.get(ENV_PREMAP):  # a one-rank job's snapshots: their restore then maps nothing
+        from jitckpt.snapshot.premap import Premapper
+
+        premapper = Premapper(os.environ.pop(ENV_PREMAP))
     msg = channel.recv()
     if not isinstance(msg, Assign):
         os._exit(0)  # launcher shut the pool down
+    premapped = premapper.stop() if premapper is not None else None
     redirect_output(msg.stdout, msg.stderr)
     os.environ.update(msg.env)
     os.chdir(msg.cwd)
@@ -58,6 +65,11 @@ def main() -> None:
     store = host_if_rank0(spec)  # noqa: F841 - serves the process group's store while this rank lives
     rt = WorkerRuntime.from_spec(spec, channel)
     rt.start()
+    if premapped is not None:
+        if rt.snapshots is not None and rt.snapshots.socket_path == premapper.socket_path:
+            rt.snapshots.premapped = premapped
+        else:
+            premapped.close()
     install_runtime(rt)
     if msg.module:
         sys.argv = argv

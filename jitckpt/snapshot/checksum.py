@@ -8,6 +8,7 @@ so a reader always verifies with the algorithm the writer used.
 from __future__ import annotations
 
 import mmap
+import warnings
 import zlib
 from typing import Any, Optional
 
@@ -45,11 +46,20 @@ class Checksum:
             self._h = _native.Xxh3() if self._one_pass else _xxhash.xxh3_64()
         self._crc = 0
 
-    def update(self, data: Any) -> None:
-        if self._h is not None:
+    def update(self, data: Any, *, finite: Any = None) -> bool:
+        """Hash the bytes of ``data``. ``finite``: as in :meth:`copy` (checked natively block by
+        block while in cache); False if one of the elements is NaN or Inf, True otherwise."""
+        exponent = _EXPONENT.get(str(finite)) if finite is not None else None
+        if self._one_pass:
+            itemsize, mask = exponent or (0, 0)
+            ok = self._h.update(data, itemsize=itemsize, exponent_mask=mask)
+            if finite is None or exponent is not None:
+                return ok
+        elif self._h is not None:
             self._h.update(data)
         else:
             self._crc = zlib.crc32(data, self._crc)
+        return finite is None or _all_finite(data, finite)
 
     def copy(self, dst: np.ndarray, src: Optional[np.ndarray], *, bypass_cache: bool = False,
              finite: Any = None) -> bool:
@@ -66,23 +76,39 @@ class Checksum:
             ok = self._h.copy(dst, src, bypass_cache=bypass_cache, itemsize=itemsize, exponent_mask=mask)
             if finite is None or exponent is not None:
                 return ok
+            return _all_finite(dst, finite)
+        if src is None:
+            dst.fill(0)
         else:
-            if src is None:
-                dst.fill(0)
-            else:
-                np.copyto(dst, src)
-            self.update(dst)
-            if finite is None:
-                return True
-        import torch  # local: only a floating type without a native check gets here
-
-
-        t = torch.from_numpy(dst).view(finite)
-        # a finite sum proves every element finite; a non-finite one may be an overflow only
-        return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+            np.copyto(dst, src)
+        return self.update(dst, finite=finite)
 
     def value(self) -> int:
         return self._h.intdigest() if self._h is not None else self._crc
+
+
+def copy_bytes(dst: np.ndarray, src: np.ndarray, *, bypass_cache: bool = False) -> None:
+    """Copy uint8 array ``src`` into ``dst`` (one length), the GIL released. ``bypass_cache``:
+    natively with streaming stores, which skip reading ``dst``'s lines first (about 30 % faster
+    than memcpy for a large copy here) and leave none of them in cache; numpy's copy without the
+    native module."""
+    if _native is not None:
+        _native.copy(dst, src, bypass_cache=bypass_cache)
+    else:
+        np.copyto(dst, src)
+
+
+def _all_finite(data: Any, dtype: Any) -> bool:
+    """Whether the ``dtype`` elements in buffer ``data`` are all finite (no native check for it)."""
+    import torch  # local: only a check without the native module gets here
+
+    if memoryview(data).nbytes == 0:
+        return True
+    with warnings.catch_warnings():  # a read-only buffer (the keeper's object) is only read here
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+    # a finite sum proves every element finite; a non-finite one may be an overflow only
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def checksum_of(data: Any, algorithm: str = DEFAULT_ALGORITHM, chunk: int = 8 << 20) -> int:

@@ -9,6 +9,8 @@ crash of the trainers and goes away with the keeper (a lost node loses its snaps
 
 Per object key at most two buffers: while a rank writes version ``t+1`` the previous complete one
 stays readable, and it is the one reused by the next ``begin`` (REFT: one completed, one ongoing).
+A buffer only grows (a smaller object leaves its tail unused), so a reader that mapped it once
+keeps a valid mapping: a warm standby maps them ahead of a restore (:mod:`jitckpt.snapshot.premap`).
 The keeper never hashes data (the writer does, off the training critical path); readers verify.
 
 Requests: ``Begin(key, step, size)`` -> fd; ``Commit(items)``; ``ListObjects``; ``Open(key, step)``
@@ -36,8 +38,9 @@ from jitckpt.protocol.wire import Message, ProtocolError, decode
 @dataclass
 class _Buffer:
     fd: int
-    size: int
-    buf_id: int
+    size: int      # the object's bytes
+    capacity: int  # the memfd's: it only grows, so a reader's mapping stays valid for smaller objects
+    buf_id: int    # changes when the capacity does
     step: int = -1
     complete: bool = False
     checksum: int = 0
@@ -71,10 +74,10 @@ class SnapshotKeeper:
                 bufs.append(b)
             else:  # reuse the older complete version; the newer one stays readable
                 b = min(bufs, key=lambda x: x.step)
-            if b.size != size:
+            if b.capacity < size:
                 os.ftruncate(b.fd, size)
-                b.size, b.buf_id = size, self._take_id()
-            b.step, b.complete, b.checksum, b.algo = step, False, 0, ""
+                b.capacity, b.buf_id = size, self._take_id()
+            b.size, b.step, b.complete, b.checksum, b.algo = size, step, False, 0, ""
             return b
 
     def _take_id(self) -> int:
@@ -84,7 +87,7 @@ class SnapshotKeeper:
     def _new(self, size: int) -> _Buffer:
         fd = os.memfd_create("jitckpt-snapshot", os.MFD_CLOEXEC)
         os.ftruncate(fd, size)
-        return _Buffer(fd=fd, size=size, buf_id=self._take_id())
+        return _Buffer(fd=fd, size=size, capacity=size, buf_id=self._take_id())
 
     def commit(self, items: list) -> None:
         with self._lock:

@@ -37,6 +37,7 @@ class KeeperClient:
             raise KeeperError(f"cannot connect to the snapshot keeper at {path}: {e} (is it running?)") from None
         self._lock = threading.Lock()
         self._maps: dict[tuple[str, int], mmap.mmap] = {}
+        self.mappings_made = 0  # new mappings so far (a restore from mapped-ahead buffers makes none)
 
     def request(self, req: Message) -> tuple[Message, Optional[int]]:
         """Send one request; its reply and the file descriptor that came with it (if any).
@@ -96,22 +97,27 @@ class KeeperClient:
                 raise KeeperError(f"snapshot keeper sent no buffer for {key}")
             cache_key = (key, reply.buf_id)
             m = self._maps.get(cache_key)
-            if m is None or len(m) != reply.size:
+            if m is None or len(m) < reply.size:
+                # The whole buffer (it may be larger than the object): later, smaller objects in it
+                # need no new mapping.
+                size = max(reply.size, os.fstat(fd).st_size)
                 if ahead:  # mapped now, its pages faulted in by a helper thread while the caller reads
-                    m = mmap.mmap(fd, reply.size, flags=mmap.MAP_SHARED)
+                    m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
                     threading.Thread(target=_populate, args=(m,), name="jitckpt-keeper-populate",
                                      daemon=True).start()
                 else:
                     # MAP_POPULATE: fault the pages in now, in one go, not one by one during the copy.
-                    m = mmap.mmap(fd, reply.size, flags=mmap.MAP_SHARED | _POPULATE)
+                    m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
                 self._maps[cache_key] = m
+                self.mappings_made += 1
             return m
         finally:
             if fd is not None:
                 os.close(fd)
 
     def begin(self, key: str, step: int, size: int) -> mmap.mmap:
-        """A writable mapping of the buffer for (key, step)."""
+        """A writable mapping of the buffer for (key, step): at least ``size`` bytes, of which the
+        caller writes the first ``size``."""
         return self._map(key, *self.request(Begin(key=key, step=step, size=size)))
 
     def commit(self, items: list[dict]) -> None:
@@ -123,7 +129,8 @@ class KeeperClient:
         return self.request(ListObjects())[0].objects
 
     def open(self, key: str, step: int, *, sequential: bool = False) -> tuple[mmap.mmap, Granted]:
-        """A mapping of the complete object (key, step) and its metadata (checksum, algo).
+        """A mapping of the complete object (key, step) and its metadata (checksum, algo, size: the
+        mapping may be longer than the object).
 
         ``sequential``: the caller reads it once from start to end; its pages are faulted in by a
         helper thread running ahead of the reader (the other core), not all before this returns."""
@@ -142,6 +149,35 @@ class KeeperClient:
                         os.close(other)
                 raise
         return maps
+
+    def premap(self) -> int:
+        """Map every complete object's buffer, its pages faulted in, ahead of a restore (a warm
+        standby does this while idle). The keeper reuses its buffers, so once mapped a buffer stays
+        mapped and populated however often it is rewritten; only new buffers are mapped. A key's
+        mappings beyond the keeper's two newest buffers (it holds two per key; a resize makes a new
+        one) are dropped. How many buffers were newly mapped."""
+        listing = self.listing()
+        before = self.mappings_made
+        for step in sorted({int(e["step"]) for e in listing}):
+            try:
+                self.open_many([e["key"] for e in listing if int(e["step"]) == step], step)
+            except KeeperError:
+                continue  # reused for a newer step since the listing: mapped on the next call
+        by_key: dict[str, list] = {}
+        for key, buf_id in self._maps:
+            by_key.setdefault(key, []).append(buf_id)
+        for key, ids in by_key.items():
+            for old in sorted(ids)[:-2]:  # buffer ids only grow
+                del self._maps[(key, old)]  # unmapped once nothing views it
+        return self.mappings_made - before
+
+    def mapped_both_buffers(self) -> bool:
+        """Whether every object mapped so far has both of its keeper buffers mapped (the keeper
+        alternates between two per object, so after that premap() finds nothing new)."""
+        count: dict[str, int] = {}
+        for key, _ in self._maps:
+            count[key] = count.get(key, 0) + 1
+        return bool(count) and all(n >= 2 for n in count.values())
 
     def reject(self, step: int) -> None:
         """A restore from ``step`` failed: the keeper frees it and never offers it again."""

@@ -55,6 +55,7 @@ class RestoreResult:
     remote: list = field(default_factory=list)     # objects fetched from another node
     skipped: list = field(default_factory=list)    # (tier/step, reason)
     path: Optional[str] = None
+    mapped_ahead: bool = False  # memory: every keeper buffer read was mapped before the call
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,8 @@ def _direct_step(keeper: KeeperClient, into: Any, newer_than: Optional[int], ski
 
 def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] = None,
             checkpoint_dir: Optional[str] = None, group: Any = None,
-            check_finite: bool = True, into: Any = None) -> RestoreResult:
+            check_finite: bool = True, into: Any = None,
+            keeper: Optional[KeeperClient] = None) -> RestoreResult:
     """Load the newest usable state (memory or disk tier); see the module docstring.
 
     ``into``: the trainer's live state, of the structure the snapshots were taken of (e.g.
@@ -302,16 +304,21 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
     ``load_state_dict`` of it copies nothing. Should every in-memory step fail its checksum after
     ``into``'s tensors were written, they hold partial data: the disk tier then loads, and without
     one this raises rather than let training go on from them.
+
+    ``keeper``: a client of this node's keeper whose buffers are mapped already
+    (:class:`~jitckpt.snapshot.premap.Premapper`); the caller keeps it (not closed here).
     """
     t0 = time.monotonic()
     topo = Topology.detect(ranks_per_node, group)
     skipped: list = []
-    keeper: Optional[KeeperClient] = None
+    owned = keeper is None
     kept: Optional[dict] = {} if topo.world == 1 else None
-    try:
-        keeper = KeeperClient(socket_path)
-    except (KeeperError, ValueError) as e:
-        _skip(skipped, "memory tier", str(e))
+    if owned:
+        try:
+            keeper = KeeperClient(socket_path)
+        except (KeeperError, ValueError) as e:
+            _skip(skipped, "memory tier", str(e))
+    mapped0 = keeper.mappings_made if keeper is not None else 0
     disk = find_latest(checkpoint_dir) if checkpoint_dir else None
     disk_step = disk[1].step if disk else None
     written = False
@@ -322,8 +329,11 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
             direct = None
             _skip(skipped, "memory tier", str(e))
         if direct is not None:
-            keeper.close()
-            return RestoreResult("memory", direct[0], direct[1], time.monotonic() - t0, skipped=skipped)
+            ahead = not owned and keeper.mappings_made == mapped0
+            if owned:
+                keeper.close()
+            return RestoreResult("memory", direct[0], direct[1], time.monotonic() - t0, skipped=skipped,
+                                 mapped_ahead=ahead)
         choice = None  # the memory tier is done: the disk's turn
     else:
         # One rank: the whole state is one object; it is verified while copied out (one pass).
@@ -345,7 +355,8 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
                 keeper.discard_newer(choice.step)
             if _all_true(ok, group):
                 return RestoreResult("memory", choice.step, state, time.monotonic() - t0,
-                                     decoded=choice.decoded, remote=remote, skipped=skipped)
+                                     decoded=choice.decoded, remote=remote, skipped=skipped,
+                                     mapped_ahead=not owned and keeper.mappings_made == mapped0)
             if keeper is not None and topo.local_rank == 0:
                 keeper.reject(choice.step)
             _skip(skipped, f"memory step {choice.step}", "rejected; falling back to disk")
@@ -365,7 +376,7 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
                                f"({'; '.join(f'{w}: {y}' for w, y in skipped)}); start the job anew")
         return RestoreResult("none", None, None, time.monotonic() - t0, skipped=skipped)
     finally:
-        if keeper is not None:
+        if owned and keeper is not None:
             keeper.close()  # restored tensors hold private memory, not the keeper's
 
 

@@ -58,6 +58,9 @@ class SnapshotTier:
         self.flush_every, self.ranks_per_node = flush_every, ranks_per_node
         self.checkpoint_dir, self.gen = checkpoint_dir, gen
         self.taker: Any = None
+        # A client whose keeper buffers a warm standby mapped ahead (jitckpt.snapshot.premap):
+        # the resume uses it, then closes it.
+        self.premapped: Any = None
         self._resolved = False
         self._resume: Optional[ResumePoint] = None
 
@@ -97,9 +100,14 @@ class SnapshotTier:
                                "--rdzv-id (fresh keepers)")
         # A ZeRO job's partitions exist only in the keepers: the disk tier cannot resume it.
         one_rank = not (dist.is_initialized() and dist.get_world_size() > 1)
-        res = restore(socket_path=self.socket_path, ranks_per_node=self.ranks_per_node,
-                      checkpoint_dir=None if zero_job else self.checkpoint_dir,
-                      into=into if one_rank else None)
+        try:
+            res = restore(socket_path=self.socket_path, ranks_per_node=self.ranks_per_node,
+                          checkpoint_dir=None if zero_job else self.checkpoint_dir,
+                          into=into if one_rank else None, keeper=self.premapped)
+        finally:
+            if self.premapped is not None:
+                self.premapped.close()
+                self.premapped = None
         self._resolved = True
         for what, why in res.skipped:
             log.warning("resume: skipped %s: %s", what, why)
@@ -114,8 +122,9 @@ class SnapshotTier:
                 state = _clone(state)
             self._resume = ResumePoint(res.source, int(res.step), state, res.path, res.seconds,
                                        list(res.decoded), aor if zero_job else None)
-            log.warning("resume from %s step %d (%.3fs)%s", res.source, res.step, res.seconds,
-                        f"; decoded {res.decoded} from parity" if res.decoded else "")
+            log.warning("resume from %s step %d (%.3fs)%s%s", res.source, res.step, res.seconds,
+                        f"; decoded {res.decoded} from parity" if res.decoded else "",
+                        "; its buffers were mapped ahead by the warm standby" if res.mapped_ahead else "")
         return self._resume
 
     def peer(self) -> Optional[int]:

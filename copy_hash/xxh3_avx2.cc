@@ -1,0 +1,16 @@
+// Built with -mavx2 (see CMakeLists.txt). Only C headers are included here: an inline C++ library
+// function emitted in this file could be picked by the linker for the whole module and run AVX2
+// instructions on a CPU without them.
+#define XXH_INLINE_ALL
+#define XXH_VECTOR XXH_AVX2
+#include <xxhash.h>
+
+#include "xxh3_avx2.h"
+
+namespace jitckpt_copy_hash {
+
+int xxh3_update_avx2(void* state, const void* data, size_t len) {
+  return XXH3_64bits_update(static_cast<XXH3_state_t*>(state), data, len) == XXH_OK ? 0 : 1;
+}
+
+}  // namespace jitckpt_copy_hash
