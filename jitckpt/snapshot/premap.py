@@ -2,12 +2,12 @@
 
 Mapping another process's memory costs a page-table entry per 4 KiB page (shared memory gets no
 huge pages by default): for a 48 MiB state that is longer than copying it. A standby of a one-rank
-job (the restore that copies straight into the trainer's tensors) pays it while idle instead:
-:class:`Premapper` maps every complete object every ``interval`` seconds (only new buffers cost
-anything: the keeper rewrites the same ones; every ``fast`` seconds until both buffers of every
-object are mapped, as a restore soon after the standby starts needs the one written last), and on
-its assignment hands its
-:class:`~jitckpt.snapshot.keeper_client.KeeperClient` to the restore.
+job (the restore that copies straight into the trainer's tensors) pays it while idle instead.
+:class:`Premapper` maps every complete object every ``interval`` seconds; only new buffers cost
+anything, as the keeper rewrites the same ones. Until both buffers of every object are mapped it
+looks every ``fast`` seconds: a restore soon after the standby starts needs the one written last.
+On its assignment the standby hands the :class:`~jitckpt.snapshot.keeper_client.KeeperClient` to
+the restore.
 """
 from __future__ import annotations
 
