@@ -243,7 +243,7 @@ def _newest_memory_step(keeper: Optional[KeeperClient], topo: Topology, group: A
 def _direct_step(keeper: KeeperClient, into: Any, newer_than: Optional[int], skipped: list,
                  check_finite: bool) -> tuple[Optional[tuple[int, Any]], bool]:
     """One rank, one node: the newest in-memory step (newer than ``newer_than``, the disk tier's),
-    loaded straight into ``into``'s tensors and verified in the same pass
+    loaded straight into ``into``'s tensors and verified beside the copy
     (:mod:`jitckpt.snapshot.direct_load`). ((step, state) or None, whether ``into``'s tensors were
     written); None also when the snapshot is not one whole-state object (the general path takes it)."""
     import numpy as np
@@ -300,7 +300,7 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
     ``into``: the trainer's live state, of the structure the snapshots were taken of (e.g.
     ``{"model": model.state_dict(), "optimizer": opt.state_dict(), ...}``). One rank on one node:
     an in-memory snapshot is copied straight into its tensors (those of the same place, dtype and
-    shape) and verified in the same pass; the state returned holds those very tensors, so
+    shape) and verified beside the copy; the state returned holds those very tensors, so
     ``load_state_dict`` of it copies nothing. Should every in-memory step fail its checksum after
     ``into``'s tensors were written, they hold partial data: the disk tier then loads, and without
     one this raises rather than let training go on from them.
