@@ -146,6 +146,20 @@ def one_node_reference(tmp_path_factory):
     return torch.load(tmp / "ref-final.pt", weights_only=True)
 
 
+def test_one_node_two_ranks_killed_at_once_resume_from_their_keeper(one_node_reference, tmp_path):
+    """One node, two ranks, both SIGKILLed at the same step (no survivor to JIT-save from): the
+    keeper outlives them, and both ranks read the newest snapshot's objects from it, each verified
+    by one of them (on one node no object goes through the process group), bitwise."""
+    inject = ["--inject", f"0:0:{KILL_AT}:kill", "--inject", f"0:1:{KILL_AT}:kill"]
+    _, (ev,) = run_nodes(tmp_path, "fail", "none", ONE_NODE_ARGS + inject, **ONE_NODE)
+    restores = [e for e in ev if e["event"] == "restore"]
+    assert {(e["source"], e["step"]) for e in restores} == {("memory", KILL_AT - 1)} and len(restores) == 2, restores
+    assert not [e for e in ev if e["event"] == "checkpoint_saved" and e["kind"] == "jit"]
+    assert [k["replaced"] for k in ev if k["event"] == "snapshot_keeper_start"] == [False]
+    a = torch.load(tmp_path / "fail-final.pt", weights_only=True)
+    assert all(torch.equal(a[k], one_node_reference[k]) for k in one_node_reference)
+
+
 @pytest.mark.slow
 def test_one_node_loses_its_keeper_resumes_from_flushed_snapshot(one_node_reference, tmp_path):
     """One node, two ranks, no protection: both ranks and the keeper die at once; the memory tier

@@ -10,8 +10,9 @@ Collective: every rank of the job calls :func:`restore` after ``init_process_gro
    successor. The newest verified on-disk checkpoint (:func:`jitckpt.checkpoint_store.find_latest`, all
    kinds: jit, periodic, flushed snapshots) is compared with it and the newer one wins; at equal
    steps memory wins (faster).
-3. Objects are broadcast from a node that holds them (gloo), missing parts are decoded from XOR
-   parity, and the state is rebuilt bit for bit.
+3. Objects are broadcast from a node that holds them (gloo; on one node every rank reads them from
+   the node's keeper instead), missing parts are decoded from XOR parity, and the state is rebuilt
+   bit for bit.
 4. A state with NaN/Inf in a floating tensor, or one whose load fails anywhere, is not used: its
    step is rejected in every keeper (never offered again, so a restart cannot loop on it) and the
    next tier is tried once. :func:`reject_snapshot` does the same when the trainer finds a NaN loss
@@ -178,21 +179,24 @@ def _finite(state: Any) -> bool:
     return True
 
 
-def _load_memory(choice: MemoryChoice, keeper: KeeperClient, topo: Topology, group: Any,
+def _load_memory(choice: MemoryChoice, keeper: Optional[KeeperClient], topo: Topology, group: Any,
                  remote: list, kept: Optional[dict] = None) -> Any:
+    # One node: every rank reads every object from the node's keeper (verified by one of them),
+    # not through a broadcast over the process group.
+    local = topo.num_nodes == 1 and _all_true(keeper is not None, group)
     objects: dict[str, torch.Tensor] = {}
     for key in sorted(choice.holders):
         holder, size = choice.holders[key]
         if kept and (key, choice.step) in kept:
             t = kept[(key, choice.step)]  # verified private copy: the state views it
-        elif holder == topo.rank:
+        elif holder == topo.rank or local:
             m, _ = keeper.open(key, choice.step)
             t = torch.frombuffer(m, dtype=torch.uint8, count=size)
         else:
             t = torch.empty(size, dtype=torch.uint8)
             if holder // topo.ranks_per_node != topo.node:
                 remote.append(key)
-        if topo.world > 1:
+        if topo.world > 1 and not local:
             dist.broadcast(t, src=dist.get_global_rank(group, holder) if group is not None else holder,
                            group=group)
         objects[key] = t
