@@ -1,0 +1,122 @@
+"""In-memory restore with several ranks on one node (issue 19): what each rank pays, measured in one run.
+
+Two ranks (gloo, CPU, ``torch.set_num_threads(1)``) hold the same MLP + Adam as bench_snapshot.py and
+snapshot it once through one keeper (scheme none: each rank writes its part of the flat state).
+Then, repetitions interleaved, every rank at once:
+
+* memory: ``restore()`` (collective: each rank verifies its share of the keeper's objects, the
+  ranks agree on the step, then every rank reads every object from the node's keeper and
+  assembles a private copy) + ``load_state_dict``;
+* disk warm: ``torch.load(weights_only=True)`` of the same state from a page-cached file +
+  ``load_state_dict``;
+* one memcpy of the state's bytes into faulted memory (the ceiling of any one-copy restore).
+
+Medians over repetitions of rank 0's times (the ranks restore together). Results as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_snapshot import build, med, start_keeper, state_of, timed  # noqa: E402
+
+
+def _rank(rank: int, world: int, sock: str, port: int, tmp: str, trials: int, out: str) -> None:
+    from jitckpt.snapshot.client import SnapshotTaker
+    from jitckpt.snapshot.restore import restore
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, opt = build(1024, 4)
+    x = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    snap = SnapshotTaker(state_fn=lambda: state_of(7, model, opt), socket_path=sock, scheme="none",
+                         ranks_per_node=world)
+    assert snap.begin(7) and snap.wait() == 7
+    snap.close()
+    path = Path(tmp) / f"state{rank}.pt"
+    torch.save(state_of(7, model, opt), path)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    nbytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor))
+    src = np.random.default_rng(rank).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.ones(nbytes, dtype=np.uint8)
+
+    def load(sd: dict) -> None:
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+
+    def memory() -> None:
+        res = restore(socket_path=sock, ranks_per_node=world)
+        assert (res.source, res.step) == ("memory", 7), (res.source, res.step, res.skipped)
+        load(res.state)
+
+    variants = {"memory": memory,
+                "disk_warm": lambda: load(torch.load(path, map_location="cpu", weights_only=True)),
+                "memcpy": lambda: np.copyto(dst, src)}
+    times: dict = {k: [] for k in variants}
+    names = list(variants)
+    for i in range(trials + 1):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            dist.barrier()  # every rank starts each variant together
+            t, _ = timed(variants[name])
+            if i:  # trial 0 warms up
+                times[name].append(t)
+    if rank == 0:
+        m = {k: med(v) for k, v in times.items()}
+        result = {"what": "issue 19: in-memory restore with 2 ranks on one node",
+                  "ranks": world, "state_bytes_per_rank": nbytes, "seconds_median": m,
+                  "memory_over_one_memcpy": m["memory"] / m["memcpy"],
+                  "memory_speedup_vs_disk_warm": m["disk_warm"] / m["memory"]}
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--trials", type=int, default=15)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "restore_ranks.json"))
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="restorebench", dir="/tmp")
+    sock = str(Path(tmp) / "k.sock")
+    keeper = start_keeper(sock)
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_rank, args=(a.ranks, sock, port, tmp, a.trials, a.out), nprocs=a.ranks)
+    finally:
+        keeper.kill()
+        keeper.wait(timeout=10)
+    d = json.loads(Path(a.out).read_text())
+    m = d["seconds_median"]
+    print(f"{a.ranks} ranks on one node, {d['state_bytes_per_rank'] / 2**20:.1f} MiB of state each: restore + "
+          f"load_state_dict {m['memory'] * 1e3:.1f} ms = {d['memory_over_one_memcpy']:.2f}x one memcpy "
+          f"({m['memcpy'] * 1e3:.1f} ms); page-cached torch.load + load_state_dict {m['disk_warm'] * 1e3:.1f} ms "
+          f"({d['memory_speedup_vs_disk_warm']:.2f}x)")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
