@@ -96,6 +96,23 @@ void store_fence() {
 #endif
 }
 
+// Whether a copy of ``n`` bytes asked to bypass the cache is worth it (small ones stay cached).
+bool streams(bool bypass_cache, size_t n) { return bypass_cache && n >= kStreamMin; }
+
+void copy_range(char* dst, const char* src, size_t n, bool stream) {
+  if (stream) {
+    stream_copy(dst, src, n);
+  } else {
+    std::memcpy(dst, src, n);
+  }
+}
+
+void check_same_size(size_t src, size_t dst) {
+  if (src != dst) {
+    throw py::value_error("copy: src has " + std::to_string(src) + " bytes, dst " + std::to_string(dst));
+  }
+}
+
 // A contiguous view of a Python buffer (released with the object).
 class Buffer {
  public:
@@ -125,8 +142,9 @@ class Xxh3 {
     if (!state_ || XXH3_64bits_reset(state_.get()) != XXH_OK) throw std::bad_alloc();
   }
 
-  // Hash the bytes of ``data``; with an ``itemsize`` and ``exponent_mask`` (see copy) also check
-  // them for NaN/Inf, each block while it is in cache. Returns false if one is found.
+  // Hash the bytes of ``data``; with an ``itemsize`` (2, 4 or 8) and the floating type's exponent
+  // ``mask``, also check every element for NaN/Inf, each block while it is in cache. Returns false
+  // if one is found.
   bool update(const py::buffer& data, size_t itemsize, uint64_t exponent_mask) {
     check_itemsize(itemsize);
     Buffer src(data, false, "data");
@@ -144,39 +162,25 @@ class Xxh3 {
     return finite;
   }
 
-  // Copy ``src`` into ``dst`` (same length; None: zero-fill) and hash what was written. With an
-  // ``itemsize`` (2, 4 or 8) and the floating type's exponent ``mask``, also check every element
-  // for NaN/Inf in the same pass; returns false if one is found.
-  bool copy(const py::buffer& dst_obj, const py::object& src_obj, bool bypass_cache, size_t itemsize,
-            uint64_t exponent_mask) {
-    check_itemsize(itemsize);
+  // Copy ``src`` into ``dst`` (same length; None: zero-fill) and hash what was written.
+  void copy(const py::buffer& dst_obj, const py::object& src_obj, bool bypass_cache) {
     Buffer dst(dst_obj, true, "dst");
     if (src_obj.is_none()) {
       py::gil_scoped_release nogil;
       std::memset(dst.data(), 0, dst.size());
       hash_update(state_.get(), dst.data(), dst.size());
-      return true;
+      return;
     }
     Buffer src(src_obj, false, "src");
-    if (src.size() != dst.size()) {
-      throw py::value_error("copy: src has " + std::to_string(src.size()) + " bytes, dst " +
-                            std::to_string(dst.size()));
-    }
+    check_same_size(src.size(), dst.size());
     py::gil_scoped_release nogil;
-    const bool stream = bypass_cache && dst.size() >= kStreamMin;
-    bool finite = true;
+    const bool stream = streams(bypass_cache, dst.size());
     for (size_t at = 0; at < dst.size(); at += kBlock) {
       const size_t n = dst.size() - at < kBlock ? dst.size() - at : kBlock;
-      if (stream) {
-        stream_copy(dst.data() + at, src.data() + at, n);
-      } else {
-        std::memcpy(dst.data() + at, src.data() + at, n);
-      }
+      copy_range(dst.data() + at, src.data() + at, n, stream);
       hash_update(state_.get(), src.data() + at, n);  // the block just read: in cache
-      if (itemsize != 0 && finite) finite = block_finite(src.data() + at, n, itemsize, exponent_mask);
     }
     if (stream) store_fence();
-    return finite;
   }
 
   uint64_t intdigest() const { return XXH3_64bits_digest(state_.get()); }
@@ -195,16 +199,11 @@ class Xxh3 {
 void copy_bytes(const py::buffer& dst_obj, const py::buffer& src_obj, bool bypass_cache) {
   Buffer dst(dst_obj, true, "dst");
   Buffer src(src_obj, false, "src");
-  if (src.size() != dst.size()) {
-    throw py::value_error("copy: src has " + std::to_string(src.size()) + " bytes, dst " + std::to_string(dst.size()));
-  }
+  check_same_size(src.size(), dst.size());
   py::gil_scoped_release nogil;
-  if (bypass_cache && dst.size() >= kStreamMin) {
-    stream_copy(dst.data(), src.data(), dst.size());
-    store_fence();
-  } else {
-    std::memcpy(dst.data(), src.data(), dst.size());
-  }
+  const bool stream = streams(bypass_cache, dst.size());
+  copy_range(dst.data(), src.data(), dst.size(), stream);
+  if (stream) store_fence();
 }
 
 }  // namespace
@@ -218,12 +217,10 @@ PYBIND11_MODULE(_copy_hash, m) {
            "Hash the bytes of a buffer. itemsize (2, 4, 8) and exponent_mask: check them for NaN/Inf "
            "too, block by block while in cache; returns False if one is found (True without a check).")
       .def("copy", &Xxh3::copy, py::arg("dst"), py::arg("src"), py::kw_only(),
-           py::arg("bypass_cache") = false, py::arg("itemsize") = 0, py::arg("exponent_mask") = 0,
+           py::arg("bypass_cache") = false,
            "Copy buffer src into the writable buffer dst of the same length (src None: zero-fill "
            "dst) and hash the bytes. bypass_cache: write large copies with streaming stores that "
-           "skip the cache (for memory this process will not read again soon). itemsize (2, 4, 8) "
-           "and exponent_mask: check the floats copied for NaN/Inf in the same pass; returns False "
-           "if one is found (True without a check).")
+           "skip the cache (for memory this process will not read again soon).")
       .def("intdigest", &Xxh3::intdigest, "The hash of everything so far.");
   m.def("copy", &copy_bytes, py::arg("dst"), py::arg("src"), py::kw_only(), py::arg("bypass_cache") = false,
         "Copy buffer src into the writable buffer dst of the same length, the GIL released; "

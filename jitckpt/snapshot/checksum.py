@@ -47,8 +47,9 @@ class Checksum:
         self._crc = 0
 
     def update(self, data: Any, *, finite: Any = None) -> bool:
-        """Hash the bytes of ``data``. ``finite``: as in :meth:`copy` (checked natively block by
-        block while in cache); False if one of the elements is NaN or Inf, True otherwise."""
+        """Hash the bytes of ``data``. ``finite``: a floating torch dtype the bytes hold; returns
+        False if one of them is NaN or Inf (checked natively for float16/bfloat16/float32/float64,
+        block by block while in cache), True otherwise."""
         exponent = _EXPONENT.get(str(finite)) if finite is not None else None
         if self._one_pass:
             itemsize, mask = exponent or (0, 0)
@@ -61,27 +62,20 @@ class Checksum:
             self._crc = zlib.crc32(data, self._crc)
         return finite is None or _all_finite(data, finite)
 
-    def copy(self, dst: np.ndarray, src: Optional[np.ndarray], *, bypass_cache: bool = False,
-             finite: Any = None) -> bool:
+    def copy(self, dst: np.ndarray, src: Optional[np.ndarray], *, bypass_cache: bool = False) -> None:
         """Copy ``src`` into ``dst`` (uint8 arrays of one length; None: zero-fill) and hash the bytes.
 
         Natively in one pass (each block hashed while in cache, the GIL released); ``bypass_cache``
         writes a large copy with streaming stores, for memory this process will not read soon (the
-        keeper's). Otherwise a numpy copy (glibc memcpy), then a hash of the copy. ``finite``: a
-        floating torch dtype the bytes hold; returns False if one of them is NaN or Inf (checked
-        in the same pass natively for float16/bfloat16/float32/float64), True otherwise."""
-        exponent = _EXPONENT.get(str(finite)) if finite is not None else None
+        keeper's). Otherwise a numpy copy (glibc memcpy), then a hash of the copy."""
         if self._one_pass:
-            itemsize, mask = exponent or (0, 0)
-            ok = self._h.copy(dst, src, bypass_cache=bypass_cache, itemsize=itemsize, exponent_mask=mask)
-            if finite is None or exponent is not None:
-                return ok
-            return _all_finite(dst, finite)
+            self._h.copy(dst, src, bypass_cache=bypass_cache)
+            return
         if src is None:
             dst.fill(0)
         else:
             np.copyto(dst, src)
-        return self.update(dst, finite=finite)
+        self.update(dst)
 
     def value(self) -> int:
         return self._h.intdigest() if self._h is not None else self._crc

@@ -9,7 +9,7 @@ the rest) while a second thread hashes the same bytes on the other core. ``load_
 the result then copies nothing: the parameters are their own source, and the optimizer keeps the
 tensors it is given.
 
-On a mismatch the live tensors hold partial data: the caller must load another state or stop.
+On a mismatch the live tensors hold unverified data: the caller must load another state or stop.
 """
 from __future__ import annotations
 
