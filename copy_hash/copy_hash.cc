@@ -19,8 +19,9 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
-#if defined(JITCKPT_XXH3_AVX2)
-#include "xxh3_avx2.h"
+#include "finite_check.h"
+#if defined(JITCKPT_AVX2_KERNELS)
+#include "avx2_kernels.h"
 #endif
 
 namespace py = pybind11;
@@ -58,7 +59,7 @@ void stream_copy(char* dst, const char* src, size_t n) {
 // XXH3-64's update with the widest kernels this CPU runs (AVX2 when built and present: about
 // twice SSE2's speed here); the same hash either way.
 void hash_update(XXH3_state_t* state, const char* data, size_t len) {
-#if defined(JITCKPT_XXH3_AVX2)
+#if defined(JITCKPT_AVX2_KERNELS)
   static const bool avx2 = __builtin_cpu_supports("avx2");
   if (avx2) {
     jitckpt_copy_hash::xxh3_update_avx2(state, data, len);
@@ -68,26 +69,13 @@ void hash_update(XXH3_state_t* state, const char* data, size_t len) {
   XXH3_64bits_update(state, data, len);
 }
 
-// True if no element of [p, p + n) has every bit of ``mask`` (the exponent) set: no NaN or Inf.
-template <typename U>
-bool all_finite(const char* p, size_t n, U mask) {
-  U bad = 0;
-  const size_t count = n / sizeof(U);  // a counted loop: the compiler vectorizes it
-  for (size_t k = 0; k < count; ++k) {
-    U v;
-    std::memcpy(&v, p + k * sizeof(U), sizeof(U));  // any alignment
-    bad |= static_cast<U>((v & mask) == mask);
-  }
-  return bad == 0;
-}
-
-bool block_finite(const char* p, size_t n, size_t itemsize, uint64_t mask) {
-  switch (itemsize) {
-    case 2: return all_finite<uint16_t>(p, n, static_cast<uint16_t>(mask));
-    case 4: return all_finite<uint32_t>(p, n, static_cast<uint32_t>(mask));
-    case 8: return all_finite<uint64_t>(p, n, mask);
-    default: return true;
-  }
+// block_finite with the widest kernel this CPU runs.
+bool finite_block(const char* p, size_t n, size_t itemsize, uint64_t mask) {
+#if defined(JITCKPT_AVX2_KERNELS)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return jitckpt_copy_hash::block_finite_avx2(p, n, itemsize, mask);
+#endif
+  return block_finite(p, n, itemsize, mask);
 }
 
 void store_fence() {
@@ -157,7 +145,7 @@ class Xxh3 {
     for (size_t at = 0; at < src.size(); at += kBlock) {
       const size_t n = src.size() - at < kBlock ? src.size() - at : kBlock;
       hash_update(state_.get(), src.data() + at, n);
-      if (finite) finite = block_finite(src.data() + at, n, itemsize, exponent_mask);
+      if (finite) finite = finite_block(src.data() + at, n, itemsize, exponent_mask);
     }
     return finite;
   }

@@ -14,6 +14,24 @@ os.environ.setdefault("PYTHONPATH", str(ROOT))
 def repo_root() -> Path:
     return ROOT
 
+
+@pytest.fixture
+def keeper(tmp_path):
+    """A snapshot keeper process on a socket in ``tmp_path``: (socket path, Popen); killed after."""
+    import subprocess
+
+    sock = str(tmp_path / "k.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot.keeper", "--socket", sock,
+                             "--max-lifetime", "120"], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = proc.stdout.readline()  # blocks until the keeper listens (it exits on failure: EOF)
+        assert line.startswith("ready"), line
+        yield sock, proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
 # CI runs the property-based tests on a fixed sequence of examples, so a run is reproducible.
 try:
     from hypothesis import settings as _hyp_settings

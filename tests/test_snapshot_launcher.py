@@ -309,11 +309,13 @@ def test_zero_failure_restores_partitions_through_aor(zero_reference, tmp_path, 
         assert torch.equal(final[k], zero_reference[k]), f"parameter {k} differs from the failure-free run; restores {restores}"
 
 
-def test_one_rank_restart_restores_from_buffers_its_standby_mapped_ahead(tmp_path):
-    """Issue 19, from outside: a one-rank job with --snapshot-every 1 and a warm standby; its worker
-    is SIGKILLed by PID at a random step once the standby is up. The standby mapped the keeper's
-    buffers while idle (jitckpt.snapshot.premap), so the restarted rank loads the newest snapshot
-    into its tensors without mapping anything, and the job ends bitwise equal to an unfailed run."""
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_restart_on_one_node_restores_from_buffers_its_standbys_mapped_ahead(tmp_path, nproc):
+    """Issue 19, from outside: a one-node job (1 or 2 ranks) with --snapshot-every 1 and a warm
+    standby per rank (--warm-standby 1); every worker is SIGKILLed by PID at a random step once the standbys are up.
+    The standbys mapped the keeper's buffers while idle (jitckpt.snapshot.premap), so each restarted
+    rank loads the newest snapshot into its tensors without mapping anything, and the job ends
+    bitwise equal to an unfailed run."""
     import random
     import signal
     import time
@@ -323,8 +325,9 @@ def test_one_rank_restart_restores_from_buffers_its_standby_mapped_ahead(tmp_pat
     def job(tag: str) -> subprocess.Popen:
         d = tmp_path / tag
         d.mkdir()
-        cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", "1", "--checkpoint-dir", str(d / "ckpt"),
-               "--run-dir", str(d / "run"), "--status-interval", "0", "--warm-standby", "1", "--max-restarts", "1",
+        cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(nproc), "--checkpoint-dir",
+               str(d / "ckpt"), "--run-dir", str(d / "run"), "--status-interval", "0", "--warm-standby", "1",
+               "--max-restarts", "1",
                "--snapshot-every", "1", str(TRAIN), "--steps", str(steps), "--model", "bn", "--step-sleep", "0.1",
                "--out", str(d / "final.pt"), "--steps-log", str(d / "train.jsonl")]
         return subprocess.Popen(cmd, cwd=d, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
@@ -335,17 +338,18 @@ def test_one_rank_restart_restores_from_buffers_its_standby_mapped_ahead(tmp_pat
         deadline = time.monotonic() + TIMEOUT
         log = tmp_path / "fail" / "train.jsonl"
         events = tmp_path / "fail" / "run" / "events.jsonl"
-        worker = kill_at = None
+        workers = kill_at = None
         while time.monotonic() < deadline and run.poll() is None:
             done = max([-1] + [r["step"] for r in (_read_jsonl(log) if log.exists() else []) if "step" in r])
-            if kill_at is None and events.exists() and "standby_ready" in events.read_text():
-                kill_at = done + extra  # a random step once the standby is up (and mapping)
+            if kill_at is None and events.exists() and "standby_ready" in events.read_text():  # the whole pool
+                kill_at = done + extra  # a random step once the standbys are up (and mapping)
             if kill_at is not None and done >= kill_at:
-                worker = next(e["pid"] for e in _read_jsonl(events) if e["event"] == "worker_start")
-                os.kill(worker, signal.SIGKILL)
+                workers = [e["pid"] for e in _read_jsonl(events) if e["event"] == "worker_start"]
+                for pid in workers:
+                    os.kill(pid, signal.SIGKILL)
                 break
             time.sleep(0.02)  # polling the job's logs, bounded by the deadline
-        assert worker is not None, f"the job ended before its standby was up and {extra} more steps done"
+        assert workers, f"the job ended before its standbys were up and {extra} more steps done"
         outs = {}
         for tag, p in (("ref", ref), ("fail", run)):
             outs[tag] = p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
@@ -355,9 +359,9 @@ def test_one_rank_restart_restores_from_buffers_its_standby_mapped_ahead(tmp_pat
             kill_tree(p.pid)
     ev = _read_jsonl(events)
     restores = [e for e in ev if e["event"] == "restore"]
-    assert [e["source"] for e in restores] == ["memory"], (restores, [e["event"] for e in ev], outs["fail"][-3000:])
+    assert [e["source"] for e in restores] == ["memory"] * nproc, (restores, [e["event"] for e in ev], outs["fail"][-3000:])
     worker_log = "\n".join(f.read_text() for f in (tmp_path / "fail" / "run").rglob("*.log")) + outs["fail"]
-    assert "its buffers were mapped ahead by the warm standby" in worker_log, worker_log[-4000:]
+    assert worker_log.count("its buffers were mapped ahead by the warm standby") == nproc, worker_log[-4000:]
     final = torch.load(tmp_path / "fail" / "final.pt", weights_only=True)
     expected = torch.load(tmp_path / "ref" / "final.pt", weights_only=True)
     assert final.keys() == expected.keys()

@@ -199,21 +199,6 @@ def test_plan_validates_configuration() -> None:
 
 
 # Keeper ------------------------------------------------------------------------------------------
-@pytest.fixture
-def keeper(tmp_path):
-    sock = str(tmp_path / "k.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot.keeper", "--socket", sock,
-                             "--max-lifetime", "120"], stdout=subprocess.PIPE, text=True,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        line = proc.stdout.readline()  # blocks until the keeper listens (it exits on failure: EOF)
-        assert line.startswith("ready"), line
-        yield sock, proc
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-
-
 def test_keeper_exits_when_its_launcher_is_killed(tmp_path) -> None:
     # The launcher stand-in starts the keeper, reports its pid and is SIGKILLed: no stop() runs.
     sock = str(tmp_path / "k.sock")
@@ -591,6 +576,30 @@ def test_premapper_maps_each_keeper_buffer_once_and_a_restore_through_it_maps_no
         client.close()
     res = restore(socket_path=sock, ranks_per_node=1, into=_live(*_trainer(2)))
     assert (res.source, res.step, res.mapped_ahead) == ("memory", 3, False)
+
+
+def test_open_listed_needs_no_round_trip_for_buffers_mapped_ahead(keeper) -> None:
+    """A restore through a warm standby's client opens the listed objects from its own mappings:
+    it still reads them after the keeper is gone, and only an object it never mapped needs the
+    keeper (then a KeeperError)."""
+    sock, proc = keeper
+    _take(sock, {"w": torch.arange(1000.0)}, 1).close()
+    client = KeeperClient(sock)
+    try:
+        client.premap()
+        _take(sock, {"w": torch.arange(1000.0) * 3}, 2).close()  # listed, not mapped yet
+        listing = client.listing()
+        proc.kill()
+        proc.wait(timeout=10)
+        old = [e for e in listing if e["step"] == 1]
+        opened = client.open_listed(old)
+        assert [g.checksum for _, g in opened] == [e["checksum"] for e in old]
+        for (m, _), e in zip(opened, old):  # the bytes themselves, from the mappings
+            assert checksum_of(memoryview(m)[:e["size"]], e["algo"]) == e["checksum"]
+        with pytest.raises(KeeperError):
+            client.open_listed([e for e in listing if e["step"] == 2])
+    finally:
+        client.close()
 
 
 def test_keeper_buffers_only_grow_so_a_mapping_outlives_smaller_objects() -> None:

@@ -342,9 +342,10 @@ class Launcher:
             self.emit("snapshot_keeper_start", node=self.cfg.node_rank, pid=self.keeper.pid,
                       socket=self.keeper.socket_path, replaced=self.keeper.starts > 1,
                       previous_exit=self.keeper.previous_exit)
-        if self.pool is not None and self.cfg.world_size == 1:
-            # One rank restores straight into its tensors: its standby maps the keeper's buffers
-            # while idle (with more ranks the restore is collective and copies anyway).
+        if self.pool is not None and self.cfg.nnodes == 1:
+            # One node's ranks restore from its keeper alone, straight into their tensors: the
+            # standbys map the keeper's buffers while idle (with more nodes objects travel over
+            # the process group, and a standby would map buffers its restore may not read).
             self.pool.env[ENV_PREMAP] = self.keeper.socket_path
         return True
 

@@ -79,7 +79,7 @@ class Granted(Message):
 
 @dataclass(frozen=True)
 class Objects(Message):
-    """Reply to :class:`ListObjects`: {key, step, size, checksum, algo} per complete version."""
+    """Reply to :class:`ListObjects`: {key, step, size, checksum, algo, buf_id} per complete version."""
     TYPE: ClassVar[str] = "objects"
     objects: list
     node: int

@@ -23,6 +23,7 @@ from jitckpt.snapshot.checksum import Checksum, copy_bytes
 from jitckpt.snapshot.layout import ALIGN, dtype_named, places_in
 
 CHUNK = 1 << 20  # per native call (measured: faster than 2 or 4 MiB)
+HASH_CHUNK = int(__import__('os').environ.get('HC', 1 << 18))
 
 
 def targets_in(doc: dict, live: Any) -> list[Optional[torch.Tensor]]:
@@ -42,22 +43,12 @@ def _fits(entry: list, t: torch.Tensor) -> bool:
             and dtype_named(name) == t.dtype and list(t.shape) == list(shape) and t.numel() > 0)
 
 
-def copy_verified_into(doc: dict, src: np.ndarray, algorithm: str,
-                       targets: list[Optional[torch.Tensor]], *,
-                       check_finite: bool) -> tuple[list[torch.Tensor], int, bool]:
-    """Copy the tensors of snapshot object ``src`` (the whole flat state, uint8) into ``targets``
-    (fresh tensors where None); the tensors, the checksum of ``src``'s bytes, and whether every
-    floating tensor is finite (True when not asked).
-
-    The copy runs on this thread while a helper thread hashes ``src`` and checks its floats for
-    NaN/Inf, both native with the GIL released: after a failure the machine's other core is idle,
-    and verifying beside the copy costs about nothing on top of the copy. ``src`` must not change
-    meanwhile (the keeper's object: its only writer is the rank being restored). Gaps between
-    tensors (alignment, always zero when written) are hashed too. A layout entry outside ``src``
-    or misaligned is a ValueError before anything is written.
-    """
+def _pieces(doc: dict, size: int, targets: list[Optional[torch.Tensor]],
+            check_finite: bool) -> tuple[list[torch.Tensor], list]:
+    """The tensors to load ``doc``'s table into (``targets``, fresh where None) and the flat object of
+    ``size`` bytes in order as (start, end, destination or None for an alignment gap, dtype to
+    check or None). A table entry outside the object or misaligned is a ValueError."""
     table = doc["tensors"]
-    size = len(src)
     pos = 0
     for name, shape, offset, nbytes in table:
         if not (isinstance(offset, int) and isinstance(nbytes, int) and 0 <= offset <= size - nbytes
@@ -67,8 +58,9 @@ def copy_verified_into(doc: dict, src: np.ndarray, algorithm: str,
         if offset < pos:
             raise ValueError("snapshot layout: tensors overlap or are out of order")
         pos = offset + nbytes
+    if len(targets) != len(table):
+        raise ValueError("snapshot layout: the targets given do not match its table")
     tensors: list[torch.Tensor] = []
-    # The object in order: (start, end, destination or None for an alignment gap, dtype to check).
     pieces: list = []
     pos = 0
     for (name, shape, offset, nbytes), target in zip(table, targets):
@@ -85,6 +77,24 @@ def copy_verified_into(doc: dict, src: np.ndarray, algorithm: str,
         pos = offset + nbytes
     if pos < size:
         pieces.append((pos, size, None, None))
+    return tensors, pieces
+
+
+def copy_verified_into(doc: dict, src: np.ndarray, algorithm: str,
+                       targets: list[Optional[torch.Tensor]], *,
+                       check_finite: bool) -> tuple[list[torch.Tensor], int, bool]:
+    """Copy the tensors of snapshot object ``src`` (the whole flat state, uint8) into ``targets``
+    (fresh tensors where None); the tensors, the checksum of ``src``'s bytes, and whether every
+    floating tensor is finite (True when not asked).
+
+    The copy runs on this thread while a helper thread hashes ``src`` and checks its floats for
+    NaN/Inf, both native with the GIL released: after a failure the machine's other core is idle,
+    and verifying beside the copy costs about nothing on top of the copy. ``src`` must not change
+    meanwhile (the keeper's object: its only writer is the rank being restored). Gaps between
+    tensors (alignment, always zero when written) are hashed too. A layout entry outside ``src``
+    or misaligned is a ValueError before anything is written.
+    """
+    tensors, pieces = _pieces(doc, len(src), targets, check_finite)
     verdict: list = []
 
     def verify() -> None:
@@ -111,3 +121,43 @@ def copy_verified_into(doc: dict, src: np.ndarray, algorithm: str,
         raise verdict[0]
     value, finite = verdict[0]
     return tensors, value, finite
+
+
+def copy_parts_into(doc: dict, parts: list[np.ndarray], algorithm: str,
+                    targets: list[Optional[torch.Tensor]], *, share: tuple[int, int],
+                    check_finite: bool) -> tuple[list[torch.Tensor], dict[int, int], bool]:
+    """Copy the flat state that ``parts`` (uint8 arrays: a node's snapshot objects) form end to end
+    into ``targets`` (fresh tensors where None). Returns the tensors, the checksum of each part of
+    this caller's ``share=(i, n)`` (parts i, i+n, ...), and whether the floats in those parts are
+    all finite (True when not asked).
+
+    Several ranks of one node restore the same state from the same keeper objects at once, each on
+    its own core: each copies all of it into its own tensors, and hashes and checks its share of the
+    parts right behind the copy, while the bytes are in cache. The caller combines the verdicts."""
+    size = sum(len(p) for p in parts)
+    tensors, pieces = _pieces(doc, size, targets, check_finite)
+    bounds = [0]
+    for p in parts:
+        bounds.append(bounds[-1] + len(p))
+    index, count = share
+    hashes = {k: Checksum(algorithm) for k in range(len(parts)) if k % count == index}
+    finite, k = True, 0
+    for start, end, dst, check in pieces:
+        at = 0
+        while start < end:  # a piece may cross from one part into the next
+            while start >= bounds[k + 1]:
+                k += 1
+            stop = min(end, bounds[k + 1])
+            chunk = parts[k][start - bounds[k]:stop - bounds[k]]
+            h = hashes.get(k)
+            if h is None:
+                if dst is not None:
+                    copy_bytes(dst[at:at + stop - start], chunk, bypass_cache=True)
+            else:
+                for o in range(0, len(chunk), HASH_CHUNK):
+                    c = chunk[o:o + HASH_CHUNK]
+                    if dst is not None:
+                        copy_bytes(dst[at + o:at + o + len(c)], c, bypass_cache=True)
+                    finite = h.update(c, finite=check if finite else None) and finite
+            at, start = at + stop - start, stop
+    return tensors, {k: h.value() for k, h in hashes.items()}, finite

@@ -101,7 +101,8 @@ class SnapshotKeeper:
 
     def listing(self) -> list[dict]:
         with self._lock:
-            return [{"key": k, "step": b.step, "size": b.size, "checksum": b.checksum, "algo": b.algo}
+            return [{"key": k, "step": b.step, "size": b.size, "checksum": b.checksum, "algo": b.algo,
+                     "buf_id": b.buf_id}
                     for k, bufs in sorted(self._objects.items()) for b in bufs
                     if b.complete]
 

@@ -150,6 +150,26 @@ class KeeperClient:
                 raise
         return maps
 
+    def open_listed(self, entries: list, *, sequential: tuple = ()) -> list:
+        """:meth:`open_many` of listed objects (entries of one step from :meth:`listing`), with no
+        round trip for those whose buffer this client has mapped already (a warm standby's)."""
+        out: list = [None] * len(entries)
+        ask = []
+        for i, e in enumerate(entries):
+            m = self._maps.get((e["key"], e.get("buf_id")))
+            if m is not None and len(m) >= e["size"]:
+                out[i] = (m, Granted(buf_id=e["buf_id"], size=e["size"], checksum=e["checksum"], algo=e["algo"]))
+            else:
+                ask.append(i)
+        if ask:
+            steps = {int(entries[i]["step"]) for i in ask}
+            if len(steps) != 1:
+                raise ValueError("open_listed: the entries are of several steps")
+            opened = self.open_many([entries[i]["key"] for i in ask], steps.pop(), sequential=sequential)
+            for i, got in zip(ask, opened):
+                out[i] = got
+        return out
+
     def premap(self) -> int:
         """Map every complete object's buffer, its pages faulted in, ahead of a restore (a warm
         standby does this while idle). The keeper reuses its buffers, so once mapped a buffer stays

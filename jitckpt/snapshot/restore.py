@@ -10,9 +10,9 @@ Collective: every rank of the job calls :func:`restore` after ``init_process_gro
    successor. The newest verified on-disk checkpoint (:func:`jitckpt.checkpoint_store.find_latest`, all
    kinds: jit, periodic, flushed snapshots) is compared with it and the newer one wins; at equal
    steps memory wins (faster).
-3. Objects are broadcast from a node that holds them (gloo; on one node every rank reads them from
-   the node's keeper instead), missing parts are decoded from XOR parity, and the state is rebuilt
-   bit for bit.
+3. Objects are broadcast from a node that holds them (gloo), missing parts are decoded from XOR
+   parity, and the state is rebuilt bit for bit. On one node every rank reads them from the node's
+   keeper instead, straight into the trainer's tensors when it passes them (``into``).
 4. A state with NaN/Inf in a floating tensor, or one whose load fails anywhere, is not used: its
    step is rejected in every keeper (never offered again, so a restart cannot loop on it) and the
    next tier is tried once. :func:`reject_snapshot` does the same when the trainer finds a NaN loss
@@ -244,55 +244,108 @@ def _newest_memory_step(keeper: Optional[KeeperClient], topo: Topology, group: A
     return None
 
 
-def _direct_step(keeper: KeeperClient, into: Any, newer_than: Optional[int], skipped: list,
-                 check_finite: bool) -> tuple[Optional[tuple[int, Any]], bool]:
-    """One rank, one node: the newest in-memory step (newer than ``newer_than``, the disk tier's),
-    loaded straight into ``into``'s tensors and verified beside the copy
-    (:mod:`jitckpt.snapshot.direct_load`). ((step, state) or None, whether ``into``'s tensors were
-    written); None also when the snapshot is not one whole-state object (the general path takes it)."""
+def _quietly(call: Any, step: int) -> None:
+    """A keeper request whose failure must not leave this rank out of the next collective."""
+    try:
+        call(step)
+    except KeeperError as e:
+        log.warning("restore: keeper request for step %s failed: %s", step, e)
+
+
+def _direct_step(keeper: Optional[KeeperClient], into: Any, newer_than: Optional[int], skipped: list,
+                 check_finite: bool, topo: Topology,
+                 group: Any) -> tuple[Optional[tuple[int, Any]], bool, bool]:
+    """Collective, one node: the newest in-memory step (newer than ``newer_than``, the disk tier's),
+    read from the node's keeper straight into ``into``'s tensors (:mod:`jitckpt.snapshot.direct_load`).
+
+    One rank hashes and checks it for NaN/Inf on a second thread beside the copy (the other core is
+    idle after a failure). Several ranks each copy the whole state, and hash and check their share
+    of its parts (one per rank) right behind their copy; then one all-reduce per step tried both
+    combines the verdicts and checks that every rank tried the same step (they list one keeper).
+
+    Returns ((step, state) or None, whether ``into``'s tensors were written, whether the ranks took
+    this path: False when some rank has no keeper or the ranks tried different steps, and the
+    general path is to run)."""
     import numpy as np
 
-    from jitckpt.snapshot.direct_load import copy_verified_into, targets_in
+    from jitckpt.snapshot.direct_load import copy_parts_into, copy_verified_into, targets_in
     from jitckpt.snapshot.layout import parse_layout
 
-    listing = keeper.listing()
-    written = False
-    for step in sorted({int(e["step"]) for e in listing}, reverse=True):
-        if newer_than is not None and step < newer_than:
-            break
-        objs = {e["key"]: e for e in listing if e["step"] == step}
-        if set(objs) != {META_KEY, "x0.0"}:
-            _skip(skipped, f"memory step {step}", "not one whole-state object")
-            continue
+    r = topo.ranks_per_node
+    parts = [f"x0.{l}" for l in range(r)]
+    listing: list = []
+    if keeper is not None:
         try:
-            # Both objects in one round trip; the data's pages are faulted in behind the copy.
-            (m, info), (dm, dinfo) = keeper.open_many([META_KEY, "x0.0"], step, sequential=("x0.0",))
-            if checksum_of(memoryview(m)[:objs[META_KEY]["size"]], info.algo) != info.checksum:
-                raise ValueError("its metadata object fails its checksum")
-            meta = parse_meta(m[:objs[META_KEY]["size"]])
-            plan = ProtectionPlan(**meta["plan"])
-            if (plan.m, plan.r) != (1, 1) or plan.padded_total != objs["x0.0"]["size"]:
-                raise ValueError("taken by a job of another shape")
-            doc = parse_layout(meta["layout"])
-            src = np.frombuffer(dm, dtype=np.uint8, count=objs["x0.0"]["size"])
-            targets = targets_in(doc, into)
-            written = written or any(t is not None for t in targets)
-            tensors, value, finite = copy_verified_into(doc, src, dinfo.algo, targets, check_finite=check_finite)
-        except (KeeperError, ValueError, TypeError, KeyError) as e:
-            _skip(skipped, f"memory step {step}", str(e))
-            continue
-        if value != dinfo.checksum:
-            log.warning("in-memory snapshot step %s fails its checksum; not used", step)
-            _skip(skipped, f"memory step {step}", "fails its checksum")
+            listing = keeper.listing()
+        except KeeperError as e:
+            _skip(skipped, "memory tier", str(e))
+            keeper = None
+    if keeper is None and topo.world == 1:
+        return None, False, False
+    steps = sorted({int(e["step"]) for e in listing
+                    if newer_than is None or int(e["step"]) >= newer_than}, reverse=True)
+    written = False
+    for i in range(2):  # the keeper holds two versions; every rank runs both rounds' collective
+        step = steps[i] if i < len(steps) and keeper is not None else None
+        objs = {e["key"]: e for e in listing if e["step"] == step}
+        state, why, finite = None, "", True
+        if step is None:
+            pass
+        elif set(objs) != {META_KEY, *parts}:
+            why = f"not {r} data objects (one per rank of this node) and a metadata object"
+        else:
+            try:
+                # No round trip for buffers mapped ahead; the data's pages are faulted in behind the copy.
+                (m, info), *data = keeper.open_listed([objs[META_KEY]] + [objs[k] for k in parts],
+                                                      sequential=tuple(parts))
+                if checksum_of(memoryview(m)[:objs[META_KEY]["size"]], info.algo) != info.checksum:
+                    raise ValueError("its metadata object fails its checksum")
+                meta = parse_meta(m[:objs[META_KEY]["size"]])
+                plan = ProtectionPlan(**meta["plan"])
+                if (plan.m, plan.r) != (1, r) or any(objs[k]["size"] != plan.part for k in parts):
+                    raise ValueError("taken by a job of another shape")
+                doc = parse_layout(meta["layout"])
+                srcs = [np.frombuffer(dm, dtype=np.uint8, count=objs[k]["size"]) for k, (dm, _) in zip(parts, data)]
+                targets = targets_in(doc, into)
+                written = written or any(t is not None for t in targets)
+                if r == 1:
+                    tensors, value, finite = copy_verified_into(doc, srcs[0], data[0][1].algo, targets,
+                                                                check_finite=check_finite)
+                    sums = {0: value}
+                else:
+                    tensors, sums, finite = copy_parts_into(doc, srcs, data[0][1].algo, targets,
+                                                            share=(topo.local_rank, r), check_finite=check_finite)
+                if any(sums[l] != data[l][1].checksum for l in sums):
+                    log.warning("in-memory snapshot step %s fails its checksum; not used", step)
+                    why = "fails its checksum"
+                else:
+                    state = rebuild(doc, tensors=tensors)
+            except (KeeperError, ValueError, TypeError, KeyError) as e:
+                why = str(e)
+        if step is not None and topo.local_rank == 0 and any(int(e["step"]) > step for e in listing):
+            # Stale versions of later steps go before the verdict's collective: after it, the node's
+            # other ranks may already be writing the next snapshot (as in restore()).
+            _quietly(keeper.discard_newer, step)
+        loaded = state is not None
+        if topo.world > 1:
+            mine = -1 if step is None else step
+            verdict = torch.tensor([int(keeper is not None), int(loaded), int(finite), mine, -mine], dtype=torch.int64)
+            dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
+            have, loaded, finite, low, high = (int(v) for v in verdict)
+            if not have or low != -high:
+                return None, written, False
+        if step is None:
+            break
+        if not loaded:
+            _skip(skipped, f"memory step {step}", why or "failed on another rank")
             continue
         if not finite:
             _skip(skipped, f"memory step {step}", "restored state has NaN/Inf")
-            keeper.reject(step)
+            if topo.local_rank == 0:
+                _quietly(keeper.reject, step)
             continue
-        if any(int(e["step"]) > step for e in listing):  # stale partial versions go (as in restore())
-            keeper.discard_newer(step)
-        return (step, rebuild(doc, tensors=tensors)), written
-    return None, written
+        return (step, state), written, True
+    return None, written, True
 
 
 def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] = None,
@@ -302,12 +355,13 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
     """Load the newest usable state (memory or disk tier); see the module docstring.
 
     ``into``: the trainer's live state, of the structure the snapshots were taken of (e.g.
-    ``{"model": model.state_dict(), "optimizer": opt.state_dict(), ...}``). One rank on one node:
-    an in-memory snapshot is copied straight into its tensors (those of the same place, dtype and
-    shape) and verified beside the copy; the state returned holds those very tensors, so
-    ``load_state_dict`` of it copies nothing. Should every in-memory step fail its checksum after
-    ``into``'s tensors were written, they hold partial data: the disk tier then loads, and without
-    one this raises rather than let training go on from them.
+    ``{"model": model.state_dict(), "optimizer": opt.state_dict(), ...}``). On one node an
+    in-memory snapshot is copied straight into its tensors (those of the same place, dtype and
+    shape; one rank: verified beside the copy, several: after the ranks verified their shares);
+    the state returned holds those very tensors, so ``load_state_dict`` of it copies nothing.
+    Should the in-memory state fail its checks after ``into``'s tensors were written, they hold
+    partial data: the disk tier then loads, and without one this raises rather than let training
+    go on from them.
 
     ``keeper``: a client of this node's keeper whose buffers are mapped already
     (:class:`~jitckpt.snapshot.premap.Premapper`); the caller keeps it (not closed here).
@@ -326,22 +380,17 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
     disk = find_latest(checkpoint_dir) if checkpoint_dir else None
     disk_step = disk[1].step if disk else None
     written = False
-    if into is not None and topo.world == 1 and keeper is not None:
-        try:
-            direct, written = _direct_step(keeper, into, disk_step, skipped, check_finite)
-        except KeeperError as e:
-            direct = None
-            _skip(skipped, "memory tier", str(e))
+    agreed = False
+    if into is not None and topo.num_nodes == 1:
+        direct, written, agreed = _direct_step(keeper, into, disk_step, skipped, check_finite, topo, group)
         if direct is not None:
             ahead = not owned and keeper.mappings_made == mapped0
             if owned:
                 keeper.close()
             return RestoreResult("memory", direct[0], direct[1], time.monotonic() - t0, skipped=skipped,
                                  mapped_ahead=ahead)
-        choice = None  # the memory tier is done: the disk's turn
-    else:
-        # One rank: the whole state is one object; it is verified while copied out (one pass).
-        choice = _newest_memory_step(keeper, topo, group, skipped, kept)
+    # After the direct path the memory tier is done: the disk's turn.
+    choice = None if agreed else _newest_memory_step(keeper, topo, group, skipped, kept)
     try:
         if choice is not None and (disk_step is None or choice.step >= disk_step):
             remote: list = []
@@ -374,9 +423,12 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
                 return RestoreResult("disk", meta.step, state, time.monotonic() - t0, skipped=skipped,
                                      path=str(path))
             _skip(skipped, f"disk {path}", "restored state has NaN/Inf")
+        if topo.world > 1:
+            written = not _all_true(not written, group)  # every rank raises, or none
         if written:
             raise RuntimeError("restore: an in-memory snapshot failed its checks while being loaded into the "
-                               "trainer's tensors, which now hold partial data, and no other checkpoint is left "
+                               "trainer's tensors (on this rank or another), which now hold partial data, and no "
+                               "other checkpoint is left "
                                f"({'; '.join(f'{w}: {y}' for w, y in skipped)}); start the job anew")
         return RestoreResult("none", None, None, time.monotonic() - t0, skipped=skipped)
     finally:

@@ -84,7 +84,7 @@ class SnapshotTier:
     def resolve(self, into: Any = None) -> Optional[ResumePoint]:
         """The newest usable state over all tiers (collective on the first call; cached).
 
-        ``into``: the trainer's live state (one rank: an in-memory snapshot is loaded straight into
+        ``into``: the trainer's live state (one node: an in-memory snapshot is loaded straight into
         its tensors; see :func:`jitckpt.snapshot.restore.restore`)."""
         if self._resolved:
             return self._resume
@@ -103,7 +103,7 @@ class SnapshotTier:
         try:
             res = restore(socket_path=self.socket_path, ranks_per_node=self.ranks_per_node,
                           checkpoint_dir=None if zero_job else self.checkpoint_dir,
-                          into=into if one_rank else None, keeper=self.premapped)
+                          into=into, keeper=self.premapped)
         finally:
             if self.premapped is not None:
                 self.premapped.close()
