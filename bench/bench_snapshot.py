@@ -15,7 +15,7 @@ than loading the same state from disk with torch.load.
 2. Restore of the same state, repetitions interleaved (memory, disk cold, disk warm; order
    rotated), medians:
    * memory: ``restore(into=<the live state>, keeper=<a client that mapped the keeper's buffers
-     ahead>)``, as a one-rank job's warm standby does (:mod:`jitckpt.snapshot.premap`): the
+     ahead>)``, as a warm standby does (:mod:`jitckpt.snapshot.premap`): the
      snapshot is copied straight into the model's parameters and the optimizer's state while a
      second thread hashes it and checks it for NaN/Inf; + ``load_state_dict`` of the result
      (which then copies nothing);
@@ -257,7 +257,7 @@ def measure_restore(sock: str, model: nn.Module, opt: torch.optim.Optimizer, exp
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optimizer"])
 
-    premapped = KeeperClient(sock)  # as a one-rank job's warm standby holds it (jitckpt.snapshot.premap)
+    premapped = KeeperClient(sock)  # as a warm standby holds it (jitckpt.snapshot.premap)
     premapped.premap()
 
     def memory(direct: bool, keeper: Optional[KeeperClient] = None) -> tuple[float, dict]:
@@ -415,7 +415,7 @@ def main() -> int:
     print(f"  larger state {large['state_bytes'] / 2**20:.0f} MiB: restore() {large['restore_call_seconds_median'] * 1e3:.1f} ms"
           f" vs torch.load cold {large['torch_load_cold_seconds_median'] * 1e3:.1f} ms "
           f"({large['speedup_vs_torch_load_cold']:.1f}x)")
-    print(f"  into the live tensors, the keeper's buffers mapped ahead (a one-rank job's warm standby): "
+    print(f"  into the live tensors, the keeper's buffers mapped ahead (as a warm standby holds them): "
           f"{m['total'] * 1e3:.1f} ms = {out['restore_total_over_one_memcpy']:.2f}x one memcpy of the state "
           f"(target 1.5x), {out['restore_total_over_memcpy_and_checksum']:.2f}x one chunked memcpy + "
           f"{DEFAULT_ALGORITHM} on one core ({ceiling['memcpy_and_checksum_seconds_median'] * 1e3:.1f} ms); through "

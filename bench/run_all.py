@@ -109,6 +109,8 @@ BENCHES = [
                                         "--out", str(out)],
           (Ratio("restore, 2 ranks on one node, into the model / one memcpy", lambda d: d["memory_over_one_memcpy"],
                  "{:.2f}x", "<= 1.5x", lambda v: v <= 1.5),
+           Ratio("  ceiling: that restore / (one memcpy + one all-reduce of the verdict)",
+                 lambda d: d["memory_over_memcpy_agreed"], "{:.2f}x", "(same run)"),
            Ratio("  page-cached torch.load + load_state_dict / that restore", lambda d: d["memory_speedup_vs_disk_warm"],
                  "{:.2f}x", "> 1x", lambda v: v > 1))),
     Bench("aor", lambda out: [sys.executable, str(BENCH / "bench_aor.py"), "--steps", "25", "--out", str(out)],

@@ -45,7 +45,7 @@ def main() -> None:
 
     channel.send(Ready())
     premapper = None
-    if os.environ.get(ENV_PREMAP):  # a one-rank job's snapshots: their restore then maps nothing
+    if os.environ.get(ENV_PREMAP):  # a one-node job's snapshots: their restore then maps nothing
         from jitckpt.snapshot.premap import Premapper
 
         premapper = Premapper(os.environ.pop(ENV_PREMAP))

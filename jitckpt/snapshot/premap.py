@@ -1,8 +1,9 @@
 """Keep a node keeper's snapshot buffers mapped in a warm standby, so a restore maps nothing.
 
 Mapping another process's memory costs a page-table entry per 4 KiB page (shared memory gets no
-huge pages by default): for a 48 MiB state that is longer than copying it. A standby of a one-rank
-job (the restore that copies straight into the trainer's tensors) pays it while idle instead.
+huge pages by default): for a 48 MiB state that is longer than copying it. The standbys of a
+one-node job (whose restore reads every object from the node's keeper straight into the trainer's
+tensors) pay it while idle instead.
 :class:`Premapper` maps every complete object every ``interval`` seconds; only new buffers cost
 anything, as the keeper rewrites the same ones. Until both buffers of every object are mapped it
 looks every ``fast`` seconds: a restore soon after the standby starts needs the one written last.
