@@ -5,8 +5,10 @@ private copy of the snapshot), verifying the checksum and checking for NaN/Inf b
 tensor at the same place of a live state (``model.state_dict()``, ``optimizer.state_dict()`` ...:
 their tensors share memory with the parameters and optimizer state) when its dtype and shape match.
 :func:`copy_verified_into` then copies the snapshot object into those tensors (fresh tensors for
-the rest) while a second thread hashes the same bytes on the other core. ``load_state_dict`` of
-the result then copies nothing: the parameters are their own source, and the optimizer keeps the
+the rest) while a second thread hashes the same bytes on the other core (one rank);
+:func:`copy_parts_into` copies a node's objects, laid end to end, and hashes the caller's share of
+them behind its copy (several ranks of one node, each on its own core). ``load_state_dict`` of the
+result then copies nothing: the parameters are their own source, and the optimizer keeps the
 tensors it is given.
 
 On a mismatch the live tensors hold unverified data: the caller must load another state or stop.
