@@ -76,6 +76,18 @@ def _worker(rank: int, port: int, sock: str, out: str, damage: str) -> None:
         assert snap.begin(step) and snap.wait() == step
     snap.close()
     dist.barrier()  # both objects of both steps are in the keeper
+    if damage == "partial" and rank == 0:
+        # Step 3 as a kill in the middle of a snapshot leaves it: rank 0 committed its object and
+        # the metadata, rank 1 died before committing its own.
+        c = KeeperClient(sock)
+        items = []
+        for key in ("x0.0", "meta"):
+            m, info = c.open(key, 2)
+            w = c.begin(key, 3, info.size)
+            w[:info.size] = m[:info.size]
+            items.append({"key": key, "step": 3, "checksum": info.checksum, "algo": info.algo})
+        c.commit(items)
+        c.close()
     if damage == "flip" and rank == 0:
         c = KeeperClient(sock)
         m, info = c.open("x0.1", 2)  # hashed by rank 1 only
@@ -162,3 +174,14 @@ def test_a_rank_without_the_keeper_stops_every_rank_rather_than_train_on_partial
     for r in (r0, r1):
         assert "partial data" in r.get("error", ""), r
     assert "cannot connect to the snapshot keeper" in r1["error"]
+
+
+@pytest.mark.timeout(180)
+def test_a_step_one_rank_never_committed_is_passed_over_by_both(keeper, tmp_path) -> None:
+    """A kill in the middle of a snapshot: step 3 has rank 0's object and the metadata but not rank
+    1's. Both ranks pass over it and load step 2, bitwise."""
+    sock, _ = keeper
+    for r in _run(tmp_path, sock, "partial"):
+        assert (r["source"], r["step"]) == ("memory", 2), r["skipped"]
+        assert any(what == "memory step 3" and "data objects" in why for what, why in r["skipped"]), r["skipped"]
+        assert r["same"] and r["in_place"] and r["loaded"]
