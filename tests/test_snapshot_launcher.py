@@ -312,10 +312,10 @@ def test_zero_failure_restores_partitions_through_aor(zero_reference, tmp_path, 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_restart_on_one_node_restores_from_buffers_its_standbys_mapped_ahead(tmp_path, nproc):
     """Issue 19, from outside: a one-node job (1 or 2 ranks) with --snapshot-every 1 and a warm
-    standby per rank (--warm-standby 1); every worker is SIGKILLed by PID at a random step once the standbys are up.
-    The standbys mapped the keeper's buffers while idle (jitckpt.snapshot.premap), so each restarted
-    rank loads the newest snapshot into its tensors without mapping anything, and the job ends
-    bitwise equal to an unfailed run."""
+    standby per rank (--warm-standby 1); every worker is SIGKILLed by PID at a random step once the
+    standbys are up. The standbys mapped the keeper's buffers while idle (jitckpt.snapshot.premap),
+    so each restarted rank loads the newest snapshot into its tensors without mapping anything, and
+    the job ends bitwise equal to an unfailed run."""
     import random
     import signal
     import time
