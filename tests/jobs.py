@@ -31,6 +31,14 @@ class JobResult:
     def ev(self, name: str) -> list:
         return [e for e in self.events if e["event"] == name]
 
+    def show_on_failure(self) -> None:
+        """Print the job's whole output and its events but steps: pytest shows captured output in
+        full when the test fails (an assertion message is cut short)."""
+        print(self.out)
+        for e in self.events:
+            if e["event"] != "step":
+                print(e)
+
 
 def kill_tree(pid: int) -> None:
     try:
