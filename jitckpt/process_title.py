@@ -1,6 +1,7 @@
 """Process titles that say what each jitckpt process is, so ``ps`` tells the PIDs apart.
 
-``jitckpt launcher <run id> node <n>``, ``jitckpt standby`` (a warm process waiting for a rank),
+``jitckpt launcher <run id> node <n>``, ``jitckpt standby`` (a warm process waiting for a rank;
+``jitckpt standby (snapshots mapped ahead)`` once it maps the node keeper's snapshot buffers),
 ``jitckpt rank <r>/<world> gen <g>`` (a worker: rank, world size, launch generation). setproctitle
 rewrites the argv area ``ps`` reads and the thread name ``top`` shows.
 """

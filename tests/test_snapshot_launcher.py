@@ -309,12 +309,28 @@ def test_zero_failure_restores_partitions_through_aor(zero_reference, tmp_path, 
         assert torch.equal(final[k], zero_reference[k]), f"parameter {k} differs from the failure-free run; restores {restores}"
 
 
+def _standbys_mapped(launcher_pid: int, count: int) -> bool:
+    """Whether ``count`` standbys of the launcher say (in their process title) that they mapped the
+    keeper's snapshot buffers."""
+    titles = []
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.Error:
+        return False  # the launcher ended: the caller's loop sees it
+    for p in children:
+        try:
+            titles.append(" ".join(p.cmdline()))
+        except psutil.Error:
+            continue  # gone meanwhile
+    return sum(t.startswith("jitckpt standby (snapshots mapped ahead)") for t in titles) >= count
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_restart_on_one_node_restores_from_buffers_its_standbys_mapped_ahead(tmp_path, nproc):
     """Issue 19, from outside: a one-node job (1 or 2 ranks) with --snapshot-every 1 and a warm
     standby per rank (--warm-standby 1); every worker is SIGKILLed by PID at a random step once the
-    standbys are up. The standbys mapped the keeper's buffers while idle (jitckpt.snapshot.premap),
-    so each restarted rank loads the newest snapshot into its tensors without mapping anything, and
+    standbys mapped the keeper's buffers while idle (jitckpt.snapshot.premap; their process title
+    says so), so each restarted rank loads the newest snapshot into its tensors without mapping anything, and
     the job ends bitwise equal to an unfailed run."""
     import random
     import signal
@@ -341,8 +357,8 @@ def test_restart_on_one_node_restores_from_buffers_its_standbys_mapped_ahead(tmp
         workers = kill_at = None
         while time.monotonic() < deadline and run.poll() is None:
             done = max([-1] + [r["step"] for r in (_read_jsonl(log) if log.exists() else []) if "step" in r])
-            if kill_at is None and events.exists() and "standby_ready" in events.read_text():  # the whole pool
-                kill_at = done + extra  # a random step once the standbys are up (and mapping)
+            if kill_at is None and _standbys_mapped(run.pid, nproc):
+                kill_at = done + extra  # a random step once every standby mapped the keeper's buffers
             if kill_at is not None and done >= kill_at:
                 workers = [e["pid"] for e in _read_jsonl(events) if e["event"] == "worker_start"]
                 for pid in workers:

@@ -48,7 +48,9 @@ def main() -> None:
     if os.environ.get(ENV_PREMAP):  # a one-node job's snapshots: their restore then maps nothing
         from jitckpt.snapshot.premap import Premapper
 
-        premapper = Premapper(os.environ.pop(ENV_PREMAP))
+        # The title tells `ps` (and the tests) when a restore from this standby would map nothing.
+        premapper = Premapper(os.environ.pop(ENV_PREMAP),
+                              on_settled=lambda: set_title("jitckpt standby (snapshots mapped ahead)"))
     msg = channel.recv()
     if not isinstance(msg, Assign):
         os._exit(0)  # launcher shut the pool down

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
 
@@ -26,14 +26,18 @@ ENV_PREMAP = "JITCKPT_STANDBY_PREMAP"  # the keeper socket a standby maps ahead 
 class Premapper:
     """A daemon thread that keeps ``socket_path``'s complete objects mapped until :meth:`stop`.
 
-    A keeper that is not up yet, or replaced, is connected to again on the next round."""
+    A keeper that is not up yet, or replaced, is connected to again on the next round.
+    ``on_settled`` is called (on that thread) the first time both buffers of every object are
+    mapped."""
 
-    def __init__(self, socket_path: str, *, interval: float = 1.0, fast: float = 0.05) -> None:
+    def __init__(self, socket_path: str, *, interval: float = 1.0, fast: float = 0.05,
+                 on_settled: Optional[Callable[[], None]] = None) -> None:
         if not socket_path:
             raise ValueError("Premapper: socket_path is empty")
         if not 0 < fast <= interval:
             raise ValueError(f"Premapper: need 0 < fast ({fast}) <= interval ({interval})")
         self.socket_path, self.interval, self.fast = socket_path, interval, fast
+        self._on_settled = on_settled
         self.rounds = 0  # rounds that reached the keeper
         self._client: Optional[KeeperClient] = None
         self._stop = threading.Event()
@@ -53,6 +57,9 @@ class Premapper:
                     self._client.premap()
                     settled = self._client.mapped_both_buffers()
                     self.rounds += 1
+                    if settled and self._on_settled is not None:
+                        on_settled, self._on_settled = self._on_settled, None
+                        on_settled()
                 except (KeeperError, ValueError, OSError) as e:
                     log.debug("premap of %s: %s", self.socket_path, e)
                     if self._client is not None:
