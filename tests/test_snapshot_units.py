@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 import psutil
@@ -114,6 +115,22 @@ def test_layout_rejects_non_cpu_tensors_with_a_clear_error() -> None:
     t = torch.empty(2, device="meta")
     with pytest.raises(ValueError, match="CPU tensors only"):
         FlatState({"x": t})
+
+
+def test_layout_takes_parameters_views_and_tensor_subclasses_as_their_values() -> None:
+    class Tagged(torch.Tensor):
+        pass
+
+    base = torch.arange(12.0).reshape(3, 4)
+    state = {"p": torch.nn.Parameter(torch.ones(2, 2)), "view": base[:, 1], "sub": torch.arange(3.0).as_subclass(Tagged),
+             "nested": [OrderedDict(w=base)]}
+    flat = FlatState(state)
+    back = rebuild(flat.skeleton, _flat_bytes(flat, flat.total).numpy())
+    assert json.loads(flat.skeleton)["tensors"][1] == ["float32", [3], 64, 12]  # the view's values only
+    assert torch.equal(back["view"], base[:, 1]) and torch.equal(back["p"], torch.ones(2, 2))
+    assert torch.equal(back["sub"], torch.arange(3.0)) and torch.equal(back["nested"][0]["w"], base)
+    with pytest.raises(ValueError, match="sparse"):
+        FlatState({"s": torch.eye(3).to_sparse()})
 
 
 @pytest.mark.parametrize("n", [0, 1, 4095, 4096, 3 * 4096 + 5])
@@ -541,7 +558,8 @@ def test_premapper_maps_each_keeper_buffer_once_and_a_restore_through_it_maps_no
     state = _live(model, opt)
     step = 0
     snap = SnapshotTaker(state_fn=lambda: {**state, "step": step}, socket_path=sock, scheme="none")
-    premapper = Premapper(sock, interval=0.01, fast=0.01)
+    settled: list = []
+    premapper = Premapper(sock, interval=0.01, fast=0.01, on_settled=lambda: settled.append(premapper.rounds))
 
     def snapshot_and_premap(n: int) -> None:
         nonlocal step
@@ -554,8 +572,10 @@ def test_premapper_maps_each_keeper_buffer_once_and_a_restore_through_it_maps_no
 
     try:
         snapshot_and_premap(1)
+        assert not settled  # one buffer of each object so far
         snapshot_and_premap(2)  # the second buffer of each object
         client = premapper.stop()
+        assert len(settled) == 1  # told once, when both were mapped (a standby's title says so)
     finally:
         premapper.stop()
     assert client is not None

@@ -64,18 +64,21 @@ class FlatState:
                         else torch.empty(0, dtype=torch.uint8) for t in self._src]
         return self._u8
 
-    # The path to a value is a chain of tuples, formatted only for an error message.
+    # The path to a value is a chain of tuples, formatted only for an error message. The walk runs
+    # on the trainer's critical path at every snapshot, once per tensor of the state (thousands in a
+    # large model): exact type tests first, torch's cheapest accessors.
     def _encode(self, obj: Any, path: Any) -> Any:
         t = type(obj)
+        if t is torch.Tensor or t is torch.nn.Parameter:
+            return {_TENSOR: self._add(obj, path)}
         if obj is None or t is bool or t is int or t is str:
             return obj
-        if isinstance(obj, torch.Tensor):
-            return {_TENSOR: self._add(obj, path)}
         if t is float:
             return obj if math.isfinite(obj) else {_FLOAT: repr(obj)}  # strict JSON has no nan/inf
         if t is dict or t is OrderedDict:
-            node: dict = {_DICT: [[self._key(k, path), self._encode(v, (path, "[]", k))]
-                                  for k, v in obj.items()]}
+            node: dict = {_DICT: [[k if type(k) is str or type(k) is int else self._key(k, path),
+                                   {_TENSOR: self._add(v, (path, "[]", k))} if type(v) is torch.Tensor
+                                   else self._encode(v, (path, "[]", k))] for k, v in obj.items()]}
             if t is OrderedDict:
                 node["O"] = 1
                 attrs = vars(obj)
@@ -85,6 +88,8 @@ class FlatState:
         if t is list or t is tuple:
             return {_LIST if t is list else _TUPLE: [self._encode(v, (path, "[]", i))
                                                      for i, v in enumerate(obj)]}
+        if isinstance(obj, torch.Tensor):  # a subclass
+            return {_TENSOR: self._add(obj, path)}
         raise TypeError(
             f"snapshot: {_fmt(path)} is a {t.__module__}.{t.__qualname__}; a snapshot state may hold "
             "only tensors, None, bool, int, float, str and dict/OrderedDict/list/tuple of them (it "
@@ -98,21 +103,22 @@ class FlatState:
         return self._encode(k, (path, " key", k))
 
     def _add(self, t: torch.Tensor, path: Any) -> int:
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise ValueError(
                 f"snapshot: {_fmt(path)} is a tensor on {t.device} - this implementation snapshots "
                 "CPU tensors only (move the state to CPU in state_fn, or snapshot on a CPU build)")
-        if t.layout != torch.strided or t.is_quantized:
+        if t.layout is not torch.strided or t.is_quantized:
             raise ValueError(f"snapshot: {_fmt(path)} is a sparse or quantized tensor; densify it in "
                              "state_fn")
         if not t.is_contiguous():
             t = t.contiguous()  # the values at begin(); contiguous tensors are read while copying
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         index = len(self._src)
-        self._table.append([_NAMES[t.dtype], list(t.shape), self._pos, nbytes])
+        pos = self._pos
+        self._table.append([_NAMES[t.dtype], t.shape, pos, nbytes])  # a torch.Size: a JSON array
         self._src.append(t)
-        self.offsets.append(self._pos)
-        self._pos = _align(self._pos + nbytes)
+        self.offsets.append(pos)
+        self._pos = _align(pos + nbytes)
         return index
 
     def read_into(self, start: int, out: torch.Tensor) -> None:
