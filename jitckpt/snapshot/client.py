@@ -25,6 +25,7 @@ survives. Every ``flush_every``-th snapshot, global rank 0 also writes it to dis
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import json
 import os
@@ -101,6 +102,25 @@ def parse_meta(data: Any) -> dict:
     if not isinstance(meta, dict) or not {"step", "plan", "layout"} <= set(meta):
         raise ValueError("snapshot metadata lacks step/plan/layout (written by another version?)")
     return meta
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off while the trainer builds and walks the state.
+
+    Both allocate a container per node of the state (thousands for a deep model), and every 700
+    allocations start a collection: in a process holding torch's ~300k objects these escalate to
+    collections of the whole heap, ~130 ms each, every few snapshots. Held off, the allocations
+    cost one young-generation collection afterwards, and the containers die by reference counting
+    when the snapshot is done (measured, a 1680-tensor state: begin() cost the trainer 14.6 ms per
+    step with the collector running, 2-5 ms held off)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @dataclass
@@ -187,7 +207,8 @@ class SnapshotTaker:
         if not self._previous_globally_committed():
             self.stats.skipped += 1
             return False
-        flat = FlatState(self.state_fn())
+        with _gc_paused():
+            flat = FlatState(self.state_fn())
         plan = ProtectionPlan(scheme=self.scheme, num_nodes=self.topo.num_nodes,
                               ranks_per_node=self.topo.ranks_per_node, total_bytes=flat.total)
         # Keeper requests and the metadata are the background thread's work: begin() only pins
@@ -329,9 +350,7 @@ class SnapshotTaker:
             else:
                 # Streaming stores: the trainer never reads the keeper's copy, so it should not
                 # evict the trainer's data from the shared cache.
-                d = dst.numpy()
-                for pos, src, k in job.flat.segments(off0 + c, n):
-                    h.copy(d[pos:pos + k], src, bypass_cache=True)
+                h.copy_flat(dst.numpy(), job.flat, off0 + c, bypass_cache=True)
             self.stats.bytes_copied += n
         return {"key": spec.key, "step": job.step, "checksum": h.value(), "algo": h.algorithm}
 
