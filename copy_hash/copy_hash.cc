@@ -10,6 +10,7 @@
 #include <pybind11/pybind11.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -171,6 +172,57 @@ class Xxh3 {
     if (stream) store_fence();
   }
 
+  // Copy bytes [start, start + len(dst)) of a flat byte space into ``dst`` and hash them in order.
+  // Piece i of the space is ``sizes[i]`` bytes at address ``addrs[i]``, placed at ``offsets[i]``
+  // (ascending, not overlapping); bytes between pieces and past the last one are zero. One call
+  // for a chunk of a state of many small tensors: a Python loop over them costs more than the copy.
+  // The caller keeps the pieces' memory alive and unchanged during the call.
+  void copy_gather(const py::buffer& dst_obj, const py::buffer& addrs_obj, const py::buffer& offsets_obj,
+                   const py::buffer& sizes_obj, uint64_t start, bool bypass_cache) {
+    Buffer dst(dst_obj, true, "dst");
+    Buffer addrs(addrs_obj, false, "addrs"), offsets(offsets_obj, false, "offsets"), sizes(sizes_obj, false, "sizes");
+    if (addrs.size() % 8 != 0 || offsets.size() != addrs.size() || sizes.size() != addrs.size()) {
+      throw py::value_error("copy_gather: addrs, offsets and sizes must be uint64 arrays of one length");
+    }
+    const auto* addr = reinterpret_cast<const uint64_t*>(addrs.data());
+    const auto* off = reinterpret_cast<const uint64_t*>(offsets.data());
+    const auto* size = reinterpret_cast<const uint64_t*>(sizes.data());
+    const size_t count = addrs.size() / 8;
+    char* out = dst.data();
+    const size_t n = dst.size();
+    py::gil_scoped_release nogil;
+    const bool stream = streams(bypass_cache, n);
+    // The last piece that starts at or before ``start``.
+    size_t i = static_cast<size_t>(std::upper_bound(off, off + count, start) - off);
+    i = i > 0 ? i - 1 : 0;
+    size_t pos = 0;
+    while (pos < n) {
+      const uint64_t at = start + pos;
+      if (i >= count || at < off[i]) {  // zeros up to piece i (or to the end)
+        const uint64_t gap = i < count ? off[i] - at : n - pos;
+        const size_t len = static_cast<size_t>(std::min<uint64_t>(gap, n - pos));
+        std::memset(out + pos, 0, len);
+        hash_update(state_.get(), out + pos, len);
+        pos += len;
+        continue;
+      }
+      const uint64_t in = at - off[i];
+      if (in >= size[i]) {
+        ++i;
+        continue;
+      }
+      const size_t len = static_cast<size_t>(std::min<uint64_t>(size[i] - in, n - pos));
+      const char* src = reinterpret_cast<const char*>(static_cast<uintptr_t>(addr[i])) + in;
+      for (size_t b = 0; b < len; b += kBlock) {
+        const size_t m = len - b < kBlock ? len - b : kBlock;
+        copy_range(out + pos + b, src + b, m, stream);
+        hash_update(state_.get(), src + b, m);  // the block just read: in cache
+      }
+      pos += len;
+    }
+    if (stream) store_fence();
+  }
+
   uint64_t intdigest() const { return XXH3_64bits_digest(state_.get()); }
 
  private:
@@ -209,6 +261,11 @@ PYBIND11_MODULE(_copy_hash, m) {
            "Copy buffer src into the writable buffer dst of the same length (src None: zero-fill "
            "dst) and hash the bytes. bypass_cache: write large copies with streaming stores that "
            "skip the cache (for memory this process will not read again soon).")
+      .def("copy_gather", &Xxh3::copy_gather, py::arg("dst"), py::arg("addrs"), py::arg("offsets"),
+           py::arg("sizes"), py::arg("start"), py::kw_only(), py::arg("bypass_cache") = false,
+           "Copy bytes [start, start + len(dst)) of a flat space into dst and hash them: piece i is "
+           "sizes[i] bytes at address addrs[i], placed at offsets[i] (uint64 arrays, offsets "
+           "ascending); the rest of the space reads as zero. The caller keeps the pieces alive.")
       .def("intdigest", &Xxh3::intdigest, "The hash of everything so far.");
   m.def("copy", &copy_bytes, py::arg("dst"), py::arg("src"), py::kw_only(), py::arg("bypass_cache") = false,
         "Copy buffer src into the writable buffer dst of the same length, the GIL released; "

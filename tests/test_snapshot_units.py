@@ -11,6 +11,7 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -18,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jitckpt.checkpoint_store import find_latest, write_checkpoint
-from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, checksum_of, copy_verified
+from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, Checksum, checksum_of, copy_verified
 from jitckpt.snapshot.client import META_KEY, STATE_FILE, SnapshotTaker, meta_blob
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
 from jitckpt.snapshot.layout import FlatState, rebuild
@@ -115,6 +116,23 @@ def test_layout_rejects_non_cpu_tensors_with_a_clear_error() -> None:
     t = torch.empty(2, device="meta")
     with pytest.raises(ValueError, match="CPU tensors only"):
         FlatState({"x": t})
+
+
+@pytest.mark.parametrize("algo", ["xxh3_64", "crc32"])  # one native call per chunk; piece by piece
+def test_copy_flat_copies_and_hashes_any_range_of_the_layout_across_seams_and_gaps(algo) -> None:
+    g = torch.Generator().manual_seed(3)
+    state = {"a": torch.randint(0, 256, (100,), dtype=torch.uint8, generator=g), "e": torch.empty(0),
+             "b": torch.randn(7, 3, generator=g), "c": [torch.randn(1000, generator=g, dtype=torch.float64)],
+             "d": torch.arange(5, dtype=torch.int16)}
+    flat = FlatState(state)
+    whole = _flat_bytes(flat, flat.total + 100).numpy()  # read_into: the reference, zeros past the end
+    for start, n in [(0, flat.total), (0, 1), (99, 3), (100, 30), (130, 4200), (64, flat.total - 64),
+                     (flat.total - 5, 105), (17, flat.total + 83)]:
+        dst = np.full(n, 0xAB, dtype=np.uint8)
+        h = Checksum(algo)
+        h.copy_flat(dst, flat, start, bypass_cache=n > 4096)
+        assert np.array_equal(dst, whole[start:start + n]), (start, n)
+        assert h.value() == checksum_of(whole[start:start + n], algo), (start, n)
 
 
 def test_layout_takes_parameters_views_and_tensor_subclasses_as_their_values() -> None:

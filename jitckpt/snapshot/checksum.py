@@ -77,6 +77,18 @@ class Checksum:
             np.copyto(dst, src)
         self.update(dst)
 
+    def copy_flat(self, dst: np.ndarray, flat: Any, start: int, *, bypass_cache: bool = False) -> None:
+        """Copy bytes ``[start, start + len(dst))`` of :class:`~jitckpt.snapshot.layout.FlatState`
+        ``flat`` into uint8 array ``dst`` and hash them, as :meth:`copy` of each piece in turn:
+        natively in one call (the GIL released once, whatever the number of tensors), else piece
+        by piece."""
+        if self._one_pass:
+            addrs, offsets, sizes = flat.pieces()
+            self._h.copy_gather(dst, addrs, offsets, sizes, start, bypass_cache=bypass_cache)
+            return
+        for pos, src, k in flat.segments(start, len(dst)):
+            self.copy(dst[pos:pos + k], src, bypass_cache=bypass_cache)
+
     def value(self) -> int:
         return self._h.intdigest() if self._h is not None else self._crc
 

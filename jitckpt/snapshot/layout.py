@@ -44,6 +44,7 @@ class FlatState:
     def __init__(self, state: Any) -> None:
         self._src: list[torch.Tensor] = []      # the state's tensors (references, no copy)
         self._u8: Optional[list[torch.Tensor]] = None
+        self._pieces: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
         self.offsets: list[int] = []
         self._table: list[list] = []
         self._pos = 0
@@ -63,6 +64,16 @@ class FlatState:
             self._u8 = [t.detach().reshape(-1).view(torch.uint8) if t.numel()
                         else torch.empty(0, dtype=torch.uint8) for t in self._src]
         return self._u8
+
+    def pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The state's tensors as (addresses, offsets, sizes) uint64 arrays, for a native copy of a
+        byte range in one call (:meth:`jitckpt.snapshot.checksum.Checksum.copy_flat`); valid while
+        this object (which holds the tensors) lives."""
+        if self._pieces is None:
+            self._pieces = (np.array([t.data_ptr() for t in self._src], dtype=np.uint64),
+                            np.array(self.offsets, dtype=np.uint64),
+                            np.array([t.nbytes for t in self._src], dtype=np.uint64))
+        return self._pieces
 
     # The path to a value is a chain of tuples, formatted only for an error message. The walk runs
     # on the trainer's critical path at every snapshot, once per tensor of the state (thousands in a
