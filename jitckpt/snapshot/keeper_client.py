@@ -118,7 +118,12 @@ class KeeperClient:
     def begin(self, key: str, step: int, size: int) -> mmap.mmap:
         """A writable mapping of the buffer for (key, step): at least ``size`` bytes, of which the
         caller writes the first ``size``."""
-        return self._map(key, *self.request(Begin(key=key, step=step, size=size)))
+        return self.begin_many([(key, size)], step)[0]
+
+    def begin_many(self, objects: list, step: int) -> list:
+        """:meth:`begin` of several (key, size) of ``step`` in one round trip."""
+        replies = self.requests([Begin(key=k, step=step, size=n) for k, n in objects])
+        return self._map_all([k for k, _ in objects], replies, ())
 
     def commit(self, items: list[dict]) -> None:
         """Mark the begun buffers of ``items`` ({key, step, checksum, algo}) complete."""
@@ -139,10 +144,13 @@ class KeeperClient:
     def open_many(self, keys: list, step: int, *, sequential: tuple = ()) -> list:
         """:meth:`open` of several objects of ``step`` in one round trip."""
         replies = self.requests([Open(key=k, step=step) for k in keys])
+        return list(zip(self._map_all(keys, replies, sequential), (reply for reply, _ in replies)))
+
+    def _map_all(self, keys: list, replies: list, sequential: tuple) -> list:
         maps = []
         for i, (key, (reply, fd)) in enumerate(zip(keys, replies)):
             try:
-                maps.append((self._map(key, reply, fd, ahead=key in sequential), reply))
+                maps.append(self._map(key, reply, fd, ahead=key in sequential))
             except KeeperError:
                 for _, other in replies[i + 1:]:
                     if other is not None:

@@ -55,7 +55,7 @@ class FlatState:
     @property
     def skeleton(self) -> bytes:
         """The layout as JSON (encoded on demand: begin() runs on the trainer's critical path)."""
-        return json.dumps(self.layout, allow_nan=False, separators=(",", ":")).encode()
+        return json.dumps(self.layout, allow_nan=False, check_circular=False, separators=(",", ":")).encode()
 
     @property
     def tensors(self) -> list[torch.Tensor]:
