@@ -34,9 +34,11 @@ than loading the same state from disk with torch.load.
 4. The ceiling: one memcpy of the state's bytes into memory that is already faulted in, vs the
    same cold torch.load. No restore that copies the state once can beat that ratio on this
    machine, whatever the code does.
-5. The trainer's part of a snapshot, ``begin()`` (its state_fn and the walk that lays the state
-   out), for a deep model of many small tensors (48 blocks of Linear, LayerNorm, Linear,
-   BatchNorm1d + AdamW: 1680 tensors): it runs once per tensor at every step, on the critical path.
+5. A deep model of many small tensors (48 blocks of Linear, LayerNorm, Linear, BatchNorm1d +
+   AdamW: 1680 tensors), small steps with and without a snapshot, interleaved: the trainer's
+   ``begin()`` (its state_fn and the walk that lays the state out, once per tensor) and the
+   step's extra time (means: the garbage collections the walk can set off are rare and large;
+   counted too).
 
 Page faults: the restore copies into fresh memory, which a restarted process has to fault in
 whatever it loads with (torch.load too). That memory follows the system's transparent huge page
