@@ -295,8 +295,9 @@ def measure_begin(sock: str, trials: int) -> dict:
             for name in (("none", "snapshot") if i % 2 else ("snapshot", "none")):
                 step(name, 2 * i + (name == "snapshot"))
             if i == 1:  # warm-up: Adam's state, the keeper's buffers
-                times = {k: [] for k in times}
-                full = {k: 0 for k in full}
+                for v in times.values():
+                    v.clear()
+                full.update(none=0, snapshot=0)
     finally:
         snap.close()
     mean = statistics.fmean

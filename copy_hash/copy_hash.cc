@@ -156,19 +156,14 @@ class Xxh3 {
     Buffer dst(dst_obj, true, "dst");
     if (src_obj.is_none()) {
       py::gil_scoped_release nogil;
-      std::memset(dst.data(), 0, dst.size());
-      hash_update(state_.get(), dst.data(), dst.size());
+      zero_and_hash(dst.data(), dst.size());
       return;
     }
     Buffer src(src_obj, false, "src");
     check_same_size(src.size(), dst.size());
     py::gil_scoped_release nogil;
     const bool stream = streams(bypass_cache, dst.size());
-    for (size_t at = 0; at < dst.size(); at += kBlock) {
-      const size_t n = dst.size() - at < kBlock ? dst.size() - at : kBlock;
-      copy_range(dst.data() + at, src.data() + at, n, stream);
-      hash_update(state_.get(), src.data() + at, n);  // the block just read: in cache
-    }
+    copy_and_hash(dst.data(), src.data(), dst.size(), stream);
     if (stream) store_fence();
   }
 
@@ -201,8 +196,7 @@ class Xxh3 {
       if (i >= count || at < off[i]) {  // zeros up to piece i (or to the end)
         const uint64_t gap = i < count ? off[i] - at : n - pos;
         const size_t len = static_cast<size_t>(std::min<uint64_t>(gap, n - pos));
-        std::memset(out + pos, 0, len);
-        hash_update(state_.get(), out + pos, len);
+        zero_and_hash(out + pos, len);
         pos += len;
         continue;
       }
@@ -212,12 +206,7 @@ class Xxh3 {
         continue;
       }
       const size_t len = static_cast<size_t>(std::min<uint64_t>(size[i] - in, n - pos));
-      const char* src = reinterpret_cast<const char*>(static_cast<uintptr_t>(addr[i])) + in;
-      for (size_t b = 0; b < len; b += kBlock) {
-        const size_t m = len - b < kBlock ? len - b : kBlock;
-        copy_range(out + pos + b, src + b, m, stream);
-        hash_update(state_.get(), src + b, m);  // the block just read: in cache
-      }
+      copy_and_hash(out + pos, reinterpret_cast<const char*>(static_cast<uintptr_t>(addr[i])) + in, len, stream);
       pos += len;
     }
     if (stream) store_fence();
@@ -226,6 +215,20 @@ class Xxh3 {
   uint64_t intdigest() const { return XXH3_64bits_digest(state_.get()); }
 
  private:
+  // Copy ``n`` bytes block by block, each hashed from the source right after it is read (in cache).
+  void copy_and_hash(char* dst, const char* src, size_t n, bool stream) {
+    for (size_t at = 0; at < n; at += kBlock) {
+      const size_t m = n - at < kBlock ? n - at : kBlock;
+      copy_range(dst + at, src + at, m, stream);
+      hash_update(state_.get(), src + at, m);
+    }
+  }
+
+  void zero_and_hash(char* dst, size_t n) {
+    std::memset(dst, 0, n);
+    hash_update(state_.get(), dst, n);
+  }
+
   static void check_itemsize(size_t itemsize) {
     if (itemsize != 0 && itemsize != 2 && itemsize != 4 && itemsize != 8) {
       throw py::value_error("itemsize must be 0 (no check), 2, 4 or 8, got " + std::to_string(itemsize));
