@@ -109,7 +109,11 @@ class JitRecovery:
         self.emit("failure_detected", kind=kind, rank=rank, node=self.cfg.node_rank,
                   pid=pid_of(workers, rank), detail=detail, reporter=reporter)
         # The minibatch the failed rank was in: a survivor behind it can still finish its own.
-        failed_step = next((w.step for w in workers if rank is not None and w.rank == rank), None)
+        # Failed rank not known yet (a survivor's collective error came first): the furthest
+        # minibatch any rank began. A rank that began it completed every collective before it,
+        # so each rank contributed to those, the failed one included.
+        failed_step = (next((w.step for w in workers if w.rank == rank), None) if rank is not None
+                       else rec.step_failed)
         for w in workers:
             if w.live and w.rank not in rec.failed_ranks:
                 w.channel.send(SaveNow(kind=kind, rank=rank, detail=detail, step=failed_step))

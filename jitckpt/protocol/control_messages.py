@@ -136,7 +136,8 @@ class Assign(Message):
 @dataclass(frozen=True)
 class SaveNow(Message):
     """Another rank failed (``rank`` None: not known yet), or the job is preempted: save.
-    ``step``: the minibatch the failed rank was in (its last report), when known."""
+    ``step``: the minibatch the failed rank was in (its last report); with the rank not known, the
+    furthest minibatch any rank began. A survivor behind it finishes its own minibatch."""
     TYPE: ClassVar[str] = "failure"
     kind: str
     rank: Optional[int]

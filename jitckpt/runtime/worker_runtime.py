@@ -518,7 +518,8 @@ class WorkerRuntime:
         """Record a failure (first one wins), tell the launcher, and save when it is safe.
 
         ``culprit``: the failed rank, when this (healthy) rank knows which one it waits for;
-        ``peer_step``: the minibatch the failed rank was in, when the launcher knows it."""
+        ``peer_step``: the minibatch the failed rank was in (not known: the furthest any rank began),
+        from the launcher."""
         with self._lock:
             first = self._failure is None
             if first:
