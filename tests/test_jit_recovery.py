@@ -1,6 +1,7 @@
 """JitRecovery tells the survivors how far the failed rank got, and its waits are bounded: once
 this node's workers are gone, a node lost together with its launcher (which never reports its own
-workers gone) holds the recovery up for --save-timeout at most, not forever (found as a launcher left waiting for 1.5 hours after its peer node died)."""
+workers gone) holds the recovery up for --save-timeout at most, not forever (found as a launcher
+left waiting for 1.5 hours after its peer node died)."""
 from __future__ import annotations
 
 import time
