@@ -18,7 +18,7 @@ Then, repetitions interleaved, every rank at once:
 * memcpy_agreed: the same memcpy, then one all-reduce of a few integers (the ceiling of a
   one-copy restore whose ranks must agree on the verdict; it includes their skew).
 
-Medians over repetitions of rank 0's times (the ranks restore together). Results as JSON.
+Medians over repetitions of rank 0's times (the ranks restore together), and every trial. Results as JSON.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -94,8 +95,16 @@ def _rank(rank: int, world: int, sock: str, port: int, tmp: str, trials: int, ou
                 "memcpy": lambda: np.copyto(dst, src), "memcpy_agreed": copy_and_agree}
     times: dict = {k: [] for k in variants}
     names = list(variants)
+    def settle() -> None:
+        """The previous variant's mappings are unmapped (or populated) on helper threads: let them
+        finish, so that no variant pays for another's (a restarted rank has none running)."""
+        for t in threading.enumerate():
+            if t.name.startswith("jitckpt-keeper-"):
+                t.join(timeout=10)
+
     for i in range(trials + 1):
         for name in names[i % len(names):] + names[:i % len(names)]:
+            settle()
             dist.barrier()  # every rank starts each variant together
             t, _ = timed(variants[name])
             if i:  # trial 0 warms up
@@ -110,6 +119,7 @@ def _rank(rank: int, world: int, sock: str, port: int, tmp: str, trials: int, ou
                   "memory_cold_map_over_one_memcpy": m["memory_cold_map"] / m["memcpy"],
                   "memory_private_over_one_memcpy": m["memory_private"] / m["memcpy"],
                   "memory_speedup_vs_disk_warm": m["disk_warm"] / m["memory"]}
+        result["seconds_all"] = times  # every trial: the spread is as telling as the medians
         Path(out).write_text(json.dumps(result, indent=2) + "\n")
     dist.destroy_process_group()
 
