@@ -1,6 +1,8 @@
+import contextlib
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -15,22 +17,29 @@ def repo_root() -> Path:
     return ROOT
 
 
-@pytest.fixture
-def keeper(tmp_path):
-    """A snapshot keeper process on a socket in ``tmp_path``: (socket path, Popen); killed after."""
+@contextlib.contextmanager
+def keeper_process(sock: str) -> Iterator:
+    """A snapshot keeper process listening on ``sock`` (its Popen), killed by PID on exit."""
     import subprocess
 
-    sock = str(tmp_path / "k.sock")
     proc = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot.keeper", "--socket", sock,
                              "--max-lifetime", "120"], stdout=subprocess.PIPE, text=True,
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         line = proc.stdout.readline()  # blocks until the keeper listens (it exits on failure: EOF)
         assert line.startswith("ready"), line
-        yield sock, proc
+        yield proc
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+@pytest.fixture
+def keeper(tmp_path):
+    """A snapshot keeper process on a socket in ``tmp_path``: (socket path, Popen); killed after."""
+    sock = str(tmp_path / "k.sock")
+    with keeper_process(sock) as proc:
+        yield sock, proc
 
 # CI runs the property-based tests on a fixed sequence of examples, so a run is reproducible.
 try:

@@ -11,8 +11,9 @@ Collective: every rank of the job calls :func:`restore` after ``init_process_gro
    kinds: jit, periodic, flushed snapshots) is compared with it and the newer one wins; at equal
    steps memory wins (faster).
 3. Objects are broadcast from a node that holds them (gloo), missing parts are decoded from XOR
-   parity, and the state is rebuilt bit for bit. On one node every rank reads them from the node's
-   keeper instead, straight into the trainer's tensors when it passes them (``into``).
+   parity, and the state is rebuilt bit for bit, straight into the trainer's tensors when it passes
+   them (``into``) and no part was decoded. On one node every rank reads them from the node's
+   keeper instead.
 4. A state with NaN/Inf in a floating tensor, or one whose load fails anywhere, is not used: its
    step is rejected in every keeper (never offered again, so a restart cannot loop on it) and the
    next tier is tried once. :func:`reject_snapshot` does the same when the trainer finds a NaN loss
@@ -67,6 +68,7 @@ class MemoryChoice:
     plan: ProtectionPlan
     holders: dict       # key -> (rank, size)
     decoded: list
+    checksums: dict = field(default_factory=dict)  # key -> (checksum, algorithm), as its writer hashed it
 
 
 def _is_initialized() -> bool:
@@ -145,7 +147,8 @@ def latest_memory_step(catalogues: list, topo: Topology, skipped: Optional[list]
         holders = {k: (objs[k]["rank"], objs[k]["size"]) for k in need + [META_KEY]}
         decoded = sorted(f"x{k}.{l}" for k in range(plan.m) for l in range(plan.r)
                          if f"x{k}.{l}" not in objs)
-        return MemoryChoice(step, plan, holders, decoded)
+        checksums = {k: (objs[k]["checksum"], objs[k]["algo"]) for k in need if "checksum" in objs[k]}
+        return MemoryChoice(step, plan, holders, decoded, checksums)
     return None
 
 
@@ -180,7 +183,16 @@ def _finite(state: Any) -> bool:
 
 
 def _load_memory(choice: MemoryChoice, keeper: Optional[KeeperClient], topo: Topology, group: Any,
-                 remote: list, kept: Optional[dict] = None) -> Any:
+                 remote: list, kept: Optional[dict] = None,
+                 into: Any = None) -> tuple[Any, bool, Optional[bool]]:
+    """The state of ``choice`` (its objects gathered from their holders; None if one fails its
+    checksum here), whether ``into``'s tensors were written, and whether its floats are all
+    finite (None: not checked here).
+
+    With ``into`` and every data part at hand (nothing to decode from parity), the parts are
+    copied straight into its tensors, with no assembled private copy (``load_state_dict`` of the
+    result then copies nothing), and every byte is hashed and checked for NaN/Inf behind the
+    copy while in cache: the parts received from other nodes are verified end to end."""
     # One node: every rank reads every object from the node's keeper (verified by one of them),
     # not through a broadcast over the process group.
     local = topo.num_nodes == 1 and _all_true(keeper is not None, group)
@@ -201,8 +213,28 @@ def _load_memory(choice: MemoryChoice, keeper: Optional[KeeperClient], topo: Top
                            group=group)
         objects[key] = t
     meta = parse_meta(objects.pop(META_KEY).numpy())
-    flat = choice.plan.assemble(objects)
-    return rebuild(meta["layout"], flat.numpy())
+    plan = choice.plan
+    parts = [plan.data_spec(k, l).key for k in range(plan.m) for l in range(plan.r)]
+    algos = {choice.checksums.get(k, (None, None))[1] for k in parts}
+    if into is not None and not choice.decoded and all(k in objects for k in parts) and len(algos) == 1 \
+            and None not in algos:
+        from jitckpt.snapshot.direct_load import copy_parts_into, targets_in
+        from jitckpt.snapshot.layout import parse_layout
+
+        doc = parse_layout(meta["layout"])
+        targets = targets_in(doc, into)
+        # The parts laid end to end are the flat state. Hashing them all costs less than a
+        # separate pass over the state for NaN/Inf would (torch's sum: ~3 GB/s on one core).
+        tensors, sums, finite = copy_parts_into(doc, [objects[k].numpy() for k in parts], algos.pop(), targets,
+                                                share=(0, 1), check_finite=True)
+        wrote = any(t is not None for t in targets)
+        bad = [k for i, k in enumerate(parts) if sums[i] != choice.checksums[k][0]]
+        if bad:
+            log.warning("in-memory snapshot step %s: %s fail their checksum here", choice.step, bad)
+            return None, wrote, None
+        return rebuild(doc, tensors=tensors), wrote, finite
+    flat = plan.assemble(objects)
+    return rebuild(meta["layout"], flat.numpy()), False, None
 
 
 def gather_json(obj: Any, topo: Topology, group: Any) -> list:
@@ -355,10 +387,12 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
     """Load the newest usable state (memory or disk tier); see the module docstring.
 
     ``into``: the trainer's live state, of the structure the snapshots were taken of (e.g.
-    ``{"model": model.state_dict(), "optimizer": opt.state_dict(), ...}``). On one node an
-    in-memory snapshot is copied straight into its tensors (those of the same place, dtype and
-    shape; one rank: verified beside the copy, several: after the ranks verified their shares);
-    the state returned holds those very tensors, so ``load_state_dict`` of it copies nothing.
+    ``{"model": model.state_dict(), "optimizer": opt.state_dict(), ...}``). An in-memory snapshot
+    is copied straight into its tensors (those of the same place, dtype and shape; one node, one
+    rank: verified beside the copy; several ranks: after they verified their shares; several
+    nodes: from the objects of this node's keeper and those received from the others, unless a
+    part had to be decoded from parity); the state returned holds those very tensors, so
+    ``load_state_dict`` of it copies nothing.
     Should the in-memory state fail its checks after ``into``'s tensors were written, they hold
     partial data: the disk tier then loads, and without one this raises rather than let training
     go on from them.
@@ -396,10 +430,14 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
             remote: list = []
             state, ok = None, False
             try:
-                state = _load_memory(choice, keeper, topo, group, remote, kept)
-                ok = not check_finite or _finite(state)
-                if not ok:
-                    _skip(skipped, f"memory step {choice.step}", "restored state has NaN/Inf")
+                state, wrote, finite = _load_memory(choice, keeper, topo, group, remote, kept, into)
+                written = written or wrote
+                if state is None:
+                    _skip(skipped, f"memory step {choice.step}", "an object fails its checksum after the transfer")
+                else:
+                    ok = not check_finite or (finite if finite is not None else _finite(state))
+                    if not ok:
+                        _skip(skipped, f"memory step {choice.step}", "restored state has NaN/Inf")
             except (KeeperError, ValueError, KeyError) as e:
                 _skip(skipped, f"memory step {choice.step}", f"load failed: {e}")
             if keeper is not None and topo.local_rank == 0:

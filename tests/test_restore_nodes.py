@@ -1,0 +1,124 @@
+"""Issue 19: ranks on several nodes restore an in-memory snapshot straight into their live tensors.
+
+Each node's keeper holds its ranks' parts of the flat state; a rank verifies its node's parts,
+receives the others' over the process group and copies every part into its own model and
+optimizer, hashing and checking all of it for NaN/Inf behind the copy: no assembled private
+copy, and the parts that crossed the network are verified end to end. Two simulated nodes of one
+rank each (two real keeper processes, two forked gloo ranks).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import keeper_process
+from forked_ranks import run_two_ranks
+from jitckpt.snapshot.client import META_KEY, SnapshotTaker, Topology
+from jitckpt.snapshot.keeper_client import KeeperClient
+from test_restore_one_node import _frozen, _live, _same, _trainer
+
+PROC_TIMEOUT = 90.0
+
+
+def _worker(rank: int, port: int, socks: list, out: str, damage: str) -> None:
+    from jitckpt.snapshot.restore import restore
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    sock = socks[rank]  # node `rank`'s keeper
+    model, opt = _trainer(0)  # data-parallel replicas: the same state on both ranks
+    states = {1: _frozen({**_live(model, opt), "step": 1})}
+    model(torch.randn(5, 7)).sum().backward()
+    opt.step()
+    states[2] = _frozen({**_live(model, opt), "step": 2})
+    if damage == "nan":  # the layout's last tensor: in node 1's part, which rank 0 receives
+        states[2]["optimizer"]["state"][3]["exp_avg_sq"][-1] = math.nan
+    snap = SnapshotTaker(state_fn=lambda: states[step], socket_path=sock, scheme="none", ranks_per_node=1)
+    for step in (1, 2):
+        assert snap.begin(step) and snap.wait() == step
+    snap.close()
+    dist.barrier()  # both nodes' objects of both steps are in their keepers
+    other, other_opt = _trainer(rank + 5)
+    live = _live(other, other_opt)
+    params = {k: v.data_ptr() for k, v in live["model"].items()}
+    try:
+        res = restore(socket_path=sock, ranks_per_node=1, into=live)
+    except RuntimeError as e:
+        c = KeeperClient(sock)
+        steps = sorted({e["step"] for e in c.listing()})
+        c.close()
+        Path(out, f"{rank}.json").write_text(json.dumps({"error": str(e), "steps_left": steps}))
+        return
+    result = {"source": res.source, "step": res.step, "skipped": res.skipped, "remote": res.remote}
+    if res.state is not None:
+        result["same"] = _same(states[res.step], res.state)
+        result["in_place"] = all(res.state["model"][k].data_ptr() == p for k, p in params.items()
+                                 if res.state["model"][k].numel())
+        other.load_state_dict(res.state["model"])
+        other_opt.load_state_dict(res.state["optimizer"])
+        result["loaded"] = _same(states[res.step]["model"], other.state_dict())
+    Path(out, f"{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _run(tmp_path: Path, damage: str) -> list[dict]:
+    socks = [str(tmp_path / f"k{n}.sock") for n in range(2)]
+    with keeper_process(socks[0]), keeper_process(socks[1]):
+        assert run_two_ranks(_worker, socks, str(tmp_path), damage, timeout=PROC_TIMEOUT) == [0, 0]
+    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.timeout(180)
+def test_two_nodes_restore_the_newest_step_into_their_own_tensors(tmp_path) -> None:
+    r0, r1 = _run(tmp_path, "none")
+    for r, received in ((r0, ["x1.0"]), (r1, [META_KEY, "x0.0"])):  # the metadata: from rank 0
+        assert (r["source"], r["step"], r["skipped"]) == ("memory", 2, []), r
+        assert r["remote"] == received
+        assert r["same"] and r["in_place"] and r["loaded"]
+
+
+@pytest.mark.timeout(180)
+def test_a_nan_in_the_other_nodes_part_rejects_the_step_on_both(tmp_path) -> None:
+    """Rank 0 finds the NaN only in the part it received from node 1. Both ranks have written into
+    their tensors and no disk checkpoint exists: both raise (neither trains on it), and both
+    keepers never offer step 2 again."""
+    for r in _run(tmp_path, "nan"):
+        assert "partial data" in r.get("error", ""), r
+        assert "memory step 2: restored state has NaN/Inf" in r["error"]
+        assert r["steps_left"] == [1]
+
+
+def test_a_part_that_fails_its_checksum_after_the_transfer_is_not_used(tmp_path) -> None:
+    """The bytes of every part are hashed behind the copy into the live tensors and compared with
+    the checksum their writer recorded: a mismatch (here a wrong record stands in for bytes damaged
+    on the way) gives no state, and says that the tensors were written."""
+    from jitckpt.snapshot.restore import _load_memory, latest_memory_step, local_catalogue
+
+    model, opt = _trainer(0)
+    state = _frozen(_live(model, opt))
+    with keeper_process(str(tmp_path / "k.sock")):
+        snap = SnapshotTaker(state_fn=lambda: state, socket_path=str(tmp_path / "k.sock"), scheme="none",
+                             ranks_per_node=1)
+        assert snap.begin(1) and snap.wait() == 1
+        snap.close()
+        keeper = KeeperClient(str(tmp_path / "k.sock"))
+        topo = Topology(0, 1, 1)
+        try:
+            choice = latest_memory_step([local_catalogue(keeper, topo)], topo)
+            assert choice is not None and set(choice.checksums) == {"x0.0"} and META_KEY in choice.holders
+            live = _live(*_trainer(3))
+            loaded, wrote, finite = _load_memory(choice, keeper, topo, None, [], into=live)
+            assert wrote and finite and _same(state, loaded)
+            assert loaded["model"]["0.weight"].data_ptr() == live["model"]["0.weight"].data_ptr()
+            value, algo = choice.checksums["x0.0"]
+            choice.checksums["x0.0"] = (value ^ 1, algo)
+            assert _load_memory(choice, keeper, topo, None, [], into=_live(*_trainer(4)))[:2] == (None, True)
+        finally:
+            keeper.close()
