@@ -18,7 +18,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_nodes(tmp_path, script_args, tag):
+def launch_nodes(tmp_path, script_args, tag, *, local_dirs=False):
+    """Two launchers of one job; ``local_dirs``: each its own --checkpoint-dir (not shared)."""
     port = free_port()
     procs = []
     for node in (0, 1):
@@ -26,7 +27,7 @@ def launch_nodes(tmp_path, script_args, tag):
         d.mkdir(parents=True)
         cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag,
-               "--checkpoint-dir", str(tmp_path / f"{tag}-ckpt"), "--run-dir", str(d / "run"),
+               "--checkpoint-dir", str(tmp_path / f"{tag}-ckpt{node if local_dirs else ''}"), "--run-dir", str(d / "run"),
                "--status-interval", "0", "--hang-timeout", "auto:floor=3,startup=60", str(TRAIN),
                "--steps", "10", "--out", str(tmp_path / f"{tag}-final.pt"),
                "--steps-log", str(tmp_path / f"{tag}-train.jsonl"), *script_args]
@@ -61,3 +62,17 @@ def test_two_nodes_recover_from_a_killed_rank(tmp_path):
     a = torch.load(tmp_path / "fail-final.pt", weights_only=True)
     b = torch.load(tmp_path / "ref-final.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.slow
+def test_two_nodes_with_checkpoint_dirs_they_do_not_share_stop_at_the_start(tmp_path):
+    """Found from outside: node-local --checkpoint-dir of one name made the restarted ranks load
+    different steps (each node found its own checkpoints) and hang in DDP's first broadcast until
+    the restarts ran out. Both launchers now stop before any worker starts, naming the fix."""
+    rcs, outs = launch_nodes(tmp_path, [], "local", local_dirs=True)
+    assert rcs == [1, 1], outs
+    for node, out in enumerate(outs):
+        assert f"is not shared between the job's nodes: node {node} does not see what node(s) [{1 - node}]" in out, out
+        assert "mounts at the same path" in out
+    events = _read_jsonl(tmp_path / "local-node0" / "run" / "events.jsonl")
+    assert not [e for e in events if e["event"] == "worker_start"]

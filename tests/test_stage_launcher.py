@@ -155,7 +155,7 @@ def _launch_two_nodes(tmp_path: Path, script_args: list) -> list:
             cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", "2", "--node-rank", str(node),
                    "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
                    "stage2n", "--recovery", "stage", "--max-restarts", "2", "--checkpoint-dir",
-                   str(work / "ckpt"), "--run-dir", str(work / "events"), "--status-interval", "0",
+                   str(tmp_path / "ckpt"), "--run-dir", str(work / "events"), "--status-interval", "0",
                    str(SCRIPT), "--run-dir", str(tmp_path / "run"), "--iterations", str(ITERS),
                    "--checkpoint-every", str(CKPT), "--timeout", "60", *script_args]
             procs.append(subprocess.Popen(cmd, cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT)},

@@ -34,6 +34,7 @@ from typing import Optional
 from jitckpt.launcher import job_store
 from jitckpt.launcher.config import LaunchConfig
 from jitckpt.launcher.controller_lease import ControllerLease
+from jitckpt.launcher.shared_dir import check_shared, leave_marker
 
 log = logging.getLogger("jitckpt.launcher.node_coordinator")
 HEARTBEAT_S = 2.0  # how often a launcher writes to the job's store, to find it lost
@@ -112,6 +113,7 @@ class NodeCoordinator:
         self._heartbeats = HeartbeatWatch()  # the other nodes' launchers, for _silent
         self._beat_gen = -1  # the generation this launcher is in, for its heartbeat (-1: none yet)
         self._heart: Optional[threading.Thread] = None
+        self._dir_checked = False  # --checkpoint-dir seen shared by every node (checked once)
         if cfg.nnodes > 1:
             self._connect()
 
@@ -181,6 +183,10 @@ class NodeCoordinator:
             gen = self._ask_to_grow(gen)
         host, _, port = members["master"].rpartition(":")
         nodes = tuple(members["nodes"])
+        if not self._dir_checked:
+            tokens = {n: self._marker_token(gen, self.store.get(self._k(gen, f"joined/{n}")).decode()) for n in nodes}
+            check_shared(self.cfg.checkpoint_dir, tokens, this_node=self.cfg.node_rank)
+            self._dir_checked = True
         self.current = Generation(gen, (host, int(port)), nodes, nodes.index(self.cfg.node_rank))
         if self._watcher is not None:
             self._watcher.join()
@@ -198,6 +204,8 @@ class NodeCoordinator:
             port = free_port(host if host != "localhost" else "127.0.0.1")
         except OSError:  # a name this host does not bind by: any interface's free port
             port = free_port("")
+        # Before joining: once the generation's nodes are known, every member's marker is there.
+        leave_marker(self.cfg.checkpoint_dir, self.cfg.node_rank, self._marker_token(gen, f"{host}:{port}"))
         s.set(self._k(gen, f"joined/{self.cfg.node_rank}"), f"{host}:{port}")
         s.set("latest", str(gen))
         self._beat_gen = gen
@@ -224,6 +232,10 @@ class NodeCoordinator:
             except job_store.WAIT_TIMED_OUT:
                 pass  # the controller (maybe this launcher, once the lease is ours) decides
         return json.loads(s.get(key))
+
+    def _marker_token(self, gen: int, joined: str) -> str:
+        """What a node writes in its --checkpoint-dir marker: unique to this job, generation and node."""
+        return f"{self.prefix} g{gen} {joined}"
 
     def _ask_to_grow(self, gen: int) -> int:
         """This node is not in running generation ``gen``: announce a scale-up (every rank saves a

@@ -261,7 +261,12 @@ class Launcher:
                 if not self._ensure_keeper():
                     self.emit("job_end", status="failed", exit_code=1, restarts=self._restarts_used())
                     return 1
-                joined = self.coord.begin_generation(gen, restarts=self.restart_count)
+                try:
+                    joined = self.coord.begin_generation(gen, restarts=self.restart_count)
+                except RuntimeError as e:  # no rendezvous, or a --checkpoint-dir the nodes do not share
+                    log.error("%s", e)
+                    self.emit("job_end", status="failed", exit_code=1, restarts=self._restarts_used(), reason=str(e))
+                    return 1
                 if joined.gen != gen:  # --nnodes MIN:MAX: it closed without this node, which joins a later one
                     gen = self.gen = self.events.gen = joined.gen
                 if cfg.nnodes > 1:
