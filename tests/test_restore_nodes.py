@@ -21,7 +21,7 @@ from conftest import keeper_process
 from forked_ranks import run_two_ranks
 from jitckpt.snapshot.client import META_KEY, SnapshotTaker, Topology
 from jitckpt.snapshot.keeper_client import KeeperClient
-from test_restore_one_node import _frozen, _live, _same, _trainer
+from test_restore_one_node import _frozen, _live, _outcome, _same, _trainer
 
 PROC_TIMEOUT = 90.0
 
@@ -56,14 +56,7 @@ def _worker(rank: int, port: int, socks: list, out: str, damage: str) -> None:
         c.close()
         Path(out, f"{rank}.json").write_text(json.dumps({"error": str(e), "steps_left": steps}))
         return
-    result = {"source": res.source, "step": res.step, "skipped": res.skipped, "remote": res.remote}
-    if res.state is not None:
-        result["same"] = _same(states[res.step], res.state)
-        result["in_place"] = all(res.state["model"][k].data_ptr() == p for k, p in params.items()
-                                 if res.state["model"][k].numel())
-        other.load_state_dict(res.state["model"])
-        other_opt.load_state_dict(res.state["optimizer"])
-        result["loaded"] = _same(states[res.step]["model"], other.state_dict())
+    result = {"remote": res.remote, **_outcome(res, states, params, other, other_opt)}
     Path(out, f"{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

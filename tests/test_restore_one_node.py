@@ -110,16 +110,24 @@ def _worker(rank: int, port: int, sock: str, out: str, damage: str) -> None:
         return
     if client is not None:
         client.close()
-    result = {"source": res.source, "step": res.step, "skipped": res.skipped, "mapped_ahead": res.mapped_ahead}
+    result = {"mapped_ahead": res.mapped_ahead, **_outcome(res, states, params, other, other_opt)}
+    Path(out, f"{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _outcome(res, states: dict, params: dict, model, opt) -> dict:
+    """What a test checks of a restore into ``model``'s and ``opt``'s live tensors (``params``: the
+    model's data pointers before it): the step, whether it is bitwise the state snapshotted at that
+    step, restored in place, and what load_state_dict then holds."""
+    result = {"source": res.source, "step": res.step, "skipped": res.skipped}
     if res.state is not None:
         result["same"] = _same(states[res.step], res.state)
         result["in_place"] = all(res.state["model"][k].data_ptr() == p for k, p in params.items()
                                  if res.state["model"][k].numel())
-        other.load_state_dict(res.state["model"])
-        other_opt.load_state_dict(res.state["optimizer"])
-        result["loaded"] = _same(states[res.step]["model"], other.state_dict())
-    Path(out, f"{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+        model.load_state_dict(res.state["model"])
+        opt.load_state_dict(res.state["optimizer"])
+        result["loaded"] = _same(states[res.step]["model"], model.state_dict())
+    return result
 
 
 def _run(tmp_path: Path, sock: str, damage: str) -> list[dict]:
