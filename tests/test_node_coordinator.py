@@ -60,7 +60,7 @@ def test_a_failure_report_of_an_earlier_generation_is_not_a_new_failure(tmp_path
     script = tmp_path / "train.py"
     script.write_text("")
     p = subprocess.run([sys.executable, "-c", SCENARIO, str(script)], capture_output=True, text=True,
-                       timeout=90, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       timeout=90, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["gen0_report_arrived"]

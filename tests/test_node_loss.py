@@ -132,7 +132,7 @@ def test_a_whole_node_lost_is_replaced_and_the_job_ends_bitwise(tmp_path: Path, 
             n.power_off()
 
 
-def test_a_replacement_launcher_joins_after_the_generation_that_lost_its_node(etcd_cluster) -> None:
+def test_a_replacement_launcher_joins_after_the_generation_that_lost_its_node(tmp_path: Path, etcd_cluster) -> None:
     """NodeCoordinator on etcd, two nodes in this process (no server thread: etcd serves): node 1's
     launcher is gone; a new launcher with its --node-rank waits until the survivors found the
     failure, says the lost node's workers are gone (the survivors stop waiting for them at once),
@@ -147,7 +147,8 @@ def test_a_replacement_launcher_joins_after_the_generation_that_lost_its_node(et
     def cfg(node: int) -> LaunchConfig:
         return LaunchConfig.from_args(build_parser().parse_args(
             ["run", "--nnodes", "2", "--node-rank", str(node), "--rdzv-backend", "etcd-v2", "--rdzv-endpoint",
-             etcd_cluster.endpoint(node), "--rdzv-id", "coord", "--rdzv-conf", "timeout=30", str(TRAIN)]))
+             etcd_cluster.endpoint(node), "--rdzv-id", "coord", "--rdzv-conf", "timeout=30",
+             "--checkpoint-dir", str(tmp_path / "ckpt"), str(TRAIN)]))
 
     coords = [NodeCoordinator(cfg(0)), NodeCoordinator(cfg(1))]
     try:
@@ -184,7 +185,7 @@ def test_a_replacement_launcher_joins_after_the_generation_that_lost_its_node(et
             c.close()
 
 
-def test_with_a_node_range_the_job_goes_on_with_fewer_nodes_and_grows_when_one_joins(etcd_cluster) -> None:
+def test_with_a_node_range_the_job_goes_on_with_fewer_nodes_and_grows_when_one_joins(tmp_path: Path, etcd_cluster) -> None:
     """NodeCoordinator on etcd with --nnodes 2:3, three nodes in this process. Node 0, the
     controller, is lost: a survivor takes the controller's lease, and after the last call generation
     1 has nodes 1 and 2 (node 1's address is the workers' store, its ranks are 0..). A launcher for
@@ -200,7 +201,8 @@ def test_with_a_node_range_the_job_goes_on_with_fewer_nodes_and_grows_when_one_j
         return LaunchConfig.from_args(build_parser().parse_args(
             ["run", "--nnodes", "2:3", "--node-rank", str(node), "--rdzv-backend", "etcd-v2", "--rdzv-endpoint",
              etcd_cluster.endpoints(first=node), "--rdzv-id", "elastic", "--rdzv-conf",
-             "timeout=30,last_call_timeout=1", "--local-addr", f"127.0.0.{node + 1}", str(TRAIN)]))
+             "timeout=30,last_call_timeout=1", "--local-addr", f"127.0.0.{node + 1}",
+             "--checkpoint-dir", str(tmp_path / "ckpt"), str(TRAIN)]))
 
     def begin(cs: list, gen: int, restarts: int = 0) -> list:
         out: dict = {}
