@@ -125,12 +125,12 @@ def copy_verified_into(doc: dict, src: np.ndarray, algorithm: str,
 
 
 def copy_parts_into(doc: dict, parts: list[np.ndarray], algorithm: str,
-                    targets: list[Optional[torch.Tensor]], *, share: Optional[tuple[int, int]],
+                    targets: list[Optional[torch.Tensor]], *, share: tuple[int, int],
                     check_finite: bool) -> tuple[list[torch.Tensor], dict[int, int], bool]:
-    """Copy the flat state that ``parts`` (uint8 arrays: snapshot objects) form end to end into
-    ``targets`` (fresh tensors where None). Returns the tensors, the checksum of each part of this
-    caller's ``share=(i, n)`` (parts i, i+n, ...; None: no part, they were verified already), and
-    whether the floats in those parts are all finite (True when not asked).
+    """Copy the flat state that ``parts`` (uint8 arrays: a node's snapshot objects) form end to end
+    into ``targets`` (fresh tensors where None). Returns the tensors, the checksum of each part of
+    this caller's ``share=(i, n)`` (parts i, i+n, ...), and whether the floats in those parts are
+    all finite (True when not asked).
 
     Several ranks of one node restore the same state from the same keeper objects at once, each on
     its own core: each copies all of it into its own tensors, and hashes and checks its share of the
@@ -140,8 +140,8 @@ def copy_parts_into(doc: dict, parts: list[np.ndarray], algorithm: str,
     bounds = [0]
     for p in parts:
         bounds.append(bounds[-1] + len(p))
-    index, count = share or (0, 0)
-    hashes = {k: Checksum(algorithm) for k in range(len(parts)) if count and k % count == index}
+    index, count = share
+    hashes = {k: Checksum(algorithm) for k in range(len(parts)) if k % count == index}
     finite, k = True, 0
     for start, end, dst, check in pieces:
         at = 0

@@ -215,9 +215,8 @@ def _load_memory(choice: MemoryChoice, keeper: Optional[KeeperClient], topo: Top
     meta = parse_meta(objects.pop(META_KEY).numpy())
     plan = choice.plan
     parts = [plan.data_spec(k, l).key for k in range(plan.m) for l in range(plan.r)]
-    algos = {choice.checksums.get(k, (None, None))[1] for k in parts}
-    if into is not None and not choice.decoded and all(k in objects for k in parts) and len(algos) == 1 \
-            and None not in algos:
+    algos = {choice.checksums[k][1] if k in choice.checksums and k in objects else None for k in parts}
+    if into is not None and not choice.decoded and len(algos) == 1 and None not in algos:
         from jitckpt.snapshot.direct_load import copy_parts_into, targets_in
         from jitckpt.snapshot.layout import parse_layout
 
