@@ -115,3 +115,36 @@ def test_a_part_that_fails_its_checksum_after_the_transfer_is_not_used(tmp_path)
             assert _load_memory(choice, keeper, topo, None, [], into=_live(*_trainer(4)))[:2] == (None, True)
         finally:
             keeper.close()
+
+
+def _gather_worker(rank: int, port: int, out: str) -> None:
+    from jitckpt.snapshot import restore as r
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    topo = Topology(rank=rank, world=2, ranks_per_node=1)
+    calls = []
+    real = dist.all_gather
+    r.dist.all_gather = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    long = "x" * (r.GATHER_INLINE_BYTES + 17)
+    got = {"short": r.gather_json({"rank": rank, "é": [1.5, None]}, topo, None)}
+    got["short_calls"] = len(calls)
+    got["mixed"] = r.gather_json(long if rank == 1 else [], topo, None)  # only rank 1's is long
+    got["mixed_calls"] = len(calls) - got["short_calls"]
+    got["empty"] = r.gather_json("", topo, None)
+    Path(out, f"{rank}.json").write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_gather_json_takes_one_round_unless_some_rank_sends_a_long_document(tmp_path) -> None:
+    from jitckpt.snapshot.restore import GATHER_INLINE_BYTES
+
+    assert run_two_ranks(_gather_worker, str(tmp_path), timeout=PROC_TIMEOUT) == [0, 0]
+    long = "x" * (GATHER_INLINE_BYTES + 17)
+    for r in range(2):
+        got = json.loads((tmp_path / f"{r}.json").read_text())
+        assert got["short"] == [{"rank": 0, "é": [1.5, None]}, {"rank": 1, "é": [1.5, None]}]
+        assert got["short_calls"] == 1
+        assert got["mixed"] == [[], long] and got["mixed_calls"] == 2
+        assert got["empty"] == ["", ""]

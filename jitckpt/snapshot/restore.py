@@ -236,19 +236,38 @@ def _load_memory(choice: MemoryChoice, keeper: Optional[KeeperClient], topo: Top
     return rebuild(meta["layout"], flat.numpy()), False, None
 
 
+# Bytes of each rank's JSON sent in the first (and usually only) all-gather of gather_json: a
+# catalogue of one step is a few hundred bytes per object; a longer document costs a second round.
+GATHER_INLINE_BYTES = 4096
+
+
 def gather_json(obj: Any, topo: Topology, group: Any) -> list:
-    """Every rank's JSON-able ``obj`` (as JSON bytes: all_gather_object would unpickle them)."""
+    """Every rank's JSON-able ``obj`` (as JSON bytes: all_gather_object would unpickle them).
+
+    One all-gather of fixed-size slots (a length, then up to GATHER_INLINE_BYTES of the text);
+    only when some rank's text is longer does a second all-gather carry the whole of every text.
+    Every rank sees the same lengths, so all take the second round or none does."""
     if topo.world == 1:
         return [obj]
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(topo.world)]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
-    longest = max(int(n) for n in sizes)
-    buf = torch.zeros(longest, dtype=torch.uint8)
-    buf[:data.numel()] = data
-    outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(topo.world)]
-    dist.all_gather(outs, buf, group=group)
-    return [json.loads(o[:int(n)].numpy().tobytes()) for o, n in zip(outs, sizes)]
+    data = json.dumps(obj).encode()
+    slot = torch.zeros(8 + GATHER_INLINE_BYTES, dtype=torch.uint8)
+    slot[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    inline = data[:GATHER_INLINE_BYTES]
+    if inline:
+        slot[8:8 + len(inline)] = torch.frombuffer(bytearray(inline), dtype=torch.uint8)
+    slots = [torch.empty_like(slot) for _ in range(topo.world)]
+    dist.all_gather(slots, slot, group=group)
+    sizes = [int(s[:8].view(torch.int64)) for s in slots]
+    longest = max(sizes)
+    if longest <= GATHER_INLINE_BYTES:
+        texts = [s[8:8 + n] for s, n in zip(slots, sizes)]
+    else:
+        buf = torch.zeros(longest, dtype=torch.uint8)
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        texts = [torch.empty(longest, dtype=torch.uint8) for _ in range(topo.world)]
+        dist.all_gather(texts, buf, group=group)
+        texts = [t[:n] for t, n in zip(texts, sizes)]
+    return [json.loads(t.numpy().tobytes()) for t in texts]
 
 
 def _newest_memory_step(keeper: Optional[KeeperClient], topo: Topology, group: Any,
