@@ -126,8 +126,11 @@ def jit_steps(events: list) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_to_launcher_saves_and_resumes_bitwise(reference, tmp_path, sig):
+@pytest.mark.parametrize("sig,whole_job", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)],
+                         ids=["SIGTERM", "SIGINT", "SIGTERM-every-process"])
+def test_signal_to_launcher_saves_and_resumes_bitwise(reference, tmp_path, sig, whole_job):
+    """The launcher signalled (a scheduler's preemption, Ctrl-C); or, as Slurm's scancel does, every
+    process of the job signalled at once: launcher, workers, warm standbys and snapshot keeper."""
     at = random.randint(2, STEPS - 6)
     print(f"signal once step {at} is done")  # shown if the test fails
     first, ckpt = tmp_path / "first", tmp_path / "ckpt"
@@ -136,8 +139,13 @@ def test_signal_to_launcher_saves_and_resumes_bitwise(reference, tmp_path, sig):
     try:
         wait_for(lambda: any(s >= at for s in logged_steps(first / "train.jsonl", 0)),
                  f"step {at}", proc=job.proc)
-        job.descendants()  # the workers, the standby pool
+        procs = job.descendants()  # the workers, the standby pool
         os.kill(job.proc.pid, sig)
+        for p in procs if whole_job else ():
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
         rc, out = job.finish()
         events = _read_jsonl(first / "run" / "events.jsonl")
         workers = [e["pid"] for e in events if e["event"] == "worker_start"]
