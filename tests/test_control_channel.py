@@ -77,3 +77,51 @@ def test_a_message_round_trips_with_its_defaults() -> None:
     msg = Saved(rank=1, path="/c", step=5, bytes=10, seconds=0.5)
     assert json.loads(msg.encode())["type"] == "saved"
     assert decode(msg.encode(), TO_LAUNCHER) == msg
+
+
+def test_a_worker_that_exited_leaves_its_last_messages_to_read_without_waiting() -> None:
+    """A survivor that saved its JIT checkpoint and exited before the launcher's select() returned
+    its channel: the launcher sees the exit first and must still count the save (once every
+    worker has an exit code it goes on). A process it forked still holds the socket, so no EOF
+    comes: reading what is there must not wait for more."""
+    import subprocess
+    import sys
+    import time
+
+    launcher, child = channel_pair()
+    saved = Saved(rank=0, path="/ck/jit-s5", step=5, bytes=10, seconds=0.1)
+    code = (f"import os, socket, sys, time\n"
+            f"s = socket.socket(fileno={child.fileno()})\n"
+            f"if os.fork() == 0:\n"
+            f"    time.sleep(30); os._exit(0)\n"  # holds the socket open after its parent exits
+            f"s.sendall(sys.argv[1].encode() + sys.argv[2].encode()[:9])\n"  # and a partial line
+            f"print(os.getpid(), flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, saved.encode().decode(),
+                             Status(rank=0, step=6).encode().decode()],
+                            pass_fds=(child.fileno(),), stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    child.close()
+    try:
+        assert proc.wait(timeout=30) == 0
+        t0 = time.monotonic()
+        assert launcher.pending() == [saved]
+        assert launcher.pending() == []  # the partial line stays for later
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(TimeoutError):
+            launcher.recv(timeout=0.05)  # no EOF: the grandchild holds the socket
+    finally:
+        import os
+        import signal
+        os.killpg(proc.pid, signal.SIGKILL)  # the grandchild, by its session's group
+        launcher.close()
+
+
+def test_pending_stops_at_eof_and_leaves_it_to_recv() -> None:
+    launcher, child = channel_pair()
+    child.sendall(Status(rank=1, step=3).encode())
+    child.close()
+    try:
+        assert launcher.pending() == [Status(rank=1, step=3)]
+        assert launcher.recv(timeout=1.0) is None
+    finally:
+        launcher.close()

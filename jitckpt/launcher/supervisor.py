@@ -555,6 +555,11 @@ class Launcher:
                 self._take_worker_records(gen)
                 for w in self.workers:
                     if not w.eof and w.exit_code is None and w.proc.poll() is not None:
+                        # What it sent before it exited counts (a JIT checkpoint it saved, its
+                        # report), though select() has not returned its channel yet: once every
+                        # worker has an exit code, the recovery goes on without reading more.
+                        for msg in w.channel.pending():
+                            failure = self._on_message(gen, w, msg, failure)
                         w.exit_code = w.proc.returncode
                 self.display.maybe_show(gen, self.workers, failure)
                 if (not refilled and self.pool is not None

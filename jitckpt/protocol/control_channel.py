@@ -8,6 +8,7 @@ are the classes of :mod:`jitckpt.protocol.control_messages`; each end decodes wh
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 from typing import Any, Optional
@@ -72,6 +73,25 @@ class ControlChannel:
                 self._sock.settimeout(None)
         line, self._buf = self._buf.split(b"\n", 1)
         return decode(line, self._incoming)
+
+    def pending(self) -> list:
+        """Every message already sent and not yet read, without waiting for more: what a peer that
+        has exited wrote before it did (its EOF is left for :meth:`recv` to report)."""
+        out = []
+        while True:
+            if b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                out.append(decode(line, self._incoming))
+                continue
+            if not select.select([self._sock], [], [], 0)[0]:
+                return out
+            try:
+                chunk = self._sock.recv(65536)
+            except OSError:
+                return out
+            if not chunk:
+                return out
+            self._buf += chunk
 
     def buffered(self) -> bool:
         """True if a complete message was already read from the socket (select() will not report it)."""
