@@ -78,12 +78,14 @@ class ControlChannel:
         """Every message already sent and not yet read, without waiting for more: what a peer that
         has exited wrote before it did (its EOF is left for :meth:`recv` to report)."""
         out = []
+        readable = select.poll()  # not select(): a launcher of many ranks may hold fds past 1024
+        readable.register(self._sock, select.POLLIN)
         while True:
             if b"\n" in self._buf:
                 line, self._buf = self._buf.split(b"\n", 1)
                 out.append(decode(line, self._incoming))
                 continue
-            if not select.select([self._sock], [], [], 0)[0]:
+            if not readable.poll(0):
                 return out
             try:
                 chunk = self._sock.recv(65536)
