@@ -3,8 +3,13 @@ and lines that are no message of the protocol refused by name."""
 from __future__ import annotations
 
 import json
+import os
 import selectors
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -84,22 +89,16 @@ def test_a_worker_that_exited_leaves_its_last_messages_to_read_without_waiting()
     its channel: the launcher sees the exit first and must still count the save (once every
     worker has an exit code it goes on). A process it forked still holds the socket, so no EOF
     comes: reading what is there must not wait for more."""
-    import subprocess
-    import sys
-    import time
-
     launcher, child = channel_pair()
     saved = Saved(rank=0, path="/ck/jit-s5", step=5, bytes=10, seconds=0.1)
-    code = (f"import os, socket, sys, time\n"
+    code = ("import os, socket, sys, time\n"
             f"s = socket.socket(fileno={child.fileno()})\n"
-            f"if os.fork() == 0:\n"
-            f"    time.sleep(30); os._exit(0)\n"  # holds the socket open after its parent exits
-            f"s.sendall(sys.argv[1].encode() + sys.argv[2].encode()[:9])\n"  # and a partial line
-            f"print(os.getpid(), flush=True)\n")
+            "if os.fork() == 0:\n"
+            "    time.sleep(30); os._exit(0)\n"  # holds the socket open after its parent exits
+            "s.sendall(sys.argv[1].encode() + sys.argv[2].encode()[:9])\n")  # and a partial line
     proc = subprocess.Popen([sys.executable, "-c", code, saved.encode().decode(),
                              Status(rank=0, step=6).encode().decode()],
-                            pass_fds=(child.fileno(),), stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            pass_fds=(child.fileno(),), start_new_session=True)
     child.close()
     try:
         assert proc.wait(timeout=30) == 0
@@ -110,8 +109,6 @@ def test_a_worker_that_exited_leaves_its_last_messages_to_read_without_waiting()
         with pytest.raises(TimeoutError):
             launcher.recv(timeout=0.05)  # no EOF: the grandchild holds the socket
     finally:
-        import os
-        import signal
         os.killpg(proc.pid, signal.SIGKILL)  # the grandchild, by its session's group
         launcher.close()
 

@@ -71,6 +71,9 @@ class ControlChannel:
         finally:
             if not self._sock._closed:  # type: ignore[attr-defined]
                 self._sock.settimeout(None)
+        return self._take_line()
+
+    def _take_line(self) -> Any:
         line, self._buf = self._buf.split(b"\n", 1)
         return decode(line, self._incoming)
 
@@ -82,8 +85,7 @@ class ControlChannel:
         readable.register(self._sock, select.POLLIN)
         while True:
             if b"\n" in self._buf:
-                line, self._buf = self._buf.split(b"\n", 1)
-                out.append(decode(line, self._incoming))
+                out.append(self._take_line())
                 continue
             if not readable.poll(0):
                 return out
