@@ -93,7 +93,7 @@ def expected(tmp_path_factory) -> dict:
     nodes of one rank each; cheaper than starting 3 launchers)."""
     tmp = tmp_path_factory.mktemp("ref")
     proc = subprocess.run([sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(NODES), "--checkpoint-dir",
-                           str(tmp / "ckpt"), "--status-interval", "0", str(TRAIN), "--steps", str(STEPS),
+                           str(tmp / "ckpt"), "--status-interval", "0", "--warm-standby", "0", str(TRAIN), "--steps", str(STEPS),
                            "--out", str(tmp / "ref-final.pt")], cwd=tmp, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr

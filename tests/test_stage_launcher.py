@@ -70,7 +70,8 @@ def reference(tmp_path_factory):
     [(0, FAIL_IT, 5)],  # rank 0: the store it would host under torchrun is the launcher's
     # A second death after the first replacement: stage 1's replacement replays iterations
     # 5-6 from the logs of stage 2's replacement (which re-logged what it replayed).
-    [(2, FAIL_IT, 3), (1, FAIL_IT + 1, 2)],
+    # Slow: test_two_nodes_each_launcher_replaces_its_own_dead_stage runs the same two deaths.
+    pytest.param([(2, FAIL_IT, 3), (1, FAIL_IT + 1, 2)], marks=pytest.mark.slow),
 ], ids=["stage2", "stage0", "stage2-then-stage1"])
 def test_launcher_replaces_only_the_dead_stage_bitwise(tmp_path, reference, failures):
     (stage, it, op), *later = failures

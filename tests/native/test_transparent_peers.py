@@ -108,7 +108,10 @@ def reference(tmp_path_factory) -> Iterator[Callable[..., list[bytes]]]:
 # (case 3).
 # crash (simcuda kills the proxy at a collective) is in the slow suite: the proxy killed from outside
 # at a random moment (below) covers a lost proxy in the fast one.
-@pytest.mark.parametrize("mode", ["error", "hang", "sticky", pytest.param("crash", marks=pytest.mark.slow)])
+# hang differs from error only in how the ranks that did not fail find the failure (their own hang
+# timeout), which error's peers fall back to when the word comes late: slow suite.
+@pytest.mark.parametrize("mode", ["error", pytest.param("hang", marks=pytest.mark.slow), "sticky",
+                                  pytest.param("crash", marks=pytest.mark.slow)])
 def test_a_collective_failure_is_recovered_on_every_rank_without_a_restart(jobs, reference, tmp_path: Path, mode: str) -> None:
     need_build()
     expected = reference(STEPS)
@@ -213,6 +216,7 @@ def test_a_proxy_killed_mid_training_is_rebuilt_from_a_replica(jobs, reference, 
     assert "and from rank 0's" in log, log  # what validation said
 
 
+@pytest.mark.slow  # ~20 s; a proxy rebuilt from a replica is in the fast suite (killed mid-training)
 def test_a_proxy_lost_inside_the_optimizer_step_takes_the_next_minibatch_from_a_replica(jobs, reference, tmp_path: Path) -> None:
     """Issue 16 case 4 (JIT paper §4.2.2): at step 20 every rank waits for its all-reduce, posts its
     optimizer kernel, then pauses (DP_TRAIN_OPTIMIZER_PAUSE); rank 1's proxy is killed then. The all-reduce
