@@ -3,8 +3,10 @@
 same recovery report as a ``protect()`` job, and is told that ``--periodic-every`` cannot work."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import psutil
 from jobs import run_job
 
 from jitckpt.observability.report import load_run
@@ -47,3 +49,26 @@ def test_rank_leaving_with_exit_code_0_is_its_failure(tmp_path):
     assert [(s["failed_ranks"], s["step_resumed"], s["steps_redone"]) for s in summaries] == [([1], 6, 1)]
     assert summaries[0]["detect_s"] < 60  # not the hang timeout
     assert (res.workdir / "final.pt").exists()
+
+
+def test_a_rank_killed_while_a_process_it_forked_holds_its_descriptors_is_seen_dead_at_once(tmp_path):
+    """Rank 1 forks a helper (as a DataLoader or torch.compile worker would) and is SIGKILLed: the
+    helper keeps the launcher's control channel and rank 1's gloo sockets open, so neither the
+    channel's EOF nor a reset connection tells of the death, and rank 0 waits in its all-reduce.
+    The launcher sees the exit itself within a second or two (not rank 0's 100 s hang timeout),
+    kills the helper with the dead rank's process group, and the job recovers."""
+    res = run_job(tmp_path, nproc=2, script=INIT_SCRIPT, script_args=["--inject", "0:1:5:fork-kill"],
+                  launcher_args=["--hang-timeout", "100"], timeout=240)
+    death = json.loads((tmp_path / "train.jsonl.death").read_text())
+    try:
+        assert res.rc == 0, res.out[-4000:]
+        failures = res.ev("failure_detected")
+        assert [(f["kind"], f["rank"]) for f in failures] == [("signal", 1)], failures
+        assert failures[0]["t"] - death["t"] < 5, (failures[0], death)
+        summaries = res.ev("recovery_summary")
+        assert [(s["failed_ranks"], s["step_resumed"], s["steps_redone"]) for s in summaries] == [([1], 5, 1)]
+        assert not psutil.pid_exists(death["helper"]) or psutil.Process(death["helper"]).status() == psutil.STATUS_ZOMBIE, \
+            "the dead rank's helper outlived the job"
+    finally:
+        if psutil.pid_exists(death["helper"]):
+            psutil.Process(death["helper"]).kill()

@@ -21,12 +21,13 @@ log = logging.getLogger("jitckpt.launcher.standby_pool")
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group ``proc`` leads (its own session), unless it already exited."""
-    if proc.poll() is not None:
-        return
+    """SIGKILL the process group ``proc`` leads (its own session), also once ``proc`` exited: the
+    group lives on while a process it started does (a data loader worker it forked)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
+        pass  # nothing left in it (or ``proc`` moved itself to another group: below)
+    if proc.poll() is None:
         try:
             proc.kill()
         except ProcessLookupError:

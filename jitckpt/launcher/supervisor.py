@@ -494,6 +494,25 @@ class Launcher:
             self.pool.fill()  # the next replacement starts warm too
         return True
 
+    def _worker_gone(self, gen: int, w: Worker, master: tuple[str, int], sel: selectors.BaseSelector,
+                     failure: Optional[FailureRecord], verdict_sent: bool) -> Optional[FailureRecord]:
+        """``w`` exited (its channel's EOF, or poll()): reap it and, if it died before the
+        verdict, recover (replace it alone, or the whole job)."""
+        sel.unregister(w.channel.fileno())
+        w.eof = True
+        self._reap(w)
+        if failure is not None and w.exit_code not in NOT_A_CULPRIT and w.rank not in failure.failed_ranks:
+            failure.failed_ranks.append(w.rank)  # the culprit, seen after a peer's report
+        if w.exit_code in (0, EXIT_JIT_SAVED) or failure is not None or verdict_sent:
+            return failure  # after the verdict: see _warn_deaths_after_verdict
+        if self._replace_worker(gen, w, master, sel):
+            return None
+        kind, detail = w.death()
+        failure = self.jit.on_failure(gen, self.workers, kind, w.rank, detail)
+        if self.replacement is not None:  # --recovery stage fell back
+            self.replacement.fold_into(failure)
+        return failure
+
     # ---- one generation ---------------------------------------------------------------------
     def _run_generation(self, gen: int, master: tuple[str, int]) -> bool:
         t_start = time.time()
@@ -533,20 +552,7 @@ class Launcher:
                         continue
                     msg = w.channel.recv(timeout=5.0)
                     if msg is None:
-                        sel.unregister(key.fd)
-                        w.eof = True
-                        self._reap(w)
-                        if (failure is not None and w.exit_code not in NOT_A_CULPRIT
-                                and w.rank not in failure.failed_ranks):
-                            failure.failed_ranks.append(w.rank)  # the culprit, seen after a peer's report
-                        if (w.exit_code not in (0, EXIT_JIT_SAVED) and failure is None
-                                and not verdict_sent):  # after the verdict: see below
-                            if self._replace_worker(gen, w, master, sel):
-                                continue
-                            kind, detail = w.death()
-                            failure = self.jit.on_failure(gen, self.workers, kind, w.rank, detail)
-                            if self.replacement is not None:  # --recovery stage fell back
-                                self.replacement.fold_into(failure)
+                        failure = self._worker_gone(gen, w, master, sel, failure, verdict_sent)
                         continue
                     failure = self._on_message(gen, w, msg, failure)
                     while w.channel.buffered():  # one socket read can carry several messages
@@ -560,7 +566,9 @@ class Launcher:
                         # worker has an exit code, the recovery goes on without reading more.
                         for msg in w.channel.pending():
                             failure = self._on_message(gen, w, msg, failure)
-                        w.exit_code = w.proc.returncode
+                        # Its channel need not reach EOF: a process it started (a data loader or
+                        # compile worker it forked) may hold it open. The exit is its death.
+                        failure = self._worker_gone(gen, w, master, sel, failure, verdict_sent)
                 self.display.maybe_show(gen, self.workers, failure)
                 if (not refilled and self.pool is not None
                         and all(w.step is not None and w.step >= 0 for w in self.workers)):

@@ -38,10 +38,11 @@ class Worker:
         return self.exit_code is None and not self.eof
 
     def kill(self) -> None:
-        """SIGKILL the worker's process group, remembering that the launcher did it."""
+        """SIGKILL the worker's process group (what it started too), remembering whether the
+        launcher killed the worker itself."""
         if self.proc.poll() is None:
             self.killed = True
-            kill_group(self.proc)
+        kill_group(self.proc)
 
     def death(self) -> tuple[str, str]:
         """How a worker that exited on its own died: (failure kind, detail)."""

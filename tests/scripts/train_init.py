@@ -3,14 +3,17 @@
 --mark-step). Used by tests/test_init_api.py.
 
 Failure injection: --inject GEN:RANK:STEP:MODE fires in launch GEN on RANK at minibatch STEP, MODE
-one of ``kill`` (SIGKILL self before the forward pass) or ``exit0`` (``sys.exit(0)``: leave the job
-early with a success code).
+one of ``kill`` (SIGKILL self before the forward pass), ``exit0`` (``sys.exit(0)``: leave the job
+early with a success code) or ``fork-kill`` (fork a helper that keeps every inherited descriptor
+open for 120 s, as a data loader or compile worker would, write its PID and the time to
+``<steps-log>.death``, then SIGKILL self).
 """
 import argparse
 import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -65,6 +68,14 @@ def main():
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "exit0":
             sys.exit(0)
+        if mode == "fork-kill":
+            helper = os.fork()
+            if helper == 0:
+                time.sleep(120)
+                os._exit(0)
+            with open(args.steps_log + ".death", "w") as f:
+                json.dump({"helper": helper, "t": time.time()}, f)
+            os.kill(os.getpid(), signal.SIGKILL)
         g = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
         loss = nn.functional.mse_loss(model(x), y)
