@@ -325,8 +325,10 @@ def _standbys_mapped(launcher_pid: int, count: int) -> bool:
     return sum(t.startswith("jitckpt standby (snapshots mapped ahead)") for t in titles) >= count
 
 
-# One rank: the same path with less to map (slow: keeps `make test` under its 15 minutes).
-@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.slow), 2])
+# Slow (~25 s, to keep `make test` under its 15 minutes): test_restore_one_node.py and
+# test_snapshot_units.py cover the mapping ahead and its restore without a launcher.
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_restart_on_one_node_restores_from_buffers_its_standbys_mapped_ahead(tmp_path, nproc):
     """Issue 19, from outside: a one-node job (1 or 2 ranks) with --snapshot-every 1 and a warm
     standby per rank (--warm-standby 1); every worker is SIGKILLed by PID at a random step once the
