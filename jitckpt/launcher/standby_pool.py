@@ -26,12 +26,11 @@ def kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass  # nothing left in it (or ``proc`` moved itself to another group: below)
-    if proc.poll() is None:
-        try:
-            proc.kill()
-        except ProcessLookupError:
-            pass
+        if proc.poll() is None:  # it moved itself to another group
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
 
 
 class StandbyPool:

@@ -561,13 +561,12 @@ class Launcher:
                 self._take_worker_records(gen)
                 for w in self.workers:
                     if not w.eof and w.exit_code is None and w.proc.poll() is not None:
-                        # What it sent before it exited counts (a JIT checkpoint it saved, its
-                        # report), though select() has not returned its channel yet: once every
-                        # worker has an exit code, the recovery goes on without reading more.
+                        # Exited before select() returned its channel's EOF, which may never come
+                        # (a data loader or compile worker it forked holds the channel open): what
+                        # it sent first counts (a JIT checkpoint it saved, its report), then the
+                        # exit is its death.
                         for msg in w.channel.pending():
                             failure = self._on_message(gen, w, msg, failure)
-                        # Its channel need not reach EOF: a process it started (a data loader or
-                        # compile worker it forked) may hold it open. The exit is its death.
                         failure = self._worker_gone(gen, w, master, sel, failure, verdict_sent)
                 self.display.maybe_show(gen, self.workers, failure)
                 if (not refilled and self.pool is not None
