@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from jitckpt.snapshot.aor import OptimizerReplica, successor_peer
-from jitckpt.snapshot.aor_store import AorSnapshotter, restore_with_aor
+from jitckpt.snapshot.aor import OptimizerReplica, ReplicaStats, successor_peer
+from jitckpt.snapshot.aor_store import AorSnapshotter, PartitionCopier, restore_with_aor
 from jitckpt.snapshot.client import SnapshotTaker
 from train_snapshot import backward_averaged, make_model  # same directory: on sys.path
 
@@ -29,6 +29,9 @@ def parse():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--scheme", default="aec", choices=["arc", "aec"])
     p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--zero", default="recompute", choices=["recompute", "copy"],
+                   help="protect the peer's partition by recomputing it every step (OptimizerReplica) "
+                        "or by receiving it at every snapshot (PartitionCopier)")
     p.add_argument("--restore", action="store_true")
     p.add_argument("--out", default="")
     p.add_argument("--timeout", type=float, default=60.0)
@@ -73,13 +76,16 @@ def main():
         emit(event="restored", rank=rank, source=res.source, step=res.step, own_from=res.own_from,
              remote=res.remote, decoded=res.decoded, seconds=res.seconds,
              skipped=[list(s) for s in res.skipped])
-    replica = OptimizerReplica(zero=zero, peer=peer, start_step=start)
-    if peer_state is not None:
-        replica.load_state_dict(peer_state)  # after the parameters: it re-copies the peer's
+    replica = None
+    if args.zero == "recompute":
+        replica = OptimizerReplica(zero=zero, peer=peer, start_step=start)
+        if peer_state is not None:
+            replica.load_state_dict(peer_state)  # after the parameters: it re-copies the peer's
     step = start
     snap = SnapshotTaker(state_fn=lambda: {"step": step, "model": model.state_dict()},
                          scheme=args.scheme, ranks_per_node=args.ranks_per_node)
-    aor = AorSnapshotter(replica=replica)
+    aor = (AorSnapshotter(replica=replica) if replica is not None
+           else PartitionCopier(zero=zero, ranks_per_node=args.ranks_per_node))
     if args.restore and start:
         snap.skip(start)  # the keepers hold it already
     for step in range(start, args.steps):
@@ -95,16 +101,18 @@ def main():
         if step == args.pause_at:
             emit(event="paused", rank=rank, step=step, snapshot=committed)
             sys.stdin.read()
-        replica.capture()
+        if replica is not None:
+            replica.capture()
         zero.step()
         emit(event="step", rank=rank, step=step, snapshot=committed, loss=loss.item())
-    replica_ok = replica.matches_live_parameters()
+    replica_ok = replica.matches_live_parameters() if replica is not None else None
     aor.close()
     snap.close()
-    replica.close()
+    if replica is not None:
+        replica.close()
     if args.out and rank == 0:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
-    st = replica.stats
+    st = replica.stats if replica is not None else ReplicaStats()
     emit(event="done", rank=rank, partition_sha256=state_digest(zero.optim), replica_params_ok=replica_ok,
          taken=snap.stats.taken, aor={"bytes": aor.bytes_written, "write_s": aor.write_seconds,
                                       "updates": st.updates, "update_s": st.update_seconds,

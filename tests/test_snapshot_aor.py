@@ -240,9 +240,11 @@ class ZeroCluster(SimCluster):
 
 
 def _zero_node_loss(tmp_path: Path, *, nodes: int, scheme: str, steps: int, pause: tuple,
-                    lost: int = 1, rpn: int = 1) -> tuple[dict, dict, dict]:
+                    lost: int = 1, rpn: int = 1, zero: str = "recompute") -> tuple[dict, dict, dict]:
     """Kill node ``lost`` (rank and keeper) and every other rank where ``pause`` says, restart on a
-    fresh node, finish; compare with a failure-free run alongside. (restored, done, ref_done) events."""
+    fresh node, finish; compare with a failure-free run alongside. ``zero``: how the example
+    protects the peer partitions (recompute: OptimizerReplica, copy: PartitionCopier).
+    (restored, done, ref_done) events."""
     ref_out, out = tmp_path / "ref.pt", tmp_path / "final.pt"
     ref = ZeroCluster(tmp_path, nodes=nodes, ranks_per_node=rpn, scheme=scheme)
     c = ZeroCluster(tmp_path, nodes=nodes, ranks_per_node=rpn, scheme=scheme)
@@ -250,13 +252,13 @@ def _zero_node_loss(tmp_path: Path, *, nodes: int, scheme: str, steps: int, paus
         for n in range(nodes):
             ref.start_keeper(n)
             c.start_keeper(n)
-        ref.start_job("--steps", str(steps), "--out", str(ref_out))
-        c.start_job("--steps", str(steps), *map(str, pause))
+        ref.start_job("--steps", str(steps), "--zero", zero, "--out", str(ref_out))
+        c.start_job("--steps", str(steps), "--zero", zero, *map(str, pause))
         c.wait_all_events("paused", PHASE_TIMEOUT)
         c.kill_node(lost)       # its rank and its keeper: its optimizer partition is gone
         c.kill_ranks()          # and every other trainer: nothing live to copy from
         c.start_keeper(lost)    # replacement node, empty memory
-        c.start_job("--steps", str(steps), "--restore", "--out", str(out))
+        c.start_job("--steps", str(steps), "--zero", zero, "--restore", "--out", str(out))
         restored = c.wait_all_events("restored", PHASE_TIMEOUT)
         done = c.wait_all_events("done", PHASE_TIMEOUT)
         c.finish_job()
@@ -271,7 +273,9 @@ def _zero_node_loss(tmp_path: Path, *, nodes: int, scheme: str, steps: int, paus
         assert torch.equal(ref_params[k], params[k]), f"{k} differs from the failure-free run"
     for rank in range(nodes * rpn):
         assert done[rank]["partition_sha256"] == ref_done[rank]["partition_sha256"], rank
-        assert done[rank]["replica_params_ok"] and ref_done[rank]["replica_params_ok"], rank
+        # recompute: the replica reproduced the peer's parameters too; copy keeps no replica
+        want_ok = True if zero == "recompute" else None
+        assert done[rank]["replica_params_ok"] is want_ok and ref_done[rank]["replica_params_ok"] is want_ok, rank
     # Rank r's replica lives on the previous node: the lost ranks' partitions came from there; the
     # other ranks read their own partition from their own node's keeper.
     for rank, ev in restored.items():
@@ -283,12 +287,16 @@ def _zero_node_loss(tmp_path: Path, *, nodes: int, scheme: str, steps: int, paus
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("nodes,rpn,scheme", [(2, 1, "arc"), pytest.param(3, 1, "aec", marks=pytest.mark.slow),
-                                              pytest.param(2, 2, "aec", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("nodes,rpn,scheme,zero", [
+    (2, 1, "arc", "recompute"),
+    (3, 1, "aec", "copy"),  # a ring: each rank sends to one rank and receives from another
+    pytest.param(3, 1, "aec", "recompute", marks=pytest.mark.slow),
+    pytest.param(2, 2, "aec", "recompute", marks=pytest.mark.slow),
+    pytest.param(2, 2, "aec", "copy", marks=pytest.mark.slow)])
 def test_node_loss_restores_zero_partition_from_peer_replica_bitwise(tmp_path: Path, nodes: int, rpn: int,
-                                                                     scheme: str) -> None:
+                                                                     scheme: str, zero: str) -> None:
     restored, _, _ = _zero_node_loss(tmp_path, nodes=nodes, rpn=rpn, scheme=scheme, steps=7,
-                                     pause=("--pause-at", 4))
+                                     pause=("--pause-at", 4), zero=zero)
     for ev in restored.values():
         assert (ev["source"], ev["step"]) == ("memory", 4), ev
 

@@ -275,10 +275,12 @@ def zero_reference(tmp_path_factory):
     return torch.load(tmp / "zref-final.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("lost", ["node", pytest.param("rank", marks=pytest.mark.slow)])
-def test_zero_failure_restores_partitions_through_aor(zero_reference, tmp_path, lost):
+@pytest.mark.parametrize("lost,mode", [("node", "recompute"), ("node", "copy"),
+                                       pytest.param("rank", "recompute", marks=pytest.mark.slow)])
+def test_zero_failure_restores_partitions_through_aor(zero_reference, tmp_path, lost, mode):
     """ZeRO-1 through protect(), snapshot every step. ``node``: node 2 (its rank and keeper) is
-    lost with every other rank; its optimizer partition comes back from node 1's AOR replica.
+    lost with every other rank; its optimizer partition comes back from node 1's AOR replica
+    (``mode``: --snapshot-zero, the replica recomputed every step or received at each snapshot).
     ``rank``: rank 1 alone dies before its forward of step KILL_AT; the survivors take no JIT
     checkpoint (a ZeRO job has none) and exit at once. If their snapshot of KILL_AT was committed
     first (a race), it is whole without rank 1 (its parameter part decoded from parity, its
@@ -293,7 +295,7 @@ def test_zero_failure_restores_partitions_through_aor(zero_reference, tmp_path, 
     else:
         inject = ["--inject", f"0:1:{KILL_AT}:kill"]
         fetched = {0: [], 1: [], 2: []}
-    _, events = run_nodes(tmp_path, "zfail", "aec", ZERO + inject)
+    _, events = run_nodes(tmp_path, "zfail", "aec", ZERO + inject, snapshot_args=("--snapshot-zero", mode))
     assert not [e for ev in events for e in ev if e["event"] == "checkpoint_saved"]  # no JIT for ZeRO
     restores = sorted((e["rank"], e["source"], e["step"], e["fetched"])
                       for ev in events for e in ev if e["event"] == "restore")

@@ -18,6 +18,7 @@ from jitckpt.hang_timeout import HangTimeout
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 # Same names as snapshot_protection.SCHEMES (not imported: the launcher does not import torch).
 SNAPSHOT_PROTECTIONS = ("aec", "arc", "none")
+SNAPSHOT_ZERO_MODES = ("recompute", "copy")  # worker_spec's, without importing it here either
 RECOVERY_MODES = ("jit", "stage")
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default --signals-to-handle
 _STD_RE = re.compile(r"^[0-3]$|^\d+:[0-3](,\d+:[0-3])*$")  # torchrun's Std.from_str grammar
@@ -205,6 +206,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "predecessor node), none (default: aec with >= 2 nodes, none on one node)")
     g.add_argument("--snapshot-flush-every", type=int, default=0,
                    help="also write every K-th snapshot to --checkpoint-dir (0 = never)")
+    g.add_argument("--snapshot-zero", default="recompute", choices=list(SNAPSHOT_ZERO_MODES),
+                   help="how a ZeroRedundancyOptimizer's partitions get a copy on another node: "
+                        "recompute (REFT's AOR: each rank redoes its successor's optimizer step every "
+                        "step, no traffic; suits hosts with idle cores) or copy (each rank sends its "
+                        "partition to its predecessor at every snapshot, no recompute; cheaper when the "
+                        "host's cores are busy and snapshots are not taken every step). See docs/aor.md")
     p.add_argument("script", help="training script (or module with -m, or program with --no-python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -309,6 +316,7 @@ class LaunchConfig:
     snapshot_every: int = 0
     snapshot_protection: Optional[str] = None
     snapshot_flush_every: int = 0
+    snapshot_zero: str = "recompute"
     rdzv_timeout: float = 300.0
     last_call_timeout: float = 30.0
     omp_num_threads: int = 1
@@ -439,9 +447,14 @@ class LaunchConfig:
         if self.snapshot_protection not in SNAPSHOT_PROTECTIONS:
             raise ValueError(f"--snapshot-protection {self.snapshot_protection!r}: choose one of "
                              f"{', '.join(SNAPSHOT_PROTECTIONS)}")
+        if self.snapshot_zero not in SNAPSHOT_ZERO_MODES:
+            raise ValueError(f"--snapshot-zero {self.snapshot_zero!r}: choose one of {', '.join(SNAPSHOT_ZERO_MODES)}")
         if not self.snapshot_every:
             if self.snapshot_flush_every:
                 raise ValueError("--snapshot-flush-every needs --snapshot-every N > 0 (snapshots are off)")
+            if self.snapshot_zero != "recompute":
+                raise ValueError(f"--snapshot-zero {self.snapshot_zero} needs --snapshot-every N > 0 "
+                                 "(ZeRO partitions are protected in the in-memory snapshots)")
             return
         if self.snapshot_protection != "none" and self.nnodes < 2:
             raise ValueError(f"--snapshot-protection {self.snapshot_protection} keeps a lost node's "
@@ -486,7 +499,8 @@ class LaunchConfig:
                    metrics_addr=a.metrics_addr, preload=a.preload, transparent=a.transparent,
                    plugins=tuple(filter(None, a.plugin.split(","))), recovery=a.recovery,
                    snapshot_every=a.snapshot_every, snapshot_protection=a.snapshot_protection,
-                   snapshot_flush_every=a.snapshot_flush_every, **_rdzv_conf(a.rdzv_conf),
+                   snapshot_flush_every=a.snapshot_flush_every, snapshot_zero=a.snapshot_zero,
+                   **_rdzv_conf(a.rdzv_conf),
                    role=a.role, master_addr=a.master_addr, master_port=a.master_port, local_addr=a.local_addr,
                    monitor_interval=a.monitor_interval, log_dir=a.log_dir, redirects=a.redirects, tee=a.tee,
                    local_ranks_filter=_local_ranks(a.local_ranks_filter))

@@ -33,6 +33,7 @@ ENVIRONMENT = {
     "JITCKPT_GEN": "the generation (restart count) of this process (default TORCHELASTIC_RESTART_COUNT)",
 }
 SNAPSHOT_PROTECTIONS = ("aec", "arc", "none")
+SNAPSHOT_ZERO_MODES = ("recompute", "copy")  # how ZeRO partitions are protected (docs/aor.md)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -49,9 +50,12 @@ class SnapshotSpec:
     protection: str = "none"
     flush_every: int = 0
     ranks_per_node: int = 1
+    zero: str = "recompute"
 
     def __post_init__(self) -> None:
         _check(bool(self.socket), "snapshot spec: the keeper's socket path is empty")
+        _check(self.zero in SNAPSHOT_ZERO_MODES,
+               f"snapshot spec: zero {self.zero!r} is not one of {SNAPSHOT_ZERO_MODES}")
         _check(self.every > 0, f"snapshot spec: every must be > 0, got {self.every}")
         _check(self.protection in SNAPSHOT_PROTECTIONS,
                f"snapshot spec: protection {self.protection!r} is not one of {SNAPSHOT_PROTECTIONS}")

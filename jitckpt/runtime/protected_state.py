@@ -197,16 +197,22 @@ class Protected:
 
     def _snapshot_begin(self) -> None:
         self._snapshots.start(self._snapshot_state, resumed_step=self._resumed_step)
-        if self._zero and self._replica is None:
+        if self._zero and self._aor is None:
             self._start_aor()
         if self._snapshots.begin(self.step) and self._aor is not None:
             self._aor.begin(self.step)  # the partitions of the same step, on the replica's worker
 
     def _start_aor(self) -> None:
-        """ZeRO: the replica of the successor's partition (from the restored state if any)."""
+        """ZeRO: the replica of the successor's partition (from the restored state if any), or
+        with ``--snapshot-zero copy`` the exchange of partitions at each snapshot."""
         from jitckpt.snapshot.aor import OptimizerReplica
-        from jitckpt.snapshot.aor_store import AorSnapshotter
+        from jitckpt.snapshot.aor_store import AorSnapshotter, PartitionCopier
 
+        if self._snapshots.zero == "copy":
+            self._peer_state = None  # no replica to load it into: the peer sends its own
+            self._aor = PartitionCopier(zero=self.optimizer, ranks_per_node=self._snapshots.ranks_per_node,
+                                        socket_path=self._snapshots.socket_path)
+            return
         self._replica = OptimizerReplica(zero=self.optimizer, peer=self._snapshots.peer(),
                                          start_step=self.step)
         if self._peer_state is not None:

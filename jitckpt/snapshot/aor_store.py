@@ -26,17 +26,19 @@ replica.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import io
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from jitckpt.snapshot.aor import OptimizerReplica
+from jitckpt.snapshot.aor import OptimizerReplica, successor_peer
 from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, Checksum, checksum_of
 from jitckpt.snapshot.client import Topology
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
@@ -136,6 +138,107 @@ class AorSnapshotter:
             self.bytes_written += len(blob)
         self.keeper.commit(items)
         self.write_seconds += time.perf_counter() - t0
+
+
+def _signed(v: int) -> int:
+    """An unsigned 64-bit checksum as an int64 tensor element (and back with ``& MASK64``)."""
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+MASK64 = (1 << 64) - 1
+
+
+class PartitionCopier:
+    """Protects ZeRO partitions by sending each to its protector at every snapshot (no replica).
+
+    The alternative to :class:`OptimizerReplica` + :class:`AorSnapshotter`, writing the same two
+    keeper objects per rank and snapshot (so :func:`restore_with_aor` is unchanged): rank ``r``
+    writes ``aor.z{r}`` (its own partition) and ``aor.z{peer}``, received from its peer
+    (``successor_peer``), while sending its own partition to the rank that protects it. The cost is
+    one transfer of the partition state per *snapshot* instead of one recomputed optimizer step per
+    *training step*: cheaper when the host's cores are busy training and snapshots are not taken
+    every step (docs/aor.md). Same loop order as :class:`AorSnapshotter` (``begin`` when the
+    parameter snapshot began, ``wait`` before ``SnapshotTaker.wait()`` and ``zero.step()``); the
+    exchange runs on a worker thread over its own gloo group (created here: a collective, so every
+    rank constructs it at the same point).
+    """
+
+    def __init__(self, *, zero: ZeroRedundancyOptimizer, ranks_per_node: Optional[int] = None,
+                 socket_path: Optional[str] = None, wait_timeout: float = 120.0) -> None:
+        if not isinstance(zero, ZeroRedundancyOptimizer):
+            raise TypeError(f"PartitionCopier protects a ZeroRedundancyOptimizer, got {type(zero).__name__}")
+        if wait_timeout <= 0:
+            raise ValueError(f"wait_timeout must be > 0, got {wait_timeout}")
+        if not dist.is_initialized() or zero.world_size != dist.get_world_size():
+            raise ValueError("PartitionCopier needs torch.distributed initialized and the ZeRO group to be "
+                             "the whole world (hybrid parallel groups are not supported yet)")
+        topo = Topology.detect(ranks_per_node)
+        self.zero, self.wait_timeout, self.rank, self.world = zero, wait_timeout, topo.rank, topo.world
+        self.peer = successor_peer(topo.rank, topo.world, topo.ranks_per_node)
+        self.protector = (topo.rank - topo.ranks_per_node) % topo.world  # the rank whose peer we are
+        self.keeper = KeeperClient(socket_path)
+        self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_timeout))
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jitckpt-aor-copy")
+        self._job: Optional[tuple[int, concurrent.futures.Future]] = None
+        self.bytes_written, self.bytes_received, self.write_seconds = 0, 0, 0.0  # on the worker
+
+    def begin(self, step: int) -> None:
+        """Queue the exchange of the partitions as they are at the start of ``step``."""
+        if self._job is not None:
+            raise RuntimeError("PartitionCopier.begin: the previous exchange was not waited for")
+        self._job = (step, self._pool.submit(self._exchange, step))
+
+    def wait(self) -> Optional[int]:
+        """Block until both objects of the running exchange are committed; its step, or None."""
+        if self._job is None:
+            return None
+        (step, fut), self._job = self._job, None
+        try:
+            fut.result(timeout=self.wait_timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"AOR partition copy of step {step} not done after {self.wait_timeout} s") from None
+        return step
+
+    def close(self) -> None:
+        """Finish a running exchange, stop the worker and drop the keeper connection."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            self.keeper.close()
+
+    def _exchange(self, step: int) -> None:
+        t0 = time.perf_counter()
+        own = _encode(owner=self.rank, world=self.world, step=step, zero=self.zero,
+                      state=self.zero.optim.state_dict())
+        own_key, peer_key = partition_key(self.rank), partition_key(self.peer)
+        m_own = self.keeper.begin(own_key, step, len(own))
+        h = Checksum(DEFAULT_ALGORITHM)
+        h.copy(np.frombuffer(m_own, dtype=np.uint8, count=len(own)), np.frombuffer(own, dtype=np.uint8))
+        header = torch.tensor([len(own), _signed(h.value())], dtype=torch.int64)
+        peer_header = torch.empty(2, dtype=torch.int64)
+        self._both(header, peer_header, tag=0)
+        size, want = int(peer_header[0]), int(peer_header[1]) & MASK64
+        m_peer = self.keeper.begin(peer_key, step, size)
+        # Received straight into the keeper's memory; sent from there too (no staging copy).
+        self._both(torch.frombuffer(m_own, dtype=torch.uint8, count=len(own)),
+                   torch.frombuffer(m_peer, dtype=torch.uint8, count=size), tag=1)
+        got = Checksum(h.algorithm)
+        got.update(memoryview(m_peer)[:size])
+        if got.value() != want:
+            raise ValueError(f"AOR partition {peer_key} of step {step} from rank {self.peer} changed in transit")
+        self.keeper.commit([{"key": own_key, "step": step, "checksum": h.value(), "algo": h.algorithm},
+                            {"key": peer_key, "step": step, "checksum": want, "algo": h.algorithm}])
+        self.bytes_written += len(own) + size
+        self.bytes_received += size
+        self.write_seconds += time.perf_counter() - t0
+
+    def _both(self, send: torch.Tensor, recv: torch.Tensor, *, tag: int) -> None:
+        """Send to the protector and receive from the peer at once (the same rank with 2 nodes)."""
+        works = [dist.isend(send, dst=self.protector, group=self._group, tag=tag),
+                 dist.irecv(recv, src=self.peer, group=self._group, tag=tag)]
+        for w in works:
+            w.wait()
 
 
 # Restore ---------------------------------------------------------------------------------------

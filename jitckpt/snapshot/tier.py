@@ -50,13 +50,16 @@ class SnapshotTier:
     """Snapshots and the tiered resume for one worker (created from ``jitckpt run``'s env)."""
 
     def __init__(self, *, socket_path: str, every: int, protection: str, flush_every: int,
-                 ranks_per_node: int, checkpoint_dir: str, gen: int) -> None:
+                 ranks_per_node: int, checkpoint_dir: str, gen: int, zero: str = "recompute") -> None:
         if every < 1 or flush_every < 0 or ranks_per_node < 1:
             raise ValueError(f"snapshot tier: every={every} must be >= 1, flush_every={flush_every} "
                              f">= 0, ranks_per_node={ranks_per_node} >= 1")
         self.socket_path, self.every, self.protection = socket_path, every, protection
         self.flush_every, self.ranks_per_node = flush_every, ranks_per_node
         self.checkpoint_dir, self.gen = checkpoint_dir, gen
+        if zero not in ("recompute", "copy"):
+            raise ValueError(f"snapshot tier: zero must be 'recompute' or 'copy', got {zero!r}")
+        self.zero = zero  # how ZeRO partitions are protected (docs/aor.md)
         self.taker: Any = None
         # A client whose keeper buffers a warm standby mapped ahead (jitckpt.snapshot.premap):
         # the resume uses it, then closes it.
@@ -72,7 +75,7 @@ class SnapshotTier:
             return None
         return cls(socket_path=spec.socket, every=spec.every, protection=spec.protection,
                    flush_every=spec.flush_every, ranks_per_node=spec.ranks_per_node,
-                   checkpoint_dir=checkpoint_dir, gen=gen)
+                   checkpoint_dir=checkpoint_dir, gen=gen, zero=spec.zero)
 
     @staticmethod
     def _check_group() -> None:
