@@ -1,16 +1,26 @@
-"""AOR (ZeRO-1 optimizer replica) cost on the training step, measured in one run (CPU, gloo).
+"""AOR (ZeRO-1 optimizer partition protection) cost on the training step, measured in one run (CPU, gloo).
 
-Two rank processes train an MLP with ZeroRedundancyOptimizer(Adam). Blocks of 5 steps alternate
-with and without ``replica.capture()`` (AOR x5, none x5, ...), so load drifts on this shared
-machine hit both alike; the first step of each block is not counted (the previous block's last
-recompute may still run in it); the median step times are compared. A step is zero_grad + forward + backward + one
-flat gradient all-reduce + [capture] + zero.step(). Also reported: the trainer-thread gradient
-copy per capture, the time capture() waited for the worker, and the worker's recompute time per
-update (overlap hides it from the step, it does not make it free: on 2 shared cores it competes
-with the trainers). The replica's state is not checked here (alternating skips updates);
-tests/test_snapshot_aor.py checks exactness. Keeper writes are not included (bench_snapshot.py).
+Two rank processes, each with its own snapshot keeper (two simulated nodes), train an MLP with
+ZeroRedundancyOptimizer(Adam). Blocks of 10 steps rotate through the modes, so load drifts on this
+shared machine hit all alike:
 
-Usage: python bench/bench_aor.py [--hidden 1024 --layers 4 --steps 65] [--out FILE]
+* ``none``: no protection;
+* ``recompute@N``: REFT's AOR, ``OptimizerReplica.capture()`` every step (the peer partition's
+  gradients copied, its optimizer step recomputed on a worker thread) plus ``AorSnapshotter``
+  writing both partitions to the keeper at every N-th step;
+* ``copy@N``: ``PartitionCopier``, which at every N-th step sends this rank's partition to its
+  protector and writes its own and the received one to the keeper (no recompute).
+
+With N = 10 the snapshot is the block's step 5. The first step of each block is not counted (the
+previous block's last recompute may still run in it); a block's cost is the mean of its other
+steps, a mode's the median of its blocks. A step is zero_grad + forward + backward + one flat
+gradient all-reduce + [capture] + zero.step(). Also reported per rank: the gradient copy per
+capture, the recompute's CPU time per update, the copy's exchange time and bytes per snapshot,
+and each mode's own CPU work as a share of a step (the ceiling: on 2 busy cores nothing hides
+it). Parameter snapshots are not included (bench_snapshot.py). The replica's state is not checked
+here (the rotation skips updates); tests/test_snapshot_aor.py checks exactness of both modes.
+
+Usage: python bench/bench_aor.py [--hidden 1024 --layers 4 --rounds 4] [--out FILE]
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,16 +41,22 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+BLOCK = 10
+MODES = ("none", "recompute@1", "copy@1", "recompute@10", "copy@10")
+RECOMPUTE_BASE = 1_000_000  # the replica's step numbers: never a copy step's (same keeper keys)
+
 
 def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from jitckpt.snapshot.aor import OptimizerReplica, successor_peer
+    from jitckpt.snapshot.aor_store import AorSnapshotter, PartitionCopier
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
+    sock = os.environ["JITCKPT_SNAPSHOT_SOCKET"]
     torch.manual_seed(0)
     mods: list = []
     for _ in range(args.layers):
@@ -47,13 +64,25 @@ def rank_main(args: argparse.Namespace) -> None:
     model = nn.Sequential(*mods)
     params = list(model.parameters())
     zero = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=1e-4)
-    replica = OptimizerReplica(zero=zero, peer=successor_peer(rank, world, 1))
-    times: dict = {"aor": [], "none": []}
-    block = 5
-    for step in range(args.steps):
-        with_aor = (step // block) % 2 == 0
+    replica = OptimizerReplica(zero=zero, peer=successor_peer(rank, world, 1), start_step=RECOMPUTE_BASE)
+    writer = AorSnapshotter(replica=replica, socket_path=sock)
+    copier = PartitionCopier(zero=zero, ranks_per_node=1, socket_path=sock)
+    blocks: dict = {m: [] for m in MODES}
+    snaps = {"recompute": 0, "copy": 0}
+    cycle = [m for m in MODES]
+    for step in range(BLOCK * len(MODES) * (args.rounds + 1)):
+        b, i = divmod(step, BLOCK)
+        mode = cycle[b % len(cycle)]
+        kind, _, every = mode.partition("@")
+        snap = kind != "none" and (every == "1" or i == BLOCK // 2)
+        if i == 0:
+            times: list = []
         x = torch.randn(32, args.hidden)
         t0 = time.perf_counter()
+        aor = writer if kind == "recompute" else copier
+        if snap:
+            aor.begin(replica.step if kind == "recompute" else step)
+            snaps[kind] += 1
         zero.zero_grad()
         model(x).square().mean().backward()
         flat = torch.cat([p.grad.reshape(-1) for p in params])
@@ -63,34 +92,69 @@ def rank_main(args: argparse.Namespace) -> None:
         for p in params:
             p.grad.copy_(flat[off:off + p.numel()].view_as(p))
             off += p.numel()
-        if with_aor:
+        if snap:
+            aor.wait()
+        if kind == "recompute":
             replica.capture()
         zero.step()
-        if step % block and step >= block:  # the first block warms up allocators and the worker
-            times["aor" if with_aor else "none"].append(time.perf_counter() - t0)
+        if i:
+            times.append(time.perf_counter() - t0)
+        if i == BLOCK - 1 and b >= len(MODES):  # the first round warms allocators, keepers, workers
+            blocks[mode].append(statistics.fmean(times))
+    writer.close()
+    copier.close()
     replica.close()
     st = replica.stats
     n = max(st.updates, 1)
     print(json.dumps({
         "rank": rank, "params": sum(p.numel() for p in params),
         "peer_params": sum(p.numel() for ps in replica.live for p in ps),
-        "step_median_s": {k: statistics.median(v) for k, v in times.items()},
+        "step_s": {m: statistics.median(v) for m, v in blocks.items()},
         "copy_ms_per_capture": 1e3 * st.copy_seconds / n,
         "blocked_ms_per_capture": 1e3 * st.blocked_seconds / n,
         "update_ms_per_update": 1e3 * st.update_seconds / n,
         "update_cpu_ms_per_update": 1e3 * st.update_cpu_seconds / n,
+        "recompute_write_ms_per_snapshot": 1e3 * writer.write_seconds / max(snaps["recompute"], 1),
+        "copy_exchange_ms_per_snapshot": 1e3 * copier.write_seconds / max(snaps["copy"], 1),
+        "copy_bytes_received_per_snapshot": copier.bytes_received / max(snaps["copy"], 1),
     }), flush=True)
     dist.destroy_process_group()
+
+
+def start_keeper(sock: str, node: int) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot.keeper", "--socket", sock, "--node", str(node),
+                          "--max-lifetime", "900"], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = p.stdout.readline()
+    if not line.startswith("ready"):
+        p.kill()
+        raise RuntimeError(f"snapshot keeper did not start: {line!r}")
+    return p
+
+
+def derive(o: dict) -> None:
+    """Each mode's overhead over ``none`` and its own work as a share of a step (percent)."""
+    none = o["step_s"]["none"]
+    o["overhead_pct"] = {m: 100.0 * (t / none - 1.0) for m, t in o["step_s"].items() if m != "none"}
+    # The ceilings: each mode's own work per step. With every core busy training, as here, nothing
+    # can hide it; REFT's ~0.6 % for recompute needs host cores idle while devices compute.
+    recompute = o["copy_ms_per_capture"] + o["update_cpu_ms_per_update"]
+    o["work_pct_of_step"] = {
+        f"recompute@{n}": 100.0 * (recompute + o["recompute_write_ms_per_snapshot"] / n) / (1e3 * none)
+        for n in (1, 10)} | {
+        f"copy@{n}": 100.0 * o["copy_exchange_ms_per_snapshot"] / n / (1e3 * none) for n in (1, 10)}
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=65)
+    p.add_argument("--rounds", type=int, default=4, help="blocks of 10 steps per mode (after one warm-up round)")
     p.add_argument("--out", default="")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.rank:
         rank_main(args)
         return 0
@@ -98,26 +162,27 @@ def main() -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "JITCKPT_SNAPSHOT_RANKS_PER_NODE": "1"}
     argv = [sys.executable, __file__, "--rank", "--hidden", str(args.hidden), "--layers", str(args.layers),
-            "--steps", str(args.steps)]
-    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
-             for r in range(2)]
-    try:
-        outs = [json.loads(pr.communicate(timeout=600)[0].strip().splitlines()[-1]) for pr in procs]
-    finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.kill()
+            "--rounds", str(args.rounds)]
+    with tempfile.TemporaryDirectory(prefix="jitckpt-aor-") as tmp:
+        socks = [os.path.join(tmp, f"keeper{r}.sock") for r in range(2)]
+        procs = [start_keeper(sock, r) for r, sock in enumerate(socks)]
+        try:
+            ranks = [subprocess.Popen(argv, env={**env, "RANK": str(r), "JITCKPT_SNAPSHOT_SOCKET": socks[r]},
+                                      stdout=subprocess.PIPE, text=True) for r in range(2)]
+            procs += ranks
+            outs = [json.loads(pr.communicate(timeout=600)[0].strip().splitlines()[-1]) for pr in ranks]
+        finally:
+            for pr in procs:
+                if pr.poll() is None:
+                    pr.kill()
                 pr.wait(10)
     for o in outs:
-        med = o["step_median_s"]
-        o["step_overhead_pct"] = 100.0 * (med["aor"] / med["none"] - 1.0)
-        # The ceiling: AOR's own CPU work (the gradient copy and the recomputed optimizer step) as a
-        # share of a step. With every core busy training, as here, nothing can hide it; REFT's ~0.6 %
-        # needs host cores idle while devices compute, which this machine does not have.
-        o["cpu_work_pct_of_step"] = 100.0 * (o["copy_ms_per_capture"] + o["update_cpu_ms_per_update"]) / (1e3 * med["none"])
-    result = {"config": vars(args) | {"rank": None}, "ranks": outs,
+        derive(o)
+    result = {"config": vars(args) | {"rank": None}, "modes": list(MODES), "ranks": outs,
+              "overhead_pct": {m: statistics.median(o["overhead_pct"][m] for o in outs) for m in MODES[1:]},
+              "work_pct_of_step": {m: statistics.median(o["work_pct_of_step"][m] for o in outs) for m in MODES[1:]},
               "load_average": os.getloadavg()}
     text = json.dumps(result, indent=1)
     print(text)

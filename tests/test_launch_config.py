@@ -37,6 +37,7 @@ def test_torchrun_spellings_and_script_args(tmp_path):
     (["--plugin", "logging", "--recovery", "jit"], "--recovery stage.*drop one of the two"),
     (["--plugin", "logging", "--snapshot-every", "2"], "Drop one of the two flags"),
     (["--recovery", "stage", "--snapshot-every", "2"], "Drop one of the two flags"),
+    (["--snapshot-zero", "copy"], "--snapshot-zero copy needs --snapshot-every"),
     (["--no-python", "--plugin", "logging"], "through the device proxy.*add --transparent"),
     (["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:2379", "--recovery", "stage"],
      "not supported yet: use --rdzv-backend c10d"),

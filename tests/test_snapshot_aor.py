@@ -228,6 +228,65 @@ def test_unsupported_configurations_are_refused(rank_results: list) -> None:
     assert results[0]["empty_peer"].startswith("ValueError: peer 1 owns no parameters"), results[0]
 
 
+# Storage format -------------------------------------------------------------------------------
+
+def test_partition_object_round_trips_bitwise_and_refuses_damage_or_another_job(tmp_path: Path) -> None:
+    """write_partition puts a partition state into keeper memory as JSON layout + tensor bytes,
+    hashed while copied; _decode gives back the same state bit for bit (no pickle), and refuses an
+    object with a damaged header or one written for another owner, step or optimizer."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from conftest import keeper_process
+    from jitckpt.snapshot.aor_store import _decode, partition_key, write_partition
+    from jitckpt.snapshot.checksum import checksum_of
+    from jitckpt.snapshot.keeper_client import KeeperClient
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(33, 7)), torch.nn.Parameter(torch.randn(5))]
+    opt = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "lr": 0.5, "amsgrad": True}])
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    zero = SimpleNamespace(optim=opt)  # the header names the optimizer class only
+    state = opt.state_dict()
+    sock = str(tmp_path / "k.sock")
+    with keeper_process(sock):
+        keeper = KeeperClient(sock)
+        try:
+            m, size, h = write_partition(keeper, owner=3, world=4, step=7, zero=zero, state=state)
+            keeper.commit([{"key": partition_key(3), "step": 7, "checksum": h.value(), "algo": h.algorithm}])
+            m, info = keeper.open(partition_key(3), 7)
+            assert checksum_of(memoryview(m)[:size], info.algo) == info.checksum == h.value()
+            data = np.frombuffer(m, dtype=np.uint8, count=size).copy()
+        finally:
+            keeper.close()
+    got = _decode(data, owner=3, world=4, step=7, zero=zero)
+    assert got["param_groups"] == state["param_groups"]
+    assert got["state"].keys() == state["state"].keys()
+    for i, per in state["state"].items():
+        assert got["state"][i].keys() == per.keys()
+        for k, v in per.items():
+            assert got["state"][i][k].dtype == v.dtype and torch.equal(got["state"][i][k], v), (i, k)
+    fresh = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "lr": 0.5, "amsgrad": True}])
+    fresh.load_state_dict(got)  # what load_zero_partition does
+    for wrong in ({"owner": 2, "world": 4, "step": 7}, {"owner": 3, "world": 2, "step": 7},
+                  {"owner": 3, "world": 4, "step": 6}):
+        with pytest.raises(ValueError, match="is for .* this job needs"):
+            _decode(data, zero=zero, **wrong)
+    with pytest.raises(ValueError, match="is for .*'optimizer': 'AdamW'"):
+        _decode(data, owner=3, world=4, step=7, zero=SimpleNamespace(optim=torch.optim.SGD(params, lr=1)))
+    damaged = data.copy()
+    damaged[:8] = 255  # the header length
+    with pytest.raises(ValueError, match="is damaged .* or written by another jitckpt version"):
+        _decode(damaged, owner=3, world=4, step=7, zero=zero)
+    damaged = data.copy()
+    damaged[9] ^= 0x20  # inside the JSON header
+    with pytest.raises(ValueError, match="damaged|is for"):
+        _decode(damaged, owner=3, world=4, step=7, zero=zero)
+
+
 # Node loss ------------------------------------------------------------------------------------
 
 

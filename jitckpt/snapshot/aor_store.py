@@ -2,9 +2,10 @@
 
 For snapshot step ``s`` each rank ``r`` writes two keeper objects on its node: ``aor.z{r}``, its
 own partition state (``zero.optim.state_dict()``), and ``aor.z{p}``, its :class:`OptimizerReplica`
-of peer ``p``'s partition. Both are the state at the *start* of step ``s`` (after ``s`` updates),
-serialized with ``torch.save`` (read back with ``weights_only=True``) and checksummed by the
-writer. Every partition therefore lives on two nodes. The parameters are replicated and go
+of peer ``p``'s partition (or, with :class:`PartitionCopier`, the peer's own, received). Both
+are the state at the *start* of step ``s`` (after ``s`` updates), written straight into the
+keeper's memory as a JSON layout and the tensors' bytes (:func:`write_partition`; no pickle) and
+checksummed by the writer while it copies. Every partition therefore lives on two nodes. The parameters are replicated and go
 through :class:`SnapshotTaker` as usual (``state_fn`` returning ``{"step", "model"}``).
 
 Order in the training loop (one rank)::
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import io
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -42,12 +43,13 @@ from jitckpt.snapshot.aor import OptimizerReplica, successor_peer
 from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, Checksum, checksum_of
 from jitckpt.snapshot.client import Topology
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
+from jitckpt.snapshot.layout import ALIGN, FlatState, rebuild
 from jitckpt.snapshot.restore import gather_json, restore
 
 log = logging.getLogger("jitckpt.snapshot")
 
 PREFIX = "aor.z"
-FORMAT = 1
+FORMAT = 2  # 1 was torch.save bytes
 
 
 def partition_key(rank: int) -> str:
@@ -55,22 +57,52 @@ def partition_key(rank: int) -> str:
     return f"{PREFIX}{rank}"
 
 
-def _encode(*, owner: int, world: int, step: int, zero: ZeroRedundancyOptimizer, state: dict) -> bytes:
-    buf = io.BytesIO()
-    torch.save({"format": FORMAT, "owner": owner, "world": world, "step": step,
-                "optimizer": type(zero.optim).__name__, "state_dict": state}, buf)
-    return buf.getvalue()
-
-
-def _decode(data: bytes, *, owner: int, world: int, step: int, zero: ZeroRedundancyOptimizer) -> dict:
-    obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    want = {"format": FORMAT, "owner": owner, "world": world, "step": step,
+def _header(*, owner: int, world: int, step: int, zero: ZeroRedundancyOptimizer) -> dict:
+    return {"format": FORMAT, "owner": owner, "world": world, "step": step,
             "optimizer": type(zero.optim).__name__}
-    got = {k: obj.get(k) for k in want}
+
+
+def write_partition(keeper: KeeperClient, *, owner: int, world: int, step: int,
+                    zero: ZeroRedundancyOptimizer, state: dict) -> tuple[Any, int, Checksum]:
+    """Begin keeper object ``aor.z{owner}`` of ``step`` and write ``state`` into it: an 8-byte
+    header length, the JSON header with the state's layout (:class:`FlatState`: JSON, never
+    pickle), then the state's tensors at 64-byte aligned offsets, hashed while copied. Returns
+    (the mapping, the object's size, its checksum); the caller commits it."""
+    flat = FlatState(state)
+    head = json.dumps(_header(owner=owner, world=world, step=step, zero=zero) | {"layout": flat.layout},
+                      allow_nan=False, separators=(",", ":")).encode()
+    start = -(-(8 + len(head)) // ALIGN) * ALIGN
+    prefix = np.zeros(start, dtype=np.uint8)
+    prefix[:8] = np.frombuffer(len(head).to_bytes(8, "little"), dtype=np.uint8)
+    prefix[8:8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
+    size = start + flat.total
+    m = keeper.begin(partition_key(owner), step, size)
+    dst = np.frombuffer(m, dtype=np.uint8, count=size)
+    h = Checksum(DEFAULT_ALGORITHM)
+    h.copy(dst[:start], prefix)
+    # Streaming stores: the keeper's copy is not read back by this process.
+    h.copy_flat(dst[start:], flat, 0, bypass_cache=True)
+    return m, size, h
+
+
+def _decode(data: Any, *, owner: int, world: int, step: int, zero: ZeroRedundancyOptimizer) -> dict:
+    """The partition state in ``data`` (a writable buffer the returned tensors keep viewing)."""
+    buf = memoryview(data).cast("B")
+    n = int.from_bytes(buf[:8], "little") if len(buf) >= 8 else -1
+    try:
+        if not 0 < n <= len(buf) - 8:
+            raise ValueError(f"header length {n}")
+        head = json.loads(bytes(buf[8:8 + n]))
+        want = _header(owner=owner, world=world, step=step, zero=zero)
+        got = {k: head.get(k) for k in want}
+    except (ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"AOR object {partition_key(owner)} step {step} is damaged ({e}) or written by "
+                         "another jitckpt version") from None
     if got != want:
         raise ValueError(f"AOR object {partition_key(owner)} is for {got}, this job needs {want} "
-                         "(different job, world size or optimizer)")
-    return obj["state_dict"]
+                         "(different job, world size, optimizer or jitckpt version)")
+    start = -(-(8 + n) // ALIGN) * ALIGN
+    return rebuild(head["layout"], buf[start:])
 
 
 class AorSnapshotter:
@@ -124,18 +156,12 @@ class AorSnapshotter:
     def _write(self, step: int, peer_state: dict) -> None:
         t0 = time.perf_counter()
         world, me = self.zero.world_size, self.zero.rank
-        blobs = [(partition_key(me), _encode(owner=me, world=world, step=step, zero=self.zero,
-                                             state=self.zero.optim.state_dict())),
-                 (partition_key(self.replica.peer),
-                  _encode(owner=self.replica.peer, world=world, step=step, zero=self.zero, state=peer_state))]
         items = []
-        for key, blob in blobs:
-            m = self.keeper.begin(key, step, len(blob))
-            m[:len(blob)] = blob
-            h = Checksum(DEFAULT_ALGORITHM)
-            h.update(blob)
-            items.append({"key": key, "step": step, "checksum": h.value(), "algo": h.algorithm})
-            self.bytes_written += len(blob)
+        for owner, state in ((me, self.zero.optim.state_dict()), (self.replica.peer, peer_state)):
+            _, size, h = write_partition(self.keeper, owner=owner, world=world, step=step, zero=self.zero,
+                                         state=state)
+            items.append({"key": partition_key(owner), "step": step, "checksum": h.value(), "algo": h.algorithm})
+            self.bytes_written += size
         self.keeper.commit(items)
         self.write_seconds += time.perf_counter() - t0
 
@@ -209,19 +235,16 @@ class PartitionCopier:
 
     def _exchange(self, step: int) -> None:
         t0 = time.perf_counter()
-        own = _encode(owner=self.rank, world=self.world, step=step, zero=self.zero,
-                      state=self.zero.optim.state_dict())
+        m_own, own_size, h = write_partition(self.keeper, owner=self.rank, world=self.world, step=step,
+                                             zero=self.zero, state=self.zero.optim.state_dict())
         own_key, peer_key = partition_key(self.rank), partition_key(self.peer)
-        m_own = self.keeper.begin(own_key, step, len(own))
-        h = Checksum(DEFAULT_ALGORITHM)
-        h.copy(np.frombuffer(m_own, dtype=np.uint8, count=len(own)), np.frombuffer(own, dtype=np.uint8))
-        header = torch.tensor([len(own), _signed(h.value())], dtype=torch.int64)
+        header = torch.tensor([own_size, _signed(h.value())], dtype=torch.int64)
         peer_header = torch.empty(2, dtype=torch.int64)
         self._both(header, peer_header, tag=0)
         size, want = int(peer_header[0]), int(peer_header[1]) & MASK64
         m_peer = self.keeper.begin(peer_key, step, size)
         # Received straight into the keeper's memory; sent from there too (no staging copy).
-        self._both(torch.frombuffer(m_own, dtype=torch.uint8, count=len(own)),
+        self._both(torch.frombuffer(m_own, dtype=torch.uint8, count=own_size),
                    torch.frombuffer(m_peer, dtype=torch.uint8, count=size), tag=1)
         got = Checksum(h.algorithm)
         got.update(memoryview(m_peer)[:size])
@@ -229,7 +252,7 @@ class PartitionCopier:
             raise ValueError(f"AOR partition {peer_key} of step {step} from rank {self.peer} changed in transit")
         self.keeper.commit([{"key": own_key, "step": step, "checksum": h.value(), "algo": h.algorithm},
                             {"key": peer_key, "step": step, "checksum": want, "algo": h.algorithm}])
-        self.bytes_written += len(own) + size
+        self.bytes_written += own_size + size
         self.bytes_received += size
         self.write_seconds += time.perf_counter() - t0
 
@@ -311,7 +334,7 @@ def load_zero_partition(zero: ZeroRedundancyOptimizer, state: dict) -> None:
 
 def _fetch_partitions(keeper: KeeperClient, topo: Topology, step: int, holders: dict,
                       peers: list) -> tuple[dict, int, list]:
-    """Collective: every rank gets its own partition object and its peer's (bytes by key), from
+    """Collective: every rank gets its own partition object and its peer's (by key), from
     its node's keeper if that holds them, else from the lowest rank that does (point to point).
     Returns (objects, rank the own partition came from, keys fetched from another node)."""
     me, rpn = topo.rank, topo.ranks_per_node
@@ -322,12 +345,12 @@ def _fetch_partitions(keeper: KeeperClient, topo: Topology, step: int, holders: 
             local = [h for h in have if h // rpn == r // rpn]  # verified by a rank of r's node
             src = min(local or have)
             plan.append((r, key, r if local else src, have[src]))
-    received: dict[str, bytes] = {}
+    received: dict[str, np.ndarray] = {}  # private, writable copies: the loaded state views them
     works, sending, receiving = [], [], {}
     for tag, (dst, key, src, entry) in enumerate(plan):
         if src == dst == me:
             m, _ = keeper.open(key, step)
-            received[key] = bytes(m[:entry["size"]])
+            received[key] = np.frombuffer(m, dtype=np.uint8, count=entry["size"]).copy()
         elif src == me:
             m, _ = keeper.open(key, step)
             sending.append(torch.frombuffer(m, dtype=torch.uint8, count=entry["size"]))
@@ -339,7 +362,7 @@ def _fetch_partitions(keeper: KeeperClient, topo: Topology, step: int, holders: 
         w.wait()
     remote = []
     for key, (t, entry) in receiving.items():
-        data = t.numpy().tobytes()
+        data = t.numpy()
         if checksum_of(data, entry["algo"]) != entry["checksum"]:
             raise ValueError(f"AOR object {key} step {step} from rank {entry['rank']} changed in transit")
         received[key] = data
