@@ -363,10 +363,13 @@ def test_node_loss_restores_zero_partition_from_peer_replica_bitwise(tmp_path: P
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_node_loss_mid_snapshot_restores_a_whole_step_bitwise(tmp_path: Path) -> None:
-    # Killed while step 4's parameter and AOR writes may still run: step 4 if every partition and
-    # the parameters of 4 survived, else 3 (kept until every rank committed 4), never a mix.
-    restored, _, _ = _zero_node_loss(tmp_path, nodes=2, scheme="arc", steps=7, pause=("--pause-mid", 4))
+@pytest.mark.parametrize("zero", ["recompute", "copy"])
+def test_node_loss_mid_snapshot_restores_a_whole_step_bitwise(tmp_path: Path, zero: str) -> None:
+    # Killed while step 4's parameter and AOR writes (or the partition exchange) may still run:
+    # step 4 if every partition and the parameters of 4 survived, else 3 (kept until every rank
+    # committed 4), never a mix.
+    restored, _, _ = _zero_node_loss(tmp_path, nodes=2, scheme="arc", steps=7, pause=("--pause-mid", 4),
+                                     zero=zero)
     steps = {ev["step"] for ev in restored.values()}
     assert len(steps) == 1 and steps <= {3, 4}, restored
     assert all(ev["source"] == "memory" for ev in restored.values()), restored

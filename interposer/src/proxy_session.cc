@@ -344,12 +344,9 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
     shared.unlock();
     if (order.owns_lock()) order.unlock();
     const std::string what = sticky ? broken : death;
-    if (sticky) {
-      // Kill the useless proxy first: a thread blocked in a call on it then sees it die and lets
-      // the recovery lock go, instead of holding it up.
-      std::lock_guard<std::mutex> lock(mu_);
-      if (generation_ == generation && client_ != nullptr && client_->death().empty()) kill(client_->pid(), SIGKILL);
-    }
+    // Kill the useless proxy first: a thread blocked in a call on it then sees it die and lets
+    // the recovery lock go, instead of holding it up.
+    if (sticky) kill_proxy_for(generation, what);
     // A journaled call comes back with its replayed result; a stateless one is made again.
     proxy::CallResult replayed;
     if (recover(generation, index, what, &replayed)) {
@@ -383,15 +380,27 @@ std::string ProxySession::kill_hung_proxy(uint64_t generation, uint32_t tag, std
   std::lock_guard<std::mutex> lock(mu_);
   if (generation_ != generation || client_ == nullptr) return "";
   const pid_t pid = client_->pid();
-  kill(pid, SIGKILL);
-  for (int i = 0; i < 200 && client_->death().empty(); ++i)  // bounded: 2 s to be reaped
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   char text[200];
   std::snprintf(text, sizeof text, "jitckpt-proxy (pid %d) did not answer the watchdog's %s within %.1f s (hung or "
                 "stopped); it was killed", static_cast<int>(pid), name ? name : "query", waited.count() / 1e3);
-  std::lock_guard<std::mutex> hung(hung_mu_);
-  hung_ = {generation, text};  // the cause, whichever thread finds the proxy dead first
+  {
+    std::lock_guard<std::mutex> cause(kill_cause_mu_);
+    kill_cause_ = {generation, text};  // before the kill: whichever thread finds the proxy dead first says it
+  }
+  kill(pid, SIGKILL);
+  for (int i = 0; i < 200 && client_->death().empty(); ++i)  // bounded: 2 s to be reaped
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   return text;
+}
+
+void ProxySession::kill_proxy_for(uint64_t generation, const std::string& cause) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (generation_ != generation || client_ == nullptr || !client_->death().empty()) return;
+  {
+    std::lock_guard<std::mutex> recorded(kill_cause_mu_);
+    kill_cause_ = {generation, cause};
+  }
+  kill(client_->pid(), SIGKILL);
 }
 
 bool ProxySession::recover_now(const std::string& what) { return recover_live(what, false, false, nullptr); }
@@ -438,10 +447,7 @@ bool ProxySession::recover_live(const std::string& what, bool hung, bool posted_
       return false;  // the proxy lives on: the failure callback's user-level save reads it
     }
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (generation_ == generation && client_ != nullptr && client_->death().empty()) kill(client_->pid(), SIGKILL);
-  }
+  kill_proxy_for(generation, what);
   proxy::CallResult ignored;
   return recover(generation, -1, what, &ignored);
 }
@@ -455,8 +461,8 @@ bool ProxySession::recover(uint64_t failed_generation, int64_t index, const std:
     RecoveryRecord record;
     record.cause = what;
     {
-      std::lock_guard<std::mutex> hung(hung_mu_);
-      if (hung_.first == failed_generation) record.cause = hung_.second;
+      std::lock_guard<std::mutex> cause(kill_cause_mu_);
+      if (kill_cause_.first == failed_generation) record.cause = kill_cause_.second;
     }
     record.recovered = replay_locked(record.cause, &why, &record);
     if (!record.recovered) record.reason = why;

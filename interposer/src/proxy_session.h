@@ -115,6 +115,9 @@ class ProxySession {
   // Kills a proxy that did not answer a watchdog query within `waited`; what to say of it ("" if
   // it was replaced meanwhile).
   std::string kill_hung_proxy(uint64_t generation, uint32_t tag, std::chrono::milliseconds waited);
+  // Kills generation `generation`'s proxy (if still the live one) because of `cause`, recorded
+  // first: another thread whose call then sees the proxy die must not report that death as the cause.
+  void kill_proxy_for(uint64_t generation, const std::string& cause);
   // A failure transparent recovery cannot take (the journal is off, a communicator has peers
   // elsewhere): said once per proxy generation, on stderr and in the event log (issue 16 case 5).
   void refused(uint64_t generation, const std::string& what, const std::string& reason);
@@ -221,8 +224,8 @@ class ProxySession {
   std::mutex save_mu_;
   DeviceSave save_;
   std::atomic<uint64_t> refused_generation_{UINT64_MAX};
-  std::mutex hung_mu_;
-  std::pair<uint64_t, std::string> hung_{UINT64_MAX, ""};  // a generation killed as hung, and why
+  std::mutex kill_cause_mu_;
+  std::pair<uint64_t, std::string> kill_cause_{UINT64_MAX, ""};  // a generation whose proxy we killed, and why
   std::atomic<bool> fence_requested_{false};  // asked of the proxy at a minibatch mark
   std::atomic<bool> skip_until_mark_{false};    // case 4: this minibatch's remaining work is the replica's
   std::atomic<int> waiting_{0};                 // application calls waiting for an answer
