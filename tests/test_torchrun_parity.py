@@ -176,3 +176,27 @@ def test_redirects_tee_and_filter_give_torchruns_destinations(tmp_path: Path) ->
     finally:
         w.stop()
     assert logs().attempt(0, [0])[0].stdout is None  # nothing asked: this console, as torchrun
+
+
+def test_nodes_sharing_a_log_directory_keep_their_own_worker_logs(tmp_path):
+    """Two nodes' launchers with one run directory (a shared filesystem, the default layout under
+    a shared --checkpoint-dir): each node's attempt has its own directory, so one node starting an
+    attempt neither empties the other's logs nor fails on its directory existing (found from
+    outside: a 3-node job's launcher died with FileExistsError on logs/attempt_0/0)."""
+    from jitckpt.launcher.worker_logs import WorkerLogs
+
+    script = tmp_path / "t.py"
+    script.write_text("")
+
+    def node(rank: int) -> WorkerLogs:
+        args = build_parser().parse_args(["run", "--checkpoint-dir", str(tmp_path), "--rdzv-id", "j", "--nnodes", "2",
+                                          "--node-rank", str(rank), "--rdzv-endpoint", "127.0.0.1:29400", "-r", "3",
+                                          str(script)])
+        return WorkerLogs(LaunchConfig.from_args(args), tmp_path / "run")
+
+    first = node(0).attempt(0, [0])[0]
+    Path(first.stdout).write_text("node 0's output\n")
+    second = node(1).attempt(0, [0])[0]
+    assert first.stdout == str(tmp_path / "run" / "logs" / "node0" / "attempt_0" / "0" / "stdout.log")
+    assert second.stdout == str(tmp_path / "run" / "logs" / "node1" / "attempt_0" / "0" / "stdout.log")
+    assert Path(first.stdout).read_text() == "node 0's output\n"

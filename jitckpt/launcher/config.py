@@ -133,7 +133,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
          help="run the script with runpy.run_path (how jitckpt's workers always run a script)")
     both("--log-dir", default="",
          help="base directory of the workers' log files: <log-dir>/<run id>/attempt_<generation>/<local "
-              "rank>/{stdout.log,stderr.log,error.json} (default <run-dir>/logs)")
+              "rank>/{stdout.log,stderr.log,error.json}, with several nodes <log-dir>/<run id>/node<node "
+              "rank>/attempt_... (default <run-dir>/logs)")
     g.add_argument("-r", "--redirects", default="0",
                    help="redirect workers' output to files in the log directory: 0 none, 1 stdout, 2 stderr, "
                         "3 both, or per local rank as 0:1,1:2")

@@ -1,6 +1,9 @@
 """Where each worker's output goes: torchrun's ``--log-dir``, ``-r/--redirects``, ``-t/--tee`` and
 ``--local-ranks-filter``, with torchrun's meaning and file layout
-(``<log dir>/<run id>/attempt_<generation>/<local rank>/{stdout.log,stderr.log,error.json}``), and
+(``<log dir>/<run id>/attempt_<generation>/<local rank>/{stdout.log,stderr.log,error.json}``;
+with several nodes ``<log dir>/<run id>/node<node rank>/attempt_...``: the log and run directories
+are usually on a filesystem every node shares, where torchrun makes its run directory unique with a
+random suffix instead, and each attempt empties its directories), and
 the ``TORCHELASTIC_ERROR_FILE`` that a script's ``@record`` writes its exception to. torch's own
 ``Std`` parses the flags and its ``TailLog`` prints tee'd files, imported only when asked (the
 launcher does not import torch otherwise).
@@ -33,6 +36,8 @@ class WorkerLogs:
 
     def __init__(self, cfg: LaunchConfig, run_dir: Path) -> None:
         self.root = Path(cfg.log_dir) / cfg.run_id if cfg.log_dir else run_dir / "logs"
+        if cfg.nnodes > 1:  # one node's attempt must not empty another's (a shared filesystem)
+            self.root /= f"node{cfg.node_rank}"
         self.role = cfg.role
         self.filter = cfg.local_ranks_filter
         self._redirects = self._std_map(cfg.redirects, cfg.nproc_per_node)
