@@ -57,6 +57,10 @@ def parse():
                    help="mlp: Linear+Tanh; bn: + BatchNorm1d after each hidden Linear (buffers DDP "
                         "broadcasts at every forward); ln: + LayerNorm; dropout: + Dropout(0.25) "
                         "(RNG state)")
+    p.add_argument("--rank-rng", action="store_true",
+                   help="after building the model, draw rank+1 numbers from torch's and NumPy's RNGs, so "
+                        "every rank's RNG state differs (as in a script that seeds by rank); training "
+                        "draws none with --model mlp, so the run stays deterministic")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--optim", default="adam", choices=["adam", "sgd", "zero-adam"],
@@ -208,6 +212,11 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     model = build(args) if args.overlap_step else DDP(build(args))
+    if args.rank_rng:
+        import numpy as np
+
+        torch.rand(rank + 1)
+        np.random.rand(rank + 1)
     net = model if args.overlap_step else model.module
     works = {}
     if args.overlap_step:  # a wait raises if a peer died before contributing that gradient

@@ -87,28 +87,33 @@ def reference(tmp_path_factory):
     return torch.load(tmp / "ref-final.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("protection,kill_at", [
-    pytest.param("aec", KILL_AT, marks=pytest.mark.slow), pytest.param("arc", KILL_AT, marks=pytest.mark.slow),
+@pytest.mark.parametrize("protection,kill_at,lost,extra", [
+    pytest.param("aec", KILL_AT, 2, [], marks=pytest.mark.slow),
+    pytest.param("arc", KILL_AT, 2, [], marks=pytest.mark.slow),
     # Resume from the step-1 snapshot: minibatch 1 is the first to run on DDP's rebuilt bucket
     # layout, so that snapshot must carry the rebuilt layout (3 ranks: the sum order depends on it).
-    ("aec", 2)])
-def test_node_loss_resumes_from_in_memory_snapshot(reference, tmp_path, protection, kill_at):
-    inject = [a for r in range(NODES) for a in ("--inject", f"0:{r}:{kill_at}:{'node' if r == 2 else 'kill'}")]
-    _, events = run_nodes(tmp_path, "fail", protection, inject)
-    ev0, ev2 = events[0], events[2]
+    # Every rank's RNG state differs (a script seeding by rank) and node 0 is lost: AEC's XOR
+    # decode of its part mixed two ranks' RNG bytes from node 2's part, and the difference landed
+    # in node 0's part at the same offset; the snapshot now holds rank 0's RNG on every rank.
+    ("aec", 2, 0, ["--rank-rng"])])
+def test_node_loss_resumes_from_in_memory_snapshot(reference, tmp_path, protection, kill_at, lost, extra):
+    inject = [a for r in range(NODES) for a in ("--inject", f"0:{r}:{kill_at}:{'node' if r == lost else 'kill'}")]
+    _, events = run_nodes(tmp_path, "fail", protection, inject + extra)
+    ev0, evl = events[0], events[lost]
     # No surviving replica: nobody took a JIT checkpoint.
     assert not [e for ev in events for e in ev if e["event"] == "checkpoint_saved" and e["kind"] == "jit"]
-    # Node 2's keeper was killed with the node: its launcher started a fresh one for launch 1.
-    keepers = [e for e in ev2 if e["event"] == "snapshot_keeper_start"]
+    # The lost node's keeper was killed with the node: its launcher started a fresh one for launch 1.
+    keepers = [e for e in evl if e["event"] == "snapshot_keeper_start"]
     assert [k["replaced"] for k in keepers] == [False, True], keepers
     assert keepers[1]["previous_exit"] == -9 and keepers[0]["pid"] != keepers[1]["pid"]
-    assert [len([e for e in ev if e["event"] == "snapshot_keeper_start"]) for ev in events[:2]] == [1, 1]
-    # Every rank resumed from the in-memory snapshot of the last committed step; node 2's data
-    # part came from parity (aec) or from node 1's copy (arc).
+    assert [len([e for e in ev if e["event"] == "snapshot_keeper_start"])
+            for n, ev in enumerate(events) if n != lost] == [1, 1]
+    # Every rank resumed from the in-memory snapshot of the last committed step; the lost node's
+    # data part came from parity (aec) or from its predecessor's copy (arc).
     restores = [e for ev in events for e in ev if e["event"] == "restore"]
     assert len(restores) == NODES, restores
     assert {(e["source"], e["step"]) for e in restores} == {("memory", kill_at - 1)}
-    expect_decoded = ["x2.0"] if protection == "aec" else []
+    expect_decoded = [f"x{lost}.0"] if protection == "aec" else []
     assert all(e["decoded"] == expect_decoded for e in restores), restores
     assert [e["restart_count"] for e in ev0 if e["event"] == "restart"] == [1]
     log = _read_jsonl(tmp_path / "fail-train.jsonl")

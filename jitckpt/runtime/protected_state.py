@@ -232,6 +232,14 @@ class Protected:
 
     def _snapshot_state(self) -> dict:
         sd = self.state_dict()
+        # Everything but parameters and optimizer state (RNG, buffers, scheduler, extra) may differ
+        # between ranks; ARC/AEC need one replica's bytes on every rank (jitckpt.snapshot.uniform).
+        params = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+        keys = [k for k in sd if k not in ("model", "optimizer")]
+        buffers = {k: v for k, v in sd["model"].items() if k not in params}
+        shared_buffers, *rest = self._snapshots.uniform([buffers, *(sd[k] for k in keys)])
+        sd["model"].update(shared_buffers)  # a fresh dict: the model's own is not touched
+        sd.update(zip(keys, rest))
         if self._ddp_layout is not None and self._layout_settled:  # the one this minibatch uses
             from jitckpt.snapshot.tier import LAYOUT_KEY
 

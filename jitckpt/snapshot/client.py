@@ -194,6 +194,11 @@ class SnapshotTaker:
         self._thread.start()
 
     # Trainer-facing API ------------------------------------------------------------------------
+    @property
+    def side_group(self) -> Any:
+        """The taker's own gloo group (None with one rank): collectives in ``state_fn`` use it."""
+        return self._side
+
     def skip(self, step: int) -> None:
         """Do not snapshot ``step`` (the job just restored it: the keeper already holds it)."""
         self._skip_step = step

@@ -207,6 +207,13 @@ class SnapshotTier:
     def begin(self, step: int) -> bool:
         return bool(self.taker.begin(step))
 
+    def uniform(self, parts: list) -> list:
+        """Collective (in the taker's ``state_fn``): ``parts`` with rank 0's tensors (see
+        :mod:`jitckpt.snapshot.uniform`)."""
+        from jitckpt.snapshot.uniform import share_rank0
+
+        return share_rank0(parts, group=self.taker.side_group)
+
     def wait(self) -> Optional[int]:
         return self.taker.wait()
 
