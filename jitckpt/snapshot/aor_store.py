@@ -5,8 +5,9 @@ own partition state (``zero.optim.state_dict()``), and ``aor.z{p}``, its :class:
 of peer ``p``'s partition (or, with :class:`PartitionCopier`, the peer's own, received). Both
 are the state at the *start* of step ``s`` (after ``s`` updates), written straight into the
 keeper's memory as a JSON layout and the tensors' bytes (:func:`write_partition`; no pickle) and
-checksummed by the writer while it copies. Every partition therefore lives on two nodes. The parameters are replicated and go
-through :class:`SnapshotTaker` as usual (``state_fn`` returning ``{"step", "model"}``).
+checksummed by the writer while it copies. Every partition therefore lives on two nodes. The
+parameters are replicated and go through :class:`SnapshotTaker` as usual (``state_fn``
+returning ``{"step", "model"}``).
 
 Order in the training loop (one rank)::
 

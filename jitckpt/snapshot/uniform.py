@@ -35,7 +35,10 @@ def _replace(obj: Any, take: Callable[[], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return take()
     if isinstance(obj, dict):
-        out = type(obj)() if type(obj) is not dict else {}
+        try:
+            out = type(obj)()
+        except TypeError:  # a dict subclass that needs arguments: its items are what count
+            out = {}
         for k, v in obj.items():
             out[k] = _replace(v, take)
         if hasattr(obj, "__dict__"):  # OrderedDict's _metadata (state_dict version info)
