@@ -40,6 +40,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench_snapshot import start_keeper  # noqa: E402  (this directory is on sys.path)
 
 BLOCK = 10
 MODES = ("none", "recompute@1", "copy@1", "recompute@10", "copy@10")
@@ -137,17 +138,6 @@ def rank_main(args: argparse.Namespace) -> None:
         "copy_bytes_received_per_snapshot": copier.bytes_received / max(snaps["copy"] + 5, 1),
     }), flush=True)
     dist.destroy_process_group()
-
-
-def start_keeper(sock: str, node: int) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot.keeper", "--socket", sock, "--node", str(node),
-                          "--max-lifetime", "900"], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    line = p.stdout.readline()
-    if not line.startswith("ready"):
-        p.kill()
-        raise RuntimeError(f"snapshot keeper did not start: {line!r}")
-    return p
 
 
 def derive(o: dict) -> None:

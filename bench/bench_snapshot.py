@@ -91,9 +91,9 @@ def state_of(step: int, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     return {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()}
 
 
-def start_keeper(sock: str) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot.keeper", "--socket", sock,
-                          "--max-lifetime", "600"], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+def start_keeper(sock: str, node: int = 0) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "jitckpt.snapshot.keeper", "--socket", sock, "--node", str(node),
+                          "--max-lifetime", "900"], stdout=subprocess.PIPE, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     line = p.stdout.readline()
     if not line.startswith("ready"):

@@ -106,6 +106,18 @@ def _decode(data: Any, *, owner: int, world: int, step: int, zero: ZeroRedundanc
     return rebuild(head["layout"], buf[start:])
 
 
+def _finish(job: Optional[tuple[int, concurrent.futures.Future]], timeout: float, what: str) -> Optional[int]:
+    """Wait for a queued (step, future) keeper job; its step, or None when there was none."""
+    if job is None:
+        return None
+    step, fut = job
+    try:
+        fut.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"{what} of step {step} not done after {timeout} s") from None
+    return step
+
+
 class AorSnapshotter:
     """Writes this rank's ZeRO partition and its peer replica into the node keeper, per snapshot.
 
@@ -138,14 +150,8 @@ class AorSnapshotter:
 
     def wait(self) -> Optional[int]:
         """Block until the running write is committed; the step, or None if none was running."""
-        if self._job is None:
-            return None
-        (step, fut), self._job = self._job, None
-        try:
-            fut.result(timeout=self.wait_timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"AOR snapshot of step {step} not written after {self.wait_timeout} s") from None
-        return step
+        job, self._job = self._job, None
+        return _finish(job, self.wait_timeout, "AOR snapshot")
 
     def close(self) -> None:
         """Finish a running write and drop the keeper connection."""
@@ -217,14 +223,8 @@ class PartitionCopier:
 
     def wait(self) -> Optional[int]:
         """Block until both objects of the running exchange are committed; its step, or None."""
-        if self._job is None:
-            return None
-        (step, fut), self._job = self._job, None
-        try:
-            fut.result(timeout=self.wait_timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"AOR partition copy of step {step} not done after {self.wait_timeout} s") from None
-        return step
+        job, self._job = self._job, None
+        return _finish(job, self.wait_timeout, "AOR partition copy")
 
     def close(self) -> None:
         """Finish a running exchange, stop the worker and drop the keeper connection."""
