@@ -347,9 +347,11 @@ def _zero_node_loss(tmp_path: Path, *, nodes: int, scheme: str, steps: int, paus
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("nodes,rpn,scheme,zero", [
-    # recompute's fast coverage: the replica test above and the launcher's [node-recompute]
+    # Fast coverage of both modes: the replica test above and test_snapshot_launcher's
+    # [node-recompute] and [node-copy] (3 nodes: a ring, each rank sending to one rank and
+    # receiving from another).
     pytest.param(2, 1, "arc", "recompute", marks=pytest.mark.slow),
-    (3, 1, "aec", "copy"),  # a ring: each rank sends to one rank and receives from another
+    pytest.param(3, 1, "aec", "copy", marks=pytest.mark.slow),
     pytest.param(3, 1, "aec", "recompute", marks=pytest.mark.slow),
     pytest.param(2, 2, "aec", "recompute", marks=pytest.mark.slow),
     pytest.param(2, 2, "aec", "copy", marks=pytest.mark.slow)])
