@@ -744,3 +744,45 @@ def test_find_latest_in_memory_decodes_a_lost_keeper_without_a_process_group(tmp
         for p in procs:
             p.kill()
             p.wait(timeout=10)
+
+
+def _share_worker(rank: int, port: int, out: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from jitckpt.snapshot.uniform import share_rank0
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    buffers = OrderedDict(mean=torch.full((3,), float(rank)), count=torch.tensor(10 + rank))
+    buffers._metadata = {"": {"version": 1}}
+    live = [buffers["mean"], buffers["count"]]
+    rng = {"torch": torch.tensor([rank] * 5, dtype=torch.uint8), "python": (3, rank),
+           "numpy": ("MT", torch.tensor([rank, 7], dtype=torch.int32))}
+    got_buffers, got_rng, step = share_rank0([buffers, rng, 5])
+    result = {
+        "mean": got_buffers["mean"].tolist(), "count": int(got_buffers["count"]),
+        "count_dtype": str(got_buffers["count"].dtype), "metadata": getattr(got_buffers, "_metadata", None),
+        "ordered": isinstance(got_buffers, OrderedDict), "torch": got_rng["torch"].tolist(),
+        "python": list(got_rng["python"]), "numpy": got_rng["numpy"][1].tolist(), "step": step,
+        "live_untouched": live[0].tolist() == [float(rank)] * 3 and int(live[1]) == 10 + rank,
+    }
+    Path(out, f"{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_share_rank0_gives_every_rank_rank0s_tensors_and_keeps_the_rest(tmp_path) -> None:
+    """The per-rank parts of a snapshot (jitckpt.snapshot.uniform): tensors of any dtype and size
+    (unaligned ones next to each other) become rank 0's on both ranks, in new tensors; other
+    leaves and containers (an OrderedDict with its metadata, tuples) stay as they were."""
+    from forked_ranks import run_two_ranks
+
+    assert run_two_ranks(_share_worker, str(tmp_path), timeout=60) == [0, 0]
+    r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
+    for r in (r0, r1):
+        assert (r["mean"], r["count"], r["count_dtype"], r["torch"], r["numpy"]) == (
+            [0.0] * 3, 10, "torch.int64", [0] * 5, [0, 7])
+        assert r["ordered"] and r["metadata"] == {"": {"version": 1}} and r["step"] == 5
+        assert r["live_untouched"]
+    assert (r0["python"], r1["python"]) == ([3, 0], [3, 1])  # not a tensor: each rank's own
