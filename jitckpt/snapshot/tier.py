@@ -57,8 +57,10 @@ class SnapshotTier:
         self.socket_path, self.every, self.protection = socket_path, every, protection
         self.flush_every, self.ranks_per_node = flush_every, ranks_per_node
         self.checkpoint_dir, self.gen = checkpoint_dir, gen
-        if zero not in ("recompute", "copy"):
-            raise ValueError(f"snapshot tier: zero must be 'recompute' or 'copy', got {zero!r}")
+        from jitckpt.protocol.worker_spec import SNAPSHOT_ZERO_MODES
+
+        if zero not in SNAPSHOT_ZERO_MODES:
+            raise ValueError(f"snapshot tier: zero must be one of {SNAPSHOT_ZERO_MODES}, got {zero!r}")
         self.zero = zero  # how ZeRO partitions are protected (docs/aor.md)
         self.taker: Any = None
         # A client whose keeper buffers a warm standby mapped ahead (jitckpt.snapshot.premap):
