@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from forked_ranks import run_two_ranks
+from forked_ranks import run_ranks
 from jitckpt.runtime.ddp_init_sync import DeferredInitSync
 
 PROC_TIMEOUT = 60.0
@@ -52,7 +52,7 @@ def _worker(rank: int, port: int, root: str, mode: str) -> None:
 
 
 def _run(tmp_path: Path, mode: str) -> list:
-    assert run_two_ranks(_worker, str(tmp_path), mode, timeout=PROC_TIMEOUT) == [0, 0]
+    assert run_ranks(_worker, str(tmp_path), mode, timeout=PROC_TIMEOUT) == [0, 0]
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
 
 

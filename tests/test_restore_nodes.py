@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import keeper_process
-from forked_ranks import run_two_ranks
+from forked_ranks import run_ranks
 from jitckpt.snapshot.client import META_KEY, SnapshotTaker, Topology
 from jitckpt.snapshot.keeper_client import KeeperClient
 from test_restore_one_node import _frozen, _live, _outcome, _same, _trainer
@@ -64,7 +64,7 @@ def _worker(rank: int, port: int, socks: list, out: str, damage: str) -> None:
 def _run(tmp_path: Path, damage: str) -> list[dict]:
     socks = [str(tmp_path / f"k{n}.sock") for n in range(2)]
     with keeper_process(socks[0]), keeper_process(socks[1]):
-        assert run_two_ranks(_worker, socks, str(tmp_path), damage, timeout=PROC_TIMEOUT) == [0, 0]
+        assert run_ranks(_worker, socks, str(tmp_path), damage, timeout=PROC_TIMEOUT) == [0, 0]
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
 
 
@@ -140,7 +140,7 @@ def _gather_worker(rank: int, port: int, out: str) -> None:
 def test_gather_json_takes_one_round_unless_some_rank_sends_a_long_document(tmp_path) -> None:
     from jitckpt.snapshot.restore import GATHER_INLINE_BYTES
 
-    assert run_two_ranks(_gather_worker, str(tmp_path), timeout=PROC_TIMEOUT) == [0, 0]
+    assert run_ranks(_gather_worker, str(tmp_path), timeout=PROC_TIMEOUT) == [0, 0]
     long = "x" * (GATHER_INLINE_BYTES + 17)
     for r in range(2):
         got = json.loads((tmp_path / f"{r}.json").read_text())
@@ -148,3 +148,43 @@ def test_gather_json_takes_one_round_unless_some_rank_sends_a_long_document(tmp_
         assert got["short_calls"] == 1
         assert got["mixed"] == [[], long] and got["mixed_calls"] == 2
         assert got["empty"] == ["", ""]
+
+
+def _parity_worker(rank: int, port: int, socks: list, diverge: bool) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=datetime.timedelta(seconds=30))
+    # "z" ends the flat state: node 2's second segment, which node 1's parity covers and which only
+    # a decode of node 0's shard reads (the place a differing RNG state sat, issue 19's fix).
+    state = {"w": torch.arange(3000, dtype=torch.float32),
+             "z": torch.full((64,), float(rank if diverge else 7))}
+    snap = SnapshotTaker(state_fn=lambda: state, socket_path=socks[rank], scheme="aec", ranks_per_node=1)
+    assert snap.begin(1) and snap.wait() == 1
+    snap.close()
+    dist.barrier()  # every node's objects are committed
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("diverge", [False, True])
+def test_a_range_decoded_from_parity_is_checked_against_its_writers_replica(tmp_path, diverge: bool) -> None:
+    """Three nodes, AEC, node 0 lost. Each parity writer hashes every range it XORs, as read from
+    its own replica; a decoded range must match. Replicas that differ (here rank 2's last tensor)
+    would otherwise decode into finite garbage that nothing catches."""
+    from jitckpt.snapshot.restore import find_latest_in_memory
+
+    socks = [str(tmp_path / f"k{n}.sock") for n in range(3)]
+    with keeper_process(socks[0]), keeper_process(socks[1]), keeper_process(socks[2]):
+        assert run_ranks(_parity_worker, socks, diverge, world=3, timeout=PROC_TIMEOUT) == [0, 0, 0]
+        c = KeeperClient(socks[1])
+        parity = [e for e in c.listing() if e["key"] == "p1.0"]
+        c.close()
+        assert len(parity) == 1 and len(parity[0]["covers"]) == 2  # one checksum per node it covers
+        survivors = {1: socks[1], 2: socks[2]}
+        if not diverge:
+            step, state = find_latest_in_memory(survivors, num_nodes=3, ranks_per_node=1)
+            assert step == 1 and torch.equal(state["w"], torch.arange(3000, dtype=torch.float32))
+            assert torch.equal(state["z"], torch.full((64,), 7.0))
+        else:
+            with pytest.raises(ValueError, match=r"x0.0 decoded from parity p1.0 differs .* node 1 hashed"):
+                find_latest_in_memory(survivors, num_nodes=3, ranks_per_node=1)

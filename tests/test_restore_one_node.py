@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from forked_ranks import run_two_ranks
+from forked_ranks import run_ranks
 from jitckpt.snapshot.client import SnapshotTaker
 from jitckpt.snapshot.keeper_client import KeeperClient
 
@@ -131,7 +131,7 @@ def _outcome(res, states: dict, params: dict, model, opt) -> dict:
 
 
 def _run(tmp_path: Path, sock: str, damage: str) -> list[dict]:
-    assert run_two_ranks(_worker, sock, str(tmp_path), damage, timeout=PROC_TIMEOUT) == [0, 0]
+    assert run_ranks(_worker, sock, str(tmp_path), damage, timeout=PROC_TIMEOUT) == [0, 0]
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
 
 

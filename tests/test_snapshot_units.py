@@ -776,9 +776,9 @@ def test_share_rank0_gives_every_rank_rank0s_tensors_and_keeps_the_rest(tmp_path
     """The per-rank parts of a snapshot (jitckpt.snapshot.uniform): tensors of any dtype and size
     (unaligned ones next to each other) become rank 0's on both ranks, in new tensors; other
     leaves and containers (an OrderedDict with its metadata, tuples) stay as they were."""
-    from forked_ranks import run_two_ranks
+    from forked_ranks import run_ranks
 
-    assert run_two_ranks(_share_worker, str(tmp_path), timeout=60) == [0, 0]
+    assert run_ranks(_share_worker, str(tmp_path), timeout=60) == [0, 0]
     r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
     for r in (r0, r1):
         assert (r["mean"], r["count"], r["count_dtype"], r["torch"], r["numpy"]) == (
@@ -786,3 +786,24 @@ def test_share_rank0_gives_every_rank_rank0s_tensors_and_keeps_the_rest(tmp_path
         assert r["ordered"] and r["metadata"] == {"": {"version": 1}} and r["step"] == 5
         assert r["live_untouched"]
     assert (r0["python"], r1["python"]) == ([3, 0], [3, 1])  # not a tensor: each rank's own
+
+
+def test_the_tier_names_what_it_found_but_could_not_use(keeper, tmp_path) -> None:
+    """A NaN snapshot is the only state: resolve() gives nothing and says what it rejected (the
+    trainer then reports a fresh start), while an empty keeper rejects nothing."""
+    from jitckpt.snapshot.tier import SnapshotTier
+
+    sock, _ = keeper
+
+    def tier() -> SnapshotTier:
+        return SnapshotTier(socket_path=sock, every=1, protection="none", flush_every=0, ranks_per_node=1,
+                            checkpoint_dir=str(tmp_path / "ckpt"), gen=0)
+
+    empty = tier()
+    assert empty.resolve() is None and empty.rejected == []
+    snap = SnapshotTaker(state_fn=lambda: {"step": 3, "w": torch.tensor([1.0, math.nan])}, socket_path=sock,
+                         scheme="none", ranks_per_node=1)
+    assert snap.begin(3) and snap.wait() == 3
+    snap.close()
+    bad = tier()
+    assert bad.resolve() is None and bad.rejected == ["memory step 3: restored state has NaN/Inf"]

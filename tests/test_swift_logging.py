@@ -22,7 +22,7 @@ from jitckpt.swift.pipeline.recovery import (catch_up_peers, partition_micro_bat
                                              recovery_targets)
 from jitckpt.swift.pipeline.schedule import pipeline_schedule
 
-from forked_ranks import run_two_ranks
+from forked_ranks import run_ranks
 
 PROC_TIMEOUT = 60.0
 
@@ -93,7 +93,7 @@ def _hook_worker(rank: int, port: int, root: str) -> None:
 
 
 def test_hooks_log_sends_and_receive_digests(tmp_path):
-    assert run_two_ranks(_hook_worker, str(tmp_path), timeout=PROC_TIMEOUT) == [0, 0]
+    assert run_ranks(_hook_worker, str(tmp_path), timeout=PROC_TIMEOUT) == [0, 0]
     # Chunked: stage 0 logged 3 sends + 2 receive digests with 3 records per chunk.
     assert len(list(iter_chunks(tmp_path / "stage0"))) >= 2
     index = LogIndex([tmp_path / "stage0", tmp_path / "stage1"])

@@ -23,7 +23,7 @@ from jitckpt.swift.pipeline.forked_supervisor import run_pipeline
 from jitckpt.swift.pipeline.reference_model import MlpStages
 from jitckpt.swift.pipeline.run_config import PipelineRun
 
-from forked_ranks import run_two_ranks
+from forked_ranks import run_ranks
 
 STAGE, CKPT, ITERS = 2, 4, 6
 PROC_TIMEOUT = 60.0
@@ -78,7 +78,7 @@ def test_parallel_recovery_is_bitwise_identical_to_sequential(tmp_path):
                                    checkpoint_every=CKPT, timeout=60.0), build_stage=MlpStages())
     assert res.ok
     want = torch.load(run_dir / "final" / f"stage{STAGE}.pt", weights_only=True)
-    assert run_two_ranks(_worker, str(run_dir), timeout=PROC_TIMEOUT) == [0, 0]
+    assert run_ranks(_worker, str(run_dir), timeout=PROC_TIMEOUT) == [0, 0]
     out = run_dir / "parallel"
     assert json.loads((out / "assigned0.json").read_text()) == {"5": [0, 2], "6": [0, 2]}
     assert json.loads((out / "assigned1.json").read_text()) == {"5": [1, 3], "6": [1, 3]}

@@ -720,6 +720,7 @@ class Launcher:
                 failure.saw_step(msg.step)
         elif isinstance(msg, WorkerWarning):
             self.emit("warning", rank=w.rank, reason=msg.reason)
+            self.display.say(f"warning from rank {w.rank}: {msg.reason}")
         elif isinstance(msg, Restored):
             w.restored = msg
             self.emit("restore", rank=w.rank, step=msg.step, path=msg.path, seconds=msg.seconds,

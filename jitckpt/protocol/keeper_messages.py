@@ -28,7 +28,8 @@ class Begin(Message):
 
 @dataclass(frozen=True)
 class Commit(Message):
-    """The buffers begun for ``items`` ({key, step, checksum, algo} each) are complete."""
+    """The buffers begun for ``items`` ({key, step, checksum, algo} each, and a parity object's
+    ``covers``: the checksum of each range it is the XOR of) are complete."""
     TYPE: ClassVar[str] = "commit"
     items: list
 
@@ -79,7 +80,8 @@ class Granted(Message):
 
 @dataclass(frozen=True)
 class Objects(Message):
-    """Reply to :class:`ListObjects`: {key, step, size, checksum, algo, buf_id} per complete version."""
+    """Reply to :class:`ListObjects`: {key, step, size, checksum, algo, buf_id} per complete version
+    (and ``covers`` where its commit had them)."""
     TYPE: ClassVar[str] = "objects"
     objects: list
     node: int

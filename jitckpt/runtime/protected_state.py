@@ -473,14 +473,16 @@ class Protected:
                     f"{first} already, so this rank stops and the restarted job resumes from the "
                     "newest step every shard can load")
         if first is not None:
-            log.warning("no loadable checkpoint is left in %s: starting from step %d",
-                        rt.checkpoint_dir, self.step)
+            rt.report_fresh_start(self.step, f"every checkpoint in {rt.checkpoint_dir} failed to load; "
+                                  "the bad ones are kept as bad-*")
         return None
 
     def _restore_tiered(self, rt: Any) -> int:
         # One rank: the snapshot is loaded straight into the live tensors (load_state_dict then copies nothing).
         point = self._snapshots.resolve(into=None if self._zero else self.state_dict())
         if point is None:
+            if self._snapshots.rejected:
+                rt.report_fresh_start(self.step, "; ".join(self._snapshots.rejected))
             return self.step
         t0 = time.monotonic()
         if self._zero and point.aor is None and point.step != 0:  # step 0: nothing to lose

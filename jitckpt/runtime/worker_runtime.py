@@ -379,9 +379,20 @@ class WorkerRuntime:
         if self._warned:
             return
         self._warned = True
-        log.warning("%s", reason)
+        self._warn(reason)
+
+    def _warn(self, reason: str) -> None:
+        """Said by the launcher (console and event log) when there is one: the worker's own output
+        may be redirected to a file."""
         if self.channel is not None:
             self.channel.send(WorkerWarning(rank=self.rank, reason=reason))
+        else:
+            log.warning("%s", reason)
+
+    def report_fresh_start(self, step: int, why: str) -> None:
+        """Checkpoints were found but none could be used: training starts again at ``step``."""
+        if self.rank == 0:  # every rank chose alike; one line is enough
+            self._warn(f"no usable checkpoint is left ({why}): training starts again from step {step}")
 
     # ---- region tracking (called by CollectiveHooks on the calling thread) --------------------
     def _torn(self) -> bool:

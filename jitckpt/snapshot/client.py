@@ -344,15 +344,20 @@ class SnapshotTaker:
         dst_all = torch.frombuffer(m, dtype=torch.uint8, count=spec.size)
         h = Checksum(DEFAULT_ALGORITHM)
         (off0, _), rest = spec.sources[0], spec.sources[1:]
+        # Parity: each range is hashed too, as read here, so a range decoded from this parity on
+        # another node can be checked against this node's replica (they must be equal bytes).
+        covers = [Checksum(DEFAULT_ALGORITHM) for _ in spec.sources] if rest else []
         for c in range(0, spec.size, self.chunk):
             n = min(self.chunk, spec.size - c)
             self.stats.chunks[self._gate()] += 1
             dst = dst_all[c:c + n]
             if rest:  # parity: the XOR of several ranges, hashed once complete
                 job.flat.read_into(off0 + c, dst)
-                for off, _ in rest:
+                covers[0].update(dst.numpy())
+                for (off, _), hc in zip(rest, covers[1:]):
                     tmp = self._tmp[:n]
                     job.flat.read_into(off + c, tmp)
+                    hc.update(tmp.numpy())
                     xor_into(dst, tmp)
                 h.update(dst.numpy())
             else:
@@ -360,7 +365,10 @@ class SnapshotTaker:
                 # evict the trainer's data from the shared cache.
                 h.copy_flat(dst.numpy(), job.flat, off0 + c, bypass_cache=True)
             self.stats.bytes_copied += n
-        return {"key": spec.key, "step": job.step, "checksum": h.value(), "algo": h.algorithm}
+        item = {"key": spec.key, "step": job.step, "checksum": h.value(), "algo": h.algorithm}
+        if covers:
+            item["covers"] = [hc.value() for hc in covers]
+        return item
 
     def _start_flush(self, job: _Job) -> None:
         skeleton, full, step, topo = job.flat.skeleton, job.full_copy, job.step, self.topo

@@ -45,6 +45,7 @@ class _Buffer:
     complete: bool = False
     checksum: int = 0
     algo: str = ""
+    covers: tuple = ()  # a parity object's checksum of each range it is the XOR of, as its writer read them
 
 
 class SnapshotKeeper:
@@ -77,7 +78,7 @@ class SnapshotKeeper:
             if b.capacity < size:
                 os.ftruncate(b.fd, size)
                 b.capacity, b.buf_id = size, self._take_id()
-            b.size, b.step, b.complete, b.checksum, b.algo = size, step, False, 0, ""
+            b.size, b.step, b.complete, b.checksum, b.algo, b.covers = size, step, False, 0, "", ()
             return b
 
     def _take_id(self) -> int:
@@ -98,11 +99,12 @@ class SnapshotKeeper:
                     raise ValueError(f"commit {key} step {step}: no begin for it (or already committed)")
                 b = match[0]
                 b.checksum, b.algo, b.complete = int(it["checksum"]), str(it["algo"]), True
+                b.covers = tuple(int(c) for c in it.get("covers", ()))
 
     def listing(self) -> list[dict]:
         with self._lock:
             return [{"key": k, "step": b.step, "size": b.size, "checksum": b.checksum, "algo": b.algo,
-                     "buf_id": b.buf_id}
+                     "buf_id": b.buf_id, **({"covers": list(b.covers)} if b.covers else {})}
                     for k, bufs in sorted(self._objects.items()) for b in bufs
                     if b.complete]
 

@@ -24,6 +24,8 @@ from typing import Mapping, Optional
 
 import torch
 
+from jitckpt.snapshot.checksum import checksum_of
+
 SCHEMES = ("none", "arc", "aec")
 
 
@@ -126,11 +128,14 @@ class ProtectionPlan:
                 need.append(pk)
         return need
 
-    def assemble(self, objects: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def assemble(self, objects: Mapping[str, torch.Tensor],
+                 covers: Optional[Mapping[str, tuple]] = None) -> torch.Tensor:
         """The padded flat state (uint8 tensor) from data parts, decoding missing ones from parity.
 
         With a single data part (one node, one rank) that part *is* the flat state and is returned
-        without a copy.
+        without a copy. ``covers``: parity key -> (checksum of each of its ranges as its writer
+        read them, algorithm); each decoded range is checked against it, and a mismatch (the
+        nodes' replicas of the state were not the same bytes) raises ValueError.
         """
         whole = objects.get("x0.0")
         if self.m * self.r == 1 and whole is not None and whole.numel() == self.padded_total:
@@ -166,6 +171,14 @@ class ProtectionPlan:
                     if k * self.S <= off < (k + 1) * self.S:
                         continue  # the erased term itself
                     xor_into(dst, flat[off:off + n])
+                expect = (covers or {}).get(pspec.key)
+                if expect is not None and len(expect[0]) == len(pspec.sources):
+                    sums, algo = expect
+                    if checksum_of(dst.numpy(), algo) != sums[k - (k > i)]:  # sources skip node i
+                        raise ValueError(
+                            f"x{k}.{l} decoded from parity {pspec.key} differs from the bytes node {i} "
+                            "hashed when it wrote that parity: the nodes' copies of the state were not "
+                            "the same (ranks whose parameters or optimizer state diverged?)")
         return flat
 
 

@@ -69,6 +69,7 @@ class MemoryChoice:
     holders: dict       # key -> (rank, size)
     decoded: list
     checksums: dict = field(default_factory=dict)  # key -> (checksum, algorithm), as its writer hashed it
+    covers: dict = field(default_factory=dict)     # parity key -> (its ranges' checksums, algorithm)
 
 
 def _is_initialized() -> bool:
@@ -148,7 +149,8 @@ def latest_memory_step(catalogues: list, topo: Topology, skipped: Optional[list]
         decoded = sorted(f"x{k}.{l}" for k in range(plan.m) for l in range(plan.r)
                          if f"x{k}.{l}" not in objs)
         checksums = {k: (objs[k]["checksum"], objs[k]["algo"]) for k in need if "checksum" in objs[k]}
-        return MemoryChoice(step, plan, holders, decoded, checksums)
+        covers = {k: (objs[k]["covers"], objs[k]["algo"]) for k in need if objs[k].get("covers")}
+        return MemoryChoice(step, plan, holders, decoded, checksums, covers)
     return None
 
 
@@ -232,7 +234,7 @@ def _load_memory(choice: MemoryChoice, keeper: Optional[KeeperClient], topo: Top
             log.warning("in-memory snapshot step %s: %s fail their checksum here", choice.step, bad)
             return None, wrote, None
         return rebuild(doc, tensors=tensors), wrote, finite
-    flat = plan.assemble(objects)
+    flat = plan.assemble(objects, choice.covers)
     return rebuild(meta["layout"], flat.numpy()), False, None
 
 
@@ -522,7 +524,7 @@ def find_latest_in_memory(keepers: Mapping[int, str], *, num_nodes: int, ranks_p
             m, _ = clients[holder // ranks_per_node].open(key, choice.step)
             objects[key] = torch.frombuffer(m, dtype=torch.uint8, count=size)
         meta = parse_meta(objects.pop(META_KEY).numpy())
-        flat = choice.plan.assemble(objects)
+        flat = choice.plan.assemble(objects, choice.covers)
         if flat is objects.get("x0.0"):
             flat = flat.clone()  # one part is the state: never hand out views of keeper memory
         return choice.step, rebuild(meta["layout"], flat.numpy())

@@ -68,6 +68,7 @@ class SnapshotTier:
         self.premapped: Any = None
         self._resolved = False
         self._resume: Optional[ResumePoint] = None
+        self.rejected: list[str] = []  # what resolve() found but could not use ("memory step 9: ...")
 
     @classmethod
     def from_spec(cls, spec: Optional["SnapshotSpec"], *, checkpoint_dir: str,
@@ -116,6 +117,9 @@ class SnapshotTier:
         self._resolved = True
         for what, why in res.skipped:
             log.warning("resume: skipped %s: %s", what, why)
+        # Checkpoints that were there but unusable (not an unreachable tier): a fresh start is loud.
+        self.rejected = [f"{what}: {why}" for what, why in res.skipped
+                         if what.startswith(("memory step", "disk")) and not why.startswith("rejected;")]
         if zero_job and (res.state is None or res.step not in aor.complete):
             raise RuntimeError(f"resume: ZeRO optimizer partitions survive for steps {aor.complete} but "
                                f"the parameters for none of them (memory tier: {res.source} step "
