@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -28,8 +30,9 @@ class Node:
     """One node's `jitckpt run` (launcher + its worker), in a session of its own; with ``daemon``,
     the node's `jitckpt daemon run` too (its own socket), which then runs the snapshot keeper."""
 
-    def __init__(self, tmp: Path, tag: str, node: int, endpoint: str, name: str = "", step_sleep: float = 0.05,
-                 flags: tuple = (), script_args: tuple = (), daemon: bool = False) -> None:
+    def __init__(self, tmp: Path, tag: str, node: Optional[int], endpoint: str, name: str = "",
+                 step_sleep: float = 0.05, flags: tuple = (), script_args: tuple = (), daemon: bool = False,
+                 backend: str = "etcd-v2") -> None:
         self.dir = tmp / f"{tag}-node{node}{name}"
         self.dir.mkdir(parents=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "JITCKPT_DAEMON_SOCKET": str(self.dir / "daemon" / "d.sock")}
@@ -43,8 +46,9 @@ class Node:
             while "serving" not in log.read_text() and time.monotonic() < deadline:
                 time.sleep(0.02)  # polling for the line a started server writes
             assert "serving" in log.read_text(), log.read_text()
-        cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", str(NODES), "--node-rank", str(node),
-               "--nproc-per-node", "1", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", endpoint, "--rdzv-id", tag,
+        slot = [] if node is None else ["--node-rank", str(node)]  # None: the c10d rendezvous gives it
+        cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", str(NODES), *slot,
+               "--nproc-per-node", "1", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", tag,
                "--checkpoint-dir", str(tmp / f"{tag}-ckpt"), "--run-dir", str(self.dir / "run"),
                "--status-interval", "0", "--hang-timeout", "auto:floor=3,startup=60", "--save-timeout", "20",
                "--max-restarts", "2", *flags, str(TRAIN), "--steps", str(STEPS), "--step-sleep", str(step_sleep),
@@ -371,4 +375,34 @@ def test_with_a_node_range_a_lost_node_0_leaves_two_nodes_training_and_a_new_one
         assert torch.load(tmp_path / "elastic-final.pt", weights_only=True)
     finally:
         for n in nodes:
+            n.power_off()
+
+
+@pytest.mark.slow  # ~35 s; test_torchrun_parity checks the slots themselves in the fast suite
+def test_without_node_ranks_a_replacement_takes_the_lost_nodes_slot_on_c10d(tmp_path: Path, expected: dict) -> None:
+    """torchrun's way, no --node-rank: three c10d launchers take slots 0-2 in the rendezvous. A node
+    other than node 0 (whose launcher serves the store) is SIGKILLed whole at a random step; a new
+    launcher, also without --node-rank, finds every slot taken, takes the one whose heartbeat
+    stopped, and joins the next generation in its place. The job ends bitwise."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    nodes = [Node(tmp_path, "slots", None, endpoint, name=f"-{i}", backend="c10d") for i in range(NODES)]
+    try:
+        wait_for_step(tmp_path, "slots", random.randint(3, STEPS - 12))
+        slots = {}
+        for n in nodes:
+            slots[n] = next(e["node_rank"] for e in n.events() if e["event"] == "job_start")
+        assert sorted(slots.values()) == [0, 1, 2], slots
+        lost = random.choice([n for n in nodes if slots[n] != 0])
+        lost.power_off()
+        new = Node(tmp_path, "slots", None, endpoint, name="-new", backend="c10d")
+        survivors = [n for n in nodes if n is not lost] + [new]
+        assert wait_all(survivors) == [0] * NODES, "\n".join(f"--- {n.dir.name}\n{n.log.read_text()[-3000:]}"
+                                                             for n in survivors)
+        assert next(e["node_rank"] for e in new.events() if e["event"] == "job_start") == slots[lost]
+        assert f"node {slots[lost]}'s launcher is gone; this launcher takes its slot" in new.log.read_text()
+        assert_bitwise(tmp_path / "slots-final.pt", expected)
+    finally:
+        for n in nodes + ([new] if "new" in locals() else []):
             n.power_off()

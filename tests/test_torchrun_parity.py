@@ -200,3 +200,58 @@ def test_nodes_sharing_a_log_directory_keep_their_own_worker_logs(tmp_path):
     assert first.stdout == str(tmp_path / "run" / "logs" / "node0" / "attempt_0" / "0" / "stdout.log")
     assert second.stdout == str(tmp_path / "run" / "logs" / "node1" / "attempt_0" / "0" / "stdout.log")
     assert Path(first.stdout).read_text() == "node 0's output\n"
+
+
+SLOTS_SCRIPT = '''
+import os, sys, time
+from pathlib import Path
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([1 << dist.get_rank()])
+dist.all_reduce(t)
+Path(f"started{dist.get_rank()}").write_text(f"{os.environ['GROUP_RANK']} {int(t)}")
+deadline = time.monotonic() + 120
+while not Path("go").exists() and time.monotonic() < deadline:  # the test says when to end
+    time.sleep(0.05)
+dist.barrier()
+'''
+
+
+def test_launchers_without_node_rank_take_their_slots_in_the_rendezvous(tmp_path):
+    """torchrun's c10d rendezvous needs no --node-rank: the launcher that can serve the store at
+    --rdzv-endpoint is node 0, the others take free slots. A launcher more than --nnodes waits out
+    three heartbeat periods for a slot whose launcher is gone, then stops, naming why."""
+    import subprocess
+    import time
+
+    from jobs import ROOT, kill_tree
+
+    (tmp_path / "t.py").write_text(SLOTS_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-id", "slots", "--checkpoint-dir", str(tmp_path / "ck"), "--status-interval", "0", "t.py"]
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    procs = []
+    try:
+        for _ in range(2):
+            procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"started{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [p.communicate(timeout=30)[0][-3000:] for p in procs if p.poll() is not None]
+            time.sleep(0.1)
+        # One world of two ranks, one per slot: group ranks 0 and 1, and the all-reduce saw both.
+        seen = sorted((tmp_path / f"started{r}").read_text() for r in range(2))
+        assert seen == ["0 3", "1 3"], seen
+        rc, out = run_bounded(cmd, cwd=tmp_path, timeout=60)
+        assert rc == 2 and "every node slot of --nnodes 2 is held by a running launcher" in out, out[-3000:]
+        (tmp_path / "go").write_text("")
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0, out[-3000:]
+    finally:
+        for p in procs:
+            kill_tree(p.pid)

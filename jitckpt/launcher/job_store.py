@@ -15,7 +15,7 @@ Either way the job's keys are under its own prefix (run id and a hash of ``JITCK
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from jitckpt.runtime.generation_store import bind_listener
 
@@ -69,16 +69,30 @@ def _etcd_client(cfg: LaunchConfig) -> Any:
 def connect(cfg: LaunchConfig, prefix: str, *, serve: bool) -> Any:
     """A client of the job's store, its keys under ``prefix``. ``serve``: node 0 of the c10d
     backend starts the server (on the rendezvous address only, not every interface)."""
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=cfg.rdzv_timeout)
     if uses_etcd(cfg):
         from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
 
-        return EtcdStore(_etcd_client(cfg), "/" + prefix, timeout)
-    listen_fd = bind_listener(cfg.rdzv_host, cfg.rdzv_port).detach() if serve else None
-    store = dist.TCPStore(cfg.rdzv_host, cfg.rdzv_port, world_size=None, is_master=serve, wait_for_workers=False,
-                          timeout=timeout, master_listen_fd=listen_fd)
+        return EtcdStore(_etcd_client(cfg), "/" + prefix, datetime.timedelta(seconds=cfg.rdzv_timeout))
+    return _c10d(cfg, prefix, bind_listener(cfg.rdzv_host, cfg.rdzv_port).detach() if serve else None)
+
+
+def connect_or_serve(cfg: LaunchConfig, prefix: str) -> tuple[Any, bool]:
+    """c10d, as torchrun's rendezvous does it: serve the store when --rdzv-endpoint's address is
+    this machine's and its port is free, else be its client; (store, whether this one serves)."""
+    try:
+        listener = bind_listener(cfg.rdzv_host, cfg.rdzv_port)
+    except RuntimeError:
+        return _c10d(cfg, prefix, None), False
+    return _c10d(cfg, prefix, listener.detach()), True
+
+
+def _c10d(cfg: LaunchConfig, prefix: str, listen_fd: Optional[int]) -> Any:
+    """A client of the c10d store at --rdzv-endpoint; its server too, on ``listen_fd``."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(cfg.rdzv_host, cfg.rdzv_port, world_size=None, is_master=listen_fd is not None,
+                          wait_for_workers=False, timeout=datetime.timedelta(seconds=cfg.rdzv_timeout),
+                          master_listen_fd=listen_fd)
     return dist.PrefixStore(prefix, store)
 
 

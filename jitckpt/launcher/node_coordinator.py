@@ -14,7 +14,8 @@ closes each generation's gathering: once every node joined, or, with ``--nnodes 
 did and ``last_call_timeout`` passed. The generation's ranks follow its nodes in slot order; its
 lowest node's address is the workers' store. With c10d, if node 0's launcher dies the job ends.
 With etcd the store outlives it, and a launcher started with a lost node's ``--node-rank`` (node 0's
-too) joins the generation after the one that lost it (:meth:`NodeCoordinator.first_launch`); with
+too; with c10d any other node's, or none: :meth:`NodeCoordinator._claim_slot`) joins the generation
+after the one that lost it (:meth:`NodeCoordinator.first_launch`); with
 a range, a launcher whose slot the running generation does not have asks the job to grow (a
 ``scale_up`` "failure": every rank saves, and the next generation has the new node).
 """
@@ -134,13 +135,45 @@ class NodeCoordinator:
         return f"jitckpt/{self.cfg.run_id}/{hashlib.sha256(token.encode()).hexdigest()[:16]}"
 
     def _connect(self) -> None:
-        self.store = self._client(server=self.cfg.node_rank == 0)
+        if self.cfg.node_rank is None:  # torchrun's way: the slot comes from the rendezvous
+            self.store, self.cfg.node_rank = self._claim_slot()
+        else:
+            self.store = self._client(server=self.cfg.node_rank == 0)
         self.lease = ControllerLease(store=self.store, etcd=job_store.uses_etcd(self.cfg), node=self.cfg.node_rank)
         # A store client serves one request at a time: the blocking wait for a failure gets its own.
         self._watch_store = self._client()
         self._pipe_r, self._pipe_w = os.pipe()
         self._heart = threading.Thread(target=self._heartbeat, name="jitckpt-store-heartbeat", daemon=True)
         self._heart.start()
+
+    def _claim_slot(self) -> tuple:
+        """(store, node rank) of a c10d launcher without --node-rank. The one that serves the store
+        is node 0 (its workers' store takes the same host, as with --node-rank 0); every other one
+        takes the lowest free slot, else that of a launcher which is gone (its heartbeat unchanged
+        for three periods): a replacement started after a node loss needs no flag either."""
+        store, served = job_store.connect_or_serve(self.cfg, self.prefix)
+        slots = [0] if served else list(range(1, self.cfg.nnodes))
+        token = f"{socket.gethostname()} pid {os.getpid()} {os.urandom(4).hex()}"
+        for k in slots:
+            if job_store.set_once(store, f"slot/{k}", token) == token:
+                return store, k
+        watch = HeartbeatWatch()
+        end = time.monotonic() + 3 * HEARTBEAT_S + 1.0
+        while True:
+            for k in slots:
+                watch.saw(k, store.get(f"alive/{k}").decode() if store.check([f"alive/{k}"]) else None)
+            if time.monotonic() > end:
+                break
+            self._closing.wait(HEARTBEAT_S / 2)  # heartbeats are written every HEARTBEAT_S
+        for k in slots:
+            holder = store.get(f"slot/{k}").decode()
+            if watch.silent(k) and store.compare_set(f"slot/{k}", holder, token).decode() == token:
+                log.warning("job %s: node %d's launcher is gone; this launcher takes its slot", self.cfg.run_id, k)
+                return store, k
+        raise RuntimeError(f"job {self.cfg.run_id}: every node slot of --nnodes {self.cfg.nnodes} is held by a running "
+                           f"launcher ({', '.join(str(k) for k in slots)} here: the one serving the store at "
+                           f"{self.cfg.rdzv_endpoint} is node 0); is this launcher one too many, or is --rdzv-id another "
+                           "job's?")
 
     def _k(self, gen: int, key: str) -> str:
         return f"g{gen}/{key}"
@@ -247,11 +280,11 @@ class NodeCoordinator:
         return gen + 1
 
     def first_launch(self) -> int:
-        """The generation this launcher's workers start in: 0, or, when the job already runs (etcd:
-        its store outlived a lost node), the one after the generation that lost this node. This
+        """The generation this launcher's workers start in: 0, or, when the job already runs (its
+        store outlived a lost node), the one after the generation that lost this node. This
         launcher then replaces the lost one: it says that node's workers are gone (the survivors
         stop waiting for it) and joins the next generation with the survivors."""
-        if self.store is None or not job_store.uses_etcd(self.cfg):
+        if self.store is None:
             return 0
         if self.store.check(["latest"]) and not self._gathering() and not self._peers_alive():
             # The keys of a run whose launchers are all gone (it stopped when the store did): a

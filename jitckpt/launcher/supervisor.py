@@ -95,7 +95,6 @@ class Launcher:
         self.run_dir = Path(cfg.run_dir)
         # Creates run_dir; a full disk there costs the event log (kept in memory), not the job.
         self.events = EventLog(self.run_dir / "events.jsonl")
-        self.logs = WorkerLogs(cfg, self.run_dir)
         self._tally = JobTally()
         # --transparent: what the workers' libjit.so writes into the same log (metrics, console).
         self.worker_records = WorkerRecords(self.run_dir / "events.jsonl") if cfg.transparent else None
@@ -104,8 +103,9 @@ class Launcher:
             from jitckpt.observability.metrics import JobMetrics
             self.metrics = JobMetrics(port=cfg.metrics_port, addr=cfg.metrics_addr,
                                       token=os.environ.get("JITCKPT_METRICS_TOKEN") or None)
+        self.coord = NodeCoordinator(cfg)  # without --node-rank, this gives cfg.node_rank
+        self.logs = WorkerLogs(cfg, self.run_dir)
         self.daemon = DaemonLink(run_id=cfg.run_id, node_rank=cfg.node_rank, world_size=cfg.world_size)
-        self.coord = NodeCoordinator(cfg)
         self.display = StatusDisplay(enabled=cfg.status_interval > 0, interval=cfg.status_interval,
                                      hang_timeout=HangTimeout.parse(cfg.hang_timeout))
         self.pool: Optional[StandbyPool] = None
@@ -766,10 +766,11 @@ def run(cfg: LaunchConfig) -> int:
     configure()
     from jitckpt.process_title import set_title
 
-    set_title(f"jitckpt launcher {cfg.run_id} node {cfg.node_rank}")
+    set_title(f"jitckpt launcher {cfg.run_id}")
     try:
         launcher = Launcher(cfg)
-    except (ValueError, OSError) as e:  # e.g. a metrics address that needs a token, a busy port
+    except (ValueError, OSError, RuntimeError) as e:  # e.g. a metrics address that needs a token, a busy port
         print(f"jitckpt run: error: {e}", file=sys.stderr)
         return 2
+    set_title(f"jitckpt launcher {cfg.run_id} node {cfg.node_rank}")
     return launcher.run()

@@ -121,9 +121,14 @@ class SnapshotTier:
         self.rejected = [f"{what}: {why}" for what, why in res.skipped
                          if what.startswith(("memory step", "disk")) and not why.startswith("rejected;")]
         if zero_job and (res.state is None or res.step not in aor.complete):
+            why = "; ".join(self.rejected) or f"memory tier: {res.source} step {res.step}"
+            resized = any(", this job has " in r for r in self.rejected)
             raise RuntimeError(f"resume: ZeRO optimizer partitions survive for steps {aor.complete} but "
-                               f"the parameters for none of them (memory tier: {res.source} step "
-                               f"{res.step}); this job cannot resume consistently")
+                               f"the parameters for none of them ({why}); this job cannot resume consistently"
+                               + ("; a ZeroRedundancyOptimizer's state is sharded by the world size, so the job "
+                                  "cannot go on with another number of nodes: start a launcher in the lost node's "
+                                  "place (the job then grows back), or run ZeRO jobs with a fixed --nnodes"
+                                  if resized else ""))
         if res.state is not None:
             state = res.state
             if res.source == "memory" and one_rank and into is None:
