@@ -60,8 +60,10 @@ def run_case(tmp_path, nproc, inject, extra_launcher=()):
 
 
 @BOTH
-# gil: test_fault_matrix's fast GIL hang, sent from outside at a random point, covers it.
-@pytest.mark.parametrize("mode", ["kill", "stop", pytest.param("gil", marks=pytest.mark.slow), "raise", "optim"])
+# gil and kill: test_fault_matrix's fast GIL hang and SIGKILL, sent from outside at a random point,
+# cover them (the checks of the save's step and durability run in the other modes).
+@pytest.mark.parametrize("mode", [pytest.param("kill", marks=pytest.mark.slow), "stop",
+                                  pytest.param("gil", marks=pytest.mark.slow), "raise", "optim"])
 def test_single_failure_recovers_bitwise(reference, tmp_path, mode):
     nproc, ref = reference
     victim = nproc - 1

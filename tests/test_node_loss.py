@@ -380,23 +380,33 @@ def test_with_a_node_range_a_lost_node_0_leaves_two_nodes_training_and_a_new_one
 
 @pytest.mark.slow  # ~35 s; test_torchrun_parity checks the slots themselves in the fast suite
 def test_without_node_ranks_a_replacement_takes_the_lost_nodes_slot_on_c10d(tmp_path: Path, expected: dict) -> None:
-    """torchrun's way, no --node-rank: three c10d launchers take slots 0-2 in the rendezvous. A node
-    other than node 0 (whose launcher serves the store) is SIGKILLed whole at a random step; a new
-    launcher, also without --node-rank, finds every slot taken, takes the one whose heartbeat
-    stopped, and joins the next generation in its place. The job ends bitwise."""
+    """torchrun's way, no --node-rank: three c10d launchers take slots 0-2 in the rendezvous; a fourth
+    finds every slot's launcher alive and stops, naming why. A node other than node 0 (whose
+    launcher serves the store) is SIGKILLed whole at a random step; a new launcher, also without
+    --node-rank, finds every slot taken, takes the one whose heartbeat stopped, and joins the next
+    generation in its place. The job ends bitwise."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{s.getsockname()[1]}"
-    nodes = [Node(tmp_path, "slots", None, endpoint, name=f"-{i}", backend="c10d") for i in range(NODES)]
+    # Slow steps: the launcher too many takes three heartbeat periods (6 s) to give up.
+    nodes = [Node(tmp_path, "slots", None, endpoint, name=f"-{i}", backend="c10d", step_sleep=0.8)
+             for i in range(NODES)]
     try:
-        wait_for_step(tmp_path, "slots", random.randint(3, STEPS - 12))
-        slots = {}
-        for n in nodes:
-            slots[n] = next(e["node_rank"] for e in n.events() if e["event"] == "job_start")
+        deadline = time.monotonic() + TIMEOUT_S
+        while not all(any(e["event"] == "job_start" for e in n.events()) for n in nodes):
+            assert time.monotonic() < deadline and all(n.proc.poll() is None for n in nodes)
+            time.sleep(0.05)  # polling the launchers' event logs for their slots
+        slots = {n: next(e["node_rank"] for e in n.events() if e["event"] == "job_start") for n in nodes}
         assert sorted(slots.values()) == [0, 1, 2], slots
+        extra = Node(tmp_path, "slots", None, endpoint, name="-extra", backend="c10d")
+        assert extra.proc.wait(timeout=60) == 2
+        assert "every node slot of --nnodes 3 is held by a running launcher" in extra.log.read_text()
+        at = steps_done(tmp_path / "slots-train.jsonl") // NODES + random.randint(1, 3)
+        assert at < STEPS - 3, f"step {at}: the job is too far on to lose a node"
+        wait_for_step(tmp_path, "slots", at)
         lost = random.choice([n for n in nodes if slots[n] != 0])
         lost.power_off()
-        new = Node(tmp_path, "slots", None, endpoint, name="-new", backend="c10d")
+        new = Node(tmp_path, "slots", None, endpoint, name="-new", backend="c10d", step_sleep=0.8)
         survivors = [n for n in nodes if n is not lost] + [new]
         assert wait_all(survivors) == [0] * NODES, "\n".join(f"--- {n.dir.name}\n{n.log.read_text()[-3000:]}"
                                                              for n in survivors)
@@ -404,5 +414,5 @@ def test_without_node_ranks_a_replacement_takes_the_lost_nodes_slot_on_c10d(tmp_
         assert f"node {slots[lost]}'s launcher is gone; this launcher takes its slot" in new.log.read_text()
         assert_bitwise(tmp_path / "slots-final.pt", expected)
     finally:
-        for n in nodes + ([new] if "new" in locals() else []):
+        for n in nodes + [v for k, v in locals().items() if k in ("extra", "new")]:
             n.power_off()

@@ -219,8 +219,8 @@ dist.barrier()
 
 def test_launchers_without_node_rank_take_their_slots_in_the_rendezvous(tmp_path):
     """torchrun's c10d rendezvous needs no --node-rank: the launcher that can serve the store at
-    --rdzv-endpoint is node 0, the others take free slots. A launcher more than --nnodes waits out
-    three heartbeat periods for a slot whose launcher is gone, then stops, naming why."""
+    --rdzv-endpoint is node 0, the others take free slots (test_node_loss's slow c10d test: a
+    replacement takes a gone launcher's slot, and one launcher too many stops, naming why)."""
     import subprocess
     import time
 
@@ -246,8 +246,6 @@ def test_launchers_without_node_rank_take_their_slots_in_the_rendezvous(tmp_path
         # One world of two ranks, one per slot: group ranks 0 and 1, and the all-reduce saw both.
         seen = sorted((tmp_path / f"started{r}").read_text() for r in range(2))
         assert seen == ["0 3", "1 3"], seen
-        rc, out = run_bounded(cmd, cwd=tmp_path, timeout=60)
-        assert rc == 2 and "every node slot of --nnodes 2 is held by a running launcher" in out, out[-3000:]
         (tmp_path / "go").write_text("")
         for p in procs:
             out, _ = p.communicate(timeout=120)
