@@ -76,3 +76,42 @@ def test_two_nodes_with_checkpoint_dirs_they_do_not_share_stop_at_the_start(tmp_
         assert "mounts at the same path" in out
     events = _read_jsonl(tmp_path / "local-node0" / "run" / "events.jsonl")
     assert not [e for e in events if e["event"] == "worker_start"]
+
+
+@pytest.mark.slow
+def test_node_1_stops_soon_naming_the_store_when_node_0_is_lost(tmp_path):
+    """c10d: node 0's launcher serves the job's store, so losing node 0 whole ends the job. Node 1's
+    rank saves a JIT checkpoint and its launcher stops within the store's 15 s grace, naming the store
+    (found from outside: it retried every store request for 15 s in turn, 76 s in all, then tried to
+    restart and died on "Broken pipe")."""
+    import time
+
+    port = free_port()
+    procs = []
+    try:
+        for node in (0, 1):
+            d = tmp_path / f"node{node}"
+            d.mkdir()
+            cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", "2", "--node-rank", str(node),
+                   "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lost0",
+                   "--checkpoint-dir", str(tmp_path / "ckpt"), "--run-dir", str(d / "run"), "--status-interval", "0",
+                   str(TRAIN), "--steps", "200", "--step-sleep", "0.1", "--steps-log", str(tmp_path / "train.jsonl")]
+            procs.append(subprocess.Popen(cmd, cwd=d, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                          stdout=open(d / "out.txt", "w"), stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        deadline = time.monotonic() + 120
+        while len(_read_jsonl(tmp_path / "train.jsonl")) < 6:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)  # polling the training's progress
+        kill_tree(procs[0].pid)
+        t0 = time.monotonic()
+        assert procs[1].wait(timeout=60) == 1
+        took = time.monotonic() - t0
+        out = (tmp_path / "node1" / "out.txt").read_text()
+        assert took < 30, (took, out[-3000:])
+        assert "job stopped: the job's store (c10d at 127.0.0.1" in out, out[-3000:]
+        ev1 = _read_jsonl(tmp_path / "node1" / "run" / "events.jsonl")
+        assert any(e["event"] == "checkpoint_saved" and e["rank"] == 1 and e["kind"] == "jit" for e in ev1)
+    finally:
+        for p in procs:
+            kill_tree(p.pid)

@@ -109,7 +109,7 @@ class NodeCoordinator:
         self._lock = threading.Lock()
         self._watcher: Optional[threading.Thread] = None
         self._closing = threading.Event()
-        self._lost_said = False
+        self.lost: Optional[str] = None  # why the job's store stopped answering (then nothing waits on it)
         self._beats = 0
         self._heartbeats = HeartbeatWatch()  # the other nodes' launchers, for _silent
         self._beat_gen = -1  # the generation this launcher is in, for its heartbeat (-1: none yet)
@@ -304,8 +304,9 @@ class NodeCoordinator:
             return 0
         latest = int(self.store.get("latest"))
         if self._gathering():
-            log.warning("job %s is gathering for generation %d: this launcher joins it in place of node %d",
-                        self.cfg.run_id, latest, self.cfg.node_rank)
+            if latest > 0:  # generation 0 gathering is every job's start
+                log.warning("job %s is gathering for generation %d: this launcher joins it in place of node %d",
+                            self.cfg.run_id, latest, self.cfg.node_rank)
             return latest
         if self.cfg.node_rank not in json.loads(self.store.get(self._k(latest, "members")))["nodes"]:
             log.warning("job %s runs generation %d without node %d: this launcher asks it to grow", self.cfg.run_id,
@@ -372,7 +373,7 @@ class NodeCoordinator:
         (longer than an etcd leader election) is lost: the launcher hears it (its loop stops the
         job, every rank saving), and this returns ``default``."""
         deadline = time.monotonic() + STORE_GRACE_S
-        while True:
+        while self.lost is None:  # once lost, every request fails at once: 15 s each added up
             try:
                 return op()
             except Exception as e:  # noqa: BLE001 - the store's client raises its own types (etcd, c10d)
@@ -381,15 +382,16 @@ class NodeCoordinator:
                     return default
                 log.warning("the job's store refused a request (%s); trying again", e)
                 time.sleep(1.0)  # an etcd leader election takes about a second
+        return default
 
     def _store_lost(self, e: Exception) -> None:
+        detail = (f"the job's store ({self.cfg.rdzv_backend} at {self.cfg.rdzv_endpoint}) does not take writes: "
+                  f"{type(e).__name__}: {e}")
         with self._lock:
-            if self._lost_said:
+            if self.lost is not None:
                 return
-            self._lost_said = True
-        self._post(None, {"kind": "store_lost", "rank": None,
-                          "detail": f"the job's store ({self.cfg.rdzv_backend} at {self.cfg.rdzv_endpoint}) does not "
-                                    f"take writes: {type(e).__name__}: {e}"})
+            self.lost = detail
+        self._post(None, {"kind": "store_lost", "rank": None, "detail": detail})
 
     def _heartbeat(self) -> None:
         """A write every HEARTBEAT_S for the launcher's life: a store that lost its quorum (etcd) or

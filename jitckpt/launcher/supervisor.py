@@ -538,11 +538,8 @@ class Launcher:
                     w = key.data
                     if w is None:
                         info = self.coord.read_remote_failure(gen)
-                        if info is not None and info["kind"] == "store_lost" and self.store_lost is None:
-                            # No recovery can be coordinated: every rank saves, as for a preemption.
-                            self.store_lost = info["detail"]
-                            log.error("%s: every worker saves a JIT checkpoint, then the job stops", self.store_lost)
-                            self.preempt_signal = self.preempt_signal or signal.SIGTERM
+                        if info is not None and info["kind"] == "store_lost":
+                            self._store_gone(info["detail"])
                         elif info is not None and info["kind"] == "preempted":
                             self.preempt_signal = self.preempt_signal or signal.SIGTERM
                         elif info is not None and failure is None:
@@ -558,6 +555,8 @@ class Launcher:
                     while w.channel.buffered():  # one socket read can carry several messages
                         failure = self._on_message(gen, w, w.channel.recv(), failure)
                 # Periodic checks.
+                if self.coord.lost is not None:  # found by a request of this loop, before its pipe is read
+                    self._store_gone(self.coord.lost)
                 self._take_worker_records(gen)
                 for w in self.workers:
                     if not w.eof and w.exit_code is None and w.proc.poll() is not None:
@@ -620,6 +619,13 @@ class Launcher:
                       and (self._restarts_used() < self.cfg.max_restarts or failure.kind == SCALE_UP))
         self.jit.finish(self.workers, failure, restarting=restarting)
         return False
+
+    def _store_gone(self, detail: str) -> None:
+        """No recovery can be coordinated any more: every rank saves, as for a preemption."""
+        if self.store_lost is None:
+            self.store_lost = detail
+            log.error("%s: every worker saves a JIT checkpoint, then the job stops", detail)
+            self.preempt_signal = self.preempt_signal or signal.SIGTERM
 
     def _preempt_workers(self, gen: int,
                          failure: Optional[FailureRecord]) -> FailureRecord:
