@@ -373,6 +373,7 @@ class NodeCoordinator:
         (longer than an etcd leader election) is lost: the launcher hears it (its loop stops the
         job, every rank saving), and this returns ``default``."""
         deadline = time.monotonic() + STORE_GRACE_S
+        said = False
         while self.lost is None:  # once lost, every request fails at once: 15 s each added up
             try:
                 return op()
@@ -380,7 +381,10 @@ class NodeCoordinator:
                 if time.monotonic() > deadline or self._closing.is_set():
                     self._store_lost(e)
                     return default
-                log.warning("the job's store refused a request (%s); trying again", e)
+                if not said:  # one line per request, not one per try
+                    log.warning("the job's store refused a request (%s); trying again for up to %.0f s",
+                                e, STORE_GRACE_S)
+                    said = True
                 time.sleep(1.0)  # an etcd leader election takes about a second
         return default
 
