@@ -398,3 +398,40 @@ def test_restart_on_one_node_restores_from_buffers_its_standbys_mapped_ahead(tmp
     assert final.keys() == expected.keys()
     for k in expected:
         assert torch.equal(final[k], expected[k]), f"{k} differs from the failure-free run (killed at {kill_at})"
+
+
+@pytest.mark.slow
+def test_a_preempted_zero_job_says_its_snapshots_stop_with_the_launchers(tmp_path):
+    """SIGTERM to every launcher of a ZeRO job whose keepers the launchers run: no rank can take a
+    JIT checkpoint and the snapshots die with the keepers, so the launcher must not only promise a
+    resume (found from outside: the next run started at step 0)."""
+    import signal
+    import time
+
+    port = free_port()
+    procs = []
+    try:
+        for node in range(2):
+            d = tmp_path / f"node{node}"
+            d.mkdir()
+            cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", "2", "--node-rank", str(node),
+                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "zp", "--checkpoint-dir", str(tmp_path / "ck"),
+                   "--run-dir", str(d / "run"), "--status-interval", "0", "--snapshot-every", "2",
+                   "--snapshot-protection", "aec", str(TRAIN), "--steps", "200", "--step-sleep", "0.05",
+                   "--steps-log", str(tmp_path / "train.jsonl"), *ZERO]
+            procs.append(subprocess.Popen(cmd, cwd=d, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                          stdout=open(d / "out.txt", "w"), stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        deadline = time.monotonic() + 120
+        while len(_read_jsonl(tmp_path / "train.jsonl")) < 8:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)  # polling the training's progress
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=60) for p in procs] == [143, 143]
+        for node in range(2):
+            out = (tmp_path / f"node{node}" / "out.txt").read_text()
+            assert "ZeroRedundancyOptimizer) starts again from step 0 next run" in out, out[-3000:]
+    finally:
+        for p in procs:
+            kill_tree(p.pid)

@@ -650,6 +650,11 @@ class Launcher:
         if failure is not None and unsaved:
             log.warning("preempted: rank(s) %s saved no JIT checkpoint (stopped, hung, or too "
                         "slow); the next run resumes from the newest complete checkpoint", unsaved)
+            if isinstance(self.keeper, KeeperSupervisor):
+                # Found from outside: a preempted ZeRO job, told to run again to resume, started at step 0.
+                log.warning("preempted: the in-memory snapshots are in this launcher's keeper and stop with it, so "
+                            "a job that resumes only from them (ZeroRedundancyOptimizer) starts again from step 0 "
+                            "next run; `jitckpt daemon run` on each node keeps them across runs")
 
     def _kill_stuck_after_verdict(self) -> None:
         """Ranks still alive EXIT_GRACE after the verdict are stuck in their interpreter's teardown
