@@ -99,6 +99,28 @@ def run_job(workdir: Path, *, nproc: int, script_args: list, launcher_args: Opti
     return JobResult(rc, out, workdir, ckpt, _read_jsonl(workdir / "train.jsonl"), events)
 
 
+def start_launcher(workdir: Path, argv: list) -> subprocess.Popen:
+    """``jitckpt run *argv`` in ``workdir`` (created), in a session of its own, its output in
+    ``workdir/out.txt``; the caller kills it with :func:`kill_tree`."""
+    workdir.mkdir(parents=True)
+    with open(workdir / "out.txt", "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "jitckpt", "run", *argv], cwd=workdir,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_records(path: Path, count: int, procs: list, timeout: float = 120.0) -> None:
+    """Until the JSON-lines log ``path`` (a training's --steps-log) holds ``count`` records; fails if
+    one of ``procs`` ends first or the time is up."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(_read_jsonl(path)) < count:
+        assert time.monotonic() < deadline, f"{path}: fewer than {count} records after {timeout:.0f} s"
+        assert all(p.poll() is None for p in procs), f"a launcher ended early: {[p.returncode for p in procs]}"
+        time.sleep(0.05)  # polling the training's progress
+
+
 def _read_jsonl(path: Path) -> list:
     if not path.exists():
         return []

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from jobs import ROOT, TRAIN, _read_jsonl, kill_tree
+from jobs import ROOT, TRAIN, _read_jsonl, kill_tree, start_launcher, wait_for_records
 
 
 def free_port() -> int:
@@ -90,19 +90,12 @@ def test_node_1_stops_soon_naming_the_store_when_node_0_is_lost(tmp_path):
     procs = []
     try:
         for node in (0, 1):
-            d = tmp_path / f"node{node}"
-            d.mkdir()
-            cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", "2", "--node-rank", str(node),
-                   "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lost0",
-                   "--checkpoint-dir", str(tmp_path / "ckpt"), "--run-dir", str(d / "run"), "--status-interval", "0",
-                   str(TRAIN), "--steps", "200", "--step-sleep", "0.1", "--steps-log", str(tmp_path / "train.jsonl")]
-            procs.append(subprocess.Popen(cmd, cwd=d, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                          stdout=open(d / "out.txt", "w"), stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-        deadline = time.monotonic() + 120
-        while len(_read_jsonl(tmp_path / "train.jsonl")) < 6:
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-            time.sleep(0.05)  # polling the training's progress
+            procs.append(start_launcher(tmp_path / f"node{node}", [
+                "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lost0",
+                "--checkpoint-dir", str(tmp_path / "ckpt"), "--run-dir", str(tmp_path / f"node{node}" / "run"),
+                "--status-interval", "0", str(TRAIN), "--steps", "200", "--step-sleep", "0.1",
+                "--steps-log", str(tmp_path / "train.jsonl")]))
+        wait_for_records(tmp_path / "train.jsonl", 6, procs)
         kill_tree(procs[0].pid)
         t0 = time.monotonic()
         assert procs[1].wait(timeout=60) == 1

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from jobs import ROOT, TRAIN, _read_jsonl, kill_tree
+from jobs import ROOT, TRAIN, _read_jsonl, kill_tree, start_launcher, wait_for_records
 
 NODES, STEPS, KILL_AT = 3, 8, 5
 TIMEOUT = 60.0  # per job; normally ~15 s
@@ -406,26 +406,17 @@ def test_a_preempted_zero_job_says_its_snapshots_stop_with_the_launchers(tmp_pat
     JIT checkpoint and the snapshots die with the keepers, so the launcher must not only promise a
     resume (found from outside: the next run started at step 0)."""
     import signal
-    import time
 
     port = free_port()
     procs = []
     try:
         for node in range(2):
-            d = tmp_path / f"node{node}"
-            d.mkdir()
-            cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", "2", "--node-rank", str(node),
-                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "zp", "--checkpoint-dir", str(tmp_path / "ck"),
-                   "--run-dir", str(d / "run"), "--status-interval", "0", "--snapshot-every", "2",
-                   "--snapshot-protection", "aec", str(TRAIN), "--steps", "200", "--step-sleep", "0.05",
-                   "--steps-log", str(tmp_path / "train.jsonl"), *ZERO]
-            procs.append(subprocess.Popen(cmd, cwd=d, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                          stdout=open(d / "out.txt", "w"), stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-        deadline = time.monotonic() + 120
-        while len(_read_jsonl(tmp_path / "train.jsonl")) < 8:
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-            time.sleep(0.05)  # polling the training's progress
+            procs.append(start_launcher(tmp_path / f"node{node}", [
+                "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "zp",
+                "--checkpoint-dir", str(tmp_path / "ck"), "--run-dir", str(tmp_path / f"node{node}" / "run"),
+                "--status-interval", "0", "--snapshot-every", "2", "--snapshot-protection", "aec", str(TRAIN),
+                "--steps", "200", "--step-sleep", "0.05", "--steps-log", str(tmp_path / "train.jsonl"), *ZERO]))
+        wait_for_records(tmp_path / "train.jsonl", 8, procs)
         for p in procs:
             p.send_signal(signal.SIGTERM)
         assert [p.wait(timeout=60) for p in procs] == [143, 143]
