@@ -136,7 +136,7 @@ class NodeCoordinator:
 
     def _connect(self) -> None:
         if self.cfg.node_rank is None:  # torchrun's way: the slot comes from the rendezvous
-            self.store, self.cfg.node_rank = self._claim_slot()
+            self.cfg.node_rank = self._claim_slot()
         else:
             self.store = self._client(server=self.cfg.node_rank == 0)
         self.lease = ControllerLease(store=self.store, etcd=job_store.uses_etcd(self.cfg), node=self.cfg.node_rank)
@@ -146,30 +146,30 @@ class NodeCoordinator:
         self._heart = threading.Thread(target=self._heartbeat, name="jitckpt-store-heartbeat", daemon=True)
         self._heart.start()
 
-    def _claim_slot(self) -> tuple:
-        """(store, node rank) of a c10d launcher without --node-rank. The one that serves the store
-        is node 0 (its workers' store takes the same host, as with --node-rank 0); every other one
-        takes the lowest free slot, else that of a launcher which is gone (its heartbeat unchanged
-        for three periods): a replacement started after a node loss needs no flag either."""
-        store, served = job_store.connect_or_serve(self.cfg, self.prefix)
+    def _claim_slot(self) -> int:
+        """The node rank of a c10d launcher without --node-rank (it connects ``self.store``). The one
+        that serves the store is node 0 (its workers' store takes the same host, as with --node-rank
+        0); every other one takes the lowest free slot, else that of a launcher which is gone (its
+        heartbeat unchanged for three periods): a replacement started after a node loss needs no
+        flag either."""
+        self.store, served = job_store.connect_or_serve(self.cfg, self.prefix)
         slots = [0] if served else list(range(1, self.cfg.nnodes))
         token = f"{socket.gethostname()} pid {os.getpid()} {os.urandom(4).hex()}"
         for k in slots:
-            if job_store.set_once(store, f"slot/{k}", token) == token:
-                return store, k
-        watch = HeartbeatWatch()
+            if job_store.set_once(self.store, f"slot/{k}", token) == token:
+                return k
         end = time.monotonic() + 3 * HEARTBEAT_S + 1.0
         while True:
             for k in slots:
-                watch.saw(k, store.get(f"alive/{k}").decode() if store.check([f"alive/{k}"]) else None)
+                self._heartbeats.saw(k, self._read_heartbeat(k))
             if time.monotonic() > end:
                 break
             self._closing.wait(HEARTBEAT_S / 2)  # heartbeats are written every HEARTBEAT_S
         for k in slots:
-            holder = store.get(f"slot/{k}").decode()
-            if watch.silent(k) and store.compare_set(f"slot/{k}", holder, token).decode() == token:
+            holder = self.store.get(f"slot/{k}").decode()
+            if self._heartbeats.silent(k) and self.store.compare_set(f"slot/{k}", holder, token).decode() == token:
                 log.warning("job %s: node %d's launcher is gone; this launcher takes its slot", self.cfg.run_id, k)
-                return store, k
+                return k
         raise RuntimeError(f"job {self.cfg.run_id}: every node slot of --nnodes {self.cfg.nnodes} is held by a running "
                            f"launcher ({', '.join(str(k) for k in slots)} here: the one serving the store at "
                            f"{self.cfg.rdzv_endpoint} is node 0); is this launcher one too many, or is --rdzv-id another "
