@@ -28,7 +28,6 @@ def reference(request, tmp_path_factory):
 # adds nothing the test checks, so those run in the slow suite only (`make test-slow`).
 BOTH = pytest.mark.parametrize("reference", [2, pytest.param(3, marks=pytest.mark.slow)], indirect=True,
                                ids=["2ranks", "3ranks"])
-BOTH_FAST = pytest.mark.parametrize("reference", [2, 3], indirect=True, ids=["2ranks", "3ranks"])
 THREE = pytest.mark.parametrize("reference", [3], indirect=True, ids=["3ranks"])
 
 
@@ -158,7 +157,7 @@ def _meta_crc(directory) -> int:
     return read_meta(directory).files["state.pt"]["crc32c"]
 
 
-@BOTH_FAST  # with 3 ranks another replica holds the same step; with 2 only the periodic one
+@BOTH  # with 3 ranks another replica holds the same step; with 2 only the periodic one
 def test_corrupt_newest_checkpoint_is_skipped(reference, tmp_path):
     """A job that crashed (no restarts left) leaves JIT checkpoints; the newest copy is corrupted
     before the job is started again: it is skipped with a reason and the next good one is used."""

@@ -104,8 +104,10 @@ def expected(tmp_path_factory) -> dict:
     return torch.load(tmp / "ref-final.pt", weights_only=True)
 
 
-# Node 0: with a c10d store its launcher would take the job down with it. Another node: slow.
-@pytest.mark.parametrize("lost", [0, pytest.param(2, marks=pytest.mark.slow)])
+# Node 0: with a c10d store its launcher would take the job down with it. Both in the slow suite
+# (~25 s each): the fast one has a node lost with its keeper (test_snapshot_launcher.py) and a
+# replacement launcher joining after a node loss (below).
+@pytest.mark.parametrize("lost", [pytest.param(0, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_a_whole_node_lost_is_replaced_and_the_job_ends_bitwise(tmp_path: Path, etcd_cluster, expected: dict,
                                                                 lost: int) -> None:
     # Each node with its daemon (which runs nothing here but is part of what the node loses).

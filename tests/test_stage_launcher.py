@@ -109,7 +109,8 @@ def test_launcher_replaces_only_the_dead_stage_bitwise(tmp_path, reference, fail
 
 
 @pytest.mark.parametrize("injection,dead", [
-    # Both in the slow suite: the two-node case below covers the whole-job fallback in the fast one.
+    # Both in the slow suite, as the two-node cases below are: the fast one keeps a replacement and a
+    # job that runs out of restarts.
     pytest.param(["--fail-stage", "1", "--also-fail", "2", "--fail-iter", str(FAIL_IT), "--fail-op", "0"], [1, 2],
                  marks=pytest.mark.slow),
     # stage 2's replacement (generation 1) dies replaying iteration CKPT + 1
@@ -183,6 +184,7 @@ def _assert_bitwise(run: Path, reference: dict) -> None:
             assert torch.equal(got[s][k], reference[s][k]), f"stage {s} {k} differs"
 
 
+@pytest.mark.slow  # ~15 s: the one-node replacement is in the fast suite
 def test_two_nodes_each_launcher_replaces_its_own_dead_stage(tmp_path, reference):
     """Two launchers (2 stages each) share node 0's rendezvous store: stage 2 dies on node 1,
     then stage 1 on node 0; each launcher replaces its own rank, generations come from the
@@ -196,7 +198,7 @@ def test_two_nodes_each_launcher_replaces_its_own_dead_stage(tmp_path, reference
     _assert_bitwise(tmp_path / "run", reference)
 
 
-@pytest.mark.slow  # ~15 s: two deaths at once; one death per node is in the fast suite
+@pytest.mark.slow  # ~15 s: two deaths at once
 def test_two_nodes_losing_a_stage_each_at_once_restart_the_whole_job(tmp_path, reference):
     """Stage 1 (node 0) and stage 2 (node 1) die at the same op: the store lets one launcher
     start a replacement; the other falls back to the whole-job restart, which reaches the first

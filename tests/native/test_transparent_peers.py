@@ -208,8 +208,18 @@ def test_a_proxy_killed_mid_training_is_rebuilt_from_a_replica(jobs, reference, 
     need_build()
     steps = 3000  # 3-10 s of training: the kill (< 0.5 s after the first step report) lands mid-training
     expected = reference(steps)
-    job, worker = kill_a_proxy_mid_training(jobs, tmp_path, "kill", steps)
-    assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
+    for attempt in range(2):
+        job, worker = kill_a_proxy_mid_training(jobs, tmp_path, f"kill{attempt}", steps)
+        assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
+        refused = [e for e in job.events() if e["event"] == "transparent_recovery" and not e["recovered"]]
+        if not (attempt == 0 and refused and all("out of step" in e["reason"] for e in refused)):
+            break
+        # The kill landed where a rank was already in the next minibatch while others, their
+        # optimizer step not yet marked, were still in this one: none can replay it, and skipping
+        # the rest of an unmarked minibatch could hide values the host reads. The vote refuses
+        # (rebuild_vote.h) and the job recovers at user level: that fallback must end bitwise too;
+        # then a second kill, at another random moment, must take the replica path.
+        assert all(job.final(r) == expected[r] for r in range(WORLD)), "the fallback differs from the failure-free run"
     recs, log = assert_recovered_in_place(job, expected)
     lost = [r for r in recs.values() if r["pid"] == worker]
     assert len(lost) == 1 and "was killed by signal 9" in lost[0]["cause"] and lost[0]["restore_s"] > 0, recs
