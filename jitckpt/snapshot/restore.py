@@ -78,7 +78,7 @@ def _is_initialized() -> bool:
 
 def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tuple] = None,
                     keep: Optional[dict] = None, steps: Optional[set] = None,
-                    listing: Optional[list] = None) -> list[dict]:
+                    listing: Optional[list] = None, verify: bool = True) -> list[dict]:
     """This rank's share of its keeper's complete objects, checksum-verified.
 
     ``share=(i, n)`` verifies every n-th object starting at i (default: split among the node's
@@ -86,6 +86,8 @@ def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tup
     verified while being copied into private memory (:func:`copy_verified`) and the verified
     copies are kept there by (key, step), so a restore reads each byte from the keeper once. ``steps``
     limits the catalogue to those steps; ``listing`` is the keeper's listing if already fetched.
+    ``verify=False`` hashes only the metadata objects (which are parsed here): the caller verifies
+    the data objects as it loads them.
     """
     index, count = share or (topo.local_rank, topo.ranks_per_node)
     entries = [e for e in (keeper.listing() if listing is None else listing)
@@ -101,8 +103,10 @@ def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tup
         copy = keep is not None and e["key"] != META_KEY
         if copy:
             data, value = copy_verified(torch.frombuffer(m, dtype=torch.uint8, count=e["size"]), info.algo)
-        else:
+        elif verify or e["key"] == META_KEY:
             value = checksum_of(memoryview(m)[:e["size"]], info.algo)
+        else:
+            value = info.checksum
         if value != info.checksum:
             log.warning("in-memory snapshot object %s step %s fails its checksum; not used",
                         e["key"], e["step"])
@@ -184,6 +188,18 @@ def _finite(state: Any) -> bool:
     return True
 
 
+def _data_keys(plan: ProtectionPlan) -> list[str]:
+    return [plan.data_spec(k, l).key for k in range(plan.m) for l in range(plan.r)]
+
+
+def _verified_in_load(choice: MemoryChoice) -> bool:
+    """Whether :func:`_load_memory` with ``into`` copies ``choice`` straight into the tensors, hashing
+    every data part as it goes: every part is at hand (none decoded from parity) and hashed alike."""
+    parts = _data_keys(choice.plan)
+    algos = {choice.checksums[k][1] if k in choice.checksums else None for k in parts}
+    return not choice.decoded and len(algos) == 1 and None not in algos
+
+
 def _load_memory(choice: MemoryChoice, keeper: Optional[KeeperClient], topo: Topology, group: Any,
                  remote: list, kept: Optional[dict] = None,
                  into: Any = None) -> tuple[Any, bool, Optional[bool]]:
@@ -216,11 +232,12 @@ def _load_memory(choice: MemoryChoice, keeper: Optional[KeeperClient], topo: Top
         objects[key] = t
     meta = parse_meta(objects.pop(META_KEY).numpy())
     plan = choice.plan
-    parts = [plan.data_spec(k, l).key for k in range(plan.m) for l in range(plan.r)]
-    algos = {choice.checksums[k][1] if k in choice.checksums and k in objects else None for k in parts}
-    if into is not None and not choice.decoded and len(algos) == 1 and None not in algos:
+    parts = _data_keys(plan)
+    if into is not None and _verified_in_load(choice):
         from jitckpt.snapshot.direct_load import copy_parts_into, targets_in
         from jitckpt.snapshot.layout import parse_layout
+
+        algos = {choice.checksums[k][1] for k in parts}
 
         doc = parse_layout(meta["layout"])
         targets = targets_in(doc, into)
@@ -273,14 +290,24 @@ def gather_json(obj: Any, topo: Topology, group: Any) -> list:
 
 
 def _newest_memory_step(keeper: Optional[KeeperClient], topo: Topology, group: Any,
-                        skipped: list, kept: Optional[dict]) -> Optional[MemoryChoice]:
+                        skipped: list, kept: Optional[dict], verify: bool = True) -> Optional[MemoryChoice]:
     """Collective: verify and agree on steps newest first, so older copies (the keeper holds
-    two versions) are hashed only when every newer step is unusable."""
+    two versions) are hashed only when every newer step is unusable. ``verify=False``: the data
+    objects are not hashed (the caller's load does it), and one gather carries every step's
+    catalogue."""
     try:
         listing = keeper.listing() if keeper is not None else []
     except KeeperError as e:
         _skip(skipped, "memory tier", str(e))
         listing = []
+    if not verify:
+        mine = []
+        if keeper is not None:
+            try:
+                mine = local_catalogue(keeper, topo, listing=listing, verify=False)
+            except (KeeperError, ValueError) as e:
+                _skip(skipped, "memory tier", str(e))
+        return latest_memory_step(gather_json(mine, topo, group), topo, skipped)
     listed = {int(e["step"]) for e in listing}
     steps = sorted(set().union(*gather_json(sorted(listed), topo, group)), reverse=True)
     for step in steps:  # the same sequence on every rank: one gather per step tried
@@ -443,18 +470,27 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
                 keeper.close()
             return RestoreResult("memory", direct[0], direct[1], time.monotonic() - t0, skipped=skipped,
                                  mapped_ahead=ahead)
-    # After the direct path the memory tier is done: the disk's turn.
-    choice = None if agreed else _newest_memory_step(keeper, topo, group, skipped, kept)
+    # After the direct path the memory tier is done: the disk's turn. Several nodes loading into the
+    # trainer's tensors hash every data part in the copy (_load_memory), so the catalogue need not
+    # hash them before: only should that copy find a bad object is the catalogue made again, verified,
+    # which leaves the bad object out (decoded from parity instead, or an older step).
+    trusting = into is not None and topo.num_nodes > 1
     try:
-        if choice is not None and (disk_step is None or choice.step >= disk_step):
+        for verify in ([] if agreed else [False, True] if trusting else [True]):
+            choice = _newest_memory_step(keeper, topo, group, skipped, kept, verify=verify)
+            if choice is None or (disk_step is not None and choice.step < disk_step):
+                break
+            if not verify and not _verified_in_load(choice):
+                continue  # a part decoded from parity: every object it reads is hashed first
             remote: list = []
-            state, ok = None, False
+            state, ok, bad_object = None, False, True
             try:
                 state, wrote, finite = _load_memory(choice, keeper, topo, group, remote, kept, into)
                 written = written or wrote
                 if state is None:
                     _skip(skipped, f"memory step {choice.step}", "an object fails its checksum after the transfer")
                 else:
+                    bad_object = False
                     ok = not check_finite or (finite if finite is not None else _finite(state))
                     if not ok:
                         _skip(skipped, f"memory step {choice.step}", "restored state has NaN/Inf")
@@ -468,9 +504,12 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
                 return RestoreResult("memory", choice.step, state, time.monotonic() - t0,
                                      decoded=choice.decoded, remote=remote, skipped=skipped,
                                      mapped_ahead=not owned and keeper.mappings_made == mapped0)
+            if not verify and not _all_true(not bad_object, group):
+                continue  # once more, every object hashed before it is chosen: the bad one is left out
             if keeper is not None and topo.local_rank == 0:
                 keeper.reject(choice.step)
             _skip(skipped, f"memory step {choice.step}", "rejected; falling back to disk")
+            break
         if disk is not None:
             path, meta = disk
             state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
