@@ -120,8 +120,10 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     ``jitckpt run --snapshot-every N`` it also takes in-memory snapshots of the same state, and
     ``restore()`` (then collective) resumes from the newest of them and the disk checkpoints.
     A ``ZeroRedundancyOptimizer`` is accepted under ``--snapshot-every`` on >= 2 nodes only: its
-    partitions are protected by AOR in the keepers, and the job resumes from the newest snapshot
-    (no JIT save: a lost rank's partition is nowhere else).
+    partitions are protected by AOR in the keepers, and after a failure the job resumes from the
+    newest snapshot (no JIT save: a lost rank's partition is nowhere else). At a preemption every
+    rank is alive and saves its own shard (the parameters and its partition), so the next run
+    resumes from disk even when the keepers stopped with the launchers.
     Under ``jitckpt run --plugin undo`` a failure that tears the optimizer step (inside
     ``optimizer.step()``, or before the scheduler's step of the same minibatch) is undone by SWIFT
     update-undo before the JIT save, so the survivors still save the start of that minibatch;
@@ -138,11 +140,14 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
         _check_zero_job(rt)
     state = Protected(model, optimizer, scheduler, extra=extra, snapshots=rt.snapshots)
     if state.uses_aor:
-        # No JIT save: a lost rank's partition exists only in the keepers (AOR).
-        rt.step_fn = lambda: state.step
-        rt.no_save_reason = ("ZeroRedundancyOptimizer job: no JIT checkpoint (a lost rank's optimizer "
-                             "partition exists only in the in-memory snapshots); the job resumes from "
-                             "the newest snapshot")
+        # A shard per rank, saved at a preemption only: after a failure a lost rank's partition
+        # exists only in the keepers (AOR), and the survivors' shards would be an incomplete set.
+        import torch.distributed as dist
+
+        init(state.save, step_fn=lambda: state.step, shard_id=dist.get_rank(), num_shards=dist.get_world_size())
+        rt.no_save_reason = ("ZeroRedundancyOptimizer job: no JIT checkpoint after a failure (a lost rank's "
+                             "optimizer partition exists only in the in-memory snapshots); the job resumes "
+                             "from the newest snapshot")
     else:
         init(state.save, step_fn=lambda: state.step, shard_id=shard_id, num_shards=num_shards)
         rt.saveable_while_running = state.untouched_mid_minibatch

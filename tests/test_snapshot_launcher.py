@@ -402,29 +402,60 @@ def test_restart_on_one_node_restores_from_buffers_its_standbys_mapped_ahead(tmp
         assert torch.equal(final[k], expected[k]), f"{k} differs from the failure-free run (killed at {kill_at})"
 
 
+def _events(run_dir: Path) -> list:
+    return _read_jsonl(run_dir / "events.jsonl")
+
+
 @pytest.mark.slow
-def test_a_preempted_zero_job_says_its_snapshots_stop_with_the_launchers(tmp_path):
-    """SIGTERM to every launcher of a ZeRO job whose keepers the launchers run: no rank can take a
-    JIT checkpoint and the snapshots die with the keepers, so the launcher must not only promise a
-    resume (found from outside: the next run started at step 0)."""
+def test_a_preempted_zero_job_resumes_from_the_shards_its_ranks_saved(tmp_path):
+    """SIGTERM to every launcher of a ZeRO job whose keepers the launchers run, so its snapshots
+    stop with them (found from outside: the next run started at step 0). Every rank saves its own
+    shard (the parameters and its optimizer partition), and the same commands run again resume
+    from those at the preempted step. Node 1 is then lost: its partition comes back from node 0's
+    replica, which began from node 1's shard. The job ends bitwise equal to a failure-free run."""
     import signal
 
-    port = free_port()
-    procs = []
+    def launch(tag: str, ckpt: str, *extra: str) -> list:
+        port = free_port()
+        return [start_launcher(tmp_path / f"{tag}{node}", [
+            "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "zp",
+            "--checkpoint-dir", str(tmp_path / ckpt), "--run-dir", str(tmp_path / f"{tag}{node}" / "run"),
+            "--status-interval", "0", "--max-restarts", "1", "--snapshot-every", "2", "--snapshot-protection", "aec",
+            str(TRAIN), "--steps", "40", "--step-sleep", "0.05", "--out", str(tmp_path / f"{tag}.pt"),
+            "--steps-log", str(tmp_path / f"{tag}.jsonl"), *ZERO, *extra]) for node in range(2)]
+
+    def finish(procs: list, codes: list) -> None:
+        try:
+            got = [p.wait(timeout=TIMEOUT) for p in procs]
+        finally:
+            for p in procs:
+                kill_tree(p.pid)
+        assert got == codes, got
+
+    procs = launch("ref", "ref-ck")
+    finish(procs, [0, 0])
+    procs = launch("a", "ck")
     try:
-        for node in range(2):
-            procs.append(start_launcher(tmp_path / f"node{node}", [
-                "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "zp",
-                "--checkpoint-dir", str(tmp_path / "ck"), "--run-dir", str(tmp_path / f"node{node}" / "run"),
-                "--status-interval", "0", "--snapshot-every", "2", "--snapshot-protection", "aec", str(TRAIN),
-                "--steps", "200", "--step-sleep", "0.05", "--steps-log", str(tmp_path / "train.jsonl"), *ZERO]))
-        wait_for_records(tmp_path / "train.jsonl", 8, procs)
+        wait_for_records(tmp_path / "a.jsonl", 8, procs)
         for p in procs:
             p.send_signal(signal.SIGTERM)
-        assert [p.wait(timeout=60) for p in procs] == [143, 143]
-        for node in range(2):
-            out = (tmp_path / f"node{node}" / "out.txt").read_text()
-            assert "ZeroRedundancyOptimizer) starts again from step 0 next run" in out, out[-3000:]
     finally:
-        for p in procs:
-            kill_tree(p.pid)
+        finish(procs, [143, 143])
+    saved = [e for node in range(2) for e in _events(tmp_path / f"a{node}" / "run") if e["event"] == "checkpoint_saved"]
+    assert sorted(e["rank"] for e in saved) == [0, 1] and len({e["step"] for e in saved}) == 1, saved
+    preempted = saved[0]["step"]
+    assert preempted < 26, saved  # the node loss below comes after the resume and a snapshot
+    kill_at = 30
+    procs = launch("b", "ck", "--inject", f"0:0:{kill_at}:kill", "--inject", f"0:1:{kill_at}:node")
+    finish(procs, [0, 0])
+    restores = [sorted((e["rank"], e["source"], e["step"], e.get("fetched")) for node in range(2)
+                       for e in _events(tmp_path / f"b{node}" / "run") if e["event"] == "restore" and e["gen"] == gen)
+                for gen in (0, 1)]
+    assert restores[0] == [(0, "disk", preempted, []), (1, "disk", preempted, [])], restores
+    # The newest snapshot (every 2 steps) before the kill; node 1's own partition and its replica
+    # of node 0's come from node 0's keeper.
+    assert restores[1] == [(0, "memory", kill_at - 2, []), (1, "memory", kill_at - 2, ["aor.z0", "aor.z1"])], restores
+    final, expected = (torch.load(tmp_path / f"{t}.pt", weights_only=True) for t in ("b", "ref"))
+    assert final.keys() == expected.keys()
+    for k in expected:
+        assert torch.equal(final[k], expected[k]), f"{k} differs from the failure-free run (preempted at {preempted})"

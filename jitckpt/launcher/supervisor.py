@@ -653,8 +653,9 @@ class Launcher:
             if isinstance(self.keeper, KeeperSupervisor):
                 # Found from outside: a preempted ZeRO job, told to run again to resume, started at step 0.
                 log.warning("preempted: the in-memory snapshots are in this launcher's keeper and stop with it, so "
-                            "a job that resumes only from them (ZeroRedundancyOptimizer) starts again from step 0 "
-                            "next run; `jitckpt daemon run` on each node keeps them across runs")
+                            "a ZeroRedundancyOptimizer job, whose shards of this step are incomplete, resumes from an "
+                            "older complete set or starts again from step 0 next run; `jitckpt daemon run` on each "
+                            "node keeps the snapshots across runs")
 
     def _kill_stuck_after_verdict(self) -> None:
         """Ranks still alive EXIT_GRACE after the verdict are stuck in their interpreter's teardown

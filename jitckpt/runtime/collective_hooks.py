@@ -87,6 +87,7 @@ class CollectiveHooks:
         self.buffers = BufferTracker()
         self._ddp_models: list[Any] = []
         self._depth = threading.local()  # nesting of backward calls (reentrant checkpointing)
+        self._step_depth = 0  # nesting of the training thread's optimizer steps (ZeRO's wraps its local one)
 
     def _wrap(self, owner: Any, name: str, kind: str, applies: Optional[Callable[..., bool]] = None,
               after: Optional[Callable[..., None]] = None) -> None:
@@ -120,7 +121,7 @@ class CollectiveHooks:
             torch.autograd.backward = self._backward(bw)
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
-        self._handles.append(register_optimizer_step_pre_hook(lambda *a, **k: sink.optimizer_pre_step()))
+        self._handles.append(register_optimizer_step_pre_hook(lambda *a, **k: self._step_began()))
         self._handles.append(register_optimizer_step_post_hook(lambda *a, **k: self._step_done()))
 
     def _ddp_constructed(self, ddp: Any, *_: Any) -> None:
@@ -134,9 +135,25 @@ class CollectiveHooks:
         self.layouts.forward_began(ddp)
         self.buffers.forward_began(ddp)
 
+    # The optimizer phase is the training thread's outermost step: ZeroRedundancyOptimizer.step()
+    # runs its local optimizer's step (hooks and all), then all-gathers the updated parameters, and
+    # AOR's replica steps its own optimizer on a worker thread meanwhile. Ending the phase with
+    # either let a save land in that all-gather, the parameters half updated (found from outside:
+    # a preempted ZeRO job's ranks saved shards with different parameters).
+    def _step_began(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._step_depth += 1
+        if self._step_depth == 1:
+            self._sink.optimizer_pre_step()
+
     def _step_done(self) -> None:
-        self.buffers.step_done()
-        self._sink.optimizer_post_step()
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._step_depth = max(self._step_depth - 1, 0)
+        if self._step_depth == 0:
+            self.buffers.step_done()
+            self._sink.optimizer_post_step()
 
     def _backward(self, bw: Callable) -> Callable:
         """Backward as a region; after the outermost one, DDP's one-time bucket rebuild (see

@@ -99,7 +99,8 @@ class Protected:
     ``snapshots`` is the in-memory tier (:class:`~jitckpt.snapshot.tier.SnapshotTier`) when the job
     runs with ``--snapshot-every``. A ``ZeroRedundancyOptimizer`` needs it: its partitions are
     snapshotted through AOR (each rank also recomputes its successor node's partition) and restored
-    from the keepers; such a job takes no JIT or periodic checkpoints.
+    from the keepers; such a job takes no periodic checkpoints, and a JIT one only at a preemption
+    (every rank its own shard: the parameters and its partition).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -364,10 +365,8 @@ class Protected:
         return out
 
     def save(self, path: str) -> None:
-        """Save into directory ``path`` (the save_fn given to ``jitckpt.init``)."""
-        if self._zero:
-            raise RuntimeError("a ZeroRedundancyOptimizer job has no disk checkpoints: its partitions "
-                               "are protected in the snapshot keepers (AOR)")
+        """Save into directory ``path`` (the save_fn given to ``jitckpt.init``). ZeRO: this rank's
+        shard, its own partition as ``optimizer`` (the local optimizer's state: no collective)."""
         # The checkpoint store checksums every file (CRC32C, verified before a load): torch's own
         # CRC-32 of each zip record would be a second pass over the bytes (~40 % of the write).
         from torch.utils.serialization import config as serialization_config
@@ -375,13 +374,16 @@ class Protected:
         target = Path(path) / STATE_FILE
         rt = runtime_or_none()
         reserve = rt.take_save_reserve() if rt is not None else None
+        sd = self.state_dict()
+        if self._zero:
+            sd["optimizer"] = self.optimizer.optim.state_dict()
         with serialization_config.patch({"save.compute_crc32": False}):
             if reserve is None:
-                torch.save(self.state_dict(), target)
+                torch.save(sd, target)
                 return
             os.rename(reserve, target)  # its pages are in the page cache: overwritten in place
             with open(target, "r+b") as f:
-                torch.save(self.state_dict(), f)
+                torch.save(sd, f)
                 f.truncate()
 
     def load(self, path: str) -> int:
@@ -391,7 +393,12 @@ class Protected:
     def load_state_dict(self, sd: dict) -> int:
         """Load a state from :meth:`state_dict` (a checkpoint's or a snapshot's); return its step."""
         self.model.load_state_dict(sd["model"])
-        if sd["optimizer"] is not None:
+        if sd["optimizer"] is not None and self._zero:  # this rank's shard of a preempted job
+            from jitckpt.snapshot.aor_store import load_zero_partition
+
+            load_zero_partition(self.optimizer, sd["optimizer"])
+            self._load_zero_hyperparameters(sd)
+        elif sd["optimizer"] is not None:
             self.optimizer.load_state_dict(sd["optimizer"])
         elif not self._zero:
             raise ValueError("this state has no optimizer state (it is from a ZeroRedundancyOptimizer "
@@ -485,12 +492,15 @@ class Protected:
                 rt.report_fresh_start(self.step, "; ".join(self._snapshots.rejected))
             return self.step
         t0 = time.monotonic()
-        if self._zero and point.aor is None and point.step != 0:  # step 0: nothing to lose
+        if self._zero and point.aor is None and point.state["optimizer"] is None and point.step != 0:
             raise RuntimeError(f"resume: a ZeroRedundancyOptimizer job found a {point.source} state of "
                                f"step {point.step} without its optimizer partitions; it cannot resume "
-                               "from it (ZeRO jobs resume from in-memory snapshots only)")
+                               "from it (ZeRO jobs resume from in-memory snapshots, or from the shards "
+                               "every rank saves at a preemption)")
         step = self.load_state_dict(point.state)
         fetched: list = []
+        if self._zero and point.aor is None and point.path is not None:
+            self._peer_state = self._peer_shard(point)  # for the replica of the successor's partition
         if self._zero and point.aor is not None:
             loaded = self._snapshots.load_zero_partitions(self.optimizer, point)
             self._peer_state, fetched = loaded.peer_state, loaded.remote
@@ -499,6 +509,22 @@ class Protected:
         rt.report_restored(path, step, point.seconds + time.monotonic() - t0, source=point.source,
                            decoded=point.decoded, fetched=fetched)
         return step
+
+    def _peer_shard(self, point: Any) -> Optional[dict]:
+        """ZeRO resumed from disk: the successor's partition, from its shard of the same step (the
+        replica of recompute mode starts from it; copy mode needs none)."""
+        if self._snapshots.zero == "copy":
+            return None
+        import torch.distributed as dist
+
+        from jitckpt.checkpoint_store import find_latest
+
+        peer = self._snapshots.peer()
+        found = find_latest(Path(point.path).parent, shard_id=peer, num_shards=dist.get_world_size())
+        if found is None or found[1].step != point.step:
+            raise RuntimeError(f"resume: rank {peer}'s shard of step {point.step} is gone from "
+                               f"{Path(point.path).parent} since this rank chose that step; start the job again")
+        return read_state(str(found[0]))["optimizer"]
 
     def close(self) -> None:
         """Remove the hooks; finish and stop in-memory snapshotting."""

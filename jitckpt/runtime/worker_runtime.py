@@ -77,7 +77,8 @@ class WorkerRuntime:
         # A region blocked this long after a failure is taken as stuck: save while it is held.
         self.blocked_grace = 2.0
         self.save_fn: Optional[Callable[[str], None]] = None
-        self.no_save_reason: Optional[str] = None  # why this job registers no save function
+        # Why this job's failures take no JIT save (a preemption's still does, with a save function).
+        self.no_save_reason: Optional[str] = None
         self.step_fn: Optional[Callable[[], int]] = None
         self.consistency_check: Optional[Callable[[], bool]] = None
         # protect(): True while the training thread computes a minibatch without touching the
@@ -558,8 +559,7 @@ class WorkerRuntime:
         losing nothing. Not after a preemption, whose minibatch always can finish.
         Without a save function there is nothing to wait for: give up at once.
         """
-        if self.save_fn is None:
-            self._give_up(self.no_save_reason or "no save function registered (call jitckpt.init(save_fn))")
+        self._give_up_if_no_save()
         deadline = time.monotonic() + self.save_timeout
         while time.monotonic() < deadline:
             with self._lock:
@@ -632,9 +632,15 @@ class WorkerRuntime:
         while True:  # another thread is saving; it ends the process
             time.sleep(3600)
 
-    def _do_save_and_exit(self) -> None:
+    def _give_up_if_no_save(self) -> None:
+        """No save function, or a failure this job saves nothing for: stop without a checkpoint."""
         if self.save_fn is None:
             self._give_up(self.no_save_reason or "no save function registered (call jitckpt.init(save_fn))")
+        if self.no_save_reason is not None and self._failure is not None and self._failure["kind"] != "preempted":
+            self._give_up(self.no_save_reason)
+
+    def _do_save_and_exit(self) -> None:
+        self._give_up_if_no_save()
         undone = self._roll_back_if_torn()
         step = self.current_step()
         t0 = time.monotonic()

@@ -31,7 +31,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from jitckpt.checkpoint_store import find_latest
+from jitckpt.checkpoint_store import CheckpointError, find_latest, list_candidates, read_meta
 from jitckpt.snapshot.checksum import checksum_of, copy_verified
 from jitckpt.snapshot.client import META_KEY, STATE_FILE, Topology, parse_meta
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
@@ -70,6 +70,21 @@ class MemoryChoice:
     decoded: list
     checksums: dict = field(default_factory=dict)  # key -> (checksum, algorithm), as its writer hashed it
     covers: dict = field(default_factory=dict)     # parity key -> (its ranges' checksums, algorithm)
+
+
+def _newest_disk(root: str, topo: Topology) -> Optional[tuple[Path, Any]]:
+    """The newest complete on-disk checkpoint: of the whole state, or this rank's shard of one that
+    every rank saved as its own shard (a ZeRO job at a preemption: each rank's optimizer partition),
+    whichever the newest readable checkpoint is."""
+    world = dist.get_world_size() if _is_initialized() else 1
+    for c in list_candidates(root):
+        try:
+            if world > 1 and read_meta(c.path).num_shards == world:
+                return find_latest(root, shard_id=topo.rank, num_shards=world)
+            break
+        except CheckpointError:
+            continue
+    return find_latest(root)
 
 
 def _is_initialized() -> bool:
@@ -459,7 +474,7 @@ def restore(*, socket_path: Optional[str] = None, ranks_per_node: Optional[int] 
         except (KeeperError, ValueError) as e:
             _skip(skipped, "memory tier", str(e))
     mapped0 = keeper.mappings_made if keeper is not None else 0
-    disk = find_latest(checkpoint_dir) if checkpoint_dir else None
+    disk = _newest_disk(checkpoint_dir, topo) if checkpoint_dir else None
     disk_step = disk[1].step if disk else None
     written = False
     agreed = False

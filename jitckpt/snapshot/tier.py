@@ -104,12 +104,10 @@ class SnapshotTier:
                                "has all of them (more than one node of a protection pair was lost), so "
                                "this job cannot resume consistently; restart it from scratch with a new "
                                "--rdzv-id (fresh keepers)")
-        # A ZeRO job's partitions exist only in the keepers: the disk tier cannot resume it.
         one_rank = not (dist.is_initialized() and dist.get_world_size() > 1)
         try:
             res = restore(socket_path=self.socket_path, ranks_per_node=self.ranks_per_node,
-                          checkpoint_dir=None if zero_job else self.checkpoint_dir,
-                          into=into, keeper=self.premapped)
+                          checkpoint_dir=self.checkpoint_dir, into=into, keeper=self.premapped)
         finally:
             if self.premapped is not None:
                 self.premapped.close()
@@ -120,6 +118,10 @@ class SnapshotTier:
         # Checkpoints that were there but unusable (not an unreachable tier): a fresh start is loud.
         self.rejected = [f"{what}: {why}" for what, why in res.skipped
                          if what.startswith(("memory step", "disk")) and not why.startswith("rejected;")]
+        # A ZeRO job resumes from a step whose partitions the keepers hold, or from the shards its
+        # ranks saved at a preemption (each with its own partition): not from parameters alone.
+        if res.source == "disk" and res.state is not None and res.state.get("optimizer") is not None:
+            zero_job = False
         if zero_job and (res.state is None or res.step not in aor.complete):
             why = "; ".join(self.rejected) or f"memory tier: {res.source} step {res.step}"
             resized = any(", this job has " in r for r in self.rejected)
