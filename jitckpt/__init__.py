@@ -121,9 +121,9 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     ``restore()`` (then collective) resumes from the newest of them and the disk checkpoints.
     A ``ZeroRedundancyOptimizer`` is accepted under ``--snapshot-every`` on >= 2 nodes only: its
     partitions are protected by AOR in the keepers, and after a failure the job resumes from the
-    newest snapshot (no JIT save: a lost rank's partition is nowhere else). At a preemption every
-    rank is alive and saves its own shard (the parameters and its partition), so the next run
-    resumes from disk even when the keepers stopped with the launchers.
+    newest snapshot (no JIT save: a lost rank's partition is nowhere else). At a preemption, and
+    every N steps with ``--periodic-every N``, every rank saves its own shard (the parameters and
+    its partition), so the next run resumes from disk even when the keepers are gone.
     Under ``jitckpt run --plugin undo`` a failure that tears the optimizer step (inside
     ``optimizer.step()``, or before the scheduler's step of the same minibatch) is undone by SWIFT
     update-undo before the JIT save, so the survivors still save the start of that minibatch;
@@ -158,8 +158,8 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
 
 
 def _check_zero_job(rt: "WorkerRuntime") -> None:
-    if rt.periodic_every or rt.snapshots.flush_every:
-        raise ValueError("protect(optimizer=ZeroRedundancyOptimizer): --periodic-every and "
-                         "--snapshot-flush-every write the parameters without the optimizer partitions, "
-                         "which a ZeRO job cannot resume from; drop them (its partitions are protected "
-                         "in memory by AOR; lower --snapshot-every to lose fewer steps)")
+    if rt.snapshots.flush_every:
+        raise ValueError("protect(optimizer=ZeroRedundancyOptimizer): --snapshot-flush-every writes the "
+                         "parameters without the optimizer partitions, which a ZeRO job cannot resume from; "
+                         "use --periodic-every N instead (every rank saves its own shard, its partition "
+                         "included)")

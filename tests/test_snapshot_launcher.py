@@ -406,6 +406,34 @@ def _events(run_dir: Path) -> list:
     return _read_jsonl(run_dir / "events.jsonl")
 
 
+def _zero_job(tmp_path: Path, tag: str, ckpt: str, launcher_args: tuple = (), script_args: tuple = ()) -> list:
+    """The two launchers of a 40-step ZeRO job (keepers run by the launchers, snapshots every 2
+    steps); its final parameters go to ``<tag>.pt``."""
+    port = free_port()
+    return [start_launcher(tmp_path / f"{tag}{node}", [
+        "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "zp",
+        "--checkpoint-dir", str(tmp_path / ckpt), "--run-dir", str(tmp_path / f"{tag}{node}" / "run"),
+        "--status-interval", "0", "--max-restarts", "1", "--snapshot-every", "2", "--snapshot-protection", "aec",
+        *launcher_args, str(TRAIN), "--steps", "40", "--step-sleep", "0.05", "--out", str(tmp_path / f"{tag}.pt"),
+        "--steps-log", str(tmp_path / f"{tag}.jsonl"), *ZERO, *script_args]) for node in range(2)]
+
+
+def _ended(procs: list, codes: list) -> None:
+    try:
+        got = [p.wait(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    assert got == codes, got
+
+
+def _assert_as_reference(tmp_path: Path, tag: str, why: str) -> None:
+    final, expected = (torch.load(tmp_path / f"{t}.pt", weights_only=True) for t in (tag, "ref"))
+    assert final.keys() == expected.keys()
+    for k in expected:
+        assert torch.equal(final[k], expected[k]), f"{k} differs from the failure-free run ({why})"
+
+
 @pytest.mark.slow
 def test_a_preempted_zero_job_resumes_from_the_shards_its_ranks_saved(tmp_path):
     """SIGTERM to every launcher of a ZeRO job whose keepers the launchers run, so its snapshots
@@ -415,39 +443,21 @@ def test_a_preempted_zero_job_resumes_from_the_shards_its_ranks_saved(tmp_path):
     replica, which began from node 1's shard. The job ends bitwise equal to a failure-free run."""
     import signal
 
-    def launch(tag: str, ckpt: str, *extra: str) -> list:
-        port = free_port()
-        return [start_launcher(tmp_path / f"{tag}{node}", [
-            "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "zp",
-            "--checkpoint-dir", str(tmp_path / ckpt), "--run-dir", str(tmp_path / f"{tag}{node}" / "run"),
-            "--status-interval", "0", "--max-restarts", "1", "--snapshot-every", "2", "--snapshot-protection", "aec",
-            str(TRAIN), "--steps", "40", "--step-sleep", "0.05", "--out", str(tmp_path / f"{tag}.pt"),
-            "--steps-log", str(tmp_path / f"{tag}.jsonl"), *ZERO, *extra]) for node in range(2)]
-
-    def finish(procs: list, codes: list) -> None:
-        try:
-            got = [p.wait(timeout=TIMEOUT) for p in procs]
-        finally:
-            for p in procs:
-                kill_tree(p.pid)
-        assert got == codes, got
-
-    procs = launch("ref", "ref-ck")
-    finish(procs, [0, 0])
-    procs = launch("a", "ck")
+    _ended(_zero_job(tmp_path, "ref", "ref-ck"), [0, 0])
+    procs = _zero_job(tmp_path, "a", "ck")
     try:
         wait_for_records(tmp_path / "a.jsonl", 8, procs)
         for p in procs:
             p.send_signal(signal.SIGTERM)
     finally:
-        finish(procs, [143, 143])
+        _ended(procs, [143, 143])
     saved = [e for node in range(2) for e in _events(tmp_path / f"a{node}" / "run") if e["event"] == "checkpoint_saved"]
     assert sorted(e["rank"] for e in saved) == [0, 1] and len({e["step"] for e in saved}) == 1, saved
     preempted = saved[0]["step"]
     assert preempted < 26, saved  # the node loss below comes after the resume and a snapshot
     kill_at = 30
-    procs = launch("b", "ck", "--inject", f"0:0:{kill_at}:kill", "--inject", f"0:1:{kill_at}:node")
-    finish(procs, [0, 0])
+    procs = _zero_job(tmp_path, "b", "ck", script_args=("--inject", f"0:0:{kill_at}:kill", "--inject", f"0:1:{kill_at}:node"))
+    _ended(procs, [0, 0])
     restores = [sorted((e["rank"], e["source"], e["step"], e.get("fetched")) for node in range(2)
                        for e in _events(tmp_path / f"b{node}" / "run") if e["event"] == "restore" and e["gen"] == gen)
                 for gen in (0, 1)]
@@ -455,7 +465,29 @@ def test_a_preempted_zero_job_resumes_from_the_shards_its_ranks_saved(tmp_path):
     # The newest snapshot (every 2 steps) before the kill; node 1's own partition and its replica
     # of node 0's come from node 0's keeper.
     assert restores[1] == [(0, "memory", kill_at - 2, []), (1, "memory", kill_at - 2, ["aor.z0", "aor.z1"])], restores
-    final, expected = (torch.load(tmp_path / f"{t}.pt", weights_only=True) for t in ("b", "ref"))
-    assert final.keys() == expected.keys()
-    for k in expected:
-        assert torch.equal(final[k], expected[k]), f"{k} differs from the failure-free run (preempted at {preempted})"
+    _assert_as_reference(tmp_path, "b", f"preempted at {preempted}")
+
+
+@pytest.mark.slow
+def test_a_zero_job_lost_whole_resumes_from_its_periodic_shards(tmp_path):
+    """--periodic-every 4: every rank saves its own shard every 4 steps. Both launchers are
+    SIGKILLed with their workers and keepers at a random moment (the whole job lost at once: no JIT
+    checkpoint, no snapshot survives); the same commands run again resume from the newest complete
+    set of shards and end bitwise equal to a failure-free run."""
+    import random
+
+    _ended(_zero_job(tmp_path, "ref", "ref-ck"), [0, 0])
+    procs = _zero_job(tmp_path, "a", "ck", ("--periodic-every", "4"))
+    try:
+        wait_for_records(tmp_path / "a.jsonl", random.randint(16, 40), procs)  # a record per rank and step
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    lost_at = max(r.get("step", -1) for r in _read_jsonl(tmp_path / "a.jsonl"))
+    _ended(_zero_job(tmp_path, "b", "ck", ("--periodic-every", "4")), [0, 0])
+    restores = sorted((e["rank"], e["source"], e["step"]) for node in range(2)
+                      for e in _events(tmp_path / f"b{node}" / "run") if e["event"] == "restore")
+    assert [(r, src) for r, src, _ in restores] == [(0, "disk"), (1, "disk")], restores
+    step = restores[0][2]
+    assert step % 4 == 0 and lost_at - 4 <= step <= lost_at + 1 and restores[1][2] == step, (restores, lost_at)
+    _assert_as_reference(tmp_path, "b", f"lost at step {lost_at}, resumed from {step}")
