@@ -41,8 +41,6 @@ def test_torchrun_spellings_and_script_args(tmp_path):
     (["--no-python", "--plugin", "logging"], "through the device proxy.*add --transparent"),
     (["--nnodes", "2", "--node-rank", "0", "--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:2379",
       "--recovery", "stage"], "not supported yet: use --rdzv-backend c10d"),
-    (["--nnodes", "2", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1:2379"],
-     "etcd-v2 needs each launcher's --node-rank"),
 ])
 def test_bad_config_is_named(tmp_path, argv, message):
     script = tmp_path / "t.py"

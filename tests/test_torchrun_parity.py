@@ -217,20 +217,30 @@ dist.barrier()
 '''
 
 
-def test_launchers_without_node_rank_take_their_slots_in_the_rendezvous(tmp_path):
-    """torchrun's c10d rendezvous needs no --node-rank: the launcher that can serve the store at
-    --rdzv-endpoint is node 0, the others take free slots (test_node_loss's slow c10d test: a
-    replacement takes a gone launcher's slot, and one launcher too many stops, naming why)."""
+# etcd: slow (the c10d case covers the slots in the fast suite).
+@pytest.mark.parametrize("backend", ["c10d", pytest.param("etcd-v2", marks=pytest.mark.slow)])
+def test_launchers_without_node_rank_take_their_slots_in_the_rendezvous(tmp_path, request, backend):
+    """torchrun's rendezvous needs no --node-rank: the launchers take free slots (c10d: the one that
+    can serve the store at --rdzv-endpoint is node 0; etcd: in any order). test_node_loss's slow
+    c10d test: a replacement takes a gone launcher's slot, and one launcher too many stops, naming
+    why."""
     import subprocess
     import time
 
     from jobs import ROOT, kill_tree
 
     (tmp_path / "t.py").write_text(SLOTS_SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+    if backend == "c10d":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    else:
+        from etcd_cluster import EtcdCluster
+
+        cluster = EtcdCluster(tmp_path / "etcd")
+        request.addfinalizer(cluster.close)
+        endpoint = cluster.endpoint(0)
+    cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", "2", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
            "--rdzv-id", "slots", "--checkpoint-dir", str(tmp_path / "ck"), "--status-interval", "0", "t.py"]
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
     procs = []

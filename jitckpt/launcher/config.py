@@ -111,7 +111,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
          help="the job's store with --nnodes > 1: c10d and static are a store node 0's launcher serves at "
               "--rdzv-endpoint (the job ends with node 0); etcd and etcd-v2 are etcd's v2 API at --rdzv-endpoint "
               "(etcd --enable-v2; pip install python-etcd): it outlives any node, and a launcher started with a lost "
-              "node's --node-rank and the same --rdzv-id joins the running job in its place")
+              "node's slot and the same --rdzv-id joins the running job in its place")
     both("--rdzv-endpoint", default="", help="host:port of node 0's store (required for nnodes > 1)")
     both("--rdzv-id", default="", help="job id shared by all nodes; its checkpoints go to "
          "<checkpoint-dir>/<id>/ (without an id: <checkpoint-dir>/ itself)")
@@ -146,8 +146,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     both("--duplicate-stderr-filters", default="", help="refused (not supported)")
     both("--node-rank", type=int, default=None,
          help="this node's slot (0..MAX-1); with MIN:MAX a generation's global ranks follow the slots present. "
-              "Without it (c10d): the launcher that serves the store at --rdzv-endpoint is node 0 and the others "
-              "take free slots, or the slot of a launcher that is gone (default: 0 on one node)")
+              "Without it the launchers take free slots, or the slot of a launcher that is gone (c10d: the one that "
+              "serves the store at --rdzv-endpoint is node 0; static: 0; default: 0 on one node)")
     both("--master-addr", default="127.0.0.1", help="MASTER_ADDR of the workers (rank 0 serves their store there): "
          "one node, or node 0's address the other nodes reach with --rdzv-backend etcd (with c10d it is node 0's "
          "--rdzv-endpoint host)")
@@ -296,7 +296,7 @@ class LaunchConfig:
     nnodes: int = 1            # MAX of --nnodes MIN:MAX
     min_nodes: Optional[int] = None  # MIN (None: nnodes)
     nproc_per_node: int = 1
-    node_rank: Optional[int] = None  # None: the c10d rendezvous gives it (NodeCoordinator)
+    node_rank: Optional[int] = None  # None: the rendezvous gives it (NodeCoordinator)
     rdzv_endpoint: str = ""
     rdzv_backend: str = "c10d"
     run_id: str = ""
@@ -340,9 +340,6 @@ class LaunchConfig:
             raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT of node 0 (same on every node)")
         if self.node_rank is None and (self.nnodes == 1 or self.rdzv_backend == "static"):
             self.node_rank = 0
-        if self.node_rank is None and self.rdzv_backend != "c10d":
-            raise ValueError(f"--rdzv-backend {self.rdzv_backend} needs each launcher's --node-rank (0..{self.nnodes - 1}): "
-                             "only the c10d backend gives launchers their slots in the rendezvous")
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes})")
         self.min_nodes = self.nnodes if self.min_nodes is None else self.min_nodes

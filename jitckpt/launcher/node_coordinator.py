@@ -49,13 +49,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         return s.getsockname()[1]
 
-def _local_addr(cfg: LaunchConfig) -> str:
+def _local_addr(cfg: LaunchConfig, claimed: bool) -> str:
     """The address this node's workers' store takes if the node has a generation's lowest rank:
-    --local-addr; node 0: --master-addr (c10d: the store's host); else this host's name, or loopback
-    when --master-addr is loopback (every node on one machine)."""
+    --local-addr; node 0: --master-addr (c10d: the store's host), unless etcd gave it its slot (any
+    machine may take slot 0 there); else this host's name, or loopback when --master-addr is
+    loopback (every node on one machine)."""
     if cfg.local_addr:
         return cfg.local_addr
-    if cfg.node_rank == 0:
+    if cfg.node_rank == 0 and not (claimed and job_store.uses_etcd(cfg)):
         return cfg.master_addr if job_store.uses_etcd(cfg) else cfg.rdzv_host
     if cfg.master_addr in ("127.0.0.1", "localhost", "::1"):
         return cfg.master_addr
@@ -115,6 +116,7 @@ class NodeCoordinator:
         self._beat_gen = -1  # the generation this launcher is in, for its heartbeat (-1: none yet)
         self._heart: Optional[threading.Thread] = None
         self._dir_checked = False  # --checkpoint-dir seen shared by every node (checked once)
+        self._claimed = False  # this launcher took its slot in the rendezvous (no --node-rank)
         if cfg.nnodes > 1:
             self._connect()
 
@@ -136,7 +138,7 @@ class NodeCoordinator:
 
     def _connect(self) -> None:
         if self.cfg.node_rank is None:  # torchrun's way: the slot comes from the rendezvous
-            self.cfg.node_rank = self._claim_slot()
+            self.cfg.node_rank, self._claimed = self._claim_slot(), True
         else:
             self.store = self._client(server=self.cfg.node_rank == 0)
         self.lease = ControllerLease(store=self.store, etcd=job_store.uses_etcd(self.cfg), node=self.cfg.node_rank)
@@ -147,13 +149,17 @@ class NodeCoordinator:
         self._heart.start()
 
     def _claim_slot(self) -> int:
-        """The node rank of a c10d launcher without --node-rank (it connects ``self.store``). The one
-        that serves the store is node 0 (its workers' store takes the same host, as with --node-rank
-        0); every other one takes the lowest free slot, else that of a launcher which is gone (its
-        heartbeat unchanged for three periods): a replacement started after a node loss needs no
-        flag either."""
-        self.store, served = job_store.connect_or_serve(self.cfg, self.prefix)
-        slots = [0] if served else list(range(1, self.cfg.nnodes))
+        """The node rank of a launcher without --node-rank (it connects ``self.store``). With c10d
+        the one that serves the store is node 0 (its workers' store takes the same host, as with
+        --node-rank 0); with etcd no launcher is special. Every other one takes the lowest free
+        slot, else that of a launcher which is gone (its heartbeat unchanged for three periods): a
+        replacement started after a node loss needs no flag either."""
+        if job_store.uses_etcd(self.cfg):
+            self.store, served = self._client(), False
+            slots = list(range(self.cfg.nnodes))
+        else:
+            self.store, served = job_store.connect_or_serve(self.cfg, self.prefix)
+            slots = [0] if served else list(range(1, self.cfg.nnodes))
         token = f"{socket.gethostname()} pid {os.getpid()} {os.urandom(4).hex()}"
         for k in slots:
             if job_store.set_once(self.store, f"slot/{k}", token) == token:
@@ -170,10 +176,10 @@ class NodeCoordinator:
             if self._heartbeats.silent(k) and self.store.compare_set(f"slot/{k}", holder, token).decode() == token:
                 log.warning("job %s: node %d's launcher is gone; this launcher takes its slot", self.cfg.run_id, k)
                 return k
+        served_by = "" if job_store.uses_etcd(self.cfg) else f": the one serving the store at {self.cfg.rdzv_endpoint} is node 0"
         raise RuntimeError(f"job {self.cfg.run_id}: every node slot of --nnodes {self.cfg.nnodes} is held by a running "
-                           f"launcher ({', '.join(str(k) for k in slots)} here: the one serving the store at "
-                           f"{self.cfg.rdzv_endpoint} is node 0); is this launcher one too many, or is --rdzv-id another "
-                           "job's?")
+                           f"launcher ({', '.join(str(k) for k in slots)} here{served_by}); is this launcher one too many, "
+                           "or is --rdzv-id another job's?")
 
     def _k(self, gen: int, key: str) -> str:
         return f"g{gen}/{key}"
@@ -232,7 +238,7 @@ class NodeCoordinator:
         """Say this node is in generation ``gen`` and wait for its nodes, closing the gathering when
         this launcher is the controller; {"nodes": [...], "master": "host:port"}."""
         s = self.store
-        host = _local_addr(self.cfg)
+        host = _local_addr(self.cfg, self._claimed)
         try:
             port = free_port(host if host != "localhost" else "127.0.0.1")
         except OSError:  # a name this host does not bind by: any interface's free port
