@@ -140,8 +140,9 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
         _check_zero_job(rt)
     state = Protected(model, optimizer, scheduler, extra=extra, snapshots=rt.snapshots)
     if state.uses_aor:
-        # A shard per rank, saved at a preemption only: after a failure a lost rank's partition
-        # exists only in the keepers (AOR), and the survivors' shards would be an incomplete set.
+        # A shard per rank, saved at a preemption and with --periodic-every, never after a failure:
+        # a lost rank's partition exists only in the keepers (AOR), the survivors' shards would be
+        # an incomplete set.
         import torch.distributed as dist
 
         init(state.save, step_fn=lambda: state.step, shard_id=dist.get_rank(), num_shards=dist.get_world_size())

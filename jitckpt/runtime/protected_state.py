@@ -99,8 +99,8 @@ class Protected:
     ``snapshots`` is the in-memory tier (:class:`~jitckpt.snapshot.tier.SnapshotTier`) when the job
     runs with ``--snapshot-every``. A ``ZeroRedundancyOptimizer`` needs it: its partitions are
     snapshotted through AOR (each rank also recomputes its successor node's partition) and restored
-    from the keepers; such a job takes no periodic checkpoints, and a JIT one only at a preemption
-    (every rank its own shard: the parameters and its partition).
+    from the keepers; its disk checkpoints are per-rank shards (the parameters and the rank's
+    partition), taken at a preemption and with ``--periodic-every``, never after a failure.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -393,7 +393,7 @@ class Protected:
     def load_state_dict(self, sd: dict) -> int:
         """Load a state from :meth:`state_dict` (a checkpoint's or a snapshot's); return its step."""
         self.model.load_state_dict(sd["model"])
-        if sd["optimizer"] is not None and self._zero:  # this rank's shard of a preempted job
+        if sd["optimizer"] is not None and self._zero:  # this rank's shard (preemption or periodic)
             from jitckpt.snapshot.aor_store import load_zero_partition
 
             load_zero_partition(self.optimizer, sd["optimizer"])
@@ -496,7 +496,7 @@ class Protected:
             raise RuntimeError(f"resume: a ZeroRedundancyOptimizer job found a {point.source} state of "
                                f"step {point.step} without its optimizer partitions; it cannot resume "
                                "from it (ZeRO jobs resume from in-memory snapshots, or from the shards "
-                               "every rank saves at a preemption)")
+                               "every rank saves at a preemption and with --periodic-every)")
         step = self.load_state_dict(point.state)
         fetched: list = []
         if self._zero and point.aor is None and point.path is not None:

@@ -119,7 +119,7 @@ class SnapshotTier:
         self.rejected = [f"{what}: {why}" for what, why in res.skipped
                          if what.startswith(("memory step", "disk")) and not why.startswith("rejected;")]
         # A ZeRO job resumes from a step whose partitions the keepers hold, or from the shards its
-        # ranks saved at a preemption (each with its own partition): not from parameters alone.
+        # ranks saved (a preemption's, a periodic one: each with its partition), not from parameters alone.
         if res.source == "disk" and res.state is not None and res.state.get("optimizer") is not None:
             zero_job = False
         if zero_job and (res.state is None or res.step not in aor.complete):
