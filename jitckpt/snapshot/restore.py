@@ -74,8 +74,8 @@ class MemoryChoice:
 
 def _newest_disk(root: str, topo: Topology) -> Optional[tuple[Path, Any]]:
     """The newest complete on-disk checkpoint: of the whole state, or this rank's shard of one that
-    every rank saved as its own shard (a ZeRO job at a preemption: each rank's optimizer partition),
-    whichever the newest readable checkpoint is."""
+    every rank saved as its own shard (a ZeRO job's, at a preemption or a periodic save: each with
+    its rank's optimizer partition), whichever the newest readable checkpoint is."""
     world = dist.get_world_size() if _is_initialized() else 1
     for c in list_candidates(root):
         try:
@@ -254,7 +254,6 @@ def _load_memory(choice: MemoryChoice, keeper: Optional[KeeperClient], topo: Top
         from jitckpt.snapshot.layout import parse_layout
 
         algos = {choice.checksums[k][1] for k in parts}
-
         doc = parse_layout(meta["layout"])
         targets = targets_in(doc, into)
         # The parts laid end to end are the flat state. Hashing them all costs less than a
