@@ -9,7 +9,12 @@ shared machine hit all alike:
   gradients copied, its optimizer step recomputed on a worker thread) plus ``AorSnapshotter``
   writing both partitions to the keeper at every N-th step;
 * ``copy@N``: ``PartitionCopier``, which at every N-th step sends this rank's partition to its
-  protector and writes its own and the received one to the keeper (no recompute).
+  protector and writes its own and the received one to the keeper (no recompute);
+* ``log+copy@N``: the cost side of a design not built in jitckpt yet (AOR at a snapshot every step
+  for the price of copy@N): ``copy@N``, plus every step the peer partition's all-reduced gradients
+  written, hashed, into a ring of N keeper objects (:class:`GradientLogProbe`), from which a
+  restore would replay at most N optimizer steps onto the last copy. Only the writes are measured;
+  the replay is not built.
 
 With N = 10 the snapshot is the block's step 5. The first step of each block is not counted (the
 previous block's last recompute may still run in it); a block's cost is the mean of its other
@@ -43,8 +48,60 @@ sys.path.insert(0, str(ROOT))
 from bench_snapshot import start_keeper  # noqa: E402  (this directory is on sys.path)
 
 BLOCK = 10
-MODES = ("none", "recompute@1", "copy@1", "recompute@10", "copy@10")
+MODES = ("none", "recompute@1", "copy@1", "recompute@10", "copy@10", "log+copy@10")
 RECOMPUTE_BASE = 1_000_000  # the replica's step numbers: never a copy step's (same keeper keys)
+
+
+class GradientLogProbe:
+    """Each step: the peer partition's gradients by reference on the trainer's thread (the next
+    backward allocates new ones after ``zero_grad()``; with DDP's ``gradient_as_bucket_view`` it
+    would overwrite them, and the copy would have to come first), then on a worker thread copied
+    and hashed into keeper object ``aor.g<peer>.<step % ring>`` and committed. The next call waits
+    for the previous write (one in flight), as the replica's capture does."""
+
+    def __init__(self, *, params: list, peer: int, socket_path: str, ring: int) -> None:
+        import concurrent.futures
+
+        from jitckpt.snapshot.keeper_client import KeeperClient
+
+        self.params, self.peer, self.ring = params, peer, ring
+        self.keeper = KeeperClient(socket_path)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-log")
+        self._last = None
+        self.blocked_seconds, self.write_seconds, self.cpu_seconds, self.writes = 0.0, 0.0, 0.0, 0
+
+    def capture(self, step: int) -> None:
+        t0 = time.perf_counter()
+        if self._last is not None:
+            self._last.result()
+        self.blocked_seconds += time.perf_counter() - t0
+        self._last = self._pool.submit(self._write, step, [p.grad for p in self.params])
+
+    def _write(self, step: int, grads: list) -> None:
+        import numpy as np
+
+        from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, Checksum
+
+        t0, c0 = time.perf_counter(), time.thread_time()
+        size = sum(g.numel() * g.element_size() for g in grads)
+        key = f"aor.g{self.peer}.{step % self.ring}"
+        m = self.keeper.begin(key, step, size)
+        dst = np.frombuffer(m, dtype=np.uint8, count=size)
+        h, at = Checksum(DEFAULT_ALGORITHM), 0
+        for g in grads:
+            src = g.detach().reshape(-1).view(torch.uint8).numpy()
+            h.copy(dst[at:at + len(src)], src)
+            at += len(src)
+        self.keeper.commit([{"key": key, "step": step, "checksum": h.value(), "algo": h.algorithm}])
+        self.write_seconds += time.perf_counter() - t0
+        self.cpu_seconds += time.thread_time() - c0
+        self.writes += 1
+
+    def close(self) -> None:
+        if self._last is not None:
+            self._last.result()
+        self._pool.shutdown(wait=True)
+        self.keeper.close()
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -68,8 +125,10 @@ def rank_main(args: argparse.Namespace) -> None:
     replica = OptimizerReplica(zero=zero, peer=successor_peer(rank, world, 1), start_step=RECOMPUTE_BASE)
     writer = AorSnapshotter(replica=replica, socket_path=sock)
     copier = PartitionCopier(zero=zero, ranks_per_node=1, socket_path=sock)
+    log = GradientLogProbe(params=[p for ps in replica.live for p in ps], peer=replica.peer, socket_path=sock,
+                           ring=BLOCK)
     blocks: dict = {m: [] for m in MODES}
-    snaps = {"recompute": 0, "copy": 0}
+    snaps = {"recompute": 0, "copy": 0, "log+copy": 0}
     cycle = [m for m in MODES]
     for step in range(BLOCK * len(MODES) * (args.rounds + 1)):
         b, i = divmod(step, BLOCK)
@@ -80,7 +139,7 @@ def rank_main(args: argparse.Namespace) -> None:
             times: list = []
         x = torch.randn(32, args.hidden)
         t0 = time.perf_counter()
-        aor = writer if kind == "recompute" else copier
+        aor = writer if kind == "recompute" else copier  # log+copy: the copier at its snapshots
         if snap:
             aor.begin(replica.step if kind == "recompute" else step)
             snaps[kind] += 1
@@ -97,6 +156,8 @@ def rank_main(args: argparse.Namespace) -> None:
             aor.wait()
         if kind == "recompute":
             replica.capture()
+        if kind == "log+copy":
+            log.capture(step)
         zero.step()
         if i:
             times.append(time.perf_counter() - t0)
@@ -120,6 +181,7 @@ def rank_main(args: argparse.Namespace) -> None:
         idle["copy"].append(time.perf_counter() - t0)
     writer.close()
     copier.close()
+    log.close()
     replica.close()
     st = replica.stats
     n = max(st.updates, 1)
@@ -132,7 +194,10 @@ def rank_main(args: argparse.Namespace) -> None:
         "update_ms_per_update": 1e3 * st.update_seconds / n,
         "update_cpu_ms_per_update": 1e3 * st.update_cpu_seconds / n,
         "recompute_write_ms_per_snapshot": 1e3 * writer.write_seconds / max(snaps["recompute"], 1),
-        "copy_exchange_ms_per_snapshot": 1e3 * copier.write_seconds / max(snaps["copy"], 1),
+        "copy_exchange_ms_per_snapshot": 1e3 * copier.write_seconds / max(snaps["copy"] + snaps["log+copy"], 1),
+        "log_write_ms_per_step": 1e3 * log.write_seconds / max(log.writes, 1),
+        "log_write_cpu_ms_per_step": 1e3 * log.cpu_seconds / max(log.writes, 1),
+        "log_blocked_ms_per_step": 1e3 * log.blocked_seconds / max(log.writes, 1),
         "recompute_write_idle_ms": 1e3 * statistics.median(idle["recompute"]),
         "copy_exchange_idle_ms": 1e3 * statistics.median(idle["copy"]),
         "copy_bytes_received_per_snapshot": copier.bytes_received / max(snaps["copy"] + 5, 1),
@@ -151,7 +216,9 @@ def derive(o: dict) -> None:
     o["work_pct_of_step"] = {
         f"recompute@{n}": 100.0 * (recompute + o["recompute_write_idle_ms"] / n) / (1e3 * none)
         for n in (1, 10)} | {
-        f"copy@{n}": 100.0 * o["copy_exchange_idle_ms"] / n / (1e3 * none) for n in (1, 10)}
+        f"copy@{n}": 100.0 * o["copy_exchange_idle_ms"] / n / (1e3 * none) for n in (1, 10)} | {
+        # the log's write (its worker's CPU time in training), plus copy@10's exchange
+        "log+copy@10": 100.0 * (o["log_write_cpu_ms_per_step"] + o["copy_exchange_idle_ms"] / 10) / (1e3 * none)}
 
 
 def main() -> int:
