@@ -120,9 +120,9 @@ class SnapshotTier:
                          if what.startswith(("memory step", "disk")) and not why.startswith("rejected;")]
         # A ZeRO job resumes from a step whose partitions the keepers hold, or from the shards its
         # ranks saved (a preemption's, a periodic one: each with its partition), not from parameters alone.
-        if res.source == "disk" and res.state is not None and res.state.get("optimizer") is not None:
-            zero_job = False
-        if zero_job and (res.state is None or res.step not in aor.complete):
+        from_shards = res.source == "disk" and res.state is not None and res.state.get("optimizer") is not None
+        from_keepers = zero_job and not from_shards
+        if from_keepers and (res.state is None or res.step not in aor.complete):
             why = "; ".join(self.rejected) or f"memory tier: {res.source} step {res.step}"
             resized = any(", this job has " in r for r in self.rejected)
             raise RuntimeError(f"resume: ZeRO optimizer partitions survive for steps {aor.complete} but "
@@ -137,7 +137,7 @@ class SnapshotTier:
                 # One rank: the tensors view the keeper's buffers, which later snapshots reuse.
                 state = _clone(state)
             self._resume = ResumePoint(res.source, int(res.step), state, res.path, res.seconds,
-                                       list(res.decoded), aor if zero_job else None)
+                                       list(res.decoded), aor if from_keepers else None)
             log.warning("resume from %s step %d (%.3fs)%s%s", res.source, res.step, res.seconds,
                         f"; decoded {res.decoded} from parity" if res.decoded else "",
                         "; its buffers were mapped ahead by the warm standby" if res.mapped_ahead else "")
