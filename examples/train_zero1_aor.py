@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from jitckpt.snapshot.aor import OptimizerReplica, ReplicaStats, successor_peer
+from jitckpt.snapshot.aor_log import GradientLog, save_own_partition
 from jitckpt.snapshot.aor_store import AorSnapshotter, PartitionCopier, restore_with_aor
 from jitckpt.snapshot.client import SnapshotTaker
 from train_snapshot import backward_averaged, make_model  # same directory: on sys.path
@@ -29,14 +30,17 @@ def parse():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--scheme", default="aec", choices=["arc", "aec"])
     p.add_argument("--ranks-per-node", type=int, default=1)
-    p.add_argument("--zero", default="recompute", choices=["recompute", "copy"],
-                   help="protect the peer's partition by recomputing it every step (OptimizerReplica) "
-                        "or by receiving it at every snapshot (PartitionCopier)")
+    p.add_argument("--zero", default="recompute", choices=["recompute", "copy", "log"],
+                   help="protect the peer's partition by recomputing it every step (OptimizerReplica), "
+                        "by receiving it at every snapshot (PartitionCopier), or by receiving it every "
+                        "--copy-every snapshots and logging its gradients in between (GradientLog)")
+    p.add_argument("--copy-every", type=int, default=4, help="log mode: the partition copy interval")
     p.add_argument("--restore", action="store_true")
     p.add_argument("--out", default="")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--pause-at", type=int, default=-1,
-                   help="after committing step N's snapshot, print 'paused' and block on stdin")
+                   help="after committing step N's snapshot, print 'paused' and block on stdin (log "
+                        "mode: each rank first saves its own partition of N, as a survivor would)")
     p.add_argument("--pause-mid", type=int, default=-1,
                    help="in step N, before waiting for its snapshot (parameter and AOR writes may "
                         "still be running), print 'paused' and block on stdin")
@@ -69,12 +73,13 @@ def main():
     peer = successor_peer(rank, world, args.ranks_per_node)
     start, peer_state = 0, None
     if args.restore:
-        res = restore_with_aor(zero=zero, peer=peer, ranks_per_node=args.ranks_per_node)
+        res = restore_with_aor(zero=zero, peer=peer, ranks_per_node=args.ranks_per_node,
+                               model=model if args.zero == "log" else None)
         if res.state is not None:
             model.load_state_dict(res.state["model"])
             start, peer_state = int(res.state["step"]), res.peer_state
         emit(event="restored", rank=rank, source=res.source, step=res.step, own_from=res.own_from,
-             remote=res.remote, decoded=res.decoded, seconds=res.seconds,
+             remote=res.remote, decoded=res.decoded, replayed=res.replayed, seconds=res.seconds,
              skipped=[list(s) for s in res.skipped])
     replica = None
     if args.zero == "recompute":
@@ -86,11 +91,17 @@ def main():
                          scheme=args.scheme, ranks_per_node=args.ranks_per_node)
     aor = (AorSnapshotter(replica=replica) if replica is not None
            else PartitionCopier(zero=zero, ranks_per_node=args.ranks_per_node))
+    grad_log = (GradientLog(zero=zero, peer=peer, every=args.copy_every) if args.zero == "log" else None)
     if args.restore and start:
         snap.skip(start)  # the keepers hold it already
     for step in range(start, args.steps):
-        if snap.begin(step):
+        # log mode: a copy every --copy-every steps; after a resume, at once (the step after the
+        # restored one, whose partition objects exist already), so the new nodes hold a base too
+        copy_due = grad_log is None or step % args.copy_every == 0 or (args.restore and step == start + 1)
+        if snap.begin(step) and copy_due:
             aor.begin(step)
+            if grad_log is not None:
+                grad_log.begin(step)
         zero.zero_grad()
         loss = backward_averaged(model, step, rank, world, args.batch, snap)
         if step == args.pause_mid:
@@ -99,15 +110,21 @@ def main():
         aor.wait()           # before snap.wait(): its all-ranks-committed check then covers AOR
         committed = snap.wait()
         if step == args.pause_at:
+            if grad_log is not None:
+                save_own_partition(zero, step=step)
             emit(event="paused", rank=rank, step=step, snapshot=committed)
             sys.stdin.read()
         if replica is not None:
             replica.capture()
+        if grad_log is not None:
+            grad_log.capture(step)
         zero.step()
         emit(event="step", rank=rank, step=step, snapshot=committed, loss=loss.item())
     replica_ok = replica.matches_live_parameters() if replica is not None else None
     aor.close()
     snap.close()
+    if grad_log is not None:
+        grad_log.close()
     if replica is not None:
         replica.close()
     if args.out and rank == 0:

@@ -299,7 +299,8 @@ class ZeroCluster(SimCluster):
 
 
 def _zero_node_loss(tmp_path: Path, *, nodes: int, scheme: str, steps: int, pause: tuple,
-                    lost: int = 1, rpn: int = 1, zero: str = "recompute") -> tuple[dict, dict, dict]:
+                    lost: int = 1, rpn: int = 1, zero: str = "recompute",
+                    extra: tuple = ()) -> tuple[dict, dict, dict]:
     """Kill node ``lost`` (rank and keeper) and every other rank where ``pause`` says, restart on a
     fresh node, finish; compare with a failure-free run alongside. ``zero``: how the example
     protects the peer partitions (recompute: OptimizerReplica, copy: PartitionCopier).
@@ -311,13 +312,13 @@ def _zero_node_loss(tmp_path: Path, *, nodes: int, scheme: str, steps: int, paus
         for n in range(nodes):
             ref.start_keeper(n)
             c.start_keeper(n)
-        ref.start_job("--steps", str(steps), "--zero", zero, "--out", str(ref_out))
-        c.start_job("--steps", str(steps), "--zero", zero, *map(str, pause))
+        ref.start_job("--steps", str(steps), "--zero", zero, *extra, "--out", str(ref_out))
+        c.start_job("--steps", str(steps), "--zero", zero, *extra, *map(str, pause))
         c.wait_all_events("paused", PHASE_TIMEOUT)
         c.kill_node(lost)       # its rank and its keeper: its optimizer partition is gone
         c.kill_ranks()          # and every other trainer: nothing live to copy from
         c.start_keeper(lost)    # replacement node, empty memory
-        c.start_job("--steps", str(steps), "--zero", zero, "--restore", "--out", str(out))
+        c.start_job("--steps", str(steps), "--zero", zero, *extra, "--restore", "--out", str(out))
         restored = c.wait_all_events("restored", PHASE_TIMEOUT)
         done = c.wait_all_events("done", PHASE_TIMEOUT)
         c.finish_job()
@@ -332,16 +333,18 @@ def _zero_node_loss(tmp_path: Path, *, nodes: int, scheme: str, steps: int, paus
         assert torch.equal(ref_params[k], params[k]), f"{k} differs from the failure-free run"
     for rank in range(nodes * rpn):
         assert done[rank]["partition_sha256"] == ref_done[rank]["partition_sha256"], rank
-        # recompute: the replica reproduced the peer's parameters too; copy keeps no replica
+        # recompute: the replica reproduced the peer's parameters too; copy and log keep no replica
         want_ok = True if zero == "recompute" else None
         assert done[rank]["replica_params_ok"] is want_ok and ref_done[rank]["replica_params_ok"] is want_ok, rank
     # Rank r's replica lives on the previous node: the lost ranks' partitions came from there; the
-    # other ranks read their own partition from their own node's keeper.
+    # other ranks read their own partition from their own node's keeper (in log mode their peer's
+    # partition of the failed step is only where its owner saved it).
     for rank, ev in restored.items():
         if rank // rpn == lost:
             assert ev["own_from"] // rpn == lost - 1 and f"aor.z{rank}" in ev["remote"], ev
         else:
-            assert ev["own_from"] // rpn == rank // rpn and ev["remote"] == [], ev
+            assert ev["own_from"] // rpn == rank // rpn, ev
+            assert zero == "log" or ev["remote"] == [], ev
     return restored, done, ref_done
 
 
@@ -361,6 +364,20 @@ def test_node_loss_restores_zero_partition_from_peer_replica_bitwise(tmp_path: P
                                      pause=("--pause-at", 4), zero=zero)
     for ev in restored.values():
         assert (ev["source"], ev["step"]) == ("memory", 4), ev
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("nodes,scheme", [(2, "arc"), pytest.param(3, "aec", marks=pytest.mark.slow)])
+def test_node_loss_replays_the_lost_partition_from_the_gradient_log_bitwise(tmp_path: Path, nodes: int,
+                                                                           scheme: str) -> None:
+    # Log mode: partitions copied at steps 0, 4, 8; each rank logs its peer's gradients every step.
+    # At step 10 every rank saves its own partition (as survivors do), then node 1 is lost with
+    # its keeper: partition 1 of step 10 is replayed on node 0 from the copy and base of 8 and the
+    # gradients of 8 and 9, checked against the parameters of 10, and the job resumes at 10.
+    restored, _, _ = _zero_node_loss(tmp_path, nodes=nodes, scheme=scheme, steps=13, pause=("--pause-at", 10),
+                                     zero="log", extra=("--copy-every", "4"))
+    for ev in restored.values():
+        assert (ev["source"], ev["step"], ev["replayed"]) == ("memory", 10, [1]), ev
 
 
 @pytest.mark.slow

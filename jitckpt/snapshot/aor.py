@@ -156,14 +156,34 @@ class OptimizerReplica:
         self._settle()
         return self._opt.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, params: Optional[list[torch.Tensor]] = None) -> None:
         """Install the peer's state after a restore (call once the model parameters are restored:
-        the shadow parameters are re-copied from the live ones)."""
+        the shadow parameters are re-copied from the live ones, or from ``params``, the peer
+        partition's parameters in order, when the state is of an older step than the live ones)."""
         self._settle()
+        shadows = [s for ss in self.shadow for s in ss]
+        src = [p for ps in self.live for p in ps] if params is None else list(params)
+        if len(src) != len(shadows) or any(a.shape != b.shape for a, b in zip(shadows, src)):
+            raise ValueError(f"{len(src)} parameters given for peer {self.peer}'s partition of "
+                             f"{len(shadows)} (or their shapes differ)")
         with torch.no_grad():
-            for sh, p in zip((s for ss in self.shadow for s in ss), (p for ps in self.live for p in ps)):
+            for sh, p in zip(shadows, src):
                 sh.copy_(p)
         self._opt.load_state_dict(state)
+
+    def replay(self, grads: list[Optional[torch.Tensor]], hyper: list[dict]) -> None:
+        """Apply one logged step now, on this thread: the peer partition's gradients in order (None
+        where a parameter had none) and the hyperparameters of each group at that step."""
+        self._settle()
+        stage = [b for bs in self.staging for b in bs]
+        if len(grads) != len(stage) or len(hyper) != len(self.staging):
+            raise ValueError(f"a logged step of {len(grads)} gradients and {len(hyper)} groups does not "
+                             f"fit peer {self.peer}'s partition of {len(stage)} and {len(self.staging)}")
+        for buf, g in zip(stage, grads):
+            if g is not None:
+                buf.copy_(g)
+        self._update(hyper, [g is not None for g in grads])
+        self.step += 1
 
     def matches_live_parameters(self) -> bool:
         """Whether the shadow parameters equal the live ones bit for bit (call after ``zero.step()``:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from jitckpt.snapshot.aor import OptimizerReplica, successor_peer
+from jitckpt.snapshot.aor_log import (BASE_PREFIX, GRAD_PREFIX, base_key, log_header, replay_partition)
 from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, Checksum, checksum_of
 from jitckpt.snapshot.client import Topology
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
@@ -63,21 +64,22 @@ def _header(*, owner: int, world: int, step: int, zero: ZeroRedundancyOptimizer)
             "optimizer": type(zero.optim).__name__}
 
 
-def write_partition(keeper: KeeperClient, *, owner: int, world: int, step: int,
-                    zero: ZeroRedundancyOptimizer, state: dict) -> tuple[Any, int, Checksum]:
-    """Begin keeper object ``aor.z{owner}`` of ``step`` and write ``state`` into it: an 8-byte
-    header length, the JSON header with the state's layout (:class:`FlatState`: JSON, never
-    pickle), then the state's tensors at 64-byte aligned offsets, hashed while copied. Returns
-    (the mapping, the object's size, its checksum); the caller commits it."""
+def write_object(keeper: KeeperClient, *, key: str, step: int, header: dict, state: Any,
+                 mapping: Any = None) -> tuple[Any, int, Checksum]:
+    """Begin keeper object ``key`` of ``step`` (or write into ``mapping``, already begun) and write
+    ``state`` into it: an 8-byte header length, the JSON ``header`` with the state's layout
+    (:class:`FlatState`: JSON, never pickle), then the state's tensors at 64-byte aligned offsets,
+    hashed while copied. Returns (the mapping, the object's size, its checksum); the caller commits."""
     flat = FlatState(state)
-    head = json.dumps(_header(owner=owner, world=world, step=step, zero=zero) | {"layout": flat.layout},
-                      allow_nan=False, separators=(",", ":")).encode()
+    head = json.dumps(header | {"layout": flat.layout}, allow_nan=False, separators=(",", ":")).encode()
     start = -(-(8 + len(head)) // ALIGN) * ALIGN
     prefix = np.zeros(start, dtype=np.uint8)
     prefix[:8] = np.frombuffer(len(head).to_bytes(8, "little"), dtype=np.uint8)
     prefix[8:8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
     size = start + flat.total
-    m = keeper.begin(partition_key(owner), step, size)
+    m = keeper.begin(key, step, size) if mapping is None else mapping
+    if len(m) < size:
+        raise ValueError(f"keeper object {key}: {size} bytes do not fit the {len(m)} begun")
     dst = np.frombuffer(m, dtype=np.uint8, count=size)
     h = Checksum(DEFAULT_ALGORITHM)
     h.copy(dst[:start], prefix)
@@ -86,24 +88,37 @@ def write_partition(keeper: KeeperClient, *, owner: int, world: int, step: int,
     return m, size, h
 
 
-def _decode(data: Any, *, owner: int, world: int, step: int, zero: ZeroRedundancyOptimizer) -> dict:
-    """The partition state in ``data`` (a writable buffer the returned tensors keep viewing)."""
+def read_object(data: Any, *, key: str, step: int, want: dict) -> Any:
+    """The state written by :func:`write_object` into ``data`` (a buffer the returned tensors keep
+    viewing), after checking that its header has every ``want`` entry."""
     buf = memoryview(data).cast("B")
     n = int.from_bytes(buf[:8], "little") if len(buf) >= 8 else -1
     try:
         if not 0 < n <= len(buf) - 8:
             raise ValueError(f"header length {n}")
         head = json.loads(bytes(buf[8:8 + n]))
-        want = _header(owner=owner, world=world, step=step, zero=zero)
         got = {k: head.get(k) for k in want}
     except (ValueError, UnicodeDecodeError, AttributeError) as e:
-        raise ValueError(f"AOR object {partition_key(owner)} step {step} is damaged ({e}) or written by "
+        raise ValueError(f"AOR object {key} step {step} is damaged ({e}) or written by "
                          "another jitckpt version") from None
     if got != want:
-        raise ValueError(f"AOR object {partition_key(owner)} is for {got}, this job needs {want} "
+        raise ValueError(f"AOR object {key} is for {got}, this job needs {want} "
                          "(different job, world size, optimizer or jitckpt version)")
     start = -(-(8 + n) // ALIGN) * ALIGN
     return rebuild(head["layout"], buf[start:])
+
+
+def write_partition(keeper: KeeperClient, *, owner: int, world: int, step: int,
+                    zero: ZeroRedundancyOptimizer, state: dict) -> tuple[Any, int, Checksum]:
+    """:func:`write_object` of partition ``owner``'s ``state`` as keeper object ``aor.z{owner}``."""
+    return write_object(keeper, key=partition_key(owner), step=step, state=state,
+                        header=_header(owner=owner, world=world, step=step, zero=zero))
+
+
+def _decode(data: Any, *, owner: int, world: int, step: int, zero: ZeroRedundancyOptimizer) -> dict:
+    """The partition state in ``data`` (a writable buffer the returned tensors keep viewing)."""
+    return read_object(data, key=partition_key(owner), step=step,
+                       want=_header(owner=owner, world=world, step=step, zero=zero))
 
 
 def _finish(job: Optional[tuple[int, concurrent.futures.Future]], timeout: float, what: str) -> Optional[int]:
@@ -280,13 +295,14 @@ class AorRestore:
     remote: list = field(default_factory=list)    # keys fetched from another node
     decoded: list = field(default_factory=list)   # parameter parts rebuilt from parity
     skipped: list = field(default_factory=list)
+    replayed: list = field(default_factory=list)  # partitions replayed from a gradient log
     seconds: float = 0.0
 
 
 def _local_partitions(keeper: KeeperClient, topo: Topology) -> list[dict]:
     """This rank's share of the node keeper's AOR objects, checksum-verified."""
     out = []
-    entries = [e for e in keeper.listing() if e["key"].startswith(PREFIX)]
+    entries = [e for e in keeper.listing() if e["key"].startswith((PREFIX, BASE_PREFIX, GRAD_PREFIX))]
     for i, e in enumerate(entries):
         if i % topo.ranks_per_node != topo.local_rank:
             continue
@@ -382,33 +398,148 @@ class AorCatalogue:
     holders: dict
     peers: list
     complete: list
+    replays: dict = field(default_factory=dict)  # step -> {owner: (node, copy step)} (log mode)
+    ranks_per_node: int = 1
 
     @property
     def present(self) -> bool:
-        """Whether any keeper holds AOR objects at all (the job protects ZeRO partitions)."""
-        return bool(self.holders)
+        """Whether any keeper holds AOR partition objects (the job protects ZeRO partitions)."""
+        return any(k.startswith(PREFIX) for k, _ in self.holders)
+
+    @property
+    def restorable(self) -> list:
+        """Steps whose every partition survives or can be replayed from a gradient log, newest first."""
+        return sorted(set(self.complete) | set(self.replays), reverse=True)
+
+
+def _replay_source(holders: dict, owner: int, step: int, rpn: int) -> Optional[tuple[int, int]]:
+    """(node, copy step C) from which partition ``owner`` of ``step`` can be replayed: a node holding
+    its copy and base of C and its logged gradients of C .. step-1 (the newest such C); or None."""
+    grads: dict = {}  # (node, step led to) -> held
+    prefix = f"{GRAD_PREFIX}{owner}."
+    for (key, s), have in holders.items():
+        if key.startswith(prefix):
+            for r in have:
+                grads[(r // rpn, s)] = True
+    best = None
+    for (key, c), have in holders.items():
+        if key != partition_key(owner) or c >= step:
+            continue
+        for node in {r // rpn for r in have}:
+            base = holders.get((base_key(owner), c), {})
+            if (any(r // rpn == node for r in base)
+                    and all((node, t + 1) in grads for t in range(c, step))
+                    and (best is None or c > best[1])):
+                best = (node, c)
+    return best
+
+
+def _replay_plans(holders: dict, world: int, rpn: int) -> dict:
+    """step -> {owner: (node, C)} for the steps where every partition missing is replayable."""
+    steps = {s for (k, s) in holders if k.startswith((PREFIX, GRAD_PREFIX))}
+    plans = {}
+    for s in steps:
+        plan = {}
+        for r in range(world):
+            if (partition_key(r), s) in holders:
+                continue
+            src = _replay_source(holders, r, s, rpn)
+            if src is None:
+                break
+            plan[r] = src
+        else:
+            if plan:
+                plans[s] = plan
+    return plans
 
 
 def survey_partitions(*, peer: int, socket_path: Optional[str] = None,
-                      ranks_per_node: Optional[int] = None) -> AorCatalogue:
+                      ranks_per_node: Optional[int] = None, replay: bool = False) -> AorCatalogue:
     """Collective: gather every keeper's verified AOR objects; when some step has every
-    partition, discard newer (incomplete) steps from the keepers so the parameter restore that
-    follows cannot pick one of them."""
+    partition (or, with ``replay``, every partition or a log to replay it from), discard newer
+    steps from the keepers so the parameter restore that follows cannot pick one of them."""
     topo = Topology.detect(ranks_per_node)
     keeper = KeeperClient(socket_path)
     try:
         # JSON bytes, not all_gather_object (which unpickles what peers send).
         gathered = gather_json({"peer": peer, "objects": _local_partitions(keeper, topo)}, topo, None)
         holders = _holders(g["objects"] for g in gathered)
-        complete = sorted({s for (_, s) in holders
-                           if all((partition_key(r), s) in holders for r in range(topo.world))},
+        complete = sorted({s for (k, s) in holders if k.startswith(PREFIX)
+                           and all((partition_key(r), s) in holders for r in range(topo.world))},
                           reverse=True)
-        if complete and topo.local_rank == 0:
-            keeper.discard_newer(complete[0])  # newer steps lack a partition: not restorable
+        cat = AorCatalogue(holders, [g["peer"] for g in gathered], complete,
+                           _replay_plans(holders, topo.world, topo.ranks_per_node), topo.ranks_per_node)
+        usable = cat.restorable if replay else cat.complete
+        if usable and topo.local_rank == 0:
+            keeper.discard_newer(usable[0])  # newer steps lack a partition: not restorable
         dist.barrier()
-        return AorCatalogue(holders, [g["peer"] for g in gathered], complete)
+        return cat
     finally:
         keeper.close()
+
+
+def replay_missing(*, zero: ZeroRedundancyOptimizer, catalogue: AorCatalogue, step: int,
+                   socket_path: Optional[str] = None) -> tuple[Optional[AorCatalogue], list]:
+    """Collective: make the partitions of ``step`` that only a gradient log holds (the catalogue's
+    ``replays[step]``). The lowest rank of the node holding a partition's copy, base and log
+    replays it (:func:`replay_partition`), checks it against the live parameters (the model must
+    hold those of ``step`` already) and writes it into its keeper as the partition object of
+    ``step``. Returns (the catalogue with them, the owners replayed), or (None, the reasons) when
+    a replay failed on any rank."""
+    topo = Topology.detect(catalogue.ranks_per_node)
+    rpn, world, me = topo.ranks_per_node, topo.world, topo.rank
+    made, failed = [], []
+    keeper = KeeperClient(socket_path)
+    try:
+        for owner, (node, c) in sorted(catalogue.replays.get(step, {}).items()):
+            if node * rpn != me:
+                continue
+            try:
+                made.append(_replay_one(keeper, zero=zero, catalogue=catalogue, owner=owner, c=c, step=step,
+                                        node=node, me=me, world=world))
+            except (ValueError, KeyError, KeeperError) as e:
+                failed.append(f"partition {owner}: {e}")
+    finally:
+        keeper.close()
+    everyone = gather_json({"made": made, "failed": failed}, topo, None)
+    reasons = [f for g in everyone for f in g["failed"]]
+    if reasons:
+        return None, reasons
+    holders = dict(catalogue.holders)
+    for g in everyone:
+        for e in g["made"]:
+            holders[(e["key"], int(e["step"]))] = {e["rank"]: e}
+    owners = sorted(catalogue.replays.get(step, {}))
+    return AorCatalogue(holders, catalogue.peers, sorted(set(catalogue.complete) | {step}, reverse=True),
+                        catalogue.replays, rpn), owners
+
+
+def _replay_one(keeper: KeeperClient, *, zero: ZeroRedundancyOptimizer, catalogue: AorCatalogue, owner: int,
+                c: int, step: int, node: int, me: int, world: int) -> dict:
+    def read(key: str, at: int, want: dict, private: bool = False) -> Any:
+        m, info = keeper.open(key, at)
+        data = np.frombuffer(m, dtype=np.uint8, count=info.size)
+        # The optimizer's load_state_dict keeps same-dtype tensors as they are: a replay on views
+        # of the keeper's memory would change the copy it reads.
+        return read_object(data.copy() if private else data, key=key, step=at, want=want)
+
+    state = read(partition_key(owner), c, _header(owner=owner, world=world, step=c, zero=zero), private=True)
+    base = read(base_key(owner), c, log_header(kind="base", owner=owner, world=world, step=c))["params"]
+    entries = []
+    prefix = f"{GRAD_PREFIX}{owner}."
+    for t in range(c, step):
+        key = next(k for (k, s), have in catalogue.holders.items()
+                   if k.startswith(prefix) and s == t + 1 and any(r // catalogue.ranks_per_node == node for r in have))
+        entries.append(read(key, t + 1, log_header(kind="grads", owner=owner, world=world, step=t)))
+    live = [p.detach() for g in zero._partition_parameters()[owner] for p in g["params"]]
+    replayed = replay_partition(zero=zero, owner=owner, state=state, base=base, entries=entries, live=live)
+    if replayed is None:
+        raise ValueError(f"replayed from step {c} through {step - 1}, its parameters differ from the "
+                         f"snapshot of step {step}")
+    _, size, h = write_partition(keeper, owner=owner, world=world, step=step, zero=zero, state=replayed)
+    keeper.commit([{"key": partition_key(owner), "step": step, "checksum": h.value(), "algo": h.algorithm}])
+    return {"key": partition_key(owner), "step": step, "size": size, "checksum": h.value(),
+            "algo": h.algorithm, "rank": me}
 
 
 @dataclass(frozen=True)
@@ -444,11 +575,14 @@ def load_partitions(*, zero: ZeroRedundancyOptimizer, peer: int, step: int, cata
 
 
 def restore_with_aor(*, zero: ZeroRedundancyOptimizer, peer: int, socket_path: Optional[str] = None,
-                     ranks_per_node: Optional[int] = None) -> AorRestore:
+                     ranks_per_node: Optional[int] = None,
+                     model: Optional[torch.nn.Module] = None) -> AorRestore:
     """Collective (every rank): restore parameters and every ZeRO-1 partition from the keepers.
 
     Picks the newest step whose parameter snapshot can be rebuilt and whose every partition object
-    survives on some node; discards newer, incomplete steps; loads this rank's partition into
+    survives on some node, or, given ``model`` (log mode, :mod:`jitckpt.snapshot.aor_log`), can be
+    replayed from a gradient log: the parameters are then loaded into ``model`` first, to check
+    the replay against. Discards newer, incomplete steps; loads this rank's partition into
     ``zero``; returns the parameter state and the peer's partition state (``peer`` as given to
     :class:`OptimizerReplica`).
     """
@@ -460,18 +594,45 @@ def restore_with_aor(*, zero: ZeroRedundancyOptimizer, peer: int, socket_path: O
     world, me = topo.world, topo.rank
     if not 0 <= peer < world or peer == me:
         raise ValueError(f"peer must be another rank (0..{world - 1}, not {me}), got {peer}")
-    cat = survey_partitions(peer=peer, socket_path=socket_path, ranks_per_node=ranks_per_node)
-    if not cat.complete:
+    cat = survey_partitions(peer=peer, socket_path=socket_path, ranks_per_node=ranks_per_node,
+                            replay=model is not None)
+    usable = cat.restorable if model is not None else cat.complete
+    if not usable:
         return AorRestore("none", None, None, None, skipped=[("memory tier", "no step with every "
                                                               "ZeRO partition")],
                           seconds=time.monotonic() - t0)
     res = restore(socket_path=socket_path, ranks_per_node=ranks_per_node)
     skipped = list(res.skipped)
-    if res.source != "memory" or res.step not in cat.complete:
+    if res.source != "memory" or res.step not in usable:
         skipped.append((f"memory step {res.step}", "parameters and partitions survive at no common step"))
         return AorRestore("none", None, None, None, skipped=skipped, seconds=time.monotonic() - t0)
+    if res.step < usable[0] and topo.local_rank == 0:
+        # The gradients logged for the restored step and later are logged again by the resumed run.
+        keeper = KeeperClient(socket_path)
+        try:
+            keeper.discard_newer(res.step)
+        finally:
+            keeper.close()
+    replayed: list = []
+    if res.step not in cat.complete:
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(res.state["model"])
+        cat, replayed = replay_missing(zero=zero, catalogue=cat, step=res.step, socket_path=socket_path)
+        if cat is None:
+            model.load_state_dict(before)  # "none" leaves the model as it was
+            skipped += [(f"memory step {res.step}", f"replay failed: {r}") for r in replayed]
+            if topo.local_rank == 0:
+                # Nothing here is restorable, and the older parameters are gone: free it all, so the
+                # run that starts again (from disk or step 0) does not meet objects of its steps.
+                keeper = KeeperClient(socket_path)
+                try:
+                    keeper.discard_newer(-1)
+                finally:
+                    keeper.close()
+            dist.barrier()
+            return AorRestore("none", None, None, None, skipped=skipped, seconds=time.monotonic() - t0)
     loaded = load_partitions(zero=zero, peer=peer, step=res.step, catalogue=cat,
                              socket_path=socket_path, ranks_per_node=ranks_per_node)
     return AorRestore("memory", res.step, res.state, loaded.peer_state, own_from=loaded.own_from,
-                      remote=loaded.remote, decoded=res.decoded, skipped=skipped,
+                      remote=loaded.remote, decoded=res.decoded, skipped=skipped, replayed=replayed,
                       seconds=time.monotonic() - t0)
