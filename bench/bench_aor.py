@@ -10,13 +10,14 @@ shared machine hit all alike:
   writing both partitions to the keeper at every N-th step;
 * ``copy@N``: ``PartitionCopier``, which at every N-th step sends this rank's partition to its
   protector and writes its own and the received one to the keeper (no recompute);
-* ``log+copy@N``: the cost side of a design not built in jitckpt yet (AOR at a snapshot every step
-  for the price of copy@N): ``copy@N``, plus every step the peer partition's all-reduced gradients
-  written, hashed, into a ring of N keeper objects (:class:`GradientLogProbe`), from which a
-  restore would replay at most N optimizer steps onto the last copy. Only the writes are measured;
-  the replay is not built.
+* ``log+copy@N``: AOR's log mode (:mod:`jitckpt.snapshot.aor_log`), a partition current at every
+  step: ``copy@N``, plus :class:`GradientLog` writing every step the peer partition's all-reduced
+  gradients (hashed) into its keeper ring, and at each copy the peer partition's parameters (the
+  replay's base). A restore replays at most N optimizer steps onto the last copy (its time is in
+  tests/test_snapshot_aor.py's restore event, not here). One log (ring of 20) serves both N: the
+  per-step write is the same.
 
-With N = 10 the snapshot is the block's step 5. The first step of each block is not counted (the
+With N = 10 the snapshot is the block's step 5 (N = 20: every other block's). The first step of each block is not counted (the
 previous block's last recompute may still run in it); a block's cost is the mean of its other
 steps, a mode's the median of its blocks. A step is zero_grad + forward + backward + one flat
 gradient all-reduce + [capture] + zero.step(). Also reported per rank: the gradient copy per
@@ -48,68 +49,9 @@ sys.path.insert(0, str(ROOT))
 from bench_snapshot import start_keeper  # noqa: E402  (this directory is on sys.path)
 
 BLOCK = 10
-MODES = ("none", "recompute@1", "copy@1", "recompute@10", "copy@10", "log+copy@10")
+MODES = ("none", "recompute@1", "copy@1", "recompute@10", "copy@10", "log+copy@10", "log+copy@20")
+LOG_RING = 10  # copy interval the ring is sized for (2 * 10 slots); the per-step write is the same
 RECOMPUTE_BASE = 1_000_000  # the replica's step numbers: never a copy step's (same keeper keys)
-
-
-class GradientLogProbe:
-    """Each step: the peer partition's gradients by reference on the trainer's thread (the next
-    backward allocates new ones after ``zero_grad()``; with DDP's ``gradient_as_bucket_view`` it
-    would overwrite them, and the copy would have to come first), then on a worker thread copied
-    and hashed into keeper object ``aor.g<peer>.<step % ring>`` and committed. The next call waits
-    for the previous write (one in flight), as the replica's capture does."""
-
-    def __init__(self, *, params: list, peer: int, socket_path: str, ring: int) -> None:
-        import concurrent.futures
-
-        from jitckpt.snapshot.keeper_client import KeeperClient
-
-        self.params, self.peer, self.ring = params, peer, ring
-        self.keeper = KeeperClient(socket_path)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-log")
-        self._last = None
-        self.blocked_seconds, self.write_seconds, self.cpu_seconds, self.writes = 0.0, 0.0, 0.0, 0
-
-    def warm(self) -> None:
-        """Map every buffer of the ring (two versions per key) before anything is timed: a real log
-        maps them once at its start, and each first mapping costs ~5 ms here (MAP_POPULATE)."""
-        zeros = [torch.zeros_like(p) for p in self.params]
-        for step in range(2 * self.ring):  # the timed steps come after (capture adds 2 * ring)
-            self._write(step, zeros)
-        self.write_seconds, self.cpu_seconds, self.writes = 0.0, 0.0, 0
-
-    def capture(self, step: int) -> None:
-        t0 = time.perf_counter()
-        if self._last is not None:
-            self._last.result()
-        self.blocked_seconds += time.perf_counter() - t0
-        self._last = self._pool.submit(self._write, 2 * self.ring + step, [p.grad for p in self.params])
-
-    def _write(self, step: int, grads: list) -> None:
-        import numpy as np
-
-        from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, Checksum
-
-        t0, c0 = time.perf_counter(), time.thread_time()
-        size = sum(g.numel() * g.element_size() for g in grads)
-        key = f"aor.g{self.peer}.{step % self.ring}"
-        m = self.keeper.begin(key, step, size)
-        dst = np.frombuffer(m, dtype=np.uint8, count=size)
-        h, at = Checksum(DEFAULT_ALGORITHM), 0
-        for g in grads:
-            src = g.detach().reshape(-1).view(torch.uint8).numpy()
-            h.copy(dst[at:at + len(src)], src)
-            at += len(src)
-        self.keeper.commit([{"key": key, "step": step, "checksum": h.value(), "algo": h.algorithm}])
-        self.write_seconds += time.perf_counter() - t0
-        self.cpu_seconds += time.thread_time() - c0
-        self.writes += 1
-
-    def close(self) -> None:
-        if self._last is not None:
-            self._last.result()
-        self._pool.shutdown(wait=True)
-        self.keeper.close()
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -117,6 +59,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.nn as nn
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from jitckpt.snapshot.aor import OptimizerReplica, successor_peer
+    from jitckpt.snapshot.aor_log import GradientLog
     from jitckpt.snapshot.aor_store import AorSnapshotter, PartitionCopier
 
     torch.set_num_threads(1)
@@ -133,17 +76,30 @@ def rank_main(args: argparse.Namespace) -> None:
     replica = OptimizerReplica(zero=zero, peer=successor_peer(rank, world, 1), start_step=RECOMPUTE_BASE)
     writer = AorSnapshotter(replica=replica, socket_path=sock)
     copier = PartitionCopier(zero=zero, ranks_per_node=1, socket_path=sock)
-    log = GradientLogProbe(params=[p for ps in replica.live for p in ps], peer=replica.peer, socket_path=sock,
-                           ring=BLOCK)
-    log.warm()
+    log = GradientLog(zero=zero, peer=replica.peer, every=LOG_RING, socket_path=sock)
+    # Map every buffer of the ring (two versions per key) before anything is timed: a real log maps
+    # each once in its first 2 * ring steps, and each first mapping costs ~5 ms here (MAP_POPULATE).
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for k in range(2 * LOG_RING):
+        log.capture(k)
+    for k in range(2):
+        log.begin(k)
+    log.wait()
+    log.writes, log.write_seconds, log.cpu_seconds, log.blocked_seconds = 0, 0.0, 0.0, 0.0
+    log_base = 2 * LOG_RING  # the timed steps' numbers in the log: after the warm-up's
+    log_steps = 0
     blocks: dict = {m: [] for m in MODES}
     snaps = {"recompute": 0, "copy": 0, "log+copy": 0}
+    seen = {m: 0 for m in MODES}  # steps run in each mode: its copy steps are every N of them
     cycle = [m for m in MODES]
     for step in range(BLOCK * len(MODES) * (args.rounds + 1)):
         b, i = divmod(step, BLOCK)
         mode = cycle[b % len(cycle)]
         kind, _, every = mode.partition("@")
-        snap = kind != "none" and (every == "1" or i == BLOCK // 2)
+        n = int(every or 1)
+        snap = kind != "none" and seen[mode] % n == (n // 2 if n > 1 else 0)
+        seen[mode] += 1
         if i == 0:
             times: list = []
         x = torch.randn(32, args.hidden)
@@ -151,6 +107,8 @@ def rank_main(args: argparse.Namespace) -> None:
         aor = writer if kind == "recompute" else copier  # log+copy: the copier at its snapshots
         if snap:
             aor.begin(replica.step if kind == "recompute" else step)
+            if kind == "log+copy":
+                log.begin(log_base + step)
             snaps[kind] += 1
         zero.zero_grad()
         model(x).square().mean().backward()
@@ -166,15 +124,18 @@ def rank_main(args: argparse.Namespace) -> None:
         if kind == "recompute":
             replica.capture()
         if kind == "log+copy":
-            log.capture(step)
+            log.capture(log_base + step)
+            log_steps += 1
         zero.step()
         if i:
             times.append(time.perf_counter() - t0)
         if i == BLOCK - 1 and b >= len(MODES):  # the first round warms allocators, keepers, workers
             blocks[mode].append(statistics.fmean(times))
+    log.wait()
+    log_timed = (log.write_seconds, log.cpu_seconds, log.blocked_seconds)
     # Each mode's per-snapshot work alone on an idle machine (both ranks only do this): the
     # ceilings' terms, free of the time-slicing with the trainer that the in-training times hold.
-    idle = {"recompute": [], "copy": []}
+    idle = {"recompute": [], "copy": [], "log": []}
     for k in range(5):
         replica.capture()
         replica.state_dict()  # the update done: time the write alone
@@ -188,6 +149,11 @@ def rank_main(args: argparse.Namespace) -> None:
         copier.begin(RECOMPUTE_BASE // 2 + k)
         copier.wait()
         idle["copy"].append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        log.capture(log_base + BLOCK * len(MODES) * (args.rounds + 1) + k)
+        log.wait()
+        idle["log"].append(time.perf_counter() - t0)
     writer.close()
     copier.close()
     log.close()
@@ -204,9 +170,11 @@ def rank_main(args: argparse.Namespace) -> None:
         "update_cpu_ms_per_update": 1e3 * st.update_cpu_seconds / n,
         "recompute_write_ms_per_snapshot": 1e3 * writer.write_seconds / max(snaps["recompute"], 1),
         "copy_exchange_ms_per_snapshot": 1e3 * copier.write_seconds / max(snaps["copy"] + snaps["log+copy"], 1),
-        "log_write_ms_per_step": 1e3 * log.write_seconds / max(log.writes, 1),
-        "log_write_cpu_ms_per_step": 1e3 * log.cpu_seconds / max(log.writes, 1),
-        "log_blocked_ms_per_step": 1e3 * log.blocked_seconds / max(log.writes, 1),
+        # per logged step: its gradient entry, and the bases of its copy steps
+        "log_write_ms_per_step": 1e3 * log_timed[0] / max(log_steps, 1),
+        "log_write_cpu_ms_per_step": 1e3 * log_timed[1] / max(log_steps, 1),
+        "log_blocked_ms_per_step": 1e3 * log_timed[2] / max(log_steps, 1),
+        "log_write_idle_ms": 1e3 * statistics.median(idle["log"]),
         "recompute_write_idle_ms": 1e3 * statistics.median(idle["recompute"]),
         "copy_exchange_idle_ms": 1e3 * statistics.median(idle["copy"]),
         "copy_bytes_received_per_snapshot": copier.bytes_received / max(snaps["copy"] + 5, 1),
@@ -226,8 +194,9 @@ def derive(o: dict) -> None:
         f"recompute@{n}": 100.0 * (recompute + o["recompute_write_idle_ms"] / n) / (1e3 * none)
         for n in (1, 10)} | {
         f"copy@{n}": 100.0 * o["copy_exchange_idle_ms"] / n / (1e3 * none) for n in (1, 10)} | {
-        # the log's write (its worker's CPU time in training), plus copy@10's exchange
-        "log+copy@10": 100.0 * (o["log_write_cpu_ms_per_step"] + o["copy_exchange_idle_ms"] / 10) / (1e3 * none)}
+        # the log's writes (its worker's CPU time in training), plus copy@N's exchange
+        f"log+copy@{n}": 100.0 * (o["log_write_cpu_ms_per_step"] + o["copy_exchange_idle_ms"] / n) / (1e3 * none)
+        for n in (10, 20)}
 
 
 def main() -> int:

@@ -91,7 +91,8 @@ def main():
                          scheme=args.scheme, ranks_per_node=args.ranks_per_node)
     aor = (AorSnapshotter(replica=replica) if replica is not None
            else PartitionCopier(zero=zero, ranks_per_node=args.ranks_per_node))
-    grad_log = (GradientLog(zero=zero, peer=peer, every=args.copy_every) if args.zero == "log" else None)
+    grad_log = (GradientLog(zero=zero, peer=peer, every=args.copy_every, start_step=start)
+                if args.zero == "log" else None)
     if args.restore and start:
         snap.skip(start)  # the keepers hold it already
     for step in range(start, args.steps):

@@ -110,6 +110,94 @@ def scenario_replica(rank: int, world: int) -> dict:
     return {name: _train_and_compare(name, rank, world) for name in REPLICA_CONFIGS}
 
 
+def scenario_log(rank: int, world: int) -> dict:
+    """GradientLog (copy interval 2: a ring of 4 slots) over 6 steps with an lr change and a layer
+    without gradient at some steps; then a replay of the peer partition from its state and
+    parameters at step 2 through the logged steps 2-5, against the peer's real state; the ring's
+    slots, as a restore's survey lists them, across a resumed run's ring (start 4); a torn and a
+    damaged slot."""
+    import numpy as np
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from jitckpt.snapshot.aor import successor_peer
+    from jitckpt.snapshot.aor_log import SLOT_HEAD, GradientLog, read_ring_entry, replay_partition, ring_key
+    from jitckpt.snapshot.aor_store import _local_partitions
+    from jitckpt.snapshot.client import Topology
+
+    model = _model()
+    params = list(model.parameters())
+    zero = ZeroRedundancyOptimizer([{"params": params[:4]}, {"params": params[4:], "lr": 0.003}],
+                                   optimizer_class=torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    peer = successor_peer(rank, world, 1)
+    log = GradientLog(zero=zero, peer=peer, every=2)
+    copy: dict = {}
+
+    def train(steps, log) -> None:
+        for step in steps:
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
+            zero.zero_grad(set_to_none=True)
+            out = model[:5](x) if step in (2, 3) else model(x)  # the last layer gets no gradient
+            torch.nn.functional.mse_loss(out, y).backward()
+            for p in params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            if step == 4:
+                for group in zero.param_groups:
+                    group["lr"] *= 0.5  # what an LR scheduler does
+            if step == 2 and "state" not in copy:  # what PartitionCopier sends, and the base
+                real: list = [None] * world
+                dist.all_gather_object(real, zero.optim.state_dict())
+                copy["state"] = real[peer]
+                copy["base"] = [p.detach().clone() for p in log.live]
+            log.capture(step)
+            zero.step()
+        log.wait()
+
+    train(range(6), log)
+    keeper = log.keeper
+    m, info = keeper.open(ring_key(peer), 0)
+    ring = np.frombuffer(m, dtype=np.uint8, count=info.size)
+    entries = [read_ring_entry(ring, owner=peer, world=world, slot=t % 4, step=t) for t in range(2, 6)]
+    real: list = [None] * world
+    dist.all_gather_object(real, zero.optim.state_dict())
+    replayed = replay_partition(zero=zero, owner=peer, state=copy["state"], base=copy["base"], entries=entries,
+                                live=[p.detach() for p in log.live])
+    mismatches = [] if replayed is not None else ["parameters"]
+    for i, per in (replayed or {"state": {}})["state"].items():
+        for k, v in per.items():
+            if not torch.equal(v, real[peer]["state"][i][k]):
+                mismatches.append(f"state[{i}][{k}]")
+    none_logged = [[g is None for g in e["grads"]] for e in entries]
+    topo = Topology.detect(1)
+
+    def listed() -> list:
+        return sorted((e["key"], e["step"]) for e in _local_partitions(keeper, topo))
+
+    only_first = listed()
+    resumed = GradientLog(zero=zero, peer=peer, every=2, start_step=4)  # as if restored at step 4
+    with torch.no_grad():
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    resumed.capture(4)
+    resumed.capture(5)
+    resumed.wait()
+    both = listed()
+    m4, info4 = keeper.open(ring_key(peer), 4)
+    ring4 = np.frombuffer(m4, dtype=np.uint8, count=info4.size)
+    head = json.loads(ring4[8:8 + int.from_bytes(ring4[:8].tobytes(), "little")].tobytes())
+    slot5 = head["first"] + (5 % 4) * head["slot_size"]
+    ring4[slot5 + SLOT_HEAD + 3] ^= 1  # damaged data: its checksum fails
+    slot4 = head["first"] + (4 % 4) * head["slot_size"]
+    ring4[slot4:slot4 + 8] = 0        # torn: the header's length is written last
+    damaged = listed()
+    resumed.close()
+    log.close()
+    return {"mismatches": mismatches, "none_logged": none_logged, "only_first": only_first, "both": both,
+            "damaged": damaged, "peer": peer}
+
+
 def _refusal(fn) -> str:
     try:
         fn()
@@ -152,7 +240,8 @@ def scenario_refusals(rank: int, world: int) -> dict:
 
 def _worker() -> None:
     rank, world = _init()
-    result = {"replica": scenario_replica(rank, world), "refusals": scenario_refusals(rank, world)}
+    result = {"replica": scenario_replica(rank, world), "refusals": scenario_refusals(rank, world),
+              "log": scenario_log(rank, world)}
     print(json.dumps({"rank": rank, "result": result}), flush=True)
     import torch.distributed as dist
     dist.destroy_process_group()
@@ -161,23 +250,32 @@ def _worker() -> None:
 # Test side ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def rank_results() -> list[dict]:
+def rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Both rank-side scenarios, run once on 2 rank processes (killed by PID on timeout): each
     process start pays seconds of torch import and first-optimizer setup on this machine."""
+    import contextlib
+
+    from conftest import keeper_process
+
     world = 2
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(world),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    procs = [subprocess.Popen([sys.executable, __file__], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-             for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=RANK_TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait(10)
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "JITCKPT_SNAPSHOT_RANKS_PER_NODE": "1"}
+    socks = [str(tmp_path_factory.mktemp("keepers") / f"k{r}.sock") for r in range(world)]
+    with contextlib.ExitStack() as keepers:  # one keeper per rank (the log mode's ring lives there)
+        for sock in socks:
+            keepers.enter_context(keeper_process(sock))
+        procs = [subprocess.Popen([sys.executable, __file__],
+                                  env={**env, "RANK": str(r), "JITCKPT_SNAPSHOT_SOCKET": socks[r]},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                 for r in range(world)]
+        try:
+            outs = [p.communicate(timeout=RANK_TIMEOUT) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.kill(p.pid, signal.SIGKILL)
+                    p.wait(10)
     results = []
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {r} failed ({p.returncode}):\n{err[-3000:]}"
@@ -192,6 +290,25 @@ def test_replica_is_bitwise_equal_to_peer_partition(rank_results: list) -> None:
             assert r["mismatches"] == [], (rank, name, r)
             assert r["tensors"] >= r["peer_params"] > 0, (rank, name, r)  # state really compared
             assert r["params_ok"], (rank, name)  # shadow parameters followed the peer's update too
+
+
+@pytest.mark.timeout(150)
+def test_gradient_log_replays_the_peer_partition_bitwise_and_its_ring_keeps_one_timeline(
+        rank_results: list) -> None:
+    for rank, r in enumerate(x["log"] for x in rank_results):
+        assert r["mismatches"] == [], (rank, r)
+        # steps 2 and 3 had no gradient for the last layer (rank 0's peer owns it): logged as None
+        assert any(any(e) for e in r["none_logged"][:2]) or rank == 1, r
+        g = f"aor.g{r['peer']}"
+
+        def slots(listed: list) -> list:  # (key, step led to) of the ring's slots
+            return sorted(tuple(e) for e in listed if e[0].startswith(g + "."))
+        ring0 = [(f"{g}.0.{t % 4}", t + 1) for t in range(2, 6)]
+        assert slots(r["only_first"]) == sorted(ring0), r
+        # the resumed run's ring (start 4) holds steps 4-5; ring 0's slots of 4-5 are another timeline
+        ring4 = [(f"{g}.4.{t % 4}", t + 1) for t in (4, 5)]
+        assert slots(r["both"]) == sorted(ring0[:2] + ring4), r
+        assert slots(r["damaged"]) == sorted(ring0[:2]), r  # the torn and the damaged slot are left out
 
 
 def test_foreach_and_for_loop_round_differently_for_nadam() -> None:

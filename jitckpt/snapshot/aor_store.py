@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from jitckpt.snapshot.aor import OptimizerReplica, successor_peer
-from jitckpt.snapshot.aor_log import (BASE_PREFIX, GRAD_PREFIX, base_key, log_header, replay_partition)
+from jitckpt.snapshot.aor_log import (BASE_PREFIX, GRAD_PREFIX, INBAND, base_key, log_header, read_ring_entry,
+                                      replay_partition, ring_entries, ring_key)
 from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, Checksum, checksum_of
 from jitckpt.snapshot.client import Topology
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
@@ -300,9 +301,12 @@ class AorRestore:
 
 
 def _local_partitions(keeper: KeeperClient, topo: Topology) -> list[dict]:
-    """This rank's share of the node keeper's AOR objects, checksum-verified."""
+    """This rank's share of the node keeper's AOR objects, checksum-verified. A gradient ring
+    appears as one entry per verified slot, keyed ``aor.g{owner}.{ring start}.{slot}`` with the
+    step it leads to (the step after its gradients')."""
     out = []
-    entries = [e for e in keeper.listing() if e["key"].startswith((PREFIX, BASE_PREFIX, GRAD_PREFIX))]
+    listing = keeper.listing()
+    entries = [e for e in listing if e["key"].startswith((PREFIX, BASE_PREFIX))]
     for i, e in enumerate(entries):
         if i % topo.ranks_per_node != topo.local_rank:
             continue
@@ -314,6 +318,27 @@ def _local_partitions(keeper: KeeperClient, topo: Topology) -> list[dict]:
             log.warning("AOR object %s step %s fails its checksum; not used", e["key"], e["step"])
             continue
         out.append({**e, "rank": topo.rank})
+    rings: dict = {}
+    for e in listing:
+        if e["key"].startswith(GRAD_PREFIX) and e["algo"] == INBAND:
+            rings.setdefault(int(e["key"][len(GRAD_PREFIX):]), []).append(e)
+    for owner, versions in sorted(rings.items()):
+        if owner % topo.ranks_per_node != topo.local_rank:
+            continue
+        starts = sorted(int(e["step"]) for e in versions)
+        for e in versions:
+            # Ring G holds this timeline's steps from G until the next ring's start.
+            start = int(e["step"])
+            end = min((g for g in starts if g > start), default=None)
+            try:
+                m, info = keeper.open(e["key"], start)
+                _, slots = ring_entries(np.frombuffer(m, dtype=np.uint8, count=info.size), owner=owner,
+                                        world=topo.world)
+            except (KeeperError, ValueError) as err:
+                log.warning("AOR gradient ring %s of step %s not used: %s", e["key"], start, err)
+                continue
+            out += [{"key": f"{e['key']}.{start}.{x['slot']}", "step": x["step"] + 1, "rank": topo.rank}
+                    for x in slots if x["step"] >= start and (end is None or x["step"] < end)]
     return out
 
 
@@ -530,7 +555,10 @@ def _replay_one(keeper: KeeperClient, *, zero: ZeroRedundancyOptimizer, catalogu
     for t in range(c, step):
         key = next(k for (k, s), have in catalogue.holders.items()
                    if k.startswith(prefix) and s == t + 1 and any(r // catalogue.ranks_per_node == node for r in have))
-        entries.append(read(key, t + 1, log_header(kind="grads", owner=owner, world=world, step=t)))
+        start, slot = (int(x) for x in key[len(prefix):].split("."))
+        m, info = keeper.open(ring_key(owner), start)
+        entries.append(read_ring_entry(np.frombuffer(m, dtype=np.uint8, count=info.size), owner=owner,
+                                       world=world, slot=slot, step=t))
     live = [p.detach() for g in zero._partition_parameters()[owner] for p in g["params"]]
     replayed = replay_partition(zero=zero, owner=owner, state=state, base=base, entries=entries, live=live)
     if replayed is None:
