@@ -344,6 +344,29 @@ def test_memory_restore_is_bitwise_and_newest_tier_wins(keeper, tmp_path) -> Non
     assert (res.source, res.step) == ("disk", 6)  # a newer JIT checkpoint beats the snapshot
 
 
+def test_memory_restore_reads_only_the_snapshot_objects_not_the_aor_ones(keeper) -> None:
+    """The keepers also hold AOR's objects (partitions, bases, gradient rings); the parameter restore
+    neither verifies nor trips over them. Found from outside: a gradient ring (its slots carry their
+    own checksums, keeper algorithm "inband") at the step a restore fell back to made it refuse
+    that step."""
+    from jitckpt.snapshot.keeper_client import KeeperClient
+
+    sock, _ = keeper
+    state = _model_state()
+    for step in (3, 4):
+        _take(sock, state, step, chunk_bytes=4096).close()
+    c = KeeperClient(sock)
+    try:
+        for key, step in (("aor.g1", 4), ("aor.z1", 4), ("aor.b1", 3)):
+            c.begin(key, step, 64)
+            c.commit([{"key": key, "step": step, "checksum": 0, "algo": "inband"}])
+    finally:
+        c.close()
+    res = restore(socket_path=sock, ranks_per_node=1)
+    assert (res.source, res.step, res.skipped) == ("memory", 4, []), res.skipped
+    _assert_same(state, res.state)
+
+
 @pytest.mark.parametrize("chunk", [4096, 1 << 20])
 @pytest.mark.parametrize("native", [True, False], ids=["native", "pure-python"])
 def test_keeper_object_is_the_flat_state_and_its_checksum_is_recomputable(keeper, chunk: int, native: bool,

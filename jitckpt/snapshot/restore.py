@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,7 +107,7 @@ def local_catalogue(keeper: KeeperClient, topo: Topology, *, share: Optional[tup
     """
     index, count = share or (topo.local_rank, topo.ranks_per_node)
     entries = [e for e in (keeper.listing() if listing is None else listing)
-               if steps is None or e["step"] in steps]
+               if (steps is None or e["step"] in steps) and _SNAPSHOT_KEY.fullmatch(e["key"])]
     out = []
     for i, e in enumerate(entries):
         if i % count != index:
@@ -273,6 +274,9 @@ def _load_memory(choice: MemoryChoice, keeper: Optional[KeeperClient], topo: Top
 # Bytes of each rank's JSON sent in the first (and usually only) all-gather of gather_json: a
 # catalogue of one step is a few hundred bytes per object; a longer document costs a second round.
 GATHER_INLINE_BYTES = 4096
+# The parameter snapshot's own objects (SnapshotTaker's data and parity parts, its metadata); the
+# keepers also hold AOR's (aor.*), which restore_with_aor surveys and verifies itself.
+_SNAPSHOT_KEY = re.compile(rf"{META_KEY}|[xp][0-9]+\.[0-9]+")
 
 
 def gather_json(obj: Any, topo: Topology, group: Any) -> list:
