@@ -138,8 +138,8 @@ BENCHES = [
                  "{:+.1%}", "(same run)"),
            Ratio("  ceiling: the cheaper mode's own work / step", lambda d: min(
                d["work_pct_of_step"]["copy@1"], d["work_pct_of_step"]["recompute@1"]) / 100, "{:.1%}", "(same run)"),
-           Ratio("AOR log mode, every step restorable (gradient log + copy every 20; library, not yet "
-                 "in jitckpt run): step overhead", _aor("overhead_pct", "log+copy@20"), "{:+.1%}",
+           Ratio("AOR log mode (--snapshot-zero log: gradient log + copy every 20), every step "
+                 "restorable: step overhead", _aor("overhead_pct", "log+copy@20"), "{:+.1%}",
                  "< 5 % (every step)", lambda v: v < 0.05),
            Ratio("  ceiling: the log's CPU + partition exchange / 20, per step", _aor("work_pct_of_step", "log+copy@20"),
                  "{:.1%}", "(same run)"),

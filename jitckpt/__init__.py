@@ -149,6 +149,7 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
         rt.no_save_reason = ("ZeroRedundancyOptimizer job: no JIT checkpoint after a failure (a lost rank's "
                              "optimizer partition exists only in the in-memory snapshots); the job resumes "
                              "from the newest snapshot")
+        rt.save_to_memory = state.save_partition_now
     else:
         init(state.save, step_fn=lambda: state.step, shard_id=shard_id, num_shards=num_shards)
         rt.saveable_while_running = state.untouched_mid_minibatch

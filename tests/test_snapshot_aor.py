@@ -483,8 +483,9 @@ def test_node_loss_restores_zero_partition_from_peer_replica_bitwise(tmp_path: P
         assert (ev["source"], ev["step"]) == ("memory", 4), ev
 
 
+@pytest.mark.slow  # the fast suite has the launcher's (test_snapshot_launcher) and the replay scenario above
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("nodes,scheme", [(2, "arc"), pytest.param(3, "aec", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("nodes,scheme", [(2, "arc"), (3, "aec")])
 def test_node_loss_replays_the_lost_partition_from_the_gradient_log_bitwise(tmp_path: Path, nodes: int,
                                                                            scheme: str) -> None:
     # Log mode: partitions copied at steps 0, 4, 8; each rank logs its peer's gradients every step.

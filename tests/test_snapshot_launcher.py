@@ -318,6 +318,24 @@ def test_zero_failure_restores_partitions_through_aor(zero_reference, tmp_path, 
         assert torch.equal(final[k], zero_reference[k]), f"parameter {k} differs from the failure-free run; restores {restores}"
 
 
+def test_zero_log_mode_replays_a_lost_node_partition_and_resumes_at_the_failed_step(zero_reference, tmp_path):
+    """--snapshot-zero log (copy every 2 steps, gradients logged every step): node 2 (rank and
+    keeper) is lost before its forward of step KILL_AT; the survivors, blocked in that step's
+    all-reduce, save their own partitions and fill in the parameter snapshot of KILL_AT from their
+    own replica, then exit. The restart replays rank 2's partition on node 1 from the copy of
+    KILL_AT - 1 and its logged gradients, resumes at KILL_AT on every rank (no step lost) and ends
+    bitwise equal to a failure-free run."""
+    inject = ["--inject", f"0:2:{KILL_AT}:node"]
+    _, events = run_nodes(tmp_path, "zlog", "aec", ZERO + inject,
+                          snapshot_args=("--snapshot-zero", "log", "--snapshot-zero-copy-every", "2"))
+    restores = sorted((e["rank"], e["source"], e["step"]) for ev in events for e in ev if e["event"] == "restore")
+    assert restores == [(r, "memory", KILL_AT) for r in range(NODES)], restores
+    final = torch.load(tmp_path / "zlog-final.pt", weights_only=True)
+    assert final.keys() == zero_reference.keys()
+    for k in zero_reference:
+        assert torch.equal(final[k], zero_reference[k]), f"parameter {k} differs from the failure-free run"
+
+
 def _standbys_mapped(launcher_pid: int, count: int) -> bool:
     """Whether ``count`` standbys of the launcher say (in their process title) that they mapped the
     keeper's snapshot buffers."""

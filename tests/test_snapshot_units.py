@@ -292,6 +292,41 @@ def test_keeper_keeps_one_complete_and_one_in_progress_and_outlives_its_writer(k
         KeeperClient(sock)
 
 
+def test_keeper_keeps_a_pinned_version_until_the_next_pinned_one(keeper) -> None:
+    """A pinned version (AOR log mode pins the copy steps' snapshots) outlives later versions, which
+    still rotate through two buffers; the next pinned commit makes it a regular version again."""
+    from jitckpt.snapshot.keeper_client import KeeperClient
+
+    sock, _ = keeper
+    c = KeeperClient(sock)
+
+    def put(step: int, pin: bool = False) -> None:
+        c.begin("x0.0", step, 64)
+        c.commit([{"key": "x0.0", "step": step, "checksum": 0, "algo": "crc32", **({"pin": True} if pin else {})}])
+
+    def steps() -> list:
+        return sorted(e["step"] for e in c.listing() if e["key"] == "x0.0")
+
+    try:
+        put(4, pin=True)
+        for s in (5, 6, 7):
+            put(s)
+        assert steps() == [4, 6, 7]
+        put(8, pin=True)
+        assert steps() == [4, 7, 8]  # 4 unpinned: a regular version again, the next one reused
+        put(9)
+        assert steps() == [7, 8, 9]
+        put(10)
+        assert steps() == [8, 9, 10]  # 8 pinned: 9 was reused, not 8
+        c.discard_newer(3)  # a restore found nothing newer usable: the pin goes too
+        assert steps() == []
+        put(11)
+        put(12)
+        assert steps() == [11, 12]
+    finally:
+        c.close()
+
+
 def test_keeper_refuses_what_is_not_its_protocol_by_name(keeper) -> None:
     """Typed keeper messages: an unknown type or field is refused, naming it; the keeper serves on."""
     from jitckpt.protocol.keeper_messages import Begin, Ping

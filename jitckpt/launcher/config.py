@@ -18,7 +18,7 @@ from jitckpt.hang_timeout import HangTimeout
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 # Same names as snapshot_protection.SCHEMES (not imported: the launcher does not import torch).
 SNAPSHOT_PROTECTIONS = ("aec", "arc", "none")
-SNAPSHOT_ZERO_MODES = ("recompute", "copy")  # worker_spec's, without importing it here either
+SNAPSHOT_ZERO_MODES = ("recompute", "copy", "log")  # worker_spec's, without importing it here either
 RECOVERY_MODES = ("jit", "stage")
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default --signals-to-handle
 _STD_RE = re.compile(r"^[0-3]$|^\d+:[0-3](,\d+:[0-3])*$")  # torchrun's Std.from_str grammar
@@ -214,7 +214,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "recompute (REFT's AOR: each rank redoes its successor's optimizer step every "
                         "step, no traffic; suits hosts with idle cores) or copy (each rank sends its "
                         "partition to its predecessor at every snapshot, no recompute; cheaper when the "
-                        "host's cores are busy and snapshots are not taken every step). See docs/aor.md")
+                        "host's cores are busy and snapshots are not taken every step) or log (with "
+                        "--snapshot-every 1: copy every --snapshot-zero-copy-every steps and log the "
+                        "successor's gradients every step; a lost partition is replayed to the failed "
+                        "step). See docs/aor.md")
+    g.add_argument("--snapshot-zero-copy-every", type=int, default=20,
+                   help="--snapshot-zero log: copy the partitions every K steps (a restore replays up to K "
+                        "logged steps; each keeper holds 2K steps of its successor partition's gradients)")
     p.add_argument("script", help="training script (or module with -m, or program with --no-python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -320,6 +326,7 @@ class LaunchConfig:
     snapshot_protection: Optional[str] = None
     snapshot_flush_every: int = 0
     snapshot_zero: str = "recompute"
+    snapshot_zero_copy_every: int = 20
     rdzv_timeout: float = 300.0
     last_call_timeout: float = 30.0
     omp_num_threads: int = 1
@@ -454,6 +461,15 @@ class LaunchConfig:
                              f"{', '.join(SNAPSHOT_PROTECTIONS)}")
         if self.snapshot_zero not in SNAPSHOT_ZERO_MODES:
             raise ValueError(f"--snapshot-zero {self.snapshot_zero!r}: choose one of {', '.join(SNAPSHOT_ZERO_MODES)}")
+        if self.snapshot_zero_copy_every < 1:
+            raise ValueError(f"--snapshot-zero-copy-every {self.snapshot_zero_copy_every}: must be >= 1")
+        if self.snapshot_zero_copy_every != 20 and self.snapshot_zero != "log":
+            raise ValueError("--snapshot-zero-copy-every applies to --snapshot-zero log only; add "
+                             "--snapshot-zero log or drop it")
+        if self.snapshot_zero == "log" and self.snapshot_every not in (0, 1):
+            raise ValueError(f"--snapshot-zero log keeps every step restorable and needs --snapshot-every 1 "
+                             f"(got {self.snapshot_every}); for snapshots every N > 1 steps use "
+                             "--snapshot-zero copy")
         if not self.snapshot_every:
             if self.snapshot_flush_every:
                 raise ValueError("--snapshot-flush-every needs --snapshot-every N > 0 (snapshots are off)")
@@ -505,6 +521,7 @@ class LaunchConfig:
                    plugins=tuple(filter(None, a.plugin.split(","))), recovery=a.recovery,
                    snapshot_every=a.snapshot_every, snapshot_protection=a.snapshot_protection,
                    snapshot_flush_every=a.snapshot_flush_every, snapshot_zero=a.snapshot_zero,
+                   snapshot_zero_copy_every=a.snapshot_zero_copy_every,
                    **_rdzv_conf(a.rdzv_conf),
                    role=a.role, master_addr=a.master_addr, master_port=a.master_port, local_addr=a.local_addr,
                    monitor_interval=a.monitor_interval, log_dir=a.log_dir, redirects=a.redirects, tee=a.tee,

@@ -415,7 +415,8 @@ class Launcher:
             snapshot = SnapshotSpec(socket=self.keeper.socket_path, every=cfg.snapshot_every,
                                     protection=str(cfg.snapshot_protection),
                                     flush_every=cfg.snapshot_flush_every,
-                                    ranks_per_node=cfg.nproc_per_node, zero=cfg.snapshot_zero)
+                                    ranks_per_node=cfg.nproc_per_node, zero=cfg.snapshot_zero,
+                                    zero_copy_every=cfg.snapshot_zero_copy_every)
         if self.stage is not None:
             stage = self.stage.worker_spec(role)
         nodes = self.coord.current  # the generation's nodes: with --nnodes MIN:MAX maybe fewer than MAX

@@ -29,7 +29,8 @@ class Begin(Message):
 @dataclass(frozen=True)
 class Commit(Message):
     """The buffers begun for ``items`` ({key, step, checksum, algo} each, and a parity object's
-    ``covers``: the checksum of each range it is the XOR of) are complete."""
+    ``covers``: the checksum of each range it is the XOR of; ``pin``: keep this version until the
+    key's next pinned one) are complete."""
     TYPE: ClassVar[str] = "commit"
     items: list
 

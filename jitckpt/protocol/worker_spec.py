@@ -33,7 +33,7 @@ ENVIRONMENT = {
     "JITCKPT_GEN": "the generation (restart count) of this process (default TORCHELASTIC_RESTART_COUNT)",
 }
 SNAPSHOT_PROTECTIONS = ("aec", "arc", "none")
-SNAPSHOT_ZERO_MODES = ("recompute", "copy")  # how ZeRO partitions are protected (docs/aor.md)
+SNAPSHOT_ZERO_MODES = ("recompute", "copy", "log")  # how ZeRO partitions are protected (docs/aor.md)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -51,9 +51,11 @@ class SnapshotSpec:
     flush_every: int = 0
     ranks_per_node: int = 1
     zero: str = "recompute"
+    zero_copy_every: int = 20  # log mode: the partition copy interval (steps)
 
     def __post_init__(self) -> None:
         _check(bool(self.socket), "snapshot spec: the keeper's socket path is empty")
+        _check(self.zero_copy_every > 0, f"snapshot spec: zero_copy_every must be > 0, got {self.zero_copy_every}")
         _check(self.zero in SNAPSHOT_ZERO_MODES,
                f"snapshot spec: zero {self.zero!r} is not one of {SNAPSHOT_ZERO_MODES}")
         _check(self.every > 0, f"snapshot spec: every must be > 0, got {self.every}")

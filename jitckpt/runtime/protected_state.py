@@ -136,6 +136,7 @@ class Protected:
         self._snapshots: Any = snapshots     # SnapshotTier (jitckpt run --snapshot-every)
         self._replica: Any = None            # ZeRO: OptimizerReplica of the successor's partition
         self._aor: Any = None                # ZeRO: AorSnapshotter writing both partitions
+        self._grad_log: Any = None           # ZeRO, --snapshot-zero log: GradientLog of the successor
         self._peer_state: Optional[dict] = None  # ZeRO: the successor's partition, restored
         self._resumed_step: Optional[int] = None
         self._reserve_asked = False    # for the runtime's JIT save reserve, after the first step
@@ -200,8 +201,22 @@ class Protected:
         self._snapshots.start(self._snapshot_state, resumed_step=self._resumed_step)
         if self._zero and self._aor is None:
             self._start_aor()
-        if self._snapshots.begin(self.step) and self._aor is not None:
+        copy = self._aor is not None and self._copy_due()
+        # Log mode: a copy step's parameters are pinned in the keepers, so a failure no partition of
+        # a newer step survives (one inside an optimizer step) falls back to the last copy.
+        if self._snapshots.begin(self.step, pin=copy and self._grad_log is not None) and copy:
             self._aor.begin(self.step)  # the partitions of the same step, on the replica's worker
+            if self._grad_log is not None:
+                self._grad_log.begin(self.step)  # the successor partition's parameters: the replay's base
+
+    def _copy_due(self) -> bool:
+        """Log mode copies the partitions every ``zero_copy_every`` steps, and at the first snapshot
+        after a resume (the new nodes then hold a copy and base too; the resumed step's own objects
+        exist already); the other modes at every snapshot."""
+        if self._grad_log is None:
+            return True
+        first = self._resumed_step is not None and self.step == self._resumed_step + 1
+        return self.step % self._snapshots.zero_copy_every == 0 or first
 
     def _start_aor(self) -> None:
         """ZeRO: the replica of the successor's partition (from the restored state if any), or
@@ -209,10 +224,16 @@ class Protected:
         from jitckpt.snapshot.aor import OptimizerReplica
         from jitckpt.snapshot.aor_store import AorSnapshotter, PartitionCopier
 
-        if self._snapshots.zero == "copy":
+        if self._snapshots.zero in ("copy", "log"):
             self._peer_state = None  # no replica to load it into: the peer sends its own
             self._aor = PartitionCopier(zero=self.optimizer, ranks_per_node=self._snapshots.ranks_per_node,
                                         socket_path=self._snapshots.socket_path)
+            if self._snapshots.zero == "log":
+                from jitckpt.snapshot.aor_log import GradientLog
+
+                self._grad_log = GradientLog(zero=self.optimizer, peer=self._snapshots.peer(),
+                                             every=self._snapshots.zero_copy_every, start_step=self.step,
+                                             socket_path=self._snapshots.socket_path)
             return
         self._replica = OptimizerReplica(zero=self.optimizer, peer=self._snapshots.peer(),
                                          start_step=self.step)
@@ -230,15 +251,19 @@ class Protected:
         self._snapshots.wait()
         if self._replica is not None:
             self._replica.capture()
+        if self._grad_log is not None:
+            self._grad_log.capture(self.step)
 
-    def _snapshot_state(self) -> dict:
+    def _snapshot_state(self, *, uniform: bool = True) -> dict:
         sd = self.state_dict()
         # Everything but parameters and optimizer state (RNG, buffers, scheduler, extra) may differ
         # between ranks; ARC/AEC need one replica's bytes on every rank (jitckpt.snapshot.uniform).
         params = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
         keys = [k for k in sd if k not in ("model", "optimizer")]
         buffers = {k: v for k, v in sd["model"].items() if k not in params}
-        shared_buffers, *rest = self._snapshots.uniform([buffers, *(sd[k] for k in keys)])
+        parts = [buffers, *(sd[k] for k in keys)]
+        # uniform=False: a survivor's own view, after a failure (the collective would wait for the lost rank)
+        shared_buffers, *rest = self._snapshots.uniform(parts) if uniform else parts
         sd["model"].update(shared_buffers)  # a fresh dict: the model's own is not touched
         sd.update(zip(keys, rest))
         if self._ddp_layout is not None and self._layout_settled:  # the one this minibatch uses
@@ -331,6 +356,56 @@ class Protected:
         even while the training thread goes on with its forward and backward: another thread may
         save then without waiting for it to block."""
         return self._mid_minibatch and not self._in_step and not self._stepped and not self._zero
+
+    def save_partition_now(self) -> str:
+        """``--snapshot-zero log``, on a survivor after a failure: write this rank's own partition,
+        as it is at the start of this minibatch, into its node's keeper, so a restore to this step
+        replays only the lost ranks' partitions. Not inside the optimizer step (the partition may
+        be half updated); the object is committed only if the training thread did not enter the
+        step while it was copied. Returns what it did, for the log."""
+        if self._grad_log is None:
+            return "no partition saved (not --snapshot-zero log)"
+
+        def settled() -> bool:
+            return not self._in_step and self.consistent_now() and not (self._mid_minibatch and self._stepped)
+
+        step = self.step
+        if not settled():
+            return f"no partition saved: the failure came inside the optimizer step of step {step}"
+        try:
+            self._grad_log.wait()  # the log's last entry, before this process exits
+        except Exception as e:  # noqa: BLE001 - the partition is still worth saving
+            log.warning("the gradient log's last write failed: %s", e)
+        from jitckpt.snapshot.aor_store import partition_key, write_partition
+        from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
+
+        keeper = KeeperClient(self._snapshots.socket_path)
+        try:
+            key = partition_key(self.optimizer.rank)
+            if any(e["key"] == key and e["step"] == step for e in keeper.listing()):
+                return f"partition of step {step} already in the keeper (a copy step)"
+            _, _, h = write_partition(keeper, owner=self.optimizer.rank, world=self.optimizer.world_size,
+                                      step=step, zero=self.optimizer, state=self.optimizer.optim.state_dict())
+            if not settled() or self.step != step:
+                return f"no partition saved: training entered the optimizer step of step {step} meanwhile"
+            keeper.commit([{"key": key, "step": step, "checksum": h.value(), "algo": h.algorithm}])
+            done = f"partition of step {step} saved to the keeper"
+        except KeeperError as e:
+            return f"no partition saved: {e}"
+        finally:
+            keeper.close()
+        # The parameters of this step: a lost rank may have died before its part of the snapshot
+        # was written. Every survivor holds them all (replicated), untouched since the snapshot began.
+        taker = self._snapshots.taker
+        still = lambda: settled() and self.step == step  # noqa: E731
+        try:
+            if taker.running is not None:  # this minibatch's snapshot began: only the lost ranks' parts
+                filled = taker.fill_in(step, still_valid=still) if self._mid_minibatch else []
+            else:  # it blocked in the snapshot's collective: the whole state, this rank's view
+                filled = taker.fill_whole(step, self._snapshot_state(uniform=False), still_valid=still)
+        except Exception as e:  # noqa: BLE001 - the partition alone may still do
+            return f"{done}; its parameter snapshot not filled in: {type(e).__name__}: {e}"
+        return done + (f"; parameter snapshot parts {filled} filled in" if filled else "")
 
     def consistent_now(self) -> bool:
         """False between optimizer.step() and the scheduler's step of the same minibatch."""
@@ -502,8 +577,11 @@ class Protected:
         if self._zero and point.aor is None and point.path is not None:
             self._peer_state = self._peer_shard(point)  # for the replica of the successor's partition
         if self._zero and point.aor is not None:
-            loaded = self._snapshots.load_zero_partitions(self.optimizer, point)
+            loaded, replayed = self._snapshots.load_zero_partitions(self.optimizer, point)
             self._peer_state, fetched = loaded.peer_state, loaded.remote
+            if replayed:
+                log.warning("resume: ZeRO partitions %s of step %d replayed from the gradient logs",
+                            replayed, point.step)
             self._load_zero_hyperparameters(point.state)
         path = point.path or f"memory:step{point.step}"
         rt.report_restored(path, step, point.seconds + time.monotonic() - t0, source=point.source,
@@ -532,6 +610,8 @@ class Protected:
             h.remove()
         if self._aor is not None:
             self._aor.close()
+        if self._grad_log is not None:
+            self._grad_log.close()
         if self._replica is not None:
             self._replica.close()
         if self._snapshots is not None:

@@ -79,6 +79,10 @@ class WorkerRuntime:
         self.save_fn: Optional[Callable[[str], None]] = None
         # Why this job's failures take no JIT save (a preemption's still does, with a save function).
         self.no_save_reason: Optional[str] = None
+        # Such a job's save to memory after a failure (protect(), --snapshot-zero log): what it did.
+        self.save_to_memory: Optional[Callable[[], str]] = None
+        self._memory_save_lock = threading.Lock()  # the saver and the training thread may both give up
+        self._memory_saved: Optional[str] = None
         self.step_fn: Optional[Callable[[], int]] = None
         self.consistency_check: Optional[Callable[[], bool]] = None
         # protect(): True while the training thread computes a minibatch without touching the
@@ -637,7 +641,16 @@ class WorkerRuntime:
         if self.save_fn is None:
             self._give_up(self.no_save_reason or "no save function registered (call jitckpt.init(save_fn))")
         if self.no_save_reason is not None and self._failure is not None and self._failure["kind"] != "preempted":
-            self._give_up(self.no_save_reason)
+            done = ""
+            if self.save_to_memory is not None:
+                with self._memory_save_lock:  # once: the second thread waits for it, then exits too
+                    if self._memory_saved is None:
+                        try:
+                            self._memory_saved = f"; {self.save_to_memory()}"
+                        except Exception as e:  # noqa: BLE001 - the restart goes on without it
+                            self._memory_saved = f"; no partition saved: {type(e).__name__}: {e}"
+                    done = self._memory_saved
+            self._give_up(self.no_save_reason + done)
 
     def _do_save_and_exit(self) -> None:
         self._give_up_if_no_save()

@@ -146,6 +146,7 @@ class _Job:
     specs: list           # [ObjectSpec] this rank writes
     with_meta: bool       # local rank 0 also writes the node's meta object
     full_copy: Optional[torch.Tensor]
+    pin: bool = False     # the keepers keep it until the next pinned snapshot
     done: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
 
@@ -199,12 +200,18 @@ class SnapshotTaker:
         """The taker's own gloo group (None with one rank): collectives in ``state_fn`` use it."""
         return self._side
 
+    @property
+    def running(self) -> Optional[int]:
+        """The step of the snapshot begun and not yet waited for, or None."""
+        return None if self._job is None else self._job.step
+
     def skip(self, step: int) -> None:
         """Do not snapshot ``step`` (the job just restored it: the keeper already holds it)."""
         self._skip_step = step
 
-    def begin(self, step: int) -> bool:
-        """Start snapshotting the current state as the state at ``step``; False if not due."""
+    def begin(self, step: int, *, pin: bool = False) -> bool:
+        """Start snapshotting the current state as the state at ``step``; False if not due. ``pin``:
+        the keepers keep this snapshot until the next pinned one (not only until two newer ones)."""
         if self._job is not None:
             raise RuntimeError("SnapshotTaker.begin: the previous snapshot was not waited for; call "
                                "wait() before optimizer.step()")
@@ -224,7 +231,7 @@ class SnapshotTaker:
         if (self.flush_every and self.topo.rank == 0 and (self.stats.taken + 1) % self.flush_every == 0
                 and not (self._flush_thread and self._flush_thread.is_alive())):
             full = torch.empty(flat.total, dtype=torch.uint8)
-        self._job = _Job(step, flat, plan, specs, self.topo.local_rank == 0, full)
+        self._job = _Job(step, flat, plan, specs, self.topo.local_rank == 0, full, pin)
         self._deadline.clear()
         self._queue.put(self._job)
         return True
@@ -268,6 +275,66 @@ class SnapshotTaker:
                                                 group=self._side, async_op=True)
         self._last_committed = job.step
         return job.step
+
+    def fill_in(self, step: int, *, still_valid: Callable[[], bool], timeout: float = 10.0) -> list[str]:
+        """After a failure, on a survivor: write into this node's keeper every data part of snapshot
+        ``step`` that it lacks, from this rank's own copy of the state, so that a restore of
+        ``step`` needs no part from the lost ranks (data-parallel replicas hold the whole state: the
+        JIT principle, for the snapshot tier). Only while the snapshot of ``step`` is begun and not
+        waited for, and while the state is as it was then: ``still_valid()`` (no optimizer step
+        since) is checked after the copy, before the commit. The local rank ``l`` writes the parts
+        ``x*.{l}``. Returns the keys written ([] when the snapshot of ``step`` is not the running
+        one, did not commit here, or the state changed)."""
+        job = self._job
+        if job is None or job.step != step:
+            return []
+        with self._wake:  # no window to wait for: copy now
+            self._deadline.set()
+            self._wake.notify_all()
+        if not job.done.wait(timeout) or job.error is not None:
+            return []
+        have = {e["key"] for e in self.keeper.listing() if e["step"] == step}
+        specs = [job.plan.data_spec(k, self.topo.local_rank) for k in range(job.plan.m)]
+        specs = [spec for spec in specs if spec.key not in have]
+        if not specs:
+            return []
+        maps = self.keeper.begin_many([(spec.key, spec.size) for spec in specs], step)
+        items = [self._write(job, spec, m) for spec, m in zip(specs, maps)]
+        if not still_valid():
+            return []
+        self.keeper.commit(items)
+        return [spec.key for spec in specs]
+
+    def fill_whole(self, step: int, state: Any, *, still_valid: Callable[[], bool]) -> list[str]:
+        """After a failure, on a survivor whose snapshot of ``step`` never began (it blocked in the
+        snapshot's own collective, waiting for the lost rank): write ``state``, this rank's own view
+        of the state at ``step``, as every data part and the metadata of snapshot ``step`` into this
+        node's keeper (local rank 0 only: one writer per keeper). Its non-parameter leaves are this
+        rank's, not rank 0's as in a snapshot. Nothing when the keeper has any object of ``step``
+        already; committed only if ``still_valid()`` after the copy. Returns the keys written."""
+        if self.topo.local_rank != 0 or self._job is not None:
+            return []
+        if any(e["step"] == step for e in self.keeper.listing() if e["key"] == META_KEY or e["key"][0] in "xp"):
+            return []
+        flat = FlatState(state)
+        plan = ProtectionPlan(scheme=self.scheme, num_nodes=self.topo.num_nodes,
+                              ranks_per_node=self.topo.ranks_per_node, total_bytes=flat.total)
+        specs = [plan.data_spec(k, l) for k in range(plan.m) for l in range(plan.r)]
+        blob = meta_blob(step, plan, flat)
+        with self._wake:
+            self._deadline.set()
+            self._wake.notify_all()
+        maps = self.keeper.begin_many([(spec.key, spec.size) for spec in specs] + [(META_KEY, len(blob))], step)
+        job = _Job(step, flat, plan, specs, True, None)  # not pinned: a fallback of its own
+        items = [self._write(job, spec, m) for spec, m in zip(specs, maps)]
+        maps[-1][:len(blob)] = blob
+        h = Checksum()
+        h.update(blob)
+        items.append({"key": META_KEY, "step": step, "checksum": h.value(), "algo": h.algorithm})
+        if not still_valid():
+            return []
+        self.keeper.commit(items)
+        return [it["key"] for it in items]
 
     def close(self) -> None:
         """Finish the running snapshot and any disk flush, stop the thread, drop the mappings."""
@@ -329,6 +396,8 @@ class SnapshotTaker:
                     h.update(blob)
                     items.append({"key": META_KEY, "step": job.step, "checksum": h.value(),
                                   "algo": h.algorithm})
+                if job.pin:
+                    items = [{**it, "pin": True} for it in items]
                 if job.full_copy is not None:
                     for off in range(0, job.flat.total, self.chunk):
                         self._gate()

@@ -9,6 +9,8 @@ crash of the trainers and goes away with the keeper (a lost node loses its snaps
 
 Per object key at most two buffers: while a rank writes version ``t+1`` the previous complete one
 stays readable, and it is the one reused by the next ``begin`` (REFT: one completed, one ongoing).
+A commit item may ``pin`` its version: a third buffer keeps it until the key's next pinned version
+commits (a fallback older than two steps: the partition copies of AOR's log mode).
 A buffer only grows (a smaller object leaves its tail unused), so a reader that mapped it once
 keeps a valid mapping: a warm standby maps them ahead of a restore (:mod:`jitckpt.snapshot.premap`).
 The keeper never hashes data (the writer does, off the training critical path); readers verify.
@@ -46,6 +48,7 @@ class _Buffer:
     checksum: int = 0
     algo: str = ""
     covers: tuple = ()  # a parity object's checksum of each range it is the XOR of, as its writer read them
+    pinned: bool = False  # kept until the key's next pinned version commits (not reused by begin)
 
 
 class SnapshotKeeper:
@@ -67,14 +70,15 @@ class SnapshotKeeper:
             if same:
                 raise ValueError(f"begin {key}: a complete version for step {step} exists; "
                                  "snapshot a newer step (or discard_newer first)")
-            spare = [b for b in bufs if not b.complete]
+            free = [b for b in bufs if not b.pinned]
+            spare = [b for b in free if not b.complete]
             if spare:
                 b = spare[0]
-            elif len(bufs) < 2:
+            elif len(free) < 2:
                 b = self._new(size)
                 bufs.append(b)
             else:  # reuse the older complete version; the newer one stays readable
-                b = min(bufs, key=lambda x: x.step)
+                b = min(free, key=lambda x: x.step)
             if b.capacity < size:
                 os.ftruncate(b.fd, size)
                 b.capacity, b.buf_id = size, self._take_id()
@@ -100,6 +104,15 @@ class SnapshotKeeper:
                 b = match[0]
                 b.checksum, b.algo, b.complete = int(it["checksum"]), str(it["algo"]), True
                 b.covers = tuple(int(c) for c in it.get("covers", ()))
+                if it.get("pin"):
+                    bufs = self._objects[key]
+                    for other in bufs:
+                        other.pinned = other is b
+                    free = [x for x in bufs if not x.pinned]
+                    done = sorted((x for x in free if x.complete), key=lambda x: x.step)
+                    for old in done[:max(0, len(free) - 2)]:  # the version unpinned: back to two
+                        bufs.remove(old)
+                        os.close(old.fd)
 
     def listing(self) -> list[dict]:
         with self._lock:
@@ -123,7 +136,7 @@ class SnapshotKeeper:
             for bufs in self._objects.values():
                 for b in bufs:
                     if b.step == step:
-                        b.step, b.complete = -1, False
+                        b.step, b.complete, b.pinned = -1, False, False
                         n += 1
         return n
 
@@ -133,7 +146,7 @@ class SnapshotKeeper:
             for bufs in self._objects.values():
                 for b in bufs:
                     if b.step > step:
-                        b.step, b.complete = -1, False
+                        b.step, b.complete, b.pinned = -1, False, False
                         n += 1
         return n
 

@@ -50,7 +50,8 @@ class SnapshotTier:
     """Snapshots and the tiered resume for one worker (created from ``jitckpt run``'s env)."""
 
     def __init__(self, *, socket_path: str, every: int, protection: str, flush_every: int,
-                 ranks_per_node: int, checkpoint_dir: str, gen: int, zero: str = "recompute") -> None:
+                 ranks_per_node: int, checkpoint_dir: str, gen: int, zero: str = "recompute",
+                 zero_copy_every: int = 20) -> None:
         if every < 1 or flush_every < 0 or ranks_per_node < 1:
             raise ValueError(f"snapshot tier: every={every} must be >= 1, flush_every={flush_every} "
                              f">= 0, ranks_per_node={ranks_per_node} >= 1")
@@ -61,7 +62,11 @@ class SnapshotTier:
 
         if zero not in SNAPSHOT_ZERO_MODES:
             raise ValueError(f"snapshot tier: zero must be one of {SNAPSHOT_ZERO_MODES}, got {zero!r}")
+        if zero_copy_every < 1 or (zero == "log" and every != 1):
+            raise ValueError(f"snapshot tier: zero_copy_every={zero_copy_every} must be >= 1, and the log "
+                             f"mode needs every=1 (got {every})")
         self.zero = zero  # how ZeRO partitions are protected (docs/aor.md)
+        self.zero_copy_every = zero_copy_every  # log mode: the partition copy interval
         self.taker: Any = None
         # A client whose keeper buffers a warm standby mapped ahead (jitckpt.snapshot.premap):
         # the resume uses it, then closes it.
@@ -78,7 +83,8 @@ class SnapshotTier:
             return None
         return cls(socket_path=spec.socket, every=spec.every, protection=spec.protection,
                    flush_every=spec.flush_every, ranks_per_node=spec.ranks_per_node,
-                   checkpoint_dir=checkpoint_dir, gen=gen, zero=spec.zero)
+                   checkpoint_dir=checkpoint_dir, gen=gen, zero=spec.zero,
+                   zero_copy_every=spec.zero_copy_every)
 
     @staticmethod
     def _check_group() -> None:
@@ -99,11 +105,20 @@ class SnapshotTier:
 
         aor = self._survey_partitions()
         zero_job = aor is not None and aor.present
-        if zero_job and not aor.complete:
-            raise RuntimeError("resume: the snapshot keepers hold ZeRO optimizer partitions but no step "
-                               "has all of them (more than one node of a protection pair was lost), so "
-                               "this job cannot resume consistently; restart it from scratch with a new "
-                               "--rdzv-id (fresh keepers)")
+        memory_lost = zero_job and not aor.restorable
+        if memory_lost:
+            # No step has every partition (or a log to replay it from): nothing in memory can be
+            # resumed from. Dropped, so the shards on disk (a preemption's, --periodic-every) are.
+            from jitckpt.snapshot.client import Topology
+            from jitckpt.snapshot.keeper_client import KeeperClient
+
+            if Topology.detect(self.ranks_per_node).local_rank == 0:
+                keeper = KeeperClient(self.socket_path)
+                try:
+                    keeper.discard_newer(-1)
+                finally:
+                    keeper.close()
+            dist.barrier()
         one_rank = not (dist.is_initialized() and dist.get_world_size() > 1)
         try:
             res = restore(socket_path=self.socket_path, ranks_per_node=self.ranks_per_node,
@@ -121,11 +136,18 @@ class SnapshotTier:
         # A ZeRO job resumes from a step whose partitions the keepers hold, or from the shards its
         # ranks saved (a preemption's, a periodic one: each with its partition), not from parameters alone.
         from_shards = res.source == "disk" and res.state is not None and res.state.get("optimizer") is not None
+        if memory_lost and not from_shards:
+            raise RuntimeError("resume: the snapshot keepers held ZeRO optimizer partitions but no step had "
+                               "all of them, nor a gradient log to replay a missing one from (more than one "
+                               "node of a protection pair was lost, or with --snapshot-zero log the failure "
+                               "came inside an optimizer step), and the checkpoint directory has no shards "
+                               "to resume from: this job cannot resume consistently. Start it again from "
+                               "scratch; --periodic-every N keeps shards on disk to fall back to")
         from_keepers = zero_job and not from_shards
-        if from_keepers and (res.state is None or res.step not in aor.complete):
+        if from_keepers and (res.state is None or res.step not in aor.restorable):
             why = "; ".join(self.rejected) or f"memory tier: {res.source} step {res.step}"
             resized = any(", this job has " in r for r in self.rejected)
-            raise RuntimeError(f"resume: ZeRO optimizer partitions survive for steps {aor.complete} but "
+            raise RuntimeError(f"resume: ZeRO optimizer partitions survive for steps {aor.restorable} but "
                                f"the parameters for none of them ({why}); this job cannot resume consistently"
                                + ("; a ZeroRedundancyOptimizer's state is sharded by the world size, so the job "
                                   "cannot go on with another number of nodes: start a launcher in the lost node's "
@@ -161,16 +183,34 @@ class SnapshotTier:
             return None
         from jitckpt.snapshot.aor_store import survey_partitions
 
+        # Replayable steps count (log mode): Protected loads the parameters before the partitions,
+        # and load_zero_partitions replays against them.
         return survey_partitions(peer=peer, socket_path=self.socket_path,
-                                 ranks_per_node=self.ranks_per_node)
+                                 ranks_per_node=self.ranks_per_node, replay=True)
 
     def load_zero_partitions(self, zero: Any, point: ResumePoint) -> Any:
-        """Collective: load this rank's ZeRO partition of ``point`` into ``zero``; return the
-        :class:`~jitckpt.snapshot.aor_store.LoadedPartitions` (the peer's state, for the replica)."""
-        from jitckpt.snapshot.aor_store import load_partitions
+        """Collective: load this rank's ZeRO partition of ``point`` into ``zero`` (first replaying
+        from the gradient logs those that only they hold: the model must hold the parameters of
+        ``point`` already); return the :class:`~jitckpt.snapshot.aor_store.LoadedPartitions` (the
+        peer's state, for the replica) and the partitions replayed."""
+        from jitckpt.snapshot.aor_store import load_partitions, replay_missing
+        from jitckpt.snapshot.keeper_client import KeeperClient
 
-        return load_partitions(zero=zero, peer=self.peer(), step=point.step, catalogue=point.aor,
-                               socket_path=self.socket_path, ranks_per_node=self.ranks_per_node)
+        cat, replayed = point.aor, []
+        if point.step not in cat.complete:
+            cat, replayed = replay_missing(zero=zero, catalogue=cat, step=point.step, socket_path=self.socket_path)
+            if cat is None:
+                keeper = KeeperClient(self.socket_path)
+                try:  # never offered again: the next attempt resumes from what else survives
+                    keeper.reject(point.step)
+                finally:
+                    keeper.close()
+                raise RuntimeError(f"resume: ZeRO partitions of step {point.step} could not be replayed from "
+                                   f"the gradient logs ({'; '.join(replayed)}); the step is rejected and the "
+                                   "job restarts from what else the keepers hold")
+        loaded = load_partitions(zero=zero, peer=self.peer(), step=point.step, catalogue=cat,
+                                 socket_path=self.socket_path, ranks_per_node=self.ranks_per_node)
+        return loaded, replayed
 
     def ddp_layout(self) -> Optional[dict]:
         """The DDP bucket layout of the resume point (for :func:`jitckpt.runtime.ddp_layout.install_pinning`)."""
@@ -217,8 +257,8 @@ class SnapshotTier:
             # won at this step): never begun twice.
             self.taker.skip(resumed_step)
 
-    def begin(self, step: int) -> bool:
-        return bool(self.taker.begin(step))
+    def begin(self, step: int, *, pin: bool = False) -> bool:
+        return bool(self.taker.begin(step, pin=pin))
 
     def uniform(self, parts: list) -> list:
         """Collective (in the taker's ``state_fn``): ``parts`` with rank 0's tensors (see
