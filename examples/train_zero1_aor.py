@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from jitckpt.snapshot.aor import OptimizerReplica, ReplicaStats, successor_peer
-from jitckpt.snapshot.aor_log import GradientLog, save_own_partition
-from jitckpt.snapshot.aor_store import AorSnapshotter, PartitionCopier, restore_with_aor
+from jitckpt.snapshot.aor_log import GradientLog
+from jitckpt.snapshot.aor_store import AorSnapshotter, PartitionCopier, restore_with_aor, save_own_partition
 from jitckpt.snapshot.client import SnapshotTaker
 from train_snapshot import backward_averaged, make_model  # same directory: on sys.path
 

@@ -50,6 +50,25 @@ REPLICA_CONFIGS = {
 }
 
 
+def _minibatch(model: torch.nn.Module, zero, step: int, rank: int, world: int) -> None:
+    """Step ``step``'s gradients, averaged over the ranks (the last layer gets none at steps 2 and
+    3), and at step 4 the learning rate halved, as a scheduler would."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
+    zero.zero_grad(set_to_none=True)
+    out = model[:5](x) if step in (2, 3) else model(x)
+    torch.nn.functional.mse_loss(out, y).backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    if step == 4:
+        for group in zero.param_groups:
+            group["lr"] *= 0.5
+
+
 def _train_and_compare(name: str, rank: int, world: int) -> dict:
     """ZeRO-1 steps with two parameter groups, an lr change and a parameter without gradient at
     some steps; then the replica against the peer's real partition state, tensor by tensor."""
@@ -66,18 +85,7 @@ def _train_and_compare(name: str, rank: int, world: int) -> dict:
     replica = OptimizerReplica(zero=zero, peer=peer)
     last = model[5]
     for step in range(7):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
-        zero.zero_grad(set_to_none=True)
-        out = model[:5](x) if step in (2, 3) else model(x)  # the last layer gets no gradient
-        torch.nn.functional.mse_loss(out, y).backward()
-        for p in params:
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= world
-        if step == 4:
-            for group in zero.param_groups:
-                group["lr"] *= 0.5  # what an LR scheduler does
+        _minibatch(model, zero, step, rank, world)
         replica.capture()
         zero.step()
     assert last.weight.grad is not None
@@ -132,20 +140,9 @@ def scenario_log(rank: int, world: int) -> dict:
     log = GradientLog(zero=zero, peer=peer, every=2)
     copy: dict = {}
 
-    def train(steps, log) -> None:
+    def train(steps) -> None:
         for step in steps:
-            g = torch.Generator().manual_seed(100 * step + rank)
-            x, y = torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
-            zero.zero_grad(set_to_none=True)
-            out = model[:5](x) if step in (2, 3) else model(x)  # the last layer gets no gradient
-            torch.nn.functional.mse_loss(out, y).backward()
-            for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad /= world
-            if step == 4:
-                for group in zero.param_groups:
-                    group["lr"] *= 0.5  # what an LR scheduler does
+            _minibatch(model, zero, step, rank, world)
             if step == 2 and "state" not in copy:  # what PartitionCopier sends, and the base
                 real: list = [None] * world
                 dist.all_gather_object(real, zero.optim.state_dict())
@@ -155,7 +152,7 @@ def scenario_log(rank: int, world: int) -> dict:
             zero.step()
         log.wait()
 
-    train(range(6), log)
+    train(range(6))
     keeper = log.keeper
     m, info = keeper.open(ring_key(peer), 0)
     ring = np.frombuffer(m, dtype=np.uint8, count=info.size)

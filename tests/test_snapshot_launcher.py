@@ -280,10 +280,10 @@ def zero_reference(tmp_path_factory):
     return torch.load(tmp / "zref-final.pt", weights_only=True)
 
 
-# The recompute mode's node loss is in the slow suite: the copy mode's covers the partitions'
-# restore through a replica in the fast one.
-@pytest.mark.parametrize("lost,mode", [pytest.param("node", "recompute", marks=pytest.mark.slow), ("node", "copy"),
-                                       pytest.param("rank", "recompute", marks=pytest.mark.slow)])
+# All slow (the suite's 15 minutes): the fast suite's node loss through AOR is the log mode's test
+# below, whose restore reads partitions the copier exchanged, replays one and fetches it across nodes.
+@pytest.mark.slow
+@pytest.mark.parametrize("lost,mode", [("node", "recompute"), ("node", "copy"), ("rank", "recompute")])
 def test_zero_failure_restores_partitions_through_aor(zero_reference, tmp_path, lost, mode):
     """ZeRO-1 through protect(), snapshot every step. ``node``: node 2 (its rank and keeper) is
     lost with every other rank; its optimizer partition comes back from node 1's AOR replica

@@ -376,28 +376,20 @@ class Protected:
             self._grad_log.wait()  # the log's last entry, before this process exits
         except Exception as e:  # noqa: BLE001 - the partition is still worth saving
             log.warning("the gradient log's last write failed: %s", e)
-        from jitckpt.snapshot.aor_store import partition_key, write_partition
-        from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
+        from jitckpt.snapshot.aor_store import save_own_partition
+        from jitckpt.snapshot.keeper_client import KeeperError
 
-        keeper = KeeperClient(self._snapshots.socket_path)
+        still = lambda: settled() and self.step == step  # noqa: E731
         try:
-            key = partition_key(self.optimizer.rank)
-            if any(e["key"] == key and e["step"] == step for e in keeper.listing()):
-                return f"partition of step {step} already in the keeper (a copy step)"
-            _, _, h = write_partition(keeper, owner=self.optimizer.rank, world=self.optimizer.world_size,
-                                      step=step, zero=self.optimizer, state=self.optimizer.optim.state_dict())
-            if not settled() or self.step != step:
-                return f"no partition saved: training entered the optimizer step of step {step} meanwhile"
-            keeper.commit([{"key": key, "step": step, "checksum": h.value(), "algo": h.algorithm}])
-            done = f"partition of step {step} saved to the keeper"
+            done = save_own_partition(self.optimizer, step=step, socket_path=self._snapshots.socket_path,
+                                      still_valid=still)
         except KeeperError as e:
             return f"no partition saved: {e}"
-        finally:
-            keeper.close()
+        if done.startswith("no partition"):
+            return done
         # The parameters of this step: a lost rank may have died before its part of the snapshot
         # was written. Every survivor holds them all (replicated), untouched since the snapshot began.
         taker = self._snapshots.taker
-        still = lambda: settled() and self.step == step  # noqa: E731
         try:
             if taker.running is not None:  # this minibatch's snapshot began: only the lost ranks' parts
                 filled = taker.fill_in(step, still_valid=still) if self._mid_minibatch else []

@@ -11,7 +11,7 @@ Keeper objects:
 
 * ``aor.b{p}`` of step ``C``: ``{"params": [...]}``, the peer partition's parameters at the start
   of step ``C`` (the same step as the copy ``aor.z{p}`` of ``C``), written with
-  :func:`jitckpt.snapshot.aor_store.write_object` (hashed while copied) and committed;
+  :func:`jitckpt.snapshot.keeper_object.write_object` (hashed while copied) and committed;
 * ``aor.g{p}`` of step ``G`` (the step the run started at): a ring of ``2K`` slots, begun and
   committed once, then written in place (no keeper round trip per step, which cost more than the
   copy). Its header (JSON) gives the slot geometry and the gradients' layout. Slot ``t % 2K``
@@ -30,7 +30,7 @@ holds its copy and base of some ``C <= s`` and the gradients of ``C .. s-1``. Th
 checks the result: the replayed parameters must equal the parameters snapshot of ``s`` bit for bit
 (they are replicated), which verifies the base, the log and the replayed optimizer together.
 Survivors make their own partition of the failed step available by writing it just in time
-(:func:`save_own_partition`), so only the lost node's partitions are replayed.
+(:func:`jitckpt.snapshot.aor_store.save_own_partition`), so only the lost node's partitions are replayed.
 
 Race rule: the gradients are logged by reference on a worker thread (the trainer's thread only
 waits for the previous entry); their version counters are checked after the copy, so a gradient
@@ -54,6 +54,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from jitckpt.snapshot.aor import _hyperparameters
 from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, Checksum, checksum_of
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
+from jitckpt.snapshot.keeper_object import write_object
 from jitckpt.snapshot.layout import ALIGN, FlatState, rebuild
 
 BASE_PREFIX = "aor.b"
@@ -258,8 +259,6 @@ class GradientLog:
         self.cpu_seconds += time.thread_time() - c0
 
     def _write_base(self, step: int) -> None:
-        from jitckpt.snapshot.aor_store import write_object  # aor_store imports this module
-
         def write() -> None:
             key = base_key(self.peer)
             _, _, h = write_object(self.keeper, key=key, step=step, state={"params": [p.detach() for p in self.live]},
@@ -281,23 +280,6 @@ class GradientLog:
             _put_json(self._ring, at, {"step": step, "checksum": h.value(), "algo": h.algorithm,
                                        "has_grad": [g is not None for g in grads], "hyper": hyper}, SLOT_HEAD)
         self._timed(write)
-
-
-def save_own_partition(zero: ZeroRedundancyOptimizer, *, step: int, socket_path: Optional[str] = None) -> None:
-    """Write this rank's own partition, as it is at the start of ``step`` (call it between optimizer
-    steps), into its node's keeper as ``aor.z{rank}`` of ``step``: a survivor's just-in-time save
-    after a failure, so that a restore to ``step`` replays only the lost ranks' partitions."""
-    from jitckpt.snapshot.aor_store import write_partition
-
-    keeper = KeeperClient(socket_path)
-    try:
-        if any(e["key"] == f"aor.z{zero.rank}" and e["step"] == step for e in keeper.listing()):
-            return  # a copy step: the copier wrote it already
-        _, _, h = write_partition(keeper, owner=zero.rank, world=zero.world_size, step=step, zero=zero,
-                                  state=zero.optim.state_dict())
-        keeper.commit([{"key": f"aor.z{zero.rank}", "step": step, "checksum": h.value(), "algo": h.algorithm}])
-    finally:
-        keeper.close()
 
 
 def replay_partition(*, zero: ZeroRedundancyOptimizer, owner: int, state: dict, base: list,

@@ -46,7 +46,7 @@ from jitckpt.snapshot.aor_log import (BASE_PREFIX, GRAD_PREFIX, INBAND, base_key
 from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, Checksum, checksum_of
 from jitckpt.snapshot.client import Topology
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
-from jitckpt.snapshot.layout import ALIGN, FlatState, rebuild
+from jitckpt.snapshot.keeper_object import read_object, write_object
 from jitckpt.snapshot.restore import gather_json, restore
 
 log = logging.getLogger("jitckpt.snapshot")
@@ -65,55 +65,33 @@ def _header(*, owner: int, world: int, step: int, zero: ZeroRedundancyOptimizer)
             "optimizer": type(zero.optim).__name__}
 
 
-def write_object(keeper: KeeperClient, *, key: str, step: int, header: dict, state: Any,
-                 mapping: Any = None) -> tuple[Any, int, Checksum]:
-    """Begin keeper object ``key`` of ``step`` (or write into ``mapping``, already begun) and write
-    ``state`` into it: an 8-byte header length, the JSON ``header`` with the state's layout
-    (:class:`FlatState`: JSON, never pickle), then the state's tensors at 64-byte aligned offsets,
-    hashed while copied. Returns (the mapping, the object's size, its checksum); the caller commits."""
-    flat = FlatState(state)
-    head = json.dumps(header | {"layout": flat.layout}, allow_nan=False, separators=(",", ":")).encode()
-    start = -(-(8 + len(head)) // ALIGN) * ALIGN
-    prefix = np.zeros(start, dtype=np.uint8)
-    prefix[:8] = np.frombuffer(len(head).to_bytes(8, "little"), dtype=np.uint8)
-    prefix[8:8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
-    size = start + flat.total
-    m = keeper.begin(key, step, size) if mapping is None else mapping
-    if len(m) < size:
-        raise ValueError(f"keeper object {key}: {size} bytes do not fit the {len(m)} begun")
-    dst = np.frombuffer(m, dtype=np.uint8, count=size)
-    h = Checksum(DEFAULT_ALGORITHM)
-    h.copy(dst[:start], prefix)
-    # Streaming stores: the keeper's copy is not read back by this process.
-    h.copy_flat(dst[start:], flat, 0, bypass_cache=True)
-    return m, size, h
-
-
-def read_object(data: Any, *, key: str, step: int, want: dict) -> Any:
-    """The state written by :func:`write_object` into ``data`` (a buffer the returned tensors keep
-    viewing), after checking that its header has every ``want`` entry."""
-    buf = memoryview(data).cast("B")
-    n = int.from_bytes(buf[:8], "little") if len(buf) >= 8 else -1
-    try:
-        if not 0 < n <= len(buf) - 8:
-            raise ValueError(f"header length {n}")
-        head = json.loads(bytes(buf[8:8 + n]))
-        got = {k: head.get(k) for k in want}
-    except (ValueError, UnicodeDecodeError, AttributeError) as e:
-        raise ValueError(f"AOR object {key} step {step} is damaged ({e}) or written by "
-                         "another jitckpt version") from None
-    if got != want:
-        raise ValueError(f"AOR object {key} is for {got}, this job needs {want} "
-                         "(different job, world size, optimizer or jitckpt version)")
-    start = -(-(8 + n) // ALIGN) * ALIGN
-    return rebuild(head["layout"], buf[start:])
-
-
 def write_partition(keeper: KeeperClient, *, owner: int, world: int, step: int,
                     zero: ZeroRedundancyOptimizer, state: dict) -> tuple[Any, int, Checksum]:
     """:func:`write_object` of partition ``owner``'s ``state`` as keeper object ``aor.z{owner}``."""
     return write_object(keeper, key=partition_key(owner), step=step, state=state,
                         header=_header(owner=owner, world=world, step=step, zero=zero))
+
+
+def save_own_partition(zero: ZeroRedundancyOptimizer, *, step: int, socket_path: Optional[str] = None,
+                       still_valid: Any = None) -> str:
+    """Write this rank's own partition, as it is at the start of ``step`` (call it between optimizer
+    steps), into its node's keeper as ``aor.z{rank}`` of ``step``: a survivor's just-in-time save
+    after a failure, so that a restore to ``step`` replays only the lost ranks' partitions.
+    ``still_valid()`` (if given) is checked after the copy: the object is committed only if the
+    partition did not change meanwhile. Returns what it did."""
+    key = partition_key(zero.rank)
+    keeper = KeeperClient(socket_path)
+    try:
+        if any(e["key"] == key and e["step"] == step for e in keeper.listing()):
+            return f"partition of step {step} already in the keeper (a copy step)"
+        _, _, h = write_partition(keeper, owner=zero.rank, world=zero.world_size, step=step, zero=zero,
+                                  state=zero.optim.state_dict())
+        if still_valid is not None and not still_valid():
+            return f"no partition saved: training entered the optimizer step of step {step} meanwhile"
+        keeper.commit([{"key": key, "step": step, "checksum": h.value(), "algo": h.algorithm}])
+        return f"partition of step {step} saved to the keeper"
+    finally:
+        keeper.close()
 
 
 def _decode(data: Any, *, owner: int, world: int, step: int, zero: ZeroRedundancyOptimizer) -> dict:

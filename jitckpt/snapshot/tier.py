@@ -109,16 +109,7 @@ class SnapshotTier:
         if memory_lost:
             # No step has every partition (or a log to replay it from): nothing in memory can be
             # resumed from. Dropped, so the shards on disk (a preemption's, --periodic-every) are.
-            from jitckpt.snapshot.client import Topology
-            from jitckpt.snapshot.keeper_client import KeeperClient
-
-            if Topology.detect(self.ranks_per_node).local_rank == 0:
-                keeper = KeeperClient(self.socket_path)
-                try:
-                    keeper.discard_newer(-1)
-                finally:
-                    keeper.close()
-            dist.barrier()
+            self._clear_keepers()
         one_rank = not (dist.is_initialized() and dist.get_world_size() > 1)
         try:
             res = restore(socket_path=self.socket_path, ranks_per_node=self.ranks_per_node,
@@ -235,18 +226,10 @@ class SnapshotTier:
         if self.taker is not None:
             return
         self._check_group()
-        from jitckpt.snapshot.client import SnapshotTaker, Topology
-        from jitckpt.snapshot.keeper_client import KeeperClient
+        from jitckpt.snapshot.client import SnapshotTaker
 
         if resumed_step is None:
-            if Topology.detect(self.ranks_per_node).local_rank == 0:
-                keeper = KeeperClient(self.socket_path)
-                try:
-                    keeper.discard_newer(-1)
-                finally:
-                    keeper.close()
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.barrier()  # no rank begins before its node's keeper is cleared
+            self._clear_keepers()
         self.taker = SnapshotTaker(state_fn=state_fn, socket_path=self.socket_path,
                                    scheme=self.protection, every=self.every,
                                    ranks_per_node=self.ranks_per_node,
@@ -256,6 +239,21 @@ class SnapshotTier:
             # In the keepers already (memory), or a keeper may hold a complete copy of it (disk
             # won at this step): never begun twice.
             self.taker.skip(resumed_step)
+
+    def _clear_keepers(self) -> None:
+        """Collective: every node's keeper drops all it holds (local rank 0 asks); no rank goes on
+        before its node's keeper is cleared."""
+        from jitckpt.snapshot.client import Topology
+        from jitckpt.snapshot.keeper_client import KeeperClient
+
+        if Topology.detect(self.ranks_per_node).local_rank == 0:
+            keeper = KeeperClient(self.socket_path)
+            try:
+                keeper.discard_newer(-1)
+            finally:
+                keeper.close()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
 
     def begin(self, step: int, *, pin: bool = False) -> bool:
         return bool(self.taker.begin(step, pin=pin))
