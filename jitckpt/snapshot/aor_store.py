@@ -415,30 +415,39 @@ class AorCatalogue:
         return sorted(set(self.complete) | set(self.replays), reverse=True)
 
 
-def _replay_source(holders: dict, owner: int, step: int, rpn: int) -> Optional[tuple[int, int]]:
+def _replay_index(holders: dict, rpn: int) -> dict:
+    """owner -> {"grads": {(node, step led to)}, "copies": [(C, node)] with a copy and a base of C
+    on that node}: what a replay of each partition could start from (one pass over the holders)."""
+    index: dict = {}
+    for (key, s), have in holders.items():
+        if key.startswith(GRAD_PREFIX):
+            owner = int(key[len(GRAD_PREFIX):].split(".")[0])
+            index.setdefault(owner, {"grads": set(), "copies": []})["grads"].update((r // rpn, s) for r in have)
+        elif key.startswith(PREFIX):
+            owner = int(key[len(PREFIX):])
+            base = {r // rpn for r in holders.get((base_key(owner), s), {})}
+            index.setdefault(owner, {"grads": set(), "copies": []})["copies"] += [
+                (s, node) for node in sorted({r // rpn for r in have} & base)]
+    return index
+
+
+def _replay_source(index: dict, owner: int, step: int) -> Optional[tuple[int, int]]:
     """(node, copy step C) from which partition ``owner`` of ``step`` can be replayed: a node holding
     its copy and base of C and its logged gradients of C .. step-1 (the newest such C); or None."""
-    grads: dict = {}  # (node, step led to) -> held
-    prefix = f"{GRAD_PREFIX}{owner}."
-    for (key, s), have in holders.items():
-        if key.startswith(prefix):
-            for r in have:
-                grads[(r // rpn, s)] = True
-    best = None
-    for (key, c), have in holders.items():
-        if key != partition_key(owner) or c >= step:
-            continue
-        for node in {r // rpn for r in have}:
-            base = holders.get((base_key(owner), c), {})
-            if (any(r // rpn == node for r in base)
-                    and all((node, t + 1) in grads for t in range(c, step))
-                    and (best is None or c > best[1])):
-                best = (node, c)
-    return best
+    entry = index.get(owner)
+    if entry is None:
+        return None
+    for c, node in sorted(entry["copies"], reverse=True):
+        if c < step and all((node, t + 1) in entry["grads"] for t in range(c, step)):
+            return node, c
+    return None
 
 
 def _replay_plans(holders: dict, world: int, rpn: int) -> dict:
     """step -> {owner: (node, C)} for the steps where every partition missing is replayable."""
+    index = _replay_index(holders, rpn)
+    if not any(e["grads"] for e in index.values()):
+        return {}  # no gradient log: not the log mode
     steps = {s for (k, s) in holders if k.startswith((PREFIX, GRAD_PREFIX))}
     plans = {}
     for s in steps:
@@ -446,7 +455,7 @@ def _replay_plans(holders: dict, world: int, rpn: int) -> dict:
         for r in range(world):
             if (partition_key(r), s) in holders:
                 continue
-            src = _replay_source(holders, r, s, rpn)
+            src = _replay_source(index, r, s)
             if src is None:
                 break
             plan[r] = src
