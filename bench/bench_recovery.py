@@ -1,8 +1,12 @@
 """Issue 2 benchmarks, all measured in one run on this machine (CPU, gloo, 2 ranks):
 
 1. Steady-state overhead of `jitckpt run` + `jitckpt.protect` vs plain torchrun, same script.
-   (a) end to end: median step time, runs interleaved; (b) the exact per-step cost of jitckpt's
-   hooks, timed in-process, as a fraction of the step time (noise-free bound).
+   (a) end to end: median step time, runs interleaved (this VM's run-to-run spread is +-10 %);
+   (b) the CPU each launcher's own processes and threads use per step over the same steady window
+   of those runs (jitckpt: its launcher, standbys and worker threads; torchrun: its agent), read
+   from the kernel's accounting; (c) the per-step cost of jitckpt's hooks on the training thread,
+   timed in-process. (b) + (c) over the step time bounds the overhead: what it would be if every
+   cycle jitckpt adds were taken from a training thread on the critical path.
 2. Time from a failure to training back at (i.e. having completed) the failed step, broken into
    detection / JIT save / restart / restore / redo (and to resumed: restored, about to redo it),
    beside the floor of in-process recovery on this machine (bench/inprocess_floor.py), vs torchrun + torch.save every 10 steps and
@@ -25,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -89,6 +95,77 @@ def first_step_after_standbys(d: Path) -> tuple[int, float]:
     return min(steps), ready["seconds"]
 
 
+def launcher_cpu(cmd: list, d: Path, *, from_step: int, to_step: int, timeout: float = 600) -> dict:
+    """Run ``cmd`` (a launcher of 2 ranks) in ``d`` like :func:`run`, and read from the kernel
+    the CPU seconds per step of the launcher's own processes and threads between rank 0's steps
+    ``from_step`` (or the first after the warm standbys were ready, if later) and ``to_step``:
+    every process of its tree that is no worker, and every worker thread that is neither the
+    training thread nor one torch named (gloo's, the TCP store's): a Python thread of the
+    launcher's runtime inside the worker. The script starts no thread of its own."""
+    log, events = d / "log.jsonl", d / "run" / "events.jsonl"
+    proc = subprocess.Popen(cmd, cwd=d, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    root = psutil.Process(proc.pid)
+    marks: dict = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(marks) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            done = [r for r in read_log(log) if r.get("rank") == 0 and "dt" in r] if log.exists() else []
+            ready = not events.exists() or any(json.loads(x)["event"] == "standby_ready"
+                                               for x in events.read_text().splitlines())
+            if not marks and done and ready and done[-1]["step"] >= from_step:
+                marks["a"] = (done[-1]["step"], _tree_cpu(root))
+            elif marks and done and done[-1]["step"] >= to_step:
+                marks["b"] = (done[-1]["step"], _tree_cpu(root))
+            time.sleep(0.005)  # polling a file the workers append to; the sleep is not a sync
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{out[-3000:]}")
+    if len(marks) < 2 or marks["b"][0] - marks["a"][0] < 5:
+        raise RuntimeError(f"no steady window of 5 steps between steps {from_step} and {to_step}: "
+                           "make the run longer")
+    (sa, a), (sb, b) = marks["a"], marks["b"]
+    workers = {r["pid"] for r in read_log(log) if "pid" in r}
+    n = sb - sa
+    procs = sum(b[k] - a.get(k, 0.0) for k in b if k[1] == "proc" and k[0] not in workers) / n
+    threads = sum(b[k] - a.get(k, 0.0) for k in b if k[1] == "own" and k[0] in workers) / n
+    return {"own_cpu_per_step_s": procs + threads, "processes_s": procs, "worker_threads_s": threads,
+            "window": [sa, sb]}
+
+
+def _tree_cpu(root: psutil.Process) -> dict:
+    """CPU seconds so far, to the nanosecond (the kernel's scheduler clocks; /proc's ticks are
+    10 ms, a tenth of a step): (pid, "proc") for every process under ``root``; (pid, "own") summed
+    over each process's Python threads besides the main one (named like the process: torch names
+    its own threads)."""
+    out: dict = {}
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            out[(p.pid, "proc")] = time.clock_gettime(_process_cpu_clock(p.pid))
+            comm = Path(f"/proc/{p.pid}/comm").read_text()
+            out[(p.pid, "own")] = sum(_thread_runtime(p.pid, th.id) for th in p.threads()
+                                      if th.id != p.pid and Path(f"/proc/{p.pid}/task/{th.id}/comm").read_text() == comm)
+        except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError, OSError):
+            out.pop((p.pid, "proc"), None)  # gone while read: neither end of the window counts it
+    return out
+
+
+def _process_cpu_clock(pid: int) -> int:
+    """clock_getcpuclockid(pid) (CPUCLOCK_SCHED of the process), which Python does not wrap."""
+    return ((~pid) << 3) | 2
+
+
+def _thread_runtime(pid: int, tid: int) -> float:
+    """A thread's CPU seconds from /proc/PID/task/TID/sched (se.sum_exec_runtime, in ms)."""
+    for line in Path(f"/proc/{pid}/task/{tid}/sched").read_text().splitlines():
+        if line.startswith("se.sum_exec_runtime"):
+            return float(line.split(":")[1]) / 1000
+    raise OSError(f"no se.sum_exec_runtime for thread {tid} of {pid}")
+
+
 def bench_overhead(work: Path, steps: int, reps: int) -> dict:
     """Median step time of the same script under torchrun and `jitckpt run` (and the DCP baselines
     under torchrun), runs interleaved. Like for like: every variant's samples are the same steps,
@@ -97,18 +174,20 @@ def bench_overhead(work: Path, steps: int, reps: int) -> dict:
     (steps 10-30 about 10 % slower than 30-60 in a plain run), so comparing different windows
     would show jitckpt faster than torchrun, as an earlier version of this benchmark did."""
     logs: dict[str, list] = {"plain": [], "jit": [], "torchrun_dcp10": [], "torchrun_dcp1": []}
+    own_cpu: dict[str, list] = {"plain": [], "jit": []}
     standby_s, first_ready = [], []
+    window = {"from_step": steps // 2, "to_step": steps - 3}
     for i in range(reps):
         for kind in logs:
             d = work / f"ovh-{kind}-{i}"
             d.mkdir()
             args = [*MODEL, "--steps", str(steps), "--steps-log", str(d / "log.jsonl")]
             if kind == "plain":
-                run(torchrun(2, [*args, "--no-jitckpt"], d), d)
+                own_cpu[kind].append(launcher_cpu(torchrun(2, [*args, "--no-jitckpt"], d), d, **window))
             elif kind != "jit":  # a step's time includes its save's start (async: the copy to CPU)
                 run(torchrun(2, [*args, "--no-jitckpt", *BASELINES[kind], "--baseline-dir", str(d / "ckpt")], d), d)
             else:
-                run(jitrun(2, args, d), d)
+                own_cpu[kind].append(launcher_cpu(jitrun(2, args, d), d, **window))
                 step, seconds = first_step_after_standbys(d)
                 standby_s.append(seconds)
                 first_ready.append(step)
@@ -120,8 +199,14 @@ def bench_overhead(work: Path, steps: int, reps: int) -> dict:
     plain, jit = times["plain"], times["jit"]
     mp, mj = statistics.median(plain), statistics.median(jit)
     # DCP every 10 steps: the median hides the saving steps; the mean spreads their cost.
+    run_medians = {k: [statistics.median(step_times(log, skip)) for log in logs[k]] for k in ("plain", "jit")}
+    own = {k: statistics.median(r["own_cpu_per_step_s"] for r in v) for k, v in own_cpu.items()}
     return {"median_step_plain_s": mp, "median_step_jitckpt_s": mj, "steps_from": skip,
             "end_to_end_overhead": mj / mp - 1, "samples": [len(plain), len(jit)],
+            "run_median_step_s": run_medians,
+            # The launchers' own CPU per step (median over runs) and its difference over a step.
+            "own_cpu_per_step_s": own, "own_cpu_runs": own_cpu,
+            "own_cpu_extra_fraction": (own["jit"] - own["plain"]) / mp,
             "standby_refill_s": standby_s,
             **{f"mean_step_overhead_{k}": statistics.mean(times[k]) / statistics.mean(plain) - 1
                for k in ("torchrun_dcp10", "torchrun_dcp1")},
@@ -129,17 +214,19 @@ def bench_overhead(work: Path, steps: int, reps: int) -> dict:
 
 
 def bench_hook_cost(step_time: float, iters: int = 20000) -> dict:
-    """Per-step cost of everything jitckpt adds to a training step, timed in this process."""
+    """Per-step cost of everything jitckpt adds to a training thread's step (its step board's
+    posts included), timed in this process."""
     import torch
 
     import jitckpt
     from jitckpt.runtime.current import install_runtime
     from jitckpt.runtime.worker_runtime import WorkerRuntime
     from jitckpt.hang_timeout import HangTimeout
+    from jitckpt.protocol.step_board import StepBoard
 
     with tempfile.TemporaryDirectory() as d:
         rt = WorkerRuntime(rank=0, world_size=2, gen=0, checkpoint_dir=d,
-                           hang_timeout=HangTimeout(fixed=60), channel=None)
+                           hang_timeout=HangTimeout(fixed=60), channel=None, board=StepBoard.create())
         rt.start()
         install_runtime(rt)
         model = torch.nn.Linear(4, 4)
@@ -154,6 +241,7 @@ def bench_hook_cost(step_time: float, iters: int = 20000) -> dict:
             rt.optimizer_post_step()
             state._on_step_done()
         per_step = (time.perf_counter() - t0) / iters
+        assert rt.board.step() is not None, "the hooks posted no step: the board's cost is not in the number"
         state.close()
         rt._watchdog.stop()
         rt._hooks.remove()

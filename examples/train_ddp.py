@@ -350,7 +350,7 @@ def main():
         if logf:
             psum = float(sum(p.detach().double().sum() for p in model.parameters()))
             logf.write(json.dumps({"gen": gen, "rank": rank, "step": step, "loss": loss.item(), "psum": psum,
-                                   "t": time.time(), "dt": time.perf_counter() - t0}) + "\n")
+                                   "t": time.time(), "dt": time.perf_counter() - t0, "pid": os.getpid()}) + "\n")
             logf.flush()
     if dcp_saver is not None:
         dcp_saver.finish()

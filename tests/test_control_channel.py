@@ -15,19 +15,19 @@ import pytest
 
 from jitckpt.protocol.control_channel import ControlChannel, channel_pair
 from jitckpt.protocol.control_messages import (TO_LAUNCHER, TO_WORKER, ExitReady, ProtocolError, Saved,
-                                               SaveNow, Status, Verdict, decode)
+                                               Resumed, SaveNow, Verdict, decode)
 
 
 def test_messages_read_together_stay_available_after_select_goes_quiet() -> None:
     launcher, child = channel_pair()
     worker = ControlChannel(child, incoming=TO_WORKER)
     try:
-        # Two lines in one write, as a worker's last status and exit_ready often arrive.
-        child.sendall(Status(rank=0, step=11).encode() + ExitReady(rank=0, step=12).encode())
+        # Two lines in one write, as a worker's resumed and exit_ready can arrive.
+        child.sendall(Resumed(rank=0, step=11).encode() + ExitReady(rank=0, step=12).encode())
         sel = selectors.DefaultSelector()
         sel.register(launcher.fileno(), selectors.EVENT_READ)
         assert sel.select(1.0)
-        assert launcher.recv(timeout=1.0) == Status(rank=0, step=11)
+        assert launcher.recv(timeout=1.0) == Resumed(rank=0, step=11)
         # The socket is drained: select reports nothing, yet the second message is buffered.
         assert sel.select(0) == []
         assert launcher.buffered()
@@ -42,11 +42,11 @@ def test_messages_read_together_stay_available_after_select_goes_quiet() -> None
 def test_partial_line_is_not_reported_as_buffered() -> None:
     launcher, child = channel_pair()
     try:
-        child.sendall(b'{"type": "hello", "rank": 1, "pid": 7, "gen": 0}\n{"type": "sta')
+        child.sendall(b'{"type": "hello", "rank": 1, "pid": 7, "gen": 0}\n{"type": "res')
         assert launcher.recv(timeout=1.0).pid == 7
         assert not launcher.buffered()
-        child.sendall(b'tus", "rank": 1, "step": 3}\n')
-        assert launcher.recv(timeout=1.0) == Status(rank=1, step=3)
+        child.sendall(b'umed", "rank": 1, "step": 3}\n')
+        assert launcher.recv(timeout=1.0) == Resumed(rank=1, step=3)
     finally:
         launcher.close()
         child.close()
@@ -70,7 +70,7 @@ def test_each_end_decodes_its_own_direction() -> None:
     (b"not json", "not a JSON object with a type"),
     (b'{"step": 1}', "not a JSON object with a type"),
     (b'{"type": "stauts", "rank": 0}', "unknown control message type 'stauts'"),
-    (b'{"type": "status", "rank": 0, "step": 1, "stpe_time": 2}', r"unknown field\(s\) \['stpe_time'\]"),
+    (b'{"type": "resumed", "rank": 0, "step": 1, "stpe": 2}', r"unknown field\(s\) \['stpe'\]"),
     (b'{"type": "saved", "rank": 0}', "'saved'.*missing"),
 ])
 def test_lines_outside_the_protocol_are_named(line, message) -> None:
@@ -97,7 +97,7 @@ def test_a_worker_that_exited_leaves_its_last_messages_to_read_without_waiting()
             "    time.sleep(30); os._exit(0)\n"  # holds the socket open after its parent exits
             "s.sendall(sys.argv[1].encode() + sys.argv[2].encode()[:9])\n")  # and a partial line
     proc = subprocess.Popen([sys.executable, "-c", code, saved.encode().decode(),
-                             Status(rank=0, step=6).encode().decode()],
+                             Resumed(rank=0, step=6).encode().decode()],
                             pass_fds=(child.fileno(),), start_new_session=True)
     child.close()
     try:
@@ -115,10 +115,10 @@ def test_a_worker_that_exited_leaves_its_last_messages_to_read_without_waiting()
 
 def test_pending_stops_at_eof_and_leaves_it_to_recv() -> None:
     launcher, child = channel_pair()
-    child.sendall(Status(rank=1, step=3).encode())
+    child.sendall(Resumed(rank=1, step=3).encode())
     child.close()
     try:
-        assert launcher.pending() == [Status(rank=1, step=3)]
+        assert launcher.pending() == [Resumed(rank=1, step=3)]
         assert launcher.recv(timeout=1.0) is None
     finally:
         launcher.close()

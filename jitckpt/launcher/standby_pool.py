@@ -12,10 +12,11 @@ import select
 import signal
 import subprocess
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from jitckpt.protocol.control_channel import ENV_FD, ControlChannel, channel_pair
 from jitckpt.protocol.control_messages import Ready
+from jitckpt.protocol.step_board import ENV_FD as BOARD_FD, StepBoard
 
 log = logging.getLogger("jitckpt.launcher.standby_pool")
 
@@ -33,23 +34,35 @@ def kill_group(proc: subprocess.Popen) -> None:
                 pass
 
 
+class Standby(NamedTuple):
+    """A standby process and the launcher's ends of its control channel and step board."""
+    proc: subprocess.Popen
+    channel: ControlChannel
+    board: StepBoard
+
+    def close(self) -> None:
+        self.channel.close()
+        self.board.close()
+
+
 class StandbyPool:
     """Processes that have imported torch and wait for a rank assignment."""
 
     def __init__(self, *, size: int, env: dict, python: str) -> None:
         self.size, self.env, self.python = size, env, python
-        self._idle: list[tuple[subprocess.Popen, ControlChannel]] = []
+        self._idle: list[Standby] = []
         self._ready: set = set()
         self._t_fill = time.monotonic()
 
-    def _spawn(self) -> tuple[subprocess.Popen, ControlChannel]:
+    def _spawn(self) -> Standby:
         parent, child = channel_pair()
-        env = dict(self.env)
-        env[ENV_FD] = str(child.fileno())
+        board = StepBoard.create()
+        env = {**self.env, ENV_FD: str(child.fileno()), BOARD_FD: str(board.fileno())}
         proc = subprocess.Popen([self.python, "-m", "jitckpt.runtime.standby"], env=env,
-                                pass_fds=(child.fileno(),), start_new_session=True)
+                                pass_fds=(child.fileno(), board.fileno()), start_new_session=True)
         child.close()
-        return proc, parent
+        board.close_fd()
+        return Standby(proc, parent, board)
 
     def fill(self, count: Optional[int] = None) -> None:
         """Start standbys until ``count`` are idle (default ``size``)."""
@@ -60,7 +73,7 @@ class StandbyPool:
 
     def ready_after(self) -> Optional[float]:
         """Seconds from the last fill until every idle standby finished importing, once it has."""
-        pending = [(p, ch) for p, ch in self._idle if p.pid not in self._ready]
+        pending = [(s.proc, s.channel) for s in self._idle if s.proc.pid not in self._ready]
         if pending:
             readable, _, _ = select.select([ch.fileno() for _, ch in pending], [], [], 0)
             for p, ch in pending:
@@ -72,20 +85,20 @@ class StandbyPool:
             return None
         return time.monotonic() - self._t_fill
 
-    def take(self) -> tuple[subprocess.Popen, ControlChannel, bool]:
+    def take(self) -> tuple[Standby, bool]:
+        """An idle standby (True), or a process started now (False) when none is left."""
         while self._idle:
-            proc, ch = self._idle.pop(0)
-            if proc.poll() is None:
-                return proc, ch, True
-            ch.close()
-        proc, ch = self._spawn()
-        return proc, ch, False
+            s = self._idle.pop(0)
+            if s.proc.poll() is None:
+                return s, True
+            s.close()
+        return self._spawn(), False
 
     def close(self) -> None:
-        for proc, ch in self._idle:
-            ch.close()  # EOF: the standby exits by itself
-            kill_group(proc)
-        for proc, _ in self._idle:  # reaped: none outlives the launcher
+        for s in self._idle:
+            s.close()  # EOF: the standby exits by itself
+            kill_group(s.proc)
+        for proc, _, _ in self._idle:  # reaped: none outlives the launcher
             try:
                 proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:

@@ -33,7 +33,7 @@ from jitckpt.protocol.control_channel import ENV_FD, channel_pair
 from jitckpt.protocol.worker_spec import SnapshotSpec, WorkerSpec
 from jitckpt.protocol.control_messages import (Assign, ExitReady, FailureReport, Hello, Message, PeerExit,
                                                Restored, Resumed, Saved, SaveFailed, SaveNow, StageCaughtUp,
-                                               Status, Verdict, WorkerWarning)
+                                               Verdict, WorkerWarning)
 from jitckpt.observability.events import EVENTS_FILE, EventLog
 from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
 from jitckpt.snapshot.premap import ENV_PREMAP
@@ -451,11 +451,12 @@ class Launcher:
             w = Worker(rank, local_rank, proc, parent, warm=False)
         else:
             assert self.pool is not None
-            proc, ch, warm = self.pool.take()
+            standby, warm = self.pool.take()
+            proc = standby.proc
             argv = [cfg.script, *cfg.script_args]
-            ch.send(Assign(env=env, argv=argv, cwd=os.getcwd(), module=cfg.module,
-                           spec=spec.to_dict(), stdout=streams.stdout or "", stderr=streams.stderr or ""))
-            w = Worker(rank, local_rank, proc, ch, warm=warm)
+            standby.channel.send(Assign(env=env, argv=argv, cwd=os.getcwd(), module=cfg.module, spec=spec.to_dict(),
+                                        stdout=streams.stdout or "", stderr=streams.stderr or ""))
+            w = Worker(rank, local_rank, proc, standby.channel, warm=warm, board=standby.board)
         self.emit("worker_start", rank=rank, pid=proc.pid, warm=w.warm, role=role)
         return w
 
@@ -556,6 +557,7 @@ class Launcher:
                     while w.channel.buffered():  # one socket read can carry several messages
                         failure = self._on_message(gen, w, w.channel.recv(), failure)
                 # Periodic checks.
+                self._note_progress(failure)
                 if self.coord.lost is not None:  # found by a request of this loop, before its pipe is read
                     self._store_gone(self.coord.lost)
                 self._take_worker_records(gen)
@@ -686,20 +688,26 @@ class Launcher:
         return local and self.coord.all_exit_ready(gen)
 
     # ---- messages ---------------------------------------------------------------------------
+    def _note_progress(self, failure: Optional[FailureRecord]) -> None:
+        """The steps the workers posted on their boards since the last look: a worker's first
+        (its start-up ended), rank 0's every ~0.5 s (a sample for the event log), and, after a
+        failure, the minibatches begun until they stopped."""
+        now = time.monotonic()
+        for w in self.workers:
+            step = w.step
+            if step is None or step < 0 or step == w.noted_step:
+                continue
+            first, w.noted_step = w.noted_step is None, step
+            if first or (w.rank == 0 and now - w.noted_t > 0.5):
+                w.noted_t = now
+                self.emit("step", rank=w.rank, step=step, step_time=None if first else w.step_time)
+            if failure is not None:
+                failure.saw_step(step)
+
     def _on_message(self, gen: int, w: Worker, msg: Message,
                     failure: Optional[FailureRecord]) -> Optional[FailureRecord]:
-        if isinstance(msg, Status):  # every step; step_time only in a sample every ~0.5 s
-            first = w.step is None or w.step < 0  # this worker's training began: its start-up ended
-            w.step = msg.step
-            if msg.step_time is not None:
-                w.step_time = msg.step_time
-            if first or (msg.step_time is not None and w.rank == 0):
-                self.emit("step", rank=w.rank, step=w.step, step_time=msg.step_time)
-            if failure is not None:  # minibatches begun until stopped
-                failure.saw_step(w.step)
-        elif isinstance(msg, Hello):
-            if w.step is None:
-                w.step = -1
+        if isinstance(msg, Hello):
+            w.hello = True
         elif isinstance(msg, FailureReport) and msg.kind == "preempted":
             # The worker itself got SIGTERM/SIGINT (e.g. SLURM signals every process of a job
             # step): the whole job is being preempted, not a failure to recover from.

@@ -10,11 +10,13 @@ from typing import Optional
 from jitckpt.launcher.standby_pool import kill_group
 from jitckpt.protocol.control_channel import ControlChannel
 from jitckpt.protocol.control_messages import Restored
+from jitckpt.protocol.step_board import StepBoard
 
 
 @dataclass
 class Worker:
-    """One rank's process as the launcher sees it; updated from its control messages."""
+    """One rank's process as the launcher sees it; updated from its control messages, its step
+    read from its step board."""
 
     rank: int
     local_rank: int
@@ -24,13 +26,29 @@ class Worker:
     started: float = field(default_factory=time.monotonic)
     exit_code: Optional[int] = None
     eof: bool = False
-    step: Optional[int] = None
-    step_time: Optional[float] = None
+    board: Optional[StepBoard] = None  # None: a --no-python worker, which posts no step
+    hello: bool = False  # its runtime started
+    noted_step: Optional[int] = None  # the step the launcher last noted (events, failure record)
+    noted_t: float = 0.0
     exit_ready: bool = False
     exit_step: Optional[int] = None
     restored: Optional[Restored] = None
     resumed: bool = False
     killed: bool = False  # by this launcher, while still running: not a death of its own
+
+    @property
+    def step(self) -> Optional[int]:
+        """The minibatch it began last; -1: its runtime started, no minibatch yet; None: not
+        started. Read from the board: current, also just after the worker died."""
+        posted = self.board.step() if self.board is not None else None
+        if posted is not None:
+            return posted
+        return -1 if self.hello else None
+
+    @property
+    def step_time(self) -> Optional[float]:
+        """Its last step's seconds, when it posted one."""
+        return self.board.step_time() if self.board is not None else None
 
     @property
     def live(self) -> bool:

@@ -29,15 +29,6 @@ class Hello(Message):
 
 
 @dataclass(frozen=True)
-class Status(Message):
-    """A step begun or an optimizer step done; ``step_time`` in a sample every ~0.5 s."""
-    TYPE: ClassVar[str] = "status"
-    rank: int
-    step: Optional[int]
-    step_time: Optional[float] = None
-
-
-@dataclass(frozen=True)
 class FailureReport(Message):
     """A failure this rank detected: its own exception, a hang, a collective error, a preemption.
     ``culprit``: the failed rank when the reporter knows it."""
@@ -160,6 +151,6 @@ class PeerExit(Message):
     step: Optional[int]
 
 
-TO_LAUNCHER = table(Ready, Hello, Status, FailureReport, Saved, SaveFailed, Restored, Resumed,
+TO_LAUNCHER = table(Ready, Hello, FailureReport, Saved, SaveFailed, Restored, Resumed,
                     WorkerWarning, ExitReady, StageCaughtUp)
 TO_WORKER = table(Assign, SaveNow, Verdict, PeerExit)

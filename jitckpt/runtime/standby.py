@@ -26,12 +26,14 @@ def redirect_output(stdout: str, stderr: str) -> None:
 def main() -> None:
     from jitckpt.protocol.control_channel import ENV_FD, ControlChannel
     from jitckpt.protocol.control_messages import TO_WORKER, Assign, Ready
+    from jitckpt.protocol.step_board import StepBoard
     from jitckpt.snapshot.premap import ENV_PREMAP
 
     from jitckpt.process_title import set_title, worker_title
 
     set_title("jitckpt standby")
     channel = ControlChannel(socket.socket(fileno=int(os.environ[ENV_FD])), incoming=TO_WORKER)
+    board = StepBoard.from_env()
     # The expensive part, done while idle: torch itself, and torch._dynamo, which DDP's
     # constructor imports lazily (seconds on its own).
     import torch  # noqa: F401
@@ -65,7 +67,7 @@ def main() -> None:
     spec = WorkerSpec.from_dict(msg.spec)
     set_title(worker_title(spec.rank, spec.world_size, spec.gen))
     store = host_if_rank0(spec)  # noqa: F841 - serves the process group's store while this rank lives
-    rt = WorkerRuntime.from_spec(spec, channel)
+    rt = WorkerRuntime.from_spec(spec, channel, board)
     rt.start()
     if premapped is not None:
         if rt.snapshots is not None and rt.snapshots.socket_path == premapper.socket_path:

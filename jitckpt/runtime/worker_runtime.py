@@ -32,8 +32,9 @@ from jitckpt.checkpoint_store import (CheckpointError, find_latest, quarantine, 
 from jitckpt.runtime.collective_hooks import CollectiveHooks
 from jitckpt.runtime.peer_failure import is_collective_failure
 from jitckpt.protocol.control_channel import ControlChannel
+from jitckpt.protocol.step_board import StepBoard
 from jitckpt.protocol.control_messages import (ExitReady, FailureReport, Hello, PeerExit, Restored, Resumed,
-                                               Saved, SaveFailed, SaveNow, Status, Verdict, WorkerWarning)
+                                               Saved, SaveFailed, SaveNow, Verdict, WorkerWarning)
 from jitckpt.plugins import get as get_plugins
 from jitckpt.torch_compat import warn_if_untested
 from jitckpt.hang_timeout import HangTimeout
@@ -64,13 +65,14 @@ class WorkerRuntime:
 
     def __init__(self, *, rank: int, world_size: int, gen: int, checkpoint_dir: str,
                  hang_timeout: HangTimeout, channel: Optional[ControlChannel],
-                 periodic_every: int = 0, save_timeout: float = 120.0,
-                 plugins: tuple[str, ...] = ()) -> None:
+                 board: Optional[StepBoard] = None, periodic_every: int = 0,
+                 save_timeout: float = 120.0, plugins: tuple[str, ...] = ()) -> None:
         if periodic_every < 0:
             raise ValueError(f"periodic_every must be >= 0, got {periodic_every}")
         self.rank, self.world_size, self.gen = rank, world_size, gen
         self.checkpoint_dir = checkpoint_dir
         self.channel = channel
+        self.board = board  # the step this rank began, for the launcher: no message per step
         self.periodic_every = periodic_every
         self.save_timeout = save_timeout
         self.plugins = get_plugins(plugins)  # jitckpt run --plugin: their hooks run at protect()
@@ -121,7 +123,6 @@ class WorkerRuntime:
         self._opt_steps = 0
         self._last_step: Optional[int] = None
         self._last_step_t = 0.0
-        self._last_status_t = 0.0
         self._resumed_reported = False
         self._last_opt_t: Optional[float] = None
         self._warned = False
@@ -134,12 +135,13 @@ class WorkerRuntime:
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_spec(cls, spec: WorkerSpec, channel: Optional[ControlChannel]) -> "WorkerRuntime":
+    def from_spec(cls, spec: WorkerSpec, channel: Optional[ControlChannel],
+                  board: Optional[StepBoard] = None) -> "WorkerRuntime":
         """The runtime ``jitckpt run`` configured (the spec came with the rank's assignment)."""
         rt = cls(rank=spec.rank, world_size=spec.world_size, gen=spec.gen,
                  checkpoint_dir=spec.checkpoint_dir, hang_timeout=HangTimeout.parse(spec.hang_timeout),
-                 channel=channel, periodic_every=spec.periodic_every, save_timeout=spec.save_timeout,
-                 plugins=spec.plugins)
+                 channel=channel, board=board, periodic_every=spec.periodic_every,
+                 save_timeout=spec.save_timeout, plugins=spec.plugins)
         rt.spec = spec
         return rt
 
@@ -147,7 +149,7 @@ class WorkerRuntime:
     def from_env(cls) -> "WorkerRuntime":
         """A process the launcher did not start (torchrun, plain python): settings from the
         environment (:data:`jitckpt.protocol.worker_spec.ENVIRONMENT`)."""
-        return cls.from_spec(WorkerSpec.from_env(os.environ), ControlChannel.from_env())
+        return cls.from_spec(WorkerSpec.from_env(os.environ), ControlChannel.from_env(), StepBoard.from_env())
 
     def start(self) -> None:
         configure_console_log(rank=self.rank, level=logging.WARNING)
@@ -354,11 +356,10 @@ class WorkerRuntime:
         now = time.monotonic()
         prev_t, prev = self._last_step_t, self._last_step
         self._last_step, self._last_step_t = step, now
-        if self.channel is not None:
-            if not self._resumed_reported and prev is not None:
-                self._resumed_reported = True
-                self.channel.send(Resumed(rank=self.rank, step=step))
-            self._heartbeat(step, (now - prev_t) if prev is not None else None)
+        if self.channel is not None and not self._resumed_reported and prev is not None:
+            self._resumed_reported = True
+            self.channel.send(Resumed(rank=self.rank, step=step))
+        self._heartbeat(step, (now - prev_t) if prev is not None else None)
         if (self.periodic_every and step > 0 and step % self.periodic_every == 0
                 and step != self._restored_step and self.replica_id == 0):
             if self.save_fn is not None:
@@ -370,14 +371,9 @@ class WorkerRuntime:
 
     def _heartbeat(self, step: int, step_time: Optional[float]) -> None:
         """Tell the launcher every step begun: it needs the step a failure hit even when the ranks
-        die with it. A step time goes along every ~0.5 s (a sample, for the launcher's events)."""
-        assert self.channel is not None
-        now = time.monotonic()
-        if now - self._last_status_t > 0.5:
-            self._last_status_t = now
-        else:
-            step_time = None
-        self.channel.send(Status(rank=self.rank, step=step, step_time=step_time))
+        die with it. On the step board: two memory writes, no message, no launcher wake-up."""
+        if self.board is not None:
+            self.board.post(step, step_time)
 
     def _warn_once(self, reason: str) -> None:
         """A flag this job cannot honour: said once, on the console and in the event log."""
@@ -478,14 +474,10 @@ class WorkerRuntime:
             step = max(step, (self._restored_step or 0) + self._opt_steps)
         now = time.monotonic()
         prev_t, self._last_opt_t = self._last_opt_t, now
-        if self.channel is not None:
-            if not self._resumed_reported:  # the first step done after a restart: resumed
-                self._resumed_reported = True
-                self.channel.send(Resumed(rank=self.rank, step=step))
-            if marked:
-                self.channel.send(Status(rank=self.rank, step=step, step_time=None))
-            else:
-                self._heartbeat(step, (now - prev_t) if prev_t is not None else None)
+        if self.channel is not None and not self._resumed_reported:  # the first step done after a restart
+            self._resumed_reported = True
+            self.channel.send(Resumed(rank=self.rank, step=step))
+        self._heartbeat(step, None if marked or prev_t is None else now - prev_t)
         if (not marked and self.periodic_every and self._opt_steps >= self.periodic_every
                 and self.save_fn is not None and self.replica_id == 0):
             # No safe point is known: after optimizer.step() the user's step counter, scheduler and

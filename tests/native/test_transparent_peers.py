@@ -177,20 +177,20 @@ def kill_a_proxy_mid_training(jobs, tmp: Path, name: str, steps: int, **extra: s
                 pass
         return found
 
-    def training() -> bool:  # a rank reported a step past the first: the minibatches run
+    def training() -> bool:  # a rank is past minibatch 5, where replay validation's scratch proxy runs
         try:
-            return any(e["event"] == "step" and e["step"] > 0 for e in job.events())
+            return any(e["event"] == "step" and e["step"] > 5 for e in job.events())
         except (OSError, ValueError):
             return False
 
     deadline = time.monotonic() + 60
-    while ((len(proxies()) < WORLD or not training()) and time.monotonic() < deadline
+    while ((len(proxies()) != WORLD or not training()) and time.monotonic() < deadline
            and job.proc.poll() is None):
-        time.sleep(0.05)  # polling for the proxies and the first steps, bounded by the deadline
-    # The random moment, well inside the run (not synchronization): training began ~0.5 s ago (the
-    # status heartbeat's period) and lasts seconds more, even at ~1000 steps/s.
+        time.sleep(0.05)  # polling for the proxies and the steps, bounded by the deadline
+    # The random moment, well inside the run (not synchronization): training lasts seconds more,
+    # even at ~1000 steps/s.
     time.sleep(random.uniform(0.0, 0.5))
-    # One per worker by now (replay validation's scratch proxies, at minibatch 5, are long gone).
+    # One per worker (replay validation's scratch proxies, at minibatch 5, are gone).
     live = proxies()
     assert len(live) == WORLD and len({p.ppid() for p in live}) == WORLD, (live, job.log.read_text())
     victim = random.choice(live)
