@@ -121,7 +121,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--standalone", action="store_true", help="single node, local rendezvous (what one node does anyway)")
     both("--max-restarts", type=int, default=3, help="restarts before giving up (torchrun's default is 0)")
     both("--monitor-interval", type=_seconds, default=0.2,
-         help="seconds between the launcher's checks of its workers (it also wakes on every message)")
+         help="seconds between the launcher's checks of its workers and reads of their step boards "
+              "(it also wakes on every message; steps send none)")
     both("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
          help="spawn only: workers are fresh processes (warm standbys); fork and forkserver are refused")
     both("--event-log-handler", default="null",
