@@ -74,7 +74,7 @@ BENCHES = [
                  lambda d: d["overhead"]["mean_step_overhead_torchrun_dcp10"], "{:+.1%}", "(baseline)"),
            Ratio("steady state: jitckpt, mean step overhead vs torchrun (end to end)",
                  lambda d: d["overhead"]["mean_step_overhead_jitckpt"], "{:+.1%}", "(noise, next row)"),
-           Ratio("  run-to-run spread of torchrun's own median step, same run (max / min - 1)",
+           Ratio("  run-to-run spread of torchrun's own median step, same run (max / min - 1; 0 in quick mode: one run)",
                  lambda d: max(d["overhead"]["run_median_step_s"]["plain"]) / min(d["overhead"]["run_median_step_s"]["plain"]) - 1,
                  "{:+.1%}", "(for reference)"),
            Ratio("steady state: CPU jitckpt adds per step (its processes and threads beyond torchrun's "
