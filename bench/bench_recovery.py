@@ -106,12 +106,13 @@ def launcher_cpu(cmd: list, d: Path, *, from_step: int, to_step: int, timeout: f
     proc = subprocess.Popen(cmd, cwd=d, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     root = psutil.Process(proc.pid)
     marks: dict = {}
+    ready = False  # torchrun writes no events: ready at once
     deadline = time.monotonic() + timeout
     try:
         while len(marks) < 2 and proc.poll() is None and time.monotonic() < deadline:
             done = [r for r in read_log(log) if r.get("rank") == 0 and "dt" in r] if log.exists() else []
-            ready = not events.exists() or any(json.loads(x)["event"] == "standby_ready"
-                                               for x in events.read_text().splitlines())
+            ready = ready or not events.exists() or any(json.loads(x)["event"] == "standby_ready"
+                                                        for x in events.read_text().splitlines())
             if not marks and done and ready and done[-1]["step"] >= from_step:
                 marks["a"] = (done[-1]["step"], _tree_cpu(root))
             elif marks and done and done[-1]["step"] >= to_step:
@@ -148,7 +149,7 @@ def _tree_cpu(root: psutil.Process) -> dict:
             comm = Path(f"/proc/{p.pid}/comm").read_text()
             out[(p.pid, "own")] = sum(_thread_runtime(p.pid, th.id) for th in p.threads()
                                       if th.id != p.pid and Path(f"/proc/{p.pid}/task/{th.id}/comm").read_text() == comm)
-        except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError, OSError):
+        except (psutil.NoSuchProcess, OSError):
             out.pop((p.pid, "proc"), None)  # gone while read: neither end of the window counts it
     return out
 
