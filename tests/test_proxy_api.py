@@ -199,3 +199,24 @@ def test_every_cuda_symbol_torch_imports_is_exported_by_the_real_libraries():
     """So the doctor's "refused" for an undeclared one is right: libjit.so has a trampoline for it."""
     imported = {s for s in coverage.imported_symbols() if coverage.library_of(s) in ("cudart", "NCCL")}
     assert imported and not imported - reference_exports()
+
+
+def test_the_docs_quote_no_forwarding_figure_the_command_does_not_compute():
+    """Issue 43 item 7: the README said cudart 63/106 forwarded while the command computed 64/106.
+    A figure of what proxy mode forwards ("cudart N/M ... forwarded") in any page must be the one
+    ``jitckpt doctor --api-coverage`` computes (the pages name the command rather than copy it)."""
+    repo = Path(__file__).resolve().parents[1]
+    counts = coverage.summary(coverage.coverage())
+    names = {lib.lower(): lib for lib in counts}
+    quoted = []
+    for page in [repo / "README.md", *sorted((repo / "docs").glob("*.md")), *sorted(repo.glob("*/README.md"))]:
+        for line in page.read_text().splitlines():
+            if "forward" not in line:
+                continue
+            for lib, n, m in re.findall(r"\b(\w+) (\d+)/(\d+)\b", line):
+                if lib.lower() in names:
+                    quoted.append((page.name, names[lib.lower()], int(n), int(m)))
+    wrong = [(page, lib, f"{n}/{m}", f"{counts[lib].get('forwarded', 0)}/{counts[lib]['imported']}")
+             for page, lib, n, m in quoted
+             if (n, m) != (counts[lib].get("forwarded", 0), counts[lib]["imported"])]
+    assert not wrong, f"(page, library, quoted, computed): {wrong}"
