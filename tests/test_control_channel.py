@@ -84,6 +84,14 @@ def test_a_message_round_trips_with_its_defaults() -> None:
     assert decode(msg.encode(), TO_LAUNCHER) == msg
 
 
+def test_a_hello_says_whether_the_worker_can_save() -> None:
+    """libjit.so's registration of a --no-python program (interposer/src/launcher_hello.cc writes
+    this line) says it cannot save; the Python runtime's Hello, without the field, can."""
+    native = decode(b'{"type":"hello","rank":1,"pid":7,"gen":0,"can_save":false}', TO_LAUNCHER)
+    assert (native.rank, native.pid, native.gen, native.can_save) == (1, 7, 0, False)
+    assert decode(b'{"type": "hello", "rank": 1, "pid": 7, "gen": 0}', TO_LAUNCHER).can_save is True
+
+
 def test_a_worker_that_exited_leaves_its_last_messages_to_read_without_waiting() -> None:
     """A survivor that saved its JIT checkpoint and exited before the launcher's select() returned
     its channel: the launcher sees the exit first and must still count the save (once every

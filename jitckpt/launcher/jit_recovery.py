@@ -43,6 +43,7 @@ class FailureRecord:
     save_s: Optional[float] = None
     saved_ranks: list = field(default_factory=list)
     failed_ranks: list = field(default_factory=list)
+    unsaving_ranks: list = field(default_factory=list)  # registered no save path: not waited for
     detect_s: float = 0.0                # failure -> detection, when known (a hang: its timeout)
     reporter: Optional[int] = None       # the healthy rank that detected it (a hang, an error)
     first_kind: Optional[str] = None     # of the failure this one interrupted the recovery from
@@ -120,13 +121,32 @@ class JitRecovery:
         if not remote:
             self.coord.announce_failure(gen, {"kind": kind, "rank": rank, "detail": detail,
                                               "reporter": reporter})
+        self._note_unsaving(workers, rec)
         return rec
 
+    def _note_unsaving(self, workers: list[Worker], failure: FailureRecord) -> None:
+        """Say once of each live worker that registered no save path that it is not waited for.
+        Only libjit.so registers a worker so (a --no-python program): the Python runtime always
+        answers a SaveNow."""
+        for w in workers:
+            if (w.no_save_path and w.live and w.rank not in failure.failed_ranks
+                    and w.rank not in failure.unsaving_ranks):
+                failure.unsaving_ranks.append(w.rank)
+                said = "registered no save path: not waiting for its JIT checkpoint"
+                log.warning("rank %d (a native program) %s", w.rank, said)
+                self.emit("warning", rank=w.rank, reason=f"a native program {said}")
+
+    def _nothing_to_wait_for(self, workers: list[Worker], failure: FailureRecord) -> bool:
+        """Every local worker is gone or registered no save path: none of them will save more."""
+        self._note_unsaving(workers, failure)  # a Hello read after the failure was announced
+        return all(w.exit_code is not None or w.no_save_path for w in workers)
+
     def can_proceed(self, gen: int, workers: list[Worker], failure: FailureRecord) -> bool:
-        """All local workers gone, or the restart decided: by the job's controller (this launcher
-        with one node) once every shard is covered plus a short grace for more replicas, or once
-        --save-timeout passed. The others follow its decision, bounded by the lease's TTL more
-        should the controller itself be lost."""
+        """All local workers gone (or left with no save path: a native program is not waited
+        for), or the restart decided: by the job's controller (this launcher with one node) once
+        every shard is covered plus a short grace for more replicas, or once --save-timeout
+        passed. The others follow its decision, bounded by the lease's TTL more should the
+        controller itself be lost."""
         now = time.time()
         if failure.t_covered is None and self.coord.shards_covered(gen):
             failure.t_covered = now
@@ -136,7 +156,7 @@ class JitRecovery:
                 self.coord.decide_restart(gen)
         else:
             decided = self.coord.restart_decided(gen)
-        if all(w.exit_code is not None for w in workers):
+        if self._nothing_to_wait_for(workers, failure):
             if self.coord.node_done(gen, ok=False, wait=True):
                 return True
             # Bounded: a node lost with its launcher never says its workers are gone.

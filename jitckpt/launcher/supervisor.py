@@ -29,7 +29,7 @@ from typing import Optional
 
 from jitckpt.checkpoint_store import prune_finished
 from jitckpt.launcher.checkpoint_flush import CheckpointFlusher
-from jitckpt.protocol.control_channel import ENV_FD, channel_pair
+from jitckpt.protocol.control_channel import ENV_FD, ENV_NATIVE_HELLO, channel_pair
 from jitckpt.protocol.worker_spec import SnapshotSpec, WorkerSpec
 from jitckpt.protocol.control_messages import (Assign, ExitReady, FailureReport, Hello, Message, PeerExit,
                                                Restored, Resumed, Saved, SaveFailed, SaveNow, StageCaughtUp,
@@ -441,8 +441,9 @@ class Launcher:
         rank = spec.rank
         if cfg.no_python:  # no Python to send the spec to: libjit.so reads the environment
             parent, child = channel_pair()
+            # ENV_NATIVE_HELLO: libjit.so registers the program, saying it cannot save.
             full_env = {**self._base_env(), **env, **spec.to_env(), ENV_FD: str(child.fileno()),
-                        **self._native_logging_env(rank, role)}
+                        ENV_NATIVE_HELLO: "1", **self._native_logging_env(rank, role)}
             with ExitStack() as files:
                 out, err = (files.enter_context(open(p, "ab")) if p else None for p in (streams.stdout, streams.stderr))
                 proc = subprocess.Popen([cfg.script, *cfg.script_args], env=full_env, stdout=out, stderr=err,
@@ -586,7 +587,8 @@ class Launcher:
                                                                   PREEMPT_SAVE_WAIT)
                         if not verdict_sent:  # after it, the workers are merely exiting
                             failure = self._preempt_workers(gen, failure)
-                    if (all(w.exit_code is not None for w in self.workers)
+                    # A worker with no save path is not waited for: nothing more will come from it.
+                    if (all(w.exit_code is not None or w.no_save_path for w in self.workers)
                             or time.monotonic() > preempt_deadline):
                         break
                     continue
@@ -707,7 +709,7 @@ class Launcher:
     def _on_message(self, gen: int, w: Worker, msg: Message,
                     failure: Optional[FailureRecord]) -> Optional[FailureRecord]:
         if isinstance(msg, Hello):
-            w.hello = True
+            w.registered(msg.can_save)
         elif isinstance(msg, FailureReport) and msg.kind == "preempted":
             # The worker itself got SIGTERM/SIGINT (e.g. SLURM signals every process of a job
             # step): the whole job is being preempted, not a failure to recover from.

@@ -28,6 +28,7 @@ class Worker:
     eof: bool = False
     board: Optional[StepBoard] = None  # None: a --no-python worker, which posts no step
     hello: bool = False  # its runtime started
+    can_save: Optional[bool] = None  # what its Hellos said (None: none yet); any True wins
     noted_step: Optional[int] = None  # the step the launcher last noted (events, failure record)
     noted_t: float = 0.0
     exit_ready: bool = False
@@ -49,6 +50,18 @@ class Worker:
     def step_time(self) -> Optional[float]:
         """Its last step's seconds, when it posted one."""
         return self.board.step_time() if self.board is not None else None
+
+    @property
+    def no_save_path(self) -> bool:
+        """It registered and nothing in it can save (a native program): after a failure, no JIT
+        checkpoint is to be waited for from it."""
+        return self.can_save is False
+
+    def registered(self, can_save: bool) -> None:
+        """Its Hello came: a save path once registered stays (a Python runtime started after
+        libjit.so registered the process)."""
+        self.hello = True
+        self.can_save = bool(self.can_save) or can_save
 
     @property
     def live(self) -> bool:

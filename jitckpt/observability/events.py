@@ -35,7 +35,8 @@ event                     fields
                           SIGTERM|SIGINT; exit_code is then 128 + its number); reason (failed
                           because the job's cross-node store stopped taking writes)
 ``warning``               rank, reason (a worker cannot do what a flag asks, e.g. --periodic-every
-                          without a safe point to save at)
+                          without a safe point to save at; or, after a failure, a native program
+                          that registered no save path, whose JIT checkpoint is not waited for)
 ``death_after_verdict``   rank, pid, detail (a worker died after every rank passed the exit
                           barrier: a warning, the job is complete)
 ``snapshot_keeper_start`` node, pid, socket, replaced (bool: the previous keeper died),

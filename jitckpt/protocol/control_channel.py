@@ -16,6 +16,9 @@ from typing import Any, Optional
 from jitckpt.protocol.control_messages import TO_LAUNCHER, TO_WORKER, Message, decode
 
 ENV_FD = "JITCKPT_CONTROL_FD"
+# Set for a --no-python worker: libjit.so, if preloaded, registers the program (a Hello saying it
+# cannot save), as no Python runtime is there to do it (interposer/src/launcher_hello.cc).
+ENV_NATIVE_HELLO = "JITCKPT_NATIVE_HELLO"
 
 
 class ControlChannel:

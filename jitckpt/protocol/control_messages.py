@@ -22,10 +22,16 @@ class Ready(Message):
 
 @dataclass(frozen=True)
 class Hello(Message):
+    """A worker registered with the launcher. ``can_save``: something in it answers a SaveNow (the
+    Python runtime always does, with Saved or SaveFailed). libjit.so registers a ``--no-python``
+    program with False (interposer/src/launcher_hello.cc): a native program has no save path, so
+    after a failure the launcher does not wait for its JIT checkpoint. A later Hello with True (a
+    Python runtime started in that process) adds a save path."""
     TYPE: ClassVar[str] = "hello"
     rank: int
     pid: int
     gen: int
+    can_save: bool = True
 
 
 @dataclass(frozen=True)
