@@ -119,3 +119,61 @@ def test_enable_undo_refuses_an_optimizer_without_inverse():
     state = Protected(model, torch.optim.Adagrad(model.parameters()))
     with pytest.raises(NotInvertibleError, match="drop --plugin undo"):
         state.enable_undo()
+
+
+class _MarkRecorder:
+    """jitckpt._native as the runtime sees it, recording the minibatch marks into ``events``."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def mark_minibatch(self, step: int) -> None:
+        self.events.append(("mark", step))
+
+    def set_phase(self, phase: str) -> None:
+        pass
+
+
+def test_protect_marks_each_minibatch_before_its_batch_is_copied_to_the_device(monkeypatch):
+    """Proxy mode replays a failed minibatch from its mark on the buffers as they are at the failure,
+    so the mark must come before the loop copies the batch to the device (issue 43 item 3): at
+    restore() and when the previous optimizer.step() returns, not in the forward pre-hook. One
+    mark per minibatch, also with another forward (an evaluation) between the steps."""
+    import jitckpt
+    from jitckpt.hang_timeout import HangTimeout
+    from jitckpt.runtime import current
+    from jitckpt.runtime.worker_runtime import WorkerRuntime
+
+    events: list = []
+    rt = WorkerRuntime(rank=0, world_size=1, gen=0, checkpoint_dir="/nonexistent", channel=None,
+                       hang_timeout=HangTimeout())
+    rt._native = _MarkRecorder(events)
+    monkeypatch.setattr(current, "_runtime", rt)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = jitckpt.protect(model, opt)
+    for step in range(state.restore(), 3):
+        events.append(("copy", step))  # x = batch.to(device)
+        model(torch.ones(4, 2)).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            model(torch.ones(1, 2))  # an evaluation between steps: in the next minibatch
+    assert events == [("mark", 0), ("copy", 0), ("mark", 1), ("copy", 1), ("mark", 2), ("copy", 2), ("mark", 3)]
+
+
+def test_mark_step_marks_a_minibatch_protect_did_not_begin():
+    """A jitckpt.init() job's mark_step() at the top of each iteration is its minibatch mark."""
+    from jitckpt.hang_timeout import HangTimeout
+    from jitckpt.runtime.worker_runtime import WorkerRuntime
+
+    events: list = []
+    rt = WorkerRuntime(rank=0, world_size=1, gen=0, checkpoint_dir="/nonexistent", channel=None,
+                       hang_timeout=HangTimeout())
+    rt._native = _MarkRecorder(events)
+    rt.mark_step(0)
+    rt.optimizer_pre_step()
+    rt.mark_step(1)
+    rt.mark_step(1)  # again in the same minibatch (gradient accumulation): no new mark
+    rt.optimizer_pre_step()
+    rt.mark_step(1)  # after an optimizer step the same number starts a new minibatch
+    assert events == [("mark", 0), ("mark", 1), ("mark", 1)]

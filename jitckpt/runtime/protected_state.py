@@ -170,6 +170,14 @@ class Protected:
             # The state at the start of this minibatch; copied while forward/backward run.
             rt.run_snapshot_op(self._snapshot_begin, blocking=True)
 
+    def _begin_minibatch(self) -> None:
+        """Minibatch ``self.step`` starts here, before the loop copies its batch to the device: the
+        runtime's minibatch mark for libjit.so (proxy mode's replay journal), which the forward
+        pre-hook would give only after those copies (see WorkerRuntime.begin_minibatch)."""
+        rt = runtime_or_none()
+        if rt is not None:
+            rt.begin_minibatch(self.step)
+
     def _shared_next(self) -> Optional[dict]:
         """Rank 0's buffers after the last training forward, named as in ``model.state_dict()``
         (shared by the runtime's :class:`~jitckpt.runtime.ddp_buffers.BufferTracker`; None: not shared)."""
@@ -320,6 +328,7 @@ class Protected:
         self.step += 1
         self._mid_minibatch = False
         self._stepped = True
+        self._begin_minibatch()  # the next one's input copies come next, before its forward
         if not self._reserve_asked:  # the optimizer state exists now: the state's size is known
             self._reserve_asked = True
             rt = runtime_or_none()
@@ -501,8 +510,12 @@ class Protected:
         With in-memory snapshots on (``jitckpt run --snapshot-every``) this is collective (every
         rank calls it) and also considers the snapshots held by the nodes' keepers.
         """
-        if self._snapshots is not None:
-            return self._restore_tiered(get_runtime())
+        step = self._restore_tiered(get_runtime()) if self._snapshots is not None else self._restore_disk()
+        self._begin_minibatch()  # the first minibatch's input copies come next
+        return step
+
+    def _restore_disk(self) -> int:
+        """``restore()`` from the newest complete disk checkpoint, if any."""
         rt = get_runtime()
         t0 = time.monotonic()
         found = self._read_loadable(rt)

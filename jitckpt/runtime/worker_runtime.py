@@ -130,6 +130,7 @@ class WorkerRuntime:
         self._exiting = False  # this rank reached its exit barrier
         self._latest: dict = {}
         self._native = None  # jitckpt._native when libjit.so is preloaded
+        self._native_step: Optional[int] = None  # the minibatch libjit.so was last told began
         self.snapshots = None  # SnapshotTier when jitckpt run --snapshot-every is on
         self.spec: Optional[WorkerSpec] = None  # what the launcher (or the environment) said
 
@@ -351,7 +352,7 @@ class WorkerRuntime:
         with self._lock:
             self._moved_on = False  # a new minibatch: its collectives are still ahead
         if self._native is not None:
-            self._native.mark_minibatch(step)
+            self.begin_minibatch(step)  # a no-op when protect() began it already, before its input copies
             self._native.set_phase("forward")
         now = time.monotonic()
         prev_t, prev = self._last_step_t, self._last_step
@@ -368,6 +369,20 @@ class WorkerRuntime:
                 self._warn_once(f"--periodic-every {self.periodic_every}: no periodic checkpoint is "
                                 "taken: no save function is registered (call jitckpt.init(save_fn) "
                                 "or jitckpt.protect())")
+
+    def begin_minibatch(self, step: int) -> None:
+        """Minibatch ``step``'s device work starts here: libjit.so's minibatch mark (proxy mode's
+        replay journal keeps what comes after it, ``jitckpt/marks.h``), once per minibatch.
+
+        It must come before the batch's host-to-device copies: a replay of the minibatch starts from
+        the buffers as they are at the failure, and the forward may have rewritten its input buffer
+        in place since. ``protect()`` calls this when the previous ``optimizer.step()`` returns and
+        when it restores; ``mark_step`` calls it for a ``jitckpt.init()`` job (at the top of the
+        iteration), where it is a no-op if ``protect()`` began the minibatch already."""
+        if self._native is None or self._native_step == step:
+            return
+        self._native.mark_minibatch(step)
+        self._native_step = step
 
     def _heartbeat(self, step: int, step_time: Optional[float]) -> None:
         """Tell the launcher every step begun: it needs the step a failure hit even when the ranks
@@ -448,6 +463,7 @@ class WorkerRuntime:
             self._history.add(kind, time.monotonic() - start)
 
     def optimizer_pre_step(self) -> None:
+        self._native_step = None  # the next minibatch gets its own mark, whatever step it is given
         with self._lock:  # atomic with a saver's claim: it either sees this step begun or wins
             speculation, held = self._speculation, self._save_claimed
             self._moved_on = self._moved_on or not held  # its collectives completed: it can finish
