@@ -3,7 +3,8 @@ job's store on a real 3-member etcd cluster (``--rdzv-backend etcd-v2``). At a r
 node's process tree (launcher, worker, standbys) is SIGKILLed at once, as a machine going down: node
 0, whose launcher would have served a c10d store, or another. The survivors' ranks save JIT
 checkpoints (data-parallel replicas), a replacement launcher started with the lost node's
-``--node-rank`` joins the next generation, and the final parameters are bitwise a failure-free run's.
+``--node-rank`` (or, where the launchers had none, with the same command) joins the next
+generation, and the final parameters are bitwise a failure-free run's.
 """
 from __future__ import annotations
 
@@ -186,6 +187,111 @@ def test_a_replacement_launcher_joins_after_the_generation_that_lost_its_node(tm
         t0.join(30)
         assert [g.master for g in begun] == [joined.master] and joined.master[0] == "127.0.0.1", (begun, joined)
         assert (joined.gen, joined.nodes, joined.group_rank, begun[0].group_rank) == (1, (0, 1), 1, 0)
+    finally:
+        for c in coords:
+            c.close()
+
+
+def _no_rank_cfg(etcd_cluster, tmp_path: Path, *flags: str, timeout: int = 30):  # type: ignore[no-untyped-def]
+    """A 2-node etcd job's config, without --node-rank unless ``flags`` give one."""
+    from jitckpt.cli import build_parser
+    from jitckpt.launcher.config import LaunchConfig
+
+    return LaunchConfig.from_args(build_parser().parse_args(
+        ["run", "--nnodes", "2", *flags, "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd_cluster.endpoints(),
+         "--rdzv-id", "noslot", "--rdzv-conf", f"timeout={timeout}", "--checkpoint-dir", str(tmp_path / "ckpt"),
+         str(TRAIN)]))
+
+
+def _in_threads(*fns) -> list:  # type: ignore[no-untyped-def]
+    """Each fn's result or exception, called at once in threads, every thread bounded."""
+    import threading
+
+    out: list = [TimeoutError("neither returned nor raised within 25 s")] * len(fns)
+
+    def call(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except Exception as e:  # noqa: BLE001 - the caller asserts on it
+            out[i] = e
+
+    ts = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(fns))]
+    [t.start() for t in ts]
+    [t.join(25) for t in ts]
+    return out
+
+
+def test_without_node_ranks_a_replacement_takes_the_lost_slot_on_etcd(tmp_path: Path, etcd_cluster) -> None:
+    """NodeCoordinator on etcd, no --node-rank: two launchers take slots 0 and 1; slot 0's (the
+    controller's) is lost. Two new launchers started at once find every slot taken, watch the
+    heartbeats, and one takes the lost slot (etcd's compare-and-swap from the lost launcher's claim);
+    the other finds slot 1's launcher alive and stops, naming why. The replacement joins generation 1
+    with the survivor. (Was: both read ``slot/0``, a key etcd never had (the claim is a once-key
+    beside the store's keys), and waited the store's whole timeout, printing nothing.) A launcher
+    for a slot whose launcher is alive stops once the rendezvous timeout passed with no failure."""
+    from jitckpt.launcher.node_coordinator import NodeCoordinator
+
+    def cfg(*flags: str, timeout: int = 30):  # type: ignore[no-untyped-def]
+        return _no_rank_cfg(etcd_cluster, tmp_path, *flags, timeout=timeout)
+
+    coords = [NodeCoordinator(cfg()), NodeCoordinator(cfg())]
+    try:
+        assert [c.cfg.node_rank for c in coords] == [0, 1]
+        assert [c.first_launch() for c in coords] == [0, 0]
+        assert [g.nodes for g in _in_threads(*(lambda c=c: c.begin_generation(0) for c in coords))] == [(0, 1)] * 2
+        coords[0].close()  # slot 0's launcher is lost
+        survivor = coords[1]
+        t0 = time.monotonic()
+        new = _in_threads(lambda: NodeCoordinator(cfg()), lambda: NodeCoordinator(cfg()))
+        coords += [c for c in new if isinstance(c, NodeCoordinator)]
+        assert sorted(type(c).__name__ for c in new) == ["NodeCoordinator", "RuntimeError"], new
+        replacement, extra = coords[2], next(e for e in new if not isinstance(e, NodeCoordinator))
+        assert replacement.cfg.node_rank == 0
+        assert isinstance(extra, RuntimeError) and "every node slot of --nnodes 2 is held by a running launcher" in \
+            str(extra), repr(extra)
+        assert time.monotonic() - t0 < 15, "the launchers took more than three heartbeat periods and a bit"
+        got = _in_threads(replacement.first_launch, lambda: survivor.announce_failure(
+            0, {"kind": "hang", "rank": 0, "detail": "node 0 gone"}))
+        assert got[0] == 1, got
+        assert survivor.node_done(0, ok=False), "the survivor still waits for the lost node's workers"
+        gens = _in_threads(lambda: replacement.begin_generation(1, restarts=1),
+                          lambda: survivor.begin_generation(1, restarts=1))
+        assert [(g.gen, g.nodes, g.group_rank) for g in gens] == [(1, (0, 1), 0), (1, (0, 1), 1)], gens
+        assert gens[0].master == gens[1].master and gens[0].master[0] == "127.0.0.1"
+        # Slot 1's launcher is alive and reported no failure: one with its --node-rank stops, naming why.
+        late = NodeCoordinator(cfg("--node-rank", "1", timeout=1))
+        coords.append(late)
+        with pytest.raises(RuntimeError, match=r"came to replace node 1 of the running generation 1, but no node "
+                                               r"reported a failure within the rendezvous timeout \(1s"):
+            late.first_launch()
+    finally:
+        for c in coords:
+            c.close()
+
+
+@pytest.mark.slow  # ~20 s: a dead run's heartbeats are watched twice (slots, then the run)
+def test_without_node_ranks_a_new_run_after_a_dead_one_keeps_its_slot_claims(tmp_path: Path, etcd_cluster) -> None:
+    """A dead run's keys (every launcher gone, as when etcd lost its majority): launchers without
+    --node-rank take its slots from the gone launchers, slot 0's clears the old keys for a new run,
+    and each writes its claim again. (Was: the clearing took the claims too, so a launcher started
+    later took slot 0 as free, its launcher alive.)"""
+    from jitckpt.launcher import job_store
+    from jitckpt.launcher.node_coordinator import NodeCoordinator
+
+    old = [NodeCoordinator(_no_rank_cfg(etcd_cluster, tmp_path)) for _ in range(2)]
+    coords = list(old)
+    try:
+        assert [c.first_launch() for c in old] == [0, 0]
+        assert [g.nodes for g in _in_threads(*(lambda c=c: c.begin_generation(0) for c in old))] == [(0, 1)] * 2
+        for c in old:
+            c.close()  # the run is dead: no heartbeat moves
+        new = _in_threads(*(lambda: NodeCoordinator(_no_rank_cfg(etcd_cluster, tmp_path)) for _ in range(2)))
+        coords += [c for c in new if isinstance(c, NodeCoordinator)]
+        assert sorted(c.cfg.node_rank for c in new) == [0, 1], new
+        assert _in_threads(*(c.first_launch for c in new)) == [0, 0]
+        assert not new[0].store.check(["latest"]), "the dead run's keys were not cleared"
+        claims = [job_store.read_once(new[0].store, f"slot/{c.cfg.node_rank}") for c in new]
+        assert claims == [c._slot_claim for c in new] and None not in claims, claims
     finally:
         for c in coords:
             c.close()
@@ -417,4 +523,44 @@ def test_without_node_ranks_a_replacement_takes_the_lost_nodes_slot_on_c10d(tmp_
         assert_bitwise(tmp_path / "slots-final.pt", expected)
     finally:
         for n in nodes + [v for k, v in locals().items() if k in ("extra", "new")]:
+            n.power_off()
+
+
+@pytest.mark.slow  # ~35 s; the coordinator test of the same case is in the fast suite
+@pytest.mark.parametrize("lost_slot", [0, 2])
+def test_without_node_ranks_a_replacement_takes_the_lost_nodes_slot_on_etcd(tmp_path: Path, etcd_cluster,
+                                                                           expected: dict, lost_slot: int) -> None:
+    """The etcd sibling of the c10d test above (issue 43: a replacement there waited forever, on a
+    key etcd never had): three launchers without --node-rank take slots 0-2 in any order; the one
+    in ``lost_slot`` (0: the controller and the workers' store) is SIGKILLed whole at a random step;
+    a new launcher with the same command takes its slot once its heartbeat stopped and joins the
+    next generation. The survivors' JIT checkpoints leave at most the failed minibatch to redo, and
+    the job ends bitwise."""
+    nodes = [Node(tmp_path, "etcdslots", None, etcd_cluster.endpoints(first=i), name=f"-{i}") for i in range(NODES)]
+    new: Optional[Node] = None
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not all(any(e["event"] == "job_start" for e in n.events()) for n in nodes):
+            assert time.monotonic() < deadline and all(n.proc.poll() is None for n in nodes)
+            time.sleep(0.05)  # polling the launchers' event logs for their slots
+        slots = {n: next(e["node_rank"] for e in n.events() if e["event"] == "job_start") for n in nodes}
+        assert sorted(slots.values()) == [0, 1, 2], slots
+        wait_for_step(tmp_path, "etcdslots", random.randint(3, STEPS - 12))
+        assert all(n.proc.poll() is None for n in nodes), "the job ended before the node loss"
+        lost = next(n for n in nodes if slots[n] == lost_slot)
+        lost.power_off()
+        new = Node(tmp_path, "etcdslots", None, etcd_cluster.endpoints(first=lost_slot), name="-new")
+        survivors = [n for n in nodes if n is not lost] + [new]
+        assert wait_all(survivors) == [0] * NODES, "\n".join(f"--- {n.dir.name}\n{n.log.read_text()[-3000:]}"
+                                                             for n in survivors)
+        assert next(e["node_rank"] for e in new.events() if e["event"] == "job_start") == lost_slot
+        assert f"node {lost_slot}'s launcher is gone; this launcher takes its slot" in new.log.read_text()
+        for n in survivors[:-1]:
+            assert any(e["event"] == "checkpoint_saved" and e["kind"] == "jit" for e in n.events()), n.dir.name
+            summaries = [e for e in n.events() if e["event"] == "recovery_summary"]
+            assert len(summaries) == 1 and summaries[0]["steps_redone"] is not None, summaries
+            assert summaries[0]["steps_redone"] <= 1, summaries  # the failed minibatch, at most
+        assert_bitwise(tmp_path / "etcdslots-final.pt", expected)
+    finally:
+        for n in nodes + ([new] if new is not None else []):
             n.power_off()

@@ -7,13 +7,15 @@ Two backends, chosen with torchrun's ``--rdzv-backend``:
 * ``etcd`` / ``etcd-v2``: etcd at ``--rdzv-endpoint`` through its v2 API (etcd 3.4 started with
   ``--enable-v2``), with torch's own :class:`~torch.distributed.elastic.rendezvous.etcd_store.EtcdStore`
   on the python-etcd client. No launcher serves it, so it outlives any node, node 0 included, and a
-  replacement node (a launcher with the lost node's ``--node-rank`` and the same ``--rdzv-id``)
-  can join the running job (:class:`~jitckpt.launcher.node_coordinator.NodeCoordinator`).
+  replacement node (a launcher with the same ``--rdzv-id``, and the lost node's ``--node-rank`` or
+  none) can join the running job (:class:`~jitckpt.launcher.node_coordinator.NodeCoordinator`).
 
-Either way the job's keys are under its own prefix (run id and a hash of ``JITCKPT_TOKEN``).
+Either way the job's keys are under its own prefix (run id and a hash of ``JITCKPT_TOKEN``). A
+store's own ``get`` of a key not there waits the store's whole timeout: :func:`read` does not wait.
 """
 from __future__ import annotations
 
+import base64
 import datetime
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -96,21 +98,73 @@ def _c10d(cfg: LaunchConfig, prefix: str, listen_fd: Optional[int]) -> Any:
     return dist.PrefixStore(prefix, store)
 
 
-def set_once(store: Any, key: str, value: str) -> str:
-    """Write ``key`` = ``value`` unless some client wrote it first; the value it holds after
-    (this one, or the first writer's). An atomic create: c10d's compare-and-set, etcd's
-    ``prevExist=false`` (under the store's prefix, beside its keys: '_' is not base64)."""
+def read(store: Any, key: str) -> Optional[bytes]:
+    """``key``'s value now, None while it has none: one request, never a wait. (A store's own
+    ``get`` of a missing key waits its whole timeout, --rdzv-conf timeout, printing nothing; a
+    ``check`` then ``get`` waits so too if the key goes in between: the job's keys deleted.)"""
     client = getattr(store, "client", None)  # torch's EtcdStore keeps its python-etcd client
+    if client is None:
+        return store.get(key) if store.check([key]) else None
+    import etcd  # type: ignore[import-not-found]
+
+    try:  # the path EtcdStore gives the key: its prefix, then the key in base64
+        return base64.b64decode(client.read(store.prefix + base64.b64encode(key.encode()).decode()).value)
+    except etcd.EtcdKeyNotFound:
+        return None
+
+
+# Once-keys: a value written once (set_once) and then only swapped from a known one (compare_set),
+# as a launcher's claim on its node slot. One spelling of the key for all three on either backend
+# (the slot reclaim once read a key that etcd never had, and waited the store's whole timeout).
+def _once_path(store: Any, key: str) -> str:
+    """Where once-key ``key`` lives on etcd: under the store's prefix, beside its keys ('_' is not
+    base64, so no store key is named so)."""
+    return store.prefix + "once_" + key.replace("/", "_")
+
+
+def read_once(store: Any, key: str) -> Optional[str]:
+    """Once-key ``key``'s value, None while it has none (never a wait)."""
+    client = getattr(store, "client", None)
+    if client is None:
+        value = read(store, key)
+        return None if value is None else value.decode()
+    import etcd  # type: ignore[import-not-found]
+
+    try:
+        return client.read(_once_path(store, key)).value
+    except etcd.EtcdKeyNotFound:
+        return None
+
+
+def set_once(store: Any, key: str, value: str) -> str:
+    """Write once-key ``key`` = ``value`` unless some client wrote it first; the value it holds
+    after (this one, or the first writer's). An atomic create: c10d's compare-and-set from nothing,
+    etcd's ``prevExist=false``."""
+    client = getattr(store, "client", None)
     if client is None:
         return store.compare_set(key, "", value).decode()
     import etcd  # type: ignore[import-not-found]
 
-    path = store.prefix + "once_" + key.replace("/", "_")
     try:
-        client.write(path, value, prevExist=False)
+        client.write(_once_path(store, key), value, prevExist=False)
     except etcd.EtcdAlreadyExist:
         pass
-    return client.read(path).value
+    return client.read(_once_path(store, key)).value
+
+
+def compare_set(store: Any, key: str, expected: str, value: str) -> Optional[str]:
+    """Write once-key ``key`` = ``value`` if it holds ``expected``; the value it holds after (this
+    one if swapped; None: it has none). Atomic: c10d's compare-and-set, etcd's compare-and-swap
+    (``prevValue``)."""
+    client = getattr(store, "client", None)
+    if client is None:
+        return read_once(store, key) if not store.check([key]) else store.compare_set(key, expected, value).decode()
+    import etcd  # type: ignore[import-not-found]
+
+    try:
+        return client.write(_once_path(store, key), value, prevValue=expected).value
+    except (etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound):
+        return read_once(store, key)
 
 
 def forget(cfg: LaunchConfig, prefix: str) -> None:

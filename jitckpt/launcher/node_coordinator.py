@@ -7,16 +7,19 @@ workers' store would take), ``g/members`` (the generation's nodes and its worker
 the controller), ``g/failed`` (a failure: the first, unless two nodes write it at once),
 ``g/saved/<shard>`` (a replica of that shard saved a JIT checkpoint), ``g/exit_ready/<rank>`` (that
 rank is at the exit barrier), ``g/done/<node>`` (that node's workers are gone); ``latest``: the
-newest generation begun; ``alive/<node>``: heartbeats.
+newest generation begun; ``alive/<node>``: heartbeats; ``slot/<node>``: the launcher holding that
+slot, without --node-rank (a once-key: :func:`jitckpt.launcher.job_store.set_once`). No read waits
+for a key that may never come: one the protocol wrote before is read at once, and a wait for one
+still to come is bounded, ending in a RuntimeError that names it and the job.
 
 The job's controller (:mod:`jitckpt.launcher.controller_lease`: an etcd lease, or node 0 with c10d)
 closes each generation's gathering: once every node joined, or, with ``--nnodes MIN:MAX``, once MIN
 did and ``last_call_timeout`` passed. The generation's ranks follow its nodes in slot order; its
 lowest node's address is the workers' store. With c10d, if node 0's launcher dies the job ends.
 With etcd the store outlives it, and a launcher started with a lost node's ``--node-rank`` (node 0's
-too; with c10d any other node's, or none: :meth:`NodeCoordinator._claim_slot`) joins the generation
-after the one that lost it (:meth:`NodeCoordinator.first_launch`); with
-a range, a launcher whose slot the running generation does not have asks the job to grow (a
+too; with c10d any other node's), or without one (it takes the slot of a launcher that is gone:
+:meth:`NodeCoordinator._claim_slot`), joins the generation after the one that lost it
+(:meth:`NodeCoordinator.first_launch`); with a range, a launcher whose slot the running generation does not have asks the job to grow (a
 ``scale_up`` "failure": every rank saves, and the next generation has the new node).
 """
 from __future__ import annotations
@@ -117,6 +120,7 @@ class NodeCoordinator:
         self._heart: Optional[threading.Thread] = None
         self._dir_checked = False  # --checkpoint-dir seen shared by every node (checked once)
         self._claimed = False  # this launcher took its slot in the rendezvous (no --node-rank)
+        self._slot_claim: Optional[str] = None  # its claim there (``slot/<node>``'s value)
         if cfg.nnodes > 1:
             self._connect()
 
@@ -160,26 +164,45 @@ class NodeCoordinator:
         else:
             self.store, served = job_store.connect_or_serve(self.cfg, self.prefix)
             slots = [0] if served else list(range(1, self.cfg.nnodes))
-        token = f"{socket.gethostname()} pid {os.getpid()} {os.urandom(4).hex()}"
+        token = self._slot_claim = f"{socket.gethostname()} pid {os.getpid()} {os.urandom(4).hex()}"
+        holders = {}  # slot -> its launcher's claim, as read before its heartbeat was watched
         for k in slots:
-            if job_store.set_once(self.store, f"slot/{k}", token) == token:
+            holders[k] = job_store.set_once(self.store, f"slot/{k}", token)
+            if holders[k] == token:
                 return k
-        end = time.monotonic() + 3 * HEARTBEAT_S + 1.0
-        while True:
-            for k in slots:
-                self._heartbeats.saw(k, self._read_heartbeat(k))
-            if time.monotonic() > end:
-                break
-            self._closing.wait(HEARTBEAT_S / 2)  # heartbeats are written every HEARTBEAT_S
+        self._watch_heartbeats(slots)
         for k in slots:
-            holder = self.store.get(f"slot/{k}").decode()
-            if self._heartbeats.silent(k) and self.store.compare_set(f"slot/{k}", holder, token).decode() == token:
+            # Swapped from the holder read before the watch: of two replacements, one takes the slot.
+            if self._heartbeats.silent(k) and job_store.compare_set(self.store, f"slot/{k}", holders[k],
+                                                                    token) == token:
                 log.warning("job %s: node %d's launcher is gone; this launcher takes its slot", self.cfg.run_id, k)
                 return k
         served_by = "" if job_store.uses_etcd(self.cfg) else f": the one serving the store at {self.cfg.rdzv_endpoint} is node 0"
         raise RuntimeError(f"job {self.cfg.run_id}: every node slot of --nnodes {self.cfg.nnodes} is held by a running "
                            f"launcher ({', '.join(str(k) for k in slots)} here{served_by}); is this launcher one too many, "
                            "or is --rdzv-id another job's?")
+
+    def _watch_heartbeats(self, slots: list) -> None:
+        """Read the heartbeats of ``slots``' launchers for three periods and a bit (for ``_silent``)."""
+        end = time.monotonic() + 3 * HEARTBEAT_S + 1.0
+        while True:
+            for k in slots:
+                self._heartbeats.saw(k, self._read_heartbeat(k))
+            if time.monotonic() > end:
+                return
+            self._closing.wait(HEARTBEAT_S / 2)  # heartbeats are written every HEARTBEAT_S
+
+    def _get(self, key: str, what: str) -> bytes:
+        """``key``'s value, which the job's protocol has written before this read: a RuntimeError
+        naming ``what`` if it has none (the job's keys deleted meanwhile: it ended, or another run
+        of its --rdzv-id cleared them), not a wait of the store's whole timeout."""
+        value = job_store.read(self.store, key)
+        if value is None:
+            raise RuntimeError(f"job {self.cfg.run_id}: the job's store ({self.cfg.rdzv_backend} at "
+                               f"{self.cfg.rdzv_endpoint}) has no {what} (key {key!r}): were its keys deleted, the job "
+                               "ended or run again by another launcher with this --rdzv-id? Check the other "
+                               "launchers and --rdzv-id")
+        return value
 
     def _k(self, gen: int, key: str) -> str:
         return f"g{gen}/{key}"
@@ -195,12 +218,12 @@ class NodeCoordinator:
         if gen == 0 or self.store is None:
             return gen
         def read() -> int:
-            prev = self._k(gen - 1, "restarts")
-            if not self.store.check([prev]):
+            prev = job_store.read(self.store, self._k(gen - 1, "restarts"))
+            if prev is None:
                 return gen
-            failed = self._k(gen - 1, "failed")
-            grew = self.store.check([failed]) and json.loads(self.store.get(failed)).get("kind") == SCALE_UP
-            return int(self.store.get(prev)) + (0 if grew else 1)
+            failed = job_store.read(self.store, self._k(gen - 1, "failed"))
+            grew = failed is not None and json.loads(failed).get("kind") == SCALE_UP
+            return int(prev) + (0 if grew else 1)
 
         return self._guarded(read, gen)
 
@@ -223,7 +246,8 @@ class NodeCoordinator:
         host, _, port = members["master"].rpartition(":")
         nodes = tuple(members["nodes"])
         if not self._dir_checked:
-            tokens = {n: self._marker_token(gen, self.store.get(self._k(gen, f"joined/{n}")).decode()) for n in nodes}
+            tokens = {n: self._marker_token(gen, self._get(self._k(gen, f"joined/{n}"), f"address of node {n} in "
+                                                           f"generation {gen}").decode()) for n in nodes}
             check_shared(self.cfg.checkpoint_dir, tokens, this_node=self.cfg.node_rank)
             self._dir_checked = True
         self.current = Generation(gen, (host, int(port)), nodes, nodes.index(self.cfg.node_rank))
@@ -258,7 +282,8 @@ class NodeCoordinator:
                     enough_since = enough_since or time.monotonic()
                 if len(joined) == self.cfg.nnodes or (
                         enough_since is not None and time.monotonic() - enough_since >= self.cfg.last_call_timeout):
-                    decided = json.dumps({"nodes": joined, "master": s.get(self._k(gen, f"joined/{joined[0]}")).decode()})
+                    master = self._get(self._k(gen, f"joined/{joined[0]}"), f"address of node {joined[0]}").decode()
+                    decided = json.dumps({"nodes": joined, "master": master})
                     s.set(key, job_store.set_once(s, key, decided))  # one decision, were there two controllers
                     break
             if time.monotonic() > deadline:
@@ -270,7 +295,7 @@ class NodeCoordinator:
                 s.wait([key], datetime.timedelta(seconds=0.5))
             except job_store.WAIT_TIMED_OUT:
                 pass  # the controller (maybe this launcher, once the lease is ours) decides
-        return json.loads(s.get(key))
+        return json.loads(self._get(key, f"nodes of generation {gen}"))
 
     def _marker_token(self, gen: int, joined: str) -> str:
         """What a node writes in its --checkpoint-dir marker: unique to this job, generation and node."""
@@ -292,42 +317,73 @@ class NodeCoordinator:
         stop waiting for it) and joins the next generation with the survivors."""
         if self.store is None:
             return 0
-        if self.store.check(["latest"]) and not self._gathering() and not self._peers_alive():
+        latest = self._latest()
+        if latest is not None and not self._gathering(latest) and not self._peers_alive():
             # The keys of a run whose launchers are all gone (it stopped when the store did): a
             # new run of the job. Node 0 clears them; the others wait for its new run.
             if self.cfg.node_rank == 0:
                 log.warning("job %s: the store holds a run whose launchers are all gone; starting anew "
                             "(its checkpoints are kept)", self.cfg.run_id)
                 job_store.forget(self.cfg, self.prefix)
+                self._hold_slot_again()
                 return 0
             deadline = time.monotonic() + self.cfg.rdzv_timeout
-            while self.store.check(["latest"]) and not self._gathering():
+            while latest is not None and not self._gathering(latest):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"job {self.cfg.run_id}: the store holds a run whose launchers are gone, and "
                                        "node 0 did not start a new one within the rendezvous timeout")
                 time.sleep(0.5)  # polling the store for node 0's new run
-        if not self.store.check(["latest"]):
+                latest = self._latest()
+            self._hold_slot_again()
+        if latest is None:
             return 0
-        latest = int(self.store.get("latest"))
-        if self._gathering():
+        if self._gathering(latest):
             if latest > 0:  # generation 0 gathering is every job's start
                 log.warning("job %s is gathering for generation %d: this launcher joins it in place of node %d",
                             self.cfg.run_id, latest, self.cfg.node_rank)
             return latest
-        if self.cfg.node_rank not in json.loads(self.store.get(self._k(latest, "members")))["nodes"]:
+        members = json.loads(self._get(self._k(latest, "members"), f"nodes of generation {latest}"))
+        if self.cfg.node_rank not in members["nodes"]:
             log.warning("job %s runs generation %d without node %d: this launcher asks it to grow", self.cfg.run_id,
                         latest, self.cfg.node_rank)
             return self._ask_to_grow(latest)
         log.warning("job %s is running (generation %d): this launcher replaces node %d, whose launcher is "
                     "gone; waiting for the survivors to find the failure", self.cfg.run_id, latest, self.cfg.node_rank)
-        self.store.wait([self._k(latest, "failed")], datetime.timedelta(seconds=self.cfg.rdzv_timeout))
+        self._wait_for_failure(latest)
         self.store.set(self._k(latest, f"done/{self.cfg.node_rank}"), "lost")
         return latest + 1
 
-    def _gathering(self) -> bool:
-        """The newest generation is still gathering its nodes."""
-        latest = int(self.store.get("latest"))
-        return not self.store.check([self._k(latest, "members")])
+    def _hold_slot_again(self) -> None:
+        """Node 0 cleared a dead run's keys, this launcher's slot claim with them: write it again
+        (else a launcher started later takes the slot as free, its launcher alive)."""
+        if self._slot_claim is None:
+            return
+        holder = job_store.set_once(self.store, f"slot/{self.cfg.node_rank}", self._slot_claim)
+        if holder != self._slot_claim:
+            raise RuntimeError(f"job {self.cfg.run_id}: node slot {self.cfg.node_rank} was taken by another launcher "
+                               f"({holder}) while the job's keys were cleared for a new run; is that launcher one "
+                               "too many, or is --rdzv-id another job's?")
+
+    def _wait_for_failure(self, gen: int) -> None:
+        """Wait (up to the rendezvous timeout) until the survivors of generation ``gen`` found the
+        failure that this launcher, replacing one of its nodes, comes after."""
+        try:
+            self.store.wait([self._k(gen, "failed")], datetime.timedelta(seconds=self.cfg.rdzv_timeout))
+        except job_store.WAIT_TIMED_OUT:
+            raise RuntimeError(
+                f"job {self.cfg.run_id}: this launcher came to replace node {self.cfg.node_rank} of the running "
+                f"generation {gen}, but no node reported a failure within the rendezvous timeout "
+                f"({self.cfg.rdzv_timeout:.0f}s; --rdzv-conf timeout): is node {self.cfg.node_rank}'s launcher still "
+                "running (then this one is one too many), or is --rdzv-id another job's?") from None
+
+    def _latest(self) -> Optional[int]:
+        """The newest generation begun (None: none, a new job)."""
+        latest = job_store.read(self.store, "latest")
+        return None if latest is None else int(latest)
+
+    def _gathering(self, latest: int) -> bool:
+        """Generation ``latest`` is still gathering its nodes."""
+        return job_store.read(self.store, self._k(latest, "members")) is None
 
     def _peers_alive(self) -> bool:
         """Another node's launcher, in a generation, writes its heartbeat: one changes within three
@@ -468,10 +524,8 @@ class NodeCoordinator:
             n = self._num_shards.get(gen)
             return n is not None and len(self._saved.get(gen, ())) >= n
         def covered() -> bool:
-            if not self.store.check([self._k(gen, "num_shards")]):
-                return False
-            n = int(self.store.get(self._k(gen, "num_shards")))
-            return self.store.check([self._k(gen, f"saved/{i}") for i in range(n)])
+            n = job_store.read(self.store, self._k(gen, "num_shards"))
+            return n is not None and self.store.check([self._k(gen, f"saved/{i}") for i in range(int(n))])
 
         return self._guarded(covered, False)
 
@@ -528,8 +582,8 @@ class NodeCoordinator:
 
     def _read_heartbeat(self, node: int) -> Optional[str]:
         """Node ``node``'s launcher's last heartbeat in the store (None: none yet)."""
-        key = f"alive/{node}"
-        return self.store.get(key).decode() if self.store.check([key]) else None
+        beat = job_store.read(self.store, f"alive/{node}")
+        return None if beat is None else beat.decode()
 
     def close(self) -> None:
         self._closing.set()

@@ -59,7 +59,13 @@ class StageGenerations:
         key = f"launch{launch}/pg_gen"
         if self.cfg.node_rank == 0:
             self.store.set(key, str(self.store.add("pg_gen", 1)))
-        self.store.wait([key])
+        try:  # the store's whole timeout (--rdzv-conf timeout), then a clear error
+            self.store.wait([key])
+        except (RuntimeError, LookupError) as e:  # c10d's DistStoreError, torch's EtcdStore's LookupError
+            raise RuntimeError(f"job {self.cfg.run_id}: node 0 did not say which generation launch {launch}'s "
+                               f"workers start in within the rendezvous timeout ({self.cfg.rdzv_timeout:.0f}s; "
+                               "--rdzv-conf timeout): is node 0's launcher running, with this --rdzv-id? "
+                               f"({e})") from None
         return int(self.store.get(key))
 
     def replace(self, rank: int, launch: int) -> Optional[int]:

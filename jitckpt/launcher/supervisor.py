@@ -251,7 +251,12 @@ class Launcher:
                 log.error("%s; start the job on another node", e)
                 self.emit("job_end", status="failed", exit_code=1, restarts=0, reason=str(e))
                 return 1
-            gen = self.coord.first_launch()  # whole-job launches (the coordinator's generations)
+            try:
+                gen = self.coord.first_launch()  # whole-job launches (the coordinator's generations)
+            except RuntimeError as e:  # e.g. a replacement for a node whose launcher runs: a bounded wait
+                log.error("%s", e)
+                self.emit("job_end", status="failed", exit_code=1, restarts=0, reason=str(e))
+                return 1
             self.restart_count = self.coord.restarts_before(gen)  # a replacement: the job's restarts so far
             while True:
                 self.gen = self.stage.for_launch(gen) if self.stage is not None else gen
