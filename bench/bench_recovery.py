@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import inprocess_floor  # noqa: E402
+import proc_tree  # noqa: E402
 from jitckpt.launcher.supervisor import with_malloc_hugepages  # noqa: E402
 TRAIN = ROOT / "examples" / "train_ddp.py"
 MODEL = ["--in-dim", "1024", "--hidden", "2048", "--layers", "2", "--out-dim", "1024",
@@ -60,8 +61,8 @@ def read_log(path: Path) -> list:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def run(cmd: list, cwd: Path, timeout: float = 600) -> str:
-    p = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+def run(cmd: list, cwd: Path, timeout: float = 300) -> str:
+    p = proc_tree.run(cmd, cwd=cwd, env=ENV, timeout=timeout)  # a timeout kills its workers too
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p.stdout + p.stderr
@@ -95,7 +96,7 @@ def first_step_after_standbys(d: Path) -> tuple[int, float]:
     return min(steps), ready["seconds"]
 
 
-def launcher_cpu(cmd: list, d: Path, *, from_step: int, to_step: int, timeout: float = 600) -> dict:
+def launcher_cpu(cmd: list, d: Path, *, from_step: int, to_step: int, timeout: float = 300) -> dict:
     """Run ``cmd`` (a launcher of 2 ranks) in ``d`` like :func:`run`, and read from the kernel
     the CPU seconds per step of the launcher's own processes and threads between rank 0's steps
     ``from_step`` (or the first after the warm standbys were ready, if later) and ``to_step``:
@@ -120,9 +121,7 @@ def launcher_cpu(cmd: list, d: Path, *, from_step: int, to_step: int, timeout: f
             time.sleep(0.005)  # polling a file the workers append to; the sleep is not a sync
         out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proc_tree.kill_tree(proc.pid)  # a no-op once it ended; else its workers go with it
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{out[-3000:]}")
     if len(marks) < 2 or marks["b"][0] - marks["a"][0] < 5:

@@ -43,6 +43,7 @@ sys.path.insert(0, str(BENCH))
 
 from bench_proxy import REPO, clean_env, dp_step_times, emit  # noqa: E402
 from dp_build import DP_LIBS, DRIVER, need_build  # noqa: E402
+import proc_tree  # noqa: E402
 
 SIZE = 1024
 
@@ -78,8 +79,7 @@ def launcher_job(tmp: Path, steps: int, fail_at: int | None, journal: bool, rank
            *extra_args, str(DRIVER), "--jitckpt", "--lib-dir", str(DP_LIBS), "--steps", str(steps), "--dim", str(SIZE),
            "--batch", str(SIZE), "--out", str(tmp / "final{rank}.bin")]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                          timeout=600)
+    proc = proc_tree.run(cmd, env=env, stderr=subprocess.STDOUT, cwd=REPO, timeout=600)  # a timeout kills its workers too
     wall = time.monotonic() - t0
     if proc.returncode != 0:
         raise SystemExit(f"the job failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}")

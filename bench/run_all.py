@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import proc_tree
 from rich.console import Console
 from rich.table import Table
 
@@ -210,10 +211,14 @@ def run(bench: Bench, scratch: Path, console: Console) -> tuple[Optional[dict], 
     t0 = time.monotonic()
     console.print(f"[bold]-- {bench.name}[/bold] (quick)")
     try:
-        proc = subprocess.run(bench.argv(out), capture_output=True, text=True, timeout=bench.timeout,
-                              cwd=BENCH.parent)
-    except subprocess.TimeoutExpired:
+        proc = proc_tree.run(bench.argv(out), timeout=bench.timeout, cwd=BENCH.parent)
+    except subprocess.TimeoutExpired as e:
+        (scratch / f"{bench.name}.log").write_text((e.output or "") + (e.stderr or ""))
         return None, f"timed out after {bench.timeout:.0f} s"
+    finally:  # what it orphaned (this process is their subreaper) ends with it
+        left = proc_tree.kill_descendants()
+        if left:
+            console.print(f"   [yellow]{bench.name} left {len(left)} processes running: killed {left}[/yellow]")
     (scratch / f"{bench.name}.log").write_text(proc.stdout + proc.stderr)
     console.print(f"   {time.monotonic() - t0:.0f} s, exit {proc.returncode}")
     if proc.returncode != 0:
@@ -230,6 +235,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--only", nargs="*", choices=[b.name for b in BENCHES], help="run only these")
     ap.add_argument("--keep", default="", help="directory for the JSON and logs (default: a temp dir)")
     args = ap.parse_args(argv)
+    proc_tree.become_subreaper()
     console = Console() if sys.stdout.isatty() else Console(width=150)  # a log keeps whole rows
     benches = [b for b in BENCHES if not args.only or b.name in args.only]
     scratch_ctx = tempfile.TemporaryDirectory(prefix="jitckpt-bench-") if not args.keep else None
