@@ -49,6 +49,7 @@ class FailureRecord:
     first_kind: Optional[str] = None     # of the failure this one interrupted the recovery from
     during_recovery: int = 0             # how many failures in a row hit the recovery
     timed_out: bool = False              # --save-timeout passed before every shard was covered (said once)
+    not_ready: list = field(default_factory=list)  # "rank r: why", each restarted rank without a ready standby
 
     @property
     def label(self) -> str:
@@ -218,7 +219,8 @@ class JitRecovery:
         summary = dict(failure_kind=f.label, failed_ranks=sorted(f.failed_ranks), detect_s=f.detect_s,
                        save_s=save_s, restart_s=restart_s, restore_s=restore_s,
                        total_s=now - f.t_detect, checkpoint_bytes=f.checkpoint_bytes,
-                       step_failed=f.step_failed, step_resumed=step_resumed, steps_redone=redone)
+                       step_failed=f.step_failed, step_resumed=step_resumed, steps_redone=redone,
+                       standbys="ready" if not f.not_ready else "not ready: " + "; ".join(f.not_ready))
         self.emit("resumed", step=step_resumed, steps_redone=redone)
         self.emit("recovery_summary", **summary)
         self.display.show_summary(summary)

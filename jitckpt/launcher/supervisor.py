@@ -238,12 +238,13 @@ class Launcher:
                 env["LD_PRELOAD"] = cfg.preload
             if cfg.transparent:
                 env.update(transparent_env(cfg))
+            # --preload (libjit.so does not track a forked child): no template.
             self.pool = StandbyPool(size=cfg.nproc_per_node * cfg.warm_standby, env=env,
-                                    python=sys.executable)
-            # The first generation's workers; the standbys for a restart are started once they
-            # train, so that their imports do not delay the job's start where cores are few (a
-            # failure before then restarts on standbys still importing: no slower than cold).
-            self.pool.fill(count=cfg.nproc_per_node)
+                                    python=sys.executable, forks=not cfg.preload)
+            # The first generation's workers (the standby template's import is the job's start);
+            # the standbys for a restart once they train: forks of the template, ready at once
+            # (standbys of their own, with --preload: imported at idle priority meanwhile).
+            self.pool.fill(count=cfg.nproc_per_node, ahead=False)
         try:
             try:
                 self.daemon.start(os.getpid())
@@ -435,6 +436,7 @@ class Launcher:
     def _start_workers(self, launch: int, master: tuple[str, int]) -> None:
         role = "initial" if launch == 0 else "restart"
         streams = self.logs.attempt(self.gen, list(range(self.cfg.nproc_per_node)))
+        self.not_ready: list[str] = []  # why a rank of this launch did not get a ready standby
         self.workers = [self._start_worker(self.gen, lr, master, role, streams[lr])
                         for lr in range(self.cfg.nproc_per_node)]
 
@@ -455,15 +457,19 @@ class Launcher:
                                         pass_fds=(child.fileno(),), start_new_session=True)
             child.close()
             w = Worker(rank, local_rank, proc, parent, warm=False)
+            why = "--no-python (no standby: the program starts anew)"
         else:
             assert self.pool is not None
-            standby, warm = self.pool.take()
+            standby, why = self.pool.take()
             proc = standby.proc
             argv = [cfg.script, *cfg.script_args]
             standby.channel.send(Assign(env=env, argv=argv, cwd=os.getcwd(), module=cfg.module, spec=spec.to_dict(),
                                         stdout=streams.stdout or "", stderr=streams.stderr or ""))
-            w = Worker(rank, local_rank, proc, standby.channel, warm=warm, board=standby.board)
-        self.emit("worker_start", rank=rank, pid=proc.pid, warm=w.warm, role=role)
+            w = Worker(rank, local_rank, proc, standby.channel, warm=why is None, board=standby.board)
+        if why is not None:
+            self.not_ready.append(f"rank {rank}: {why}")
+        self.emit("worker_start", rank=rank, pid=proc.pid, warm=w.warm, role=role,
+                  **({"not_ready": why} if why is not None else {}))
         return w
 
     def _native_logging_env(self, rank: int, role: str) -> dict:
@@ -527,6 +533,7 @@ class Launcher:
         self._start_workers(gen, master)
         if self.jit.pending is not None:
             self.jit.pending.t_killed = self.jit.pending.t_killed or t_start
+            self.jit.pending.not_ready = self.not_ready  # the recovery summary says why, if any
         sel = selectors.DefaultSelector()
         for w in self.workers:
             sel.register(w.channel.fileno(), selectors.EVENT_READ, w)

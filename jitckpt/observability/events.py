@@ -7,7 +7,8 @@ Every record has ``t`` (Unix time, seconds, float), ``event`` (one of :data:`EVE
 event                     fields
 ========================  ======================================================================
 ``job_start``             nproc, nnodes, world_size, script, checkpoint_dir, hang_timeout, run_id
-``worker_start``          rank, pid, warm (bool: taken from the warm standby pool), role
+``worker_start``          rank, pid, warm (bool: a ready warm standby, torch imported), role;
+                          not_ready (why not, when warm is false)
                           (initial|restart|replacement)
 ``standby_ready``         count, seconds (the refilled warm standby pool finished importing)
 ``step``                  rank, step, step_time (s) -- sampled, not every step
@@ -28,7 +29,9 @@ event                     fields
                           from another node's replica, AOR)
 ``resumed``               step, steps_redone
 ``recovery_summary``      failure_kind, failed_ranks, detect_s, save_s, restart_s, restore_s,
-                          total_s, checkpoint_bytes, step_failed, step_resumed, steps_redone;
+                          total_s, checkpoint_bytes, step_failed, step_resumed, steps_redone,
+                          standbys ("ready", or "not ready: rank r: why; ..." for the restarted
+                          ranks that found no ready warm standby);
                           scope "stage" for a --recovery stage replacement (restore_s: its
                           checkpoint load and replay; steps_redone: by that rank alone)
 ``job_end``               status (ok|failed|preempted), exit_code, restarts; signal (preempted:

@@ -95,6 +95,7 @@ class StatusDisplay:
                 ("failure", f"{s['failure_kind']} (ranks {s['failed_ranks'] or 'unknown'})"),
                 ("JIT save (detection → every shard saved)", sec(s["save_s"])),
                 ("restart (workers up, rendezvous)", sec(s["restart_s"])),
+                ("restarted on warm standbys", "yes" if s.get("standbys", "ready") == "ready" else f"no, {s['standbys']}"),
                 ("restore (checkpoint load)", sec(s["restore_s"])),
                 ("total (detection → first step done)", sec(s["total_s"])),
                 ("checkpoint size", f"{s['checkpoint_bytes'] / 1e6:.1f} MB"),

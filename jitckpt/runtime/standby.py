@@ -1,9 +1,12 @@
 """Warm standby worker: a Python process that has already imported torch, waiting for a rank.
 
 The launcher keeps a pool of these so a restart costs rendezvous and checkpoint load, not
-interpreter start-up and ``import torch`` (seconds). On ``assign`` it takes the rank's environment
-and argv and the worker spec, starts the jitckpt worker runtime from the spec, and runs the
-user's script as ``__main__``.
+interpreter start-up and ``import torch`` (seconds). A plain Python job's standbys are forked by
+the standby template (:mod:`jitckpt.runtime.standby_template`), which imported torch once; with
+``--preload`` (libjit.so) each one is a process of its own that imports torch itself, on a thread
+at idle CPU and I/O priority so that it never slows a training step. On ``assign`` it takes the
+rank's environment and argv and the worker spec, starts the jitckpt worker runtime from the spec,
+and runs the user's script as ``__main__``.
 """
 from __future__ import annotations
 
@@ -11,6 +14,41 @@ import os
 import runpy
 import socket
 import sys
+import threading
+
+from jitckpt.runtime.idle_priority import at_idle_priority
+
+
+def import_torch() -> None:
+    """The expensive part, done while idle: torch itself, and torch._dynamo, which DDP's
+    constructor imports lazily (seconds on its own), and the runtime a worker starts."""
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+    import torch.optim  # noqa: F401
+
+    import jitckpt.runtime.worker_runtime  # noqa: F401
+
+
+def import_torch_at_idle_priority() -> None:
+    """:func:`import_torch` on a thread of its own at idle CPU and I/O priority, the caller waiting:
+    an unprivileged process can lower its priority but not raise it again, and this thread's
+    priority ends with it (the worker-to-be keeps its own)."""
+    error: list = []
+
+    def run() -> None:
+        try:
+            at_idle_priority()
+            import_torch()
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            error.append(e)
+
+    t = threading.Thread(target=run, name="jitckpt-standby-import")
+    t.start()
+    t.join()
+    if error:
+        raise error[0]
 
 
 def redirect_output(stdout: str, stderr: str) -> None:
@@ -24,24 +62,29 @@ def redirect_output(stdout: str, stderr: str) -> None:
 
 
 def main() -> None:
+    """A standby started as a process of its own (``python -m jitckpt.runtime.standby [--idle]``;
+    ``--idle``: started ahead of its use, while the job trains: it imports at idle priority)."""
+    from jitckpt.process_title import set_title
+
+    set_title("jitckpt standby")
+    if sys.argv[1:] == ["--idle"]:
+        import_torch_at_idle_priority()
+    else:
+        import_torch()
+    serve()
+
+
+def serve() -> None:
+    """Say ready, wait for the launcher's assignment and run the rank's script (torch imported;
+    the control channel and the step board in the environment)."""
+    from jitckpt.process_title import set_title, worker_title
     from jitckpt.protocol.control_channel import ENV_FD, ControlChannel
     from jitckpt.protocol.control_messages import TO_WORKER, Assign, Ready
     from jitckpt.protocol.step_board import StepBoard
     from jitckpt.snapshot.premap import ENV_PREMAP
 
-    from jitckpt.process_title import set_title, worker_title
-
-    set_title("jitckpt standby")
     channel = ControlChannel(socket.socket(fileno=int(os.environ[ENV_FD])), incoming=TO_WORKER)
     board = StepBoard.from_env()
-    # The expensive part, done while idle: torch itself, and torch._dynamo, which DDP's
-    # constructor imports lazily (seconds on its own).
-    import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import torch.nn.parallel  # noqa: F401
-    import torch.optim  # noqa: F401
-
     from jitckpt.runtime.current import install_runtime
     from jitckpt.runtime.worker_runtime import WorkerRuntime
 

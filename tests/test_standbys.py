@@ -1,0 +1,84 @@
+"""Warm standbys (issue 43 item 4): a plain Python job's are forked by the standby template, which
+imported torch once, so a failure at any step after the first restarts on ready standbys, and
+their start takes no CPU from training; each is still a process of its own, as a fresh one is.
+Standbys of their own (with LD_PRELOAD) import torch at idle CPU and I/O priority."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import COLD, ROOT, run_job
+
+PROBE = ROOT / "tests" / "scripts" / "standby_probe.py"
+
+
+@pytest.mark.parametrize("launcher_args", [[], COLD], ids=["template", "warm-standby-0"])
+def test_every_worker_is_a_process_of_its_own_child_of_the_launcher(tmp_path: Path, launcher_args: list) -> None:
+    """Its own session, its parent the launcher (a fork's intermediate parent exited: the launcher
+    is the subreaper), normal CPU and I/O priority, its own numpy and Python random state."""
+    job = run_job(tmp_path, nproc=2, script=PROBE, script_args=[], launcher_args=launcher_args, timeout=120)
+    job.show_on_failure()
+    assert job.rc == 0
+    ranks = [json.loads((tmp_path / f"final.pt.{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["sid"] == r["pid"] and r["parent"].startswith("jitckpt launcher"), r
+        assert r["sched_other"] and r["ioprio_class"] in (0, 2), r  # none (the default) or best effort
+    assert ranks[0]["numpy"] != ranks[1]["numpy"] and ranks[0]["random"] != ranks[1]["random"], ranks
+
+
+@pytest.mark.parametrize("api", ["protect", "init"])
+def test_a_failure_soon_after_the_first_step_restarts_on_ready_standbys_bitwise(tmp_path: Path, api: str) -> None:
+    """Rank 1 killed at its 7th step, 0.6 s into training: the standbys were forked once both ranks
+    trained, so the restart found them ready (they used to import torch for seconds then, taking
+    the training's CPU); bitwise, one minibatch redone."""
+    common = ["--api", api, "--steps", "10", "--step-sleep", "0.1"]
+    ref = run_job(tmp_path / "ref", nproc=2, script_args=common, launcher_args=COLD)
+    job = run_job(tmp_path / "kill", nproc=2, script_args=[*common, "--inject", "0:1:6:kill"])
+    job.show_on_failure()
+    assert ref.rc == 0 and job.rc == 0
+    (summary,) = job.ev("recovery_summary")
+    assert summary["standbys"] == "ready" and summary["steps_redone"] == 1, summary
+    assert all(e["warm"] for e in job.ev("worker_start") if e["gen"] == 1)
+    want, got = ref.final_params(), job.final_params()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_without_a_ready_standby_the_summary_says_why(tmp_path: Path) -> None:
+    job = run_job(tmp_path, nproc=2, script_args=["--steps", "6", "--inject", "0:1:3:kill"], launcher_args=COLD)
+    job.show_on_failure()
+    assert job.rc == 0
+    (summary,) = job.ev("recovery_summary")
+    assert summary["standbys"] == "not ready: rank 0: --warm-standby 0; rank 1: --warm-standby 0", summary
+    assert "restarted on warm standbys" in job.out and "no, not ready" in job.out
+
+
+def test_a_standby_of_its_own_imports_torch_on_an_idle_thread_and_keeps_its_own_priority() -> None:
+    """The thread that imports runs at SCHED_IDLE and the idle I/O class; the process's main thread
+    (the worker-to-be) stays at normal priority: unprivileged, it could not get it back."""
+    code = textwrap.dedent("""
+        import ctypes, json, os, platform, threading
+        import jitckpt.runtime.standby as standby
+        seen = {}
+        real = standby.import_torch
+        def probe():
+            n = {"x86_64": 252, "aarch64": 31}[platform.machine()]
+            seen["idle"] = os.sched_getscheduler(0) == os.SCHED_IDLE
+            seen["ioprio_class"] = ctypes.CDLL(None).syscall(n, 1, 0) >> 13
+            seen["thread"] = threading.current_thread().name
+            real()
+        standby.import_torch = probe
+        standby.import_torch_at_idle_priority()
+        seen["main_normal"] = os.sched_getscheduler(0) == os.SCHED_OTHER
+        print(json.dumps(seen))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen == {"idle": True, "ioprio_class": 3, "thread": "jitckpt-standby-import", "main_normal": True}
