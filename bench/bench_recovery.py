@@ -12,7 +12,14 @@
    beside the floor of in-process recovery on this machine (bench/inprocess_floor.py), vs torchrun + torch.save every 10 steps and
    torchrun + torch.distributed.checkpoint.async_save (DCP) every 10 steps and every step (what
    users pick today); the steady-state step cost of both DCP variants is in 1. too.
+   The same for the paper's API (`jitckpt.init(save_fn)` + `get_checkpoint_path()`, the script's
+   own torch.save / torch.load: train_ddp.py --api init) beside `protect()`, and both with a
+   failure early in the run (step 2, and a step before the warm standbys are normally ready),
+   each run saying whether its restart found ready standbys.
 3. JIT checkpoint write throughput as a fraction of the raw write bandwidth of the same directory.
+4. What starting the warm standbys costs the training: median step over steps 3-60 (where they
+   start) of `jitckpt run` vs `jitckpt run --warm-standby 0`, runs interleaved with torchrun's,
+   whose run-to-run spread is the yardstick.
 
 Model: the 8.4 M-parameter MLP (1024-2048-2048-1024), Adam, batch 32.
 Usage: python bench/bench_recovery.py [--quick] [--out bench/results/recovery.json]
@@ -29,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import psutil
 
@@ -55,6 +63,9 @@ BASELINES = {
     "torchrun_dcp10": ["--baseline-dcp-every", "10"],
     "torchrun_dcp1": ["--baseline-dcp-every", "1"],
 }
+
+
+EARLY_FAIL_STEPS = (2, 10)  # failures soon after the first step (see main)
 
 
 def read_log(path: Path) -> list:
@@ -257,44 +268,95 @@ def back_at_failed_step(log: list, fail_step: int) -> tuple[float, float, int]:
     return t_fail, t_back, min(r["step"] for r in gen1)
 
 
-def jit_recovery(work: Path, steps: int, fail_step: int, reps: int) -> dict:
-    """jitckpt's recovery, ``reps`` runs: each field's median over the runs (one run's times swing
-    by ±30 % on this VM), and every run's failure-to-resumed time."""
-    runs = [jit_recovery_once(work / f"rec-jit-{i}", steps, fail_step) for i in range(reps)]
-    out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if runs[0][k] is not None
-           and all(r[k] is not None for r in runs)}
+def redo_started(log: list, fail_step: int) -> float:
+    """When the new launch began the failed minibatch again (state restored, about to redo it), on
+    the last rank to begin it: from the script's own log (a step's end time less its duration)."""
+    return max(r["t"] - r["dt"] for r in log if r.get("gen", 0) >= 1 and r.get("step") == fail_step)
+
+
+def jit_recovery(work: Path, steps: int, fail_step: int, reps: int, api: str = "protect",
+                 tag: str = "jit") -> dict:
+    """jitckpt's recovery with ``api`` (protect / init), ``reps`` runs: each number's median over
+    the runs (one run's times swing by ±30 % on this VM), and every run."""
+    return summarize_runs([jit_recovery_once(work / f"rec-{tag}-{i}", steps, fail_step, api)
+                           for i in range(reps)])
+
+
+def summarize_runs(runs: list) -> dict:
+    """Each numeric field's median over ``runs`` (where every run has it), how many runs' restarts
+    found ready standbys, and the runs themselves."""
+    out = {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool)
+           and all(isinstance(r[k], (int, float)) for r in runs)}
+    out["standbys_ready_runs"] = sum(bool(r["standbys"]["ready"]) for r in runs)
     out["runs"] = runs
     return out
 
 
-def jit_recovery_once(d: Path, steps: int, fail_step: int) -> dict:
+def jit_recovery_once(d: Path, steps: int, fail_step: int, api: str = "protect") -> dict:
     d.mkdir()
-    run(jitrun(2, [*MODEL, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"),
+    run(jitrun(2, [*MODEL, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"), "--api", api,
                    "--inject", f"0:1:{fail_step}:kill"], d, extra=["--hang-timeout", "30"]), d)
     log = read_log(d / "log.jsonl")
     t_fail, t_back, first = back_at_failed_step(log, fail_step)
+    t_redo = redo_started(log, fail_step)
     ev = [json.loads(x) for x in (d / "run" / "events.jsonl").read_text().splitlines()]
     t_detect = next(e["t"] for e in ev if e["event"] == "failure_detected")
-    t_saved = max(e["t"] for e in ev if e["event"] == "checkpoint_saved")
+    saved = [e for e in ev if e["event"] == "checkpoint_saved"]
     t_restart = next(e["t"] for e in ev if e["event"] == "restart")
-    restores = [e for e in ev if e["event"] == "restore"]
-    t_restored = max(e["t"] for e in restores)
-    restore_s = max(e["seconds"] for e in restores)
-    ckpt_bytes = max(e["bytes"] for e in ev if e["event"] == "checkpoint_saved")
+    restores = [e for e in ev if e["event"] == "restore" and e.get("gen", 1) >= 1]
+    if api == "protect":  # restore() reports once it has loaded the state, with the load's seconds
+        t_restored = max(e["t"] for e in restores)
+        restore_s = max(e["seconds"] for e in restores)
+        t_load = t_restored - restore_s
+    else:
+        # get_checkpoint_path() reports the restore point as it returns the path, before the
+        # script's torch.load: its "restore" event marks the load's start, not its end. Restored,
+        # about to redo the failed minibatch, is then where the script's loop begins that
+        # minibatch again. The restore thus spans the script's load and what follows to its loop.
+        t_load = max(e["t"] for e in restores)
+        t_restored = t_redo
+        restore_s = t_restored - t_load
     return {
-        "total_s": t_back - t_fail, "detect_s": t_detect - t_fail, "save_s": t_saved - t_detect,
-        "restart_s": (t_restored - restore_s) - t_restart, "restore_s": restore_s,
+        "total_s": t_back - t_fail, "detect_s": t_detect - t_fail,
+        "save_s": max(e["t"] for e in saved) - t_detect,
+        "restart_s": t_load - t_restart, "restore_s": restore_s,
         "redo_s": t_back - t_restored, "resumed_at": first, "minibatches_redone": fail_step - first + 1,
-        "checkpoint_bytes": ckpt_bytes,
-        # Issue 19's target: failure to training resumed at the failed minibatch (restored, about to run it).
+        "checkpoint_bytes": max(e["bytes"] for e in saved),
+        # Issue 19's target: failure to training resumed at the failed minibatch (restored, about to
+        # run it): protect()'s restore report (received by the launcher), init()'s loop at that
+        # minibatch again (its restore report comes before the load).
         "resumed_s": t_restored - t_fail,
+        # The same point read alike for both APIs: the script's loop begins the failed minibatch again.
+        "redo_started_s": t_redo - t_fail,
         # The launcher's fsync of the survivors' checkpoints, after the restart began (one node).
         "fsync_after_restart_s": max((e["seconds"] for e in ev if e["event"] == "checkpoint_durable"), default=None),
+        "failure_after_start_s": t_fail - ev[0]["t"],  # the launcher's job_start to the failure
+        "standbys": restart_standbys(ev, t_fail),
     }
 
 
-def bench_recovery(work: Path, steps: int, fail_step: int, reps: int = 3) -> dict:
-    res = {"jitckpt": jit_recovery(work, steps, fail_step, reps)}
+def restart_standbys(ev: list, t_fail: float) -> dict:
+    """Whether the restart found its warm standbys ready (imports done). The launcher's own word
+    when its recovery_summary has one (``standbys``: "ready", or "not ready: " and why); else
+    derived from the events: every worker of the new launch came from the pool (worker_start
+    ``warm``; a standby still importing counts as warm there) and the pool had said it was ready
+    (``standby_ready``) before the failure."""
+    summary = next((e for e in ev if e["event"] == "recovery_summary"), {})
+    starts = [e for e in ev if e["event"] == "worker_start" and e.get("gen", 0) >= 1]
+    ready_t = [e["t"] for e in ev if e["event"] == "standby_ready" and e.get("gen", 0) == 0]
+    warm = bool(starts) and all(e.get("warm") for e in starts)
+    ready_before = any(t < t_fail for t in ready_t)
+    reported = summary.get("standbys")
+    return {"ready": warm and ready_before if reported is None else reported in (True, "ready"),
+            "reported": reported, "warm": warm, "pool_ready_before_failure": ready_before,
+            # standby_ready's time less the failure's (negative: ready before it; None: never said)
+            "pool_ready_minus_failure_s": min(ready_t) - t_fail if ready_t else None}
+
+
+def bench_recovery(work: Path, steps: int, fail_step: int, reps: int = 3, init_reps: int = 3) -> dict:
+    res = {"jitckpt": jit_recovery(work, steps, fail_step, reps),
+           "jitckpt_init": jit_recovery(work, steps, fail_step, init_reps, api="init", tag="init")}
     for name, flags in BASELINES.items():
         d = work / f"rec-{name}"
         d.mkdir()
@@ -312,6 +374,17 @@ def bench_recovery(work: Path, steps: int, fail_step: int, reps: int = 3) -> dic
         res[f"speedup_vs_{name}"] = res[name]["total_s"] / res["jitckpt"]["total_s"]
     res["speedup"] = res["speedup_vs_torchrun_save10"]
     return res
+
+
+def bench_early_recovery(work: Path, fail_steps: tuple, reps: int) -> dict:
+    """Both APIs' recovery from a failure early in the run, where the restart may find its
+    standbys still importing: {"protect": {step: row}, "init": {step: row}}, runs interleaved."""
+    runs: dict = {api: {s: [] for s in fail_steps} for api in ("protect", "init")}
+    for i in range(reps):
+        for s in fail_steps:
+            for api in runs:  # a few steps past the failure: the redo is all that is read
+                runs[api][s].append(jit_recovery_once(work / f"rec-early-{api}-s{s}-{i}", s + 4, s, api))
+    return {api: {str(s): summarize_runs(r) for s, r in by_step.items()} for api, by_step in runs.items()}
 
 
 # ---- 3. write throughput ----------------------------------------------------------------------
@@ -355,6 +428,48 @@ def bench_write(work: Path, reps: int = 7) -> dict:
             "fraction_of_raw_medians": raw_s / jit_s}
 
 
+# ---- 4. what starting the warm standbys costs the training ---------------------------------
+STARTUP_WINDOW = (3, 60)  # rank 0's steps, both ends included: the standbys start up in it
+
+
+def bench_standby_startup(work: Path, rounds: int, api: str = "init") -> dict:
+    """Median step over STARTUP_WINDOW of `jitckpt run` (warm standbys, started once training
+    runs) vs `jitckpt run --warm-standby 0` (none), the same script (``api``: the issue's job uses
+    init()), and torchrun's, runs interleaved; torchrun's run-to-run spread (max / min of its
+    per-run medians, less 1) is what a difference must exceed to be one on this VM."""
+    lo, hi = STARTUP_WINDOW
+    kinds = {"torchrun": lambda a, d: torchrun(2, [*a, "--no-jitckpt"], d),
+             "jitckpt": lambda a, d: jitrun(2, [*a, "--api", api], d),
+             "warm_standby_0": lambda a, d: jitrun(2, [*a, "--api", api], d, extra=["--warm-standby", "0"])}
+    medians: dict = {k: [] for k in kinds}
+    ready_at: list = []  # (seconds, rank 0's step under way) of each warm run's standby_ready
+    for i in range(rounds):
+        for kind, cmd in kinds.items():
+            d = work / f"startup-{kind}-{i}"
+            d.mkdir()
+            run(cmd([*MODEL, "--steps", str(hi + 1), "--steps-log", str(d / "log.jsonl")], d), d)
+            log = read_log(d / "log.jsonl")
+            medians[kind].append(statistics.median(r["dt"] for r in log if r.get("rank") == 0 and "dt" in r
+                                                   and lo <= r["step"] <= hi))
+            if kind == "jitckpt":
+                ready_at.append(standby_ready_step(d, log))
+    m = {k: statistics.median(v) for k, v in medians.items()}
+    ratio, spread = m["jitckpt"] / m["warm_standby_0"] - 1, max(medians["torchrun"]) / min(medians["torchrun"]) - 1
+    return {"window": list(STARTUP_WINDOW), "api": api, "rounds": rounds, "run_median_step_s": medians,
+            "median_step_s": m, "jitckpt_over_warm_standby_0": ratio, "torchrun_spread": spread,
+            "within_spread": abs(ratio) <= spread, "standby_ready": ready_at}
+
+
+def standby_ready_step(d: Path, log: list) -> Optional[dict]:
+    """The first launch's standby_ready in ``d``: its seconds and the step rank 0 was in then."""
+    ev = [json.loads(x) for x in (d / "run" / "events.jsonl").read_text().splitlines()]
+    ready = next((e for e in ev if e["event"] == "standby_ready"), None)
+    if ready is None:
+        return None
+    begun = [r["step"] for r in log if r.get("rank") == 0 and "dt" in r and r["t"] - r["dt"] <= ready["t"]]
+    return {"seconds": ready["seconds"], "step": max(begun, default=None)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
@@ -369,13 +484,19 @@ def main() -> None:
     results["overhead"] = bench_overhead(work, steps, reps)
     results["overhead"].update(bench_hook_cost(results["overhead"]["median_step_plain_s"]))
     print("overhead:", json.dumps(results["overhead"], indent=1), flush=True)
-    results["recovery"] = bench_recovery(work, steps=40, fail_step=25)
+    results["recovery"] = bench_recovery(work, steps=40, fail_step=25, init_reps=2 if a.quick else 3)
     print("recovery:", json.dumps(results["recovery"], indent=1), flush=True)
+    # Step 2 and step 10 (~1.5 s of training here): before the standby template, the standbys
+    # for a restart were still importing torch then (~5 s on these 2 cores), and the restart cold.
+    results["recovery"]["early"] = bench_early_recovery(work, EARLY_FAIL_STEPS, reps=1 if a.quick else 2)
+    print("early failures:", json.dumps(results["recovery"]["early"], indent=1), flush=True)
     # The route the issue names (survivors keep their processes), reduced to what it cannot skip.
     results["recovery"]["inprocess_floor"] = inprocess_floor.measure(reps=3)
     results["recovery"]["resumed_over_inprocess_floor"] = (
         results["recovery"]["jitckpt"]["resumed_s"] / results["recovery"]["inprocess_floor"]["floor_s"])
     print("recovery:", json.dumps(results["recovery"], indent=1), flush=True)
+    results["overhead"]["standby_startup"] = bench_standby_startup(work, rounds=2 if a.quick else 3)
+    print("standby start-up:", json.dumps(results["overhead"]["standby_startup"], indent=1), flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {a.out}")

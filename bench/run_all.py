@@ -36,6 +36,7 @@ class Ratio:
     fmt: str                      # e.g. "{:.2f}x" or "{:+.2%}"
     target: str                   # as the README/issue states it
     meets: Optional[Callable[[float], bool]] = None
+    meets_in: Optional[Callable[[dict], bool]] = None  # a target read against other numbers of the same JSON
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,32 @@ class Bench:
     ratios: tuple
     stdout_json: bool = False     # the benchmark prints its JSON instead of writing a file
     timeout: float = 900.0
+
+
+EARLY_FAIL_STEPS = (2, 10)  # bench_recovery.py's: failures soon after the first step
+API_LABELS = {"protect": "protect()", "init": "init() API"}
+
+
+def _early_rows() -> tuple:
+    """bench_recovery.py's early failures: each API's failure-to-resumed time, and how many of
+    the restarts found their warm standbys ready."""
+    rows = []
+    for step in EARLY_FAIL_STEPS:
+        for api, label in API_LABELS.items():
+            rows.append(Ratio(f"recovery, failure at step {step}: jitckpt {label}, failure to resumed at the "
+                              "failed minibatch",
+                              lambda d, s=str(step), a=api: d["recovery"]["early"][a][s]["resumed_s"],
+                              "{:.2f} s", "< 0.3 s", lambda v: v < 0.3))
+        rows.append(Ratio(f"  restarts after the failure at step {step} that found the warm standbys ready "
+                          "(both APIs)",
+                          lambda d, s=str(step): _ready_fraction(d["recovery"]["early"], s), "{:.0%}", "(for reference)"))
+    return tuple(rows)
+
+
+def _ready_fraction(early: dict, step: str) -> float:
+    """Of both APIs' runs with a failure at ``step``, the fraction whose restart found ready standbys."""
+    rows = [early[api][step] for api in API_LABELS]
+    return sum(r["standbys_ready_runs"] for r in rows) / sum(len(r["runs"]) for r in rows)
 
 
 def _aor(key: str, mode: str) -> Callable[[dict], float]:
@@ -63,6 +90,12 @@ BENCHES = [
                  lambda d: d["recovery"]["speedup_vs_torchrun_dcp1"], "{:.2f}x", ">= 2x", lambda v: v >= 2),
            Ratio("recovery: jitckpt, failure to resumed at the failed minibatch",
                  lambda d: d["recovery"]["jitckpt"]["resumed_s"], "{:.2f} s", "< 0.3 s", lambda v: v < 0.3),
+           Ratio("recovery: jitckpt init() API (the paper's save_fn + get_checkpoint_path), failure to resumed "
+                 "at the failed minibatch", lambda d: d["recovery"]["jitckpt_init"]["resumed_s"], "{:.2f} s",
+                 "< 0.3 s", lambda v: v < 0.3),
+           Ratio("  init() API: failure to the failed step redone",
+                 lambda d: d["recovery"]["jitckpt_init"]["total_s"], "{:.2f} s", "(for reference)"),
+           *_early_rows(),
            Ratio("  ceiling: in-process floor (new group, standby builds model + DDP, state broadcast)",
                  lambda d: d["recovery"]["inprocess_floor"]["floor_s"], "{:.2f} s", "(same run)"),
            Ratio("  jitckpt resumed / in-process floor",
@@ -78,6 +111,12 @@ BENCHES = [
            Ratio("  run-to-run spread of torchrun's own median step, same run (max / min - 1; 0 in quick mode: one run)",
                  lambda d: max(d["overhead"]["run_median_step_s"]["plain"]) / min(d["overhead"]["run_median_step_s"]["plain"]) - 1,
                  "{:+.1%}", "(for reference)"),
+           Ratio("standby start-up: median step 3-60, warm standbys vs --warm-standby 0 (init() job, interleaved runs)",
+                 lambda d: d["overhead"]["standby_startup"]["jitckpt_over_warm_standby_0"], "{:+.1%}",
+                 "within run-to-run spread (next row)",
+                 meets_in=lambda d: d["overhead"]["standby_startup"]["within_spread"]),
+           Ratio("  run-to-run spread of torchrun's median step 3-60, same runs (max / min - 1)",
+                 lambda d: d["overhead"]["standby_startup"]["torchrun_spread"], "{:+.1%}", "(for reference)"),
            Ratio("steady state: CPU jitckpt adds per step (its processes and threads beyond torchrun's "
                  "agent, and its hooks) / step: the overhead's bound",
                  lambda d: d["overhead"]["own_cpu_extra_fraction"] + d["overhead"]["hook_cost_fraction"],
@@ -253,10 +292,11 @@ def main(argv: Optional[list] = None) -> int:
                 continue
             try:
                 value = float(r.read(data))
-            except (KeyError, TypeError, ValueError, IndexError) as e:
+                ok = r.meets(value) if r.meets is not None else r.meets_in(data) if r.meets_in is not None else None
+            except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
                 table.add_row(bench.name, r.what, "-", r.target, f"[red]missing {e}[/red]")
                 continue
-            met = "-" if r.meets is None else ("yes" if r.meets(value) else "[yellow]no[/yellow]")
+            met = "-" if ok is None else ("yes" if ok else "[yellow]no[/yellow]")
             table.add_row(bench.name, r.what, r.fmt.format(value), r.target, met)
         failed += data is None
     console.print(table)

@@ -29,6 +29,11 @@ rank (its launcher tells it of the failure) before it killed its keeper.
 all-reduce as in SWIFT: each parameter is updated as soon as its own all-reduce is done. PyTorch has
 no such optimizer on CPU, so it is emulated by wrapping torch's for-loop update function, which the
 step then calls once per parameter.
+
+--api init runs the same training with the paper's API instead of jitckpt.protect(): the script's
+own save function registered with jitckpt.init(save_fn, step_fn=...) (torch.save of model,
+optimizer, scheduler, step and RNG into the directory it is given, no collectives) and
+jitckpt.get_checkpoint_path() loaded at the start; no jitckpt.mark_step().
 """
 import argparse
 import contextlib
@@ -69,6 +74,9 @@ def parse():
     p.add_argument("--out", default="")
     p.add_argument("--steps-log", default="")
     p.add_argument("--no-jitckpt", action="store_true", help="plain DDP, for overhead comparisons")
+    p.add_argument("--api", default="protect", choices=["protect", "init"],
+                   help="protect: jitckpt.protect(model, opt, sched); init: the paper's API, "
+                        "jitckpt.init(save_fn) + get_checkpoint_path(), the script saving and loading")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (slow steps)")
     p.add_argument("--pause-before-step", default="", metavar="RANK:STEP:SECONDS",
                    help="in the first launch, RANK sleeps SECONDS between the backward and the optimizer "
@@ -89,6 +97,8 @@ def parse():
     args = p.parse_args()
     if args.overlap_step and args.optim not in ("adam", "sgd"):
         p.error("--overlap-step works with --optim adam or sgd")
+    if args.api == "init" and (args.no_jitckpt or args.optim == "zero-adam"):
+        p.error("--api init needs jitckpt and a replicated optimizer (not --no-jitckpt, --optim zero-adam)")
     return args
 
 
@@ -191,6 +201,37 @@ class DcpBaseline:
             self.pending.result()
 
 
+class InitApiState:
+    """``jitckpt.init()``'s side of the script: its own save function and the step it counts.
+
+    ``step`` is the minibatch under way, and the number completed once its scheduler step is done
+    (what ``step_fn`` must return); the fault hooks read it like ``protect()``'s ``state.step``."""
+
+    FILE = "state.pt"  # one file per rank's directory; any replica's loads on every rank
+
+    def __init__(self, net, opt, sched):
+        self.net, self.opt, self.sched, self.step = net, opt, sched, 0
+
+    def save(self, path):
+        """save_fn: this rank's state into ``path``, without any collective (peers may be dead)."""
+        torch.save({"model": self.net.state_dict(), "optimizer": self.opt.state_dict(),
+                    "scheduler": self.sched.state_dict(), "step": self.step,
+                    "rng": torch.get_rng_state()}, os.path.join(path, self.FILE))
+
+    def restore(self):
+        """The newest checkpoint jitckpt knows of, loaded; the step to start at (0: none)."""
+        path = jitckpt.get_checkpoint_path()
+        if path is None:
+            return 0
+        sd = torch.load(os.path.join(path, self.FILE), weights_only=True)
+        self.net.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["optimizer"])
+        self.sched.load_state_dict(sd["scheduler"])
+        torch.set_rng_state(sd["rng"])
+        self.step = int(sd["step"])
+        return self.step
+
+
 def wait_gone(pid, timeout=10.0):
     """Until ``pid`` (not our child: we cannot reap it) has died, so a restart finds it dead."""
     import psutil
@@ -241,7 +282,18 @@ def main():
         if int(g) == gen and mode in ("kill", "node"):
             dying.setdefault(int(s), set()).add(int(r))
     start = 0
-    if not args.no_jitckpt:
+    if args.api == "init":
+        state = InitApiState(net, opt, sched)
+        save_fn = state.save
+        if "save" in mine:
+            def save_fn(path):
+                state.save(path)
+                os.kill(os.getpid(), signal.SIGKILL)  # files written, metadata not yet
+        jitckpt.init(save_fn, step_fn=lambda: state.step)
+        start = state.restore()
+        if "restore" in mine:
+            os.kill(os.getpid(), signal.SIGKILL)
+    elif not args.no_jitckpt:
         state = jitckpt.protect(model, opt, sched)
         if "save" in mine:
             real_save = state.save
@@ -289,6 +341,8 @@ def main():
     loss_fn = nn.MSELoss()
     for step in range(start, args.steps):
         t0 = time.perf_counter()
+        if args.api == "init":
+            state.step = step
         x, y = batch_for(step, rank, args)
         if step in (mine.get("node"), mine.get("keeper")):
             from jitckpt.runtime.current import get_runtime
@@ -338,6 +392,8 @@ def main():
         else:
             opt.step()
         sched.step()
+        if args.api == "init":
+            state.step = step + 1  # the minibatch is complete: what a save now must resume at
         if args.baseline_save_every and rank == 0 and (step + 1) % args.baseline_save_every == 0:
             os.makedirs(args.baseline_dir, exist_ok=True)
             torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
