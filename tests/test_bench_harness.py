@@ -63,12 +63,12 @@ def test_a_benchmark_leaves_no_process_running_whether_it_times_out_or_ends(tmp_
     driver.write_text(DRIVER.format(bench=str(BENCH)))
     started: list[int] = []
     try:
-        p = subprocess.run([sys.executable, str(driver), str(fake), str(pids), mode, "8"], capture_output=True,
+        p = subprocess.run([sys.executable, str(driver), str(fake), str(pids), mode, "3"], capture_output=True,
                            text=True, timeout=90)
         started = [int(pids.read_text()), int(Path(str(pids) + ".orphan").read_text())]
         assert p.returncode == 0, p.stderr
         error = json.loads(p.stdout)["error"]
-        assert ("timed out after 8 s" in error) if mode == "hang" else ("no result" in error), error
+        assert ("timed out after 3 s" in error) if mode == "hang" else ("no result" in error), error
         left = [pid for pid in started if not _gone(pid)]
         assert not left, f"the benchmark's worker and orphan {started}: {left} still running after it ended"
     finally:
