@@ -17,6 +17,7 @@
 #include <string>
 
 #include "diagnostics.h"
+#include "environment.h"
 #include "json_writer.h"
 
 namespace jitckpt {
@@ -24,15 +25,6 @@ namespace {
 
 constexpr const char* kAskedVar = "JITCKPT_NATIVE_HELLO";
 constexpr const char* kChannelVar = "JITCKPT_CONTROL_FD";
-
-// The integer in $name, or fallback when it is unset or not a whole number.
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const long long n = std::strtoll(v, &end, 10);
-  return *end == '\0' ? n : fallback;
-}
 
 // {"type": "hello", "rank": R, "pid": P, "gen": G, "can_save": false} and a newline.
 std::string hello_line() {

@@ -9,21 +9,10 @@
 #include <cstring>
 
 #include "diagnostics.h"
+#include "environment.h"
 #include "json_writer.h"
 
 namespace jitckpt {
-namespace {
-
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const long long n = std::strtoll(v, &end, 10);
-  return *end == '\0' ? n : fallback;
-}
-
-}  // namespace
-
 namespace {
 
 // Starts a record with the fields every record of the launcher's log has.
