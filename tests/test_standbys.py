@@ -18,7 +18,8 @@ from jobs import COLD, ROOT, run_job
 PROBE = ROOT / "tests" / "scripts" / "standby_probe.py"
 
 
-@pytest.mark.parametrize("launcher_args", [[], COLD], ids=["template", "warm-standby-0"])
+@pytest.mark.parametrize("launcher_args", [pytest.param([], id="template"),
+                                           pytest.param(COLD, id="warm-standby-0", marks=pytest.mark.slow)])
 def test_every_worker_is_a_process_of_its_own_child_of_the_launcher(tmp_path: Path, launcher_args: list) -> None:
     """Its own session, its parent the launcher (a fork's intermediate parent exited: the launcher
     is the subreaper), normal CPU and I/O priority, its own numpy and Python random state."""
@@ -85,3 +86,34 @@ def test_a_standby_of_its_own_imports_torch_on_an_idle_thread_and_keeps_its_own_
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout)
     assert seen == {"idle": True, "ioprio_class": 3, "thread": "jitckpt-standby-import", "main_normal": True}
+
+
+@pytest.mark.slow  # ~15 s: the template's loss is rare; the fast suite covers its normal life
+def test_a_job_whose_standby_template_is_killed_goes_on_with_standbys_of_their_own(tmp_path: Path) -> None:
+    """The template SIGKILLed (an OOM kill, say) at step 2; rank 1 dies at step 8: the standbys
+    already forked take the restart, the next ones are processes of their own (the launcher says
+    so), and the job ends bitwise."""
+    import psutil
+
+    from jobs import kill_tree, start_launcher, wait_for_records
+
+    common = ["--steps", "14", "--step-sleep", "0.1"]
+    ref = run_job(tmp_path / "ref", nproc=2, script_args=common, launcher_args=COLD)
+    assert ref.rc == 0
+    d = tmp_path / "job"
+    launcher = start_launcher(d, ["--nproc-per-node", "2", "--checkpoint-dir", str(d / "ckpt"), "--run-dir",
+                                  str(d / "run"), "--status-interval", "0", str(ROOT / "examples" / "train_ddp.py"),
+                                  *common, "--inject", "0:1:8:kill", "--out", str(d / "final.pt"),
+                                  "--steps-log", str(d / "train.jsonl")])
+    try:
+        wait_for_records(d / "train.jsonl", 4, [launcher])
+        (template,) = [p for p in psutil.Process(launcher.pid).children()
+                       if " ".join(p.cmdline()).startswith("jitckpt template")]
+        template.kill()
+        assert launcher.wait(timeout=120) == 0, (d / "out.txt").read_text()[-4000:]
+    finally:
+        kill_tree(launcher.pid)
+    out = (d / "out.txt").read_text()
+    assert "standbys start as processes of their own" in out, out[-4000:]
+    want, got = ref.final_params(), torch.load(d / "final.pt", weights_only=True)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

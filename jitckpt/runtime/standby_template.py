@@ -107,6 +107,12 @@ def main() -> None:
         from jitckpt.runtime.standby import import_torch
 
         import_torch()
+        import torch
+
+        # A CUDA context does not survive a fork ("cannot re-initialize CUDA in forked
+        # subprocess"): were an import to make one, the standbys must be processes of their own.
+        if torch.cuda.is_initialized():
+            raise RuntimeError("importing torch initialized CUDA: a fork of this process could not use the GPU")
     except BaseException:  # noqa: BLE001 - the launcher falls back to standbys of their own
         sock.send(json.dumps({"error": traceback.format_exc()[-2000:]}).encode())
         raise

@@ -258,6 +258,9 @@ def test_a_proxy_lost_inside_the_optimizer_step_takes_the_next_minibatch_from_a_
     assert "a replica finished it, its buffers were taken, and the rest of its optimizer step is skipped" in log, log
 
 
+# ~16 s; the fast suite's fall-back to user-level recovery is test_native_no_save_path.py's (a
+# fault that recurs in the replay: every rank restarts from a JIT checkpoint or the start).
+@pytest.mark.slow
 def test_a_rank_that_cannot_recover_makes_every_rank_fall_back_to_user_level(jobs, reference, tmp_path: Path) -> None:
     """The same kill with replay validation off (JITCKPT_VALIDATE_AT=0): nothing says a replica's
     buffers can stand in for the worker's, so it refuses; the others read its refusal in the store,
