@@ -69,7 +69,15 @@ EARLY_FAIL_STEPS = (2, 10)  # failures soon after the first step (see main)
 
 
 def read_log(path: Path) -> list:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    """The JSON lines of ``path`` so far: read while the workers append to it, its last line may
+    be only partly written (it is left out)."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        lines.pop()
+    return [json.loads(x) for x in lines]
 
 
 def run(cmd: list, cwd: Path, timeout: float = 300) -> str:
@@ -98,7 +106,7 @@ def step_times(log: list, skip: int) -> list:
 def first_step_after_standbys(d: Path) -> tuple[int, float]:
     """A `jitckpt run` in ``d``: the first step rank 0 began once the warm standbys had imported
     torch (steady state), and how long they took. RuntimeError when they never were ready."""
-    ev = [json.loads(x) for x in (d / "run" / "events.jsonl").read_text().splitlines()]
+    ev = read_log(d / "run" / "events.jsonl")
     ready = next((e for e in ev if e["event"] == "standby_ready"), None)
     steps = [r["step"] for r in read_log(d / "log.jsonl")
              if ready is not None and r.get("rank") == 0 and "dt" in r and r["t"] - r["dt"] > ready["t"]]
@@ -123,8 +131,7 @@ def launcher_cpu(cmd: list, d: Path, *, from_step: int, to_step: int, timeout: f
     try:
         while len(marks) < 2 and proc.poll() is None and time.monotonic() < deadline:
             done = [r for r in read_log(log) if r.get("rank") == 0 and "dt" in r] if log.exists() else []
-            ready = ready or not events.exists() or any(json.loads(x)["event"] == "standby_ready"
-                                                        for x in events.read_text().splitlines())
+            ready = ready or not events.exists() or any(e["event"] == "standby_ready" for e in read_log(events))
             if not marks and done and ready and done[-1]["step"] >= from_step:
                 marks["a"] = (done[-1]["step"], _tree_cpu(root))
             elif marks and done and done[-1]["step"] >= to_step:
@@ -300,7 +307,7 @@ def jit_recovery_once(d: Path, steps: int, fail_step: int, api: str = "protect")
     log = read_log(d / "log.jsonl")
     t_fail, t_back, first = back_at_failed_step(log, fail_step)
     t_redo = redo_started(log, fail_step)
-    ev = [json.loads(x) for x in (d / "run" / "events.jsonl").read_text().splitlines()]
+    ev = read_log(d / "run" / "events.jsonl")
     t_detect = next(e["t"] for e in ev if e["event"] == "failure_detected")
     saved = [e for e in ev if e["event"] == "checkpoint_saved"]
     t_restart = next(e["t"] for e in ev if e["event"] == "restart")
@@ -462,7 +469,7 @@ def bench_standby_startup(work: Path, rounds: int, api: str = "init") -> dict:
 
 def standby_ready_step(d: Path, log: list) -> Optional[dict]:
     """The first launch's standby_ready in ``d``: its seconds and the step rank 0 was in then."""
-    ev = [json.loads(x) for x in (d / "run" / "events.jsonl").read_text().splitlines()]
+    ev = read_log(d / "run" / "events.jsonl")
     ready = next((e for e in ev if e["event"] == "standby_ready"), None)
     if ready is None:
         return None

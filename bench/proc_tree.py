@@ -40,8 +40,18 @@ def kill_tree(pid: int, *, timeout: float = 10.0) -> list[int]:
 
 def kill_descendants(*, timeout: float = 10.0) -> list[int]:
     """SIGKILL every descendant of this process (a subreaper: also the orphans of its children's
-    children) and reap them; the PIDs killed."""
-    return _kill(psutil.Process().children(recursive=True), timeout)
+    children) and reap them; the PIDs of those that were still running (an orphan that ended by
+    itself is this process's zombie, reaped here too)."""
+    procs = psutil.Process().children(recursive=True)
+    running = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                running.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    _kill(procs, timeout)
+    return [p.pid for p in running]
 
 
 def _kill(procs: list, timeout: float) -> list[int]:

@@ -91,3 +91,18 @@ def test_the_inprocess_floor_ranks_exit_once_they_have_reported() -> None:
         sys.path.remove(str(BENCH))
     out = inprocess_floor.measure(reps=5, rank_timeout=30)
     assert len(out["samples_s"]) == 5 and out["attempts"] == 5, out
+
+
+def test_a_log_read_while_it_is_written_leaves_out_its_torn_last_line(tmp_path: Path) -> None:
+    """bench_recovery reads the workers' step logs while they append to them: a line half written
+    ended `make bench`'s recovery benchmark with a JSONDecodeError on a clean clone."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_recovery
+    finally:
+        sys.path.remove(str(BENCH))
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"rank": 0, "step": 1}\n{"rank": 1, "st')
+    assert bench_recovery.read_log(log) == [{"rank": 0, "step": 1}]
+    log.write_text('{"rank": 0, "step": 1}\n')
+    assert bench_recovery.read_log(log) == [{"rank": 0, "step": 1}]
