@@ -115,8 +115,13 @@ BENCHES = [
                  lambda d: d["overhead"]["standby_startup"]["jitckpt_over_warm_standby_0"], "{:+.1%}",
                  "within run-to-run spread (next row)",
                  meets_in=lambda d: d["overhead"]["standby_startup"]["within_spread"]),
+           Ratio("  run-to-run spread of those two variants' median step 3-60, same runs (the larger max / min - 1)",
+                 lambda d: d["overhead"]["standby_startup"]["compared_spread"], "{:+.1%}", "(for reference)"),
            Ratio("  run-to-run spread of torchrun's median step 3-60, same runs (max / min - 1)",
                  lambda d: d["overhead"]["standby_startup"]["torchrun_spread"], "{:+.1%}", "(for reference)"),
+           Ratio("  standby start-up: CPU its processes take per step 3-60 beyond --warm-standby 0 / step "
+                 "(kernel clocks; its bound)", lambda d: d["overhead"]["standby_startup"]["startup_cpu_fraction"],
+                 "{:+.2%}", "(for reference)"),
            Ratio("steady state: CPU jitckpt adds per step (its processes and threads beyond torchrun's "
                  "agent, and its hooks) / step: the overhead's bound",
                  lambda d: d["overhead"]["own_cpu_extra_fraction"] + d["overhead"]["hook_cost_fraction"],
