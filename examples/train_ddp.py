@@ -26,7 +26,8 @@ in a barrier after the keepers are dead and before any dies: else the first deat
 rank (its launcher tells it of the failure) before it killed its keeper.
 
 --overlap-step runs data parallelism without DDP, the optimizer step overlapped with the gradient
-all-reduce as in SWIFT: each parameter is updated as soon as its own all-reduce is done. PyTorch has
+all-reduce as in SWIFT: the step launches every gradient's all-reduce, then updates each parameter as
+soon as its own all-reduce is done. PyTorch has
 no such optimizer on CPU, so it is emulated by wrapping torch's for-loop update function, which the
 step then calls once per parameter.
 
@@ -259,9 +260,17 @@ def main():
         torch.rand(rank + 1)
         np.random.rand(rank + 1)
     net = model if args.overlap_step else model.module
-    works = {}
+    works, to_reduce = {}, []
     if args.overlap_step:  # a wait raises if a peer died before contributing that gradient
-        overlap_step_with_allreduce(args.optim, lambda i, p: works.pop(id(p)).wait())
+        def wait(i, p):
+            # The all-reduces start when the step does, from inside optimizer.step(): a rank whose
+            # gradients a peer received has begun its step (it is torn, not saved before it).
+            while to_reduce:
+                q = to_reduce.pop(0)
+                works[id(q)] = dist.all_reduce(q.grad, async_op=True)
+            works.pop(id(p)).wait()
+
+        overlap_step_with_allreduce(args.optim, wait)
     if args.optim == "zero-adam":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -381,11 +390,12 @@ def main():
             if mine.get("midstep") == step:
                 params = params[:MIDSTEP_ALLREDUCES]
             for p in params:  # the mean: each rank adds its gradient / world
-                works[id(p)] = dist.all_reduce(p.grad.div_(world), async_op=True)
+                p.grad.div_(world)
             if mine.get("midstep") == step:
                 for p in params:  # delivered to every peer (gloo sends from its own thread)
-                    works[id(p)].wait()
+                    dist.all_reduce(p.grad)
                 os.kill(os.getpid(), signal.SIGKILL)
+            to_reduce[:] = params
             # The waits inside the step are collectives jitckpt cannot see: mark them.
             with contextlib.nullcontext() if args.no_jitckpt else jitckpt.blocking_region("allreduce"):
                 opt.step()

@@ -4,7 +4,11 @@
 examples/train_ddp.py --overlap-step overlaps the optimizer step with the gradient all-reduce, as
 SWIFT does: each parameter is updated as soon as its own all-reduce completes. The victim
 (inject ``midstep``) contributes only the first 2 gradients and dies, so each survivor has updated
-2 parameters when its wait for the third fails inside ``optimizer.step()``. Real processes, gloo.
+2 parameters when its wait for the third fails inside ``optimizer.step()``. The survivors launch
+their all-reduces from inside the step, so each has begun it once the victim's gradients reach it
+(when they launched them before the step, a survivor descheduled in between could learn of the
+failure first and save the minibatch's start speculatively, undoing nothing: correct, but not the
+torn case; seen once in CI). Real processes, gloo.
 
 Bound: bitwise equality is not expected after an undo. The undo itself is within the stated
 UpdateUndo bound (a few float32 ulp, jitckpt/swift/undo/update_undo.py; checked in tests/test_swift_undo.py
@@ -45,7 +49,7 @@ def losses(res, gen=None) -> dict:
 
 def test_torn_step_undone_and_saved_from_survivors(reference, tmp_path):
     res = run_job(tmp_path, nproc=NPROC, script_args=[*SCRIPT, *FAIL], launcher_args=[*HANG, "--plugin", "undo"])
-    res.show_on_failure()  # once under a full suite's load only rank 1 saved, the cause unseen
+    res.show_on_failure()
     assert res.rc == 0, res.out[-4000:]
     saved = [e for e in res.ev("checkpoint_saved") if e["kind"] == "jit"]
     # Both survivors rolled back exactly the 2 parameters their step had updated and saved the
