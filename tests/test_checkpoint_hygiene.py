@@ -89,6 +89,7 @@ def test_checkpoints_that_do_not_load_fall_back_to_older(reference, tmp_path):
     assert_bitwise(second.final_params(), reference)
 
 
+@pytest.mark.slow  # ~6 s; the fall-back past bad checkpoints is test_checkpoints_that_do_not_load_fall_back_to_older's
 def test_a_job_whose_every_checkpoint_is_bad_says_it_starts_again_from_step_0(tmp_path):
     """The only checkpoint verifies but does not load: it is quarantined, and the fresh start is
     the launcher's own console line and a "warning" event, not only a line in a worker's log."""

@@ -198,6 +198,7 @@ def test_jitckpt_run_reports_its_job_to_the_nodes_daemon_and_a_draining_node_ref
     assert refused.returncode == 1 and "drained" in refused.stderr, refused.stderr
 
 
+@pytest.mark.slow  # ~19 s, for make test's 15 minutes; the daemon's job registration stays fast (above)
 def test_a_jobs_snapshots_outlive_its_killed_launcher_in_the_daemons_keeper(daemon, tmp_path):
     """With a daemon, the job's snapshot keeper is the daemon's child. The launcher, its workers and
     standbys are SIGKILLed together at a random step (the launcher's own crash, or an operator's

@@ -60,9 +60,11 @@ def run_case(tmp_path, nproc, inject, extra_launcher=()):
 
 @BOTH
 # gil and kill: test_fault_matrix's fast GIL hang and SIGKILL, sent from outside at a random point,
-# cover them (the checks of the save's step and durability run in the other modes).
+# cover them (the checks of the save's step and durability run in the other modes); optim: the
+# survivors finishing a minibatch the failed rank completed is test_survivor_finishes_..._completed's.
 @pytest.mark.parametrize("mode", [pytest.param("kill", marks=pytest.mark.slow), "stop",
-                                  pytest.param("gil", marks=pytest.mark.slow), "raise", "optim"])
+                                  pytest.param("gil", marks=pytest.mark.slow), "raise",
+                                  pytest.param("optim", marks=pytest.mark.slow)])
 def test_single_failure_recovers_bitwise(reference, tmp_path, mode):
     nproc, ref = reference
     victim = nproc - 1

@@ -53,6 +53,7 @@ def test_a_failure_soon_after_the_first_step_restarts_on_ready_standbys_bitwise(
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), api
 
 
+@pytest.mark.slow  # ~7 s; the fast test above checks the summary's 'ready'
 def test_without_a_ready_standby_the_summary_says_why(tmp_path: Path) -> None:
     job = run_job(tmp_path, nproc=2, script_args=["--steps", "6", "--inject", "0:1:3:kill"], launcher_args=COLD)
     job.show_on_failure()

@@ -70,7 +70,7 @@ def reference_final(jobs, work: Path, steps: int = STEPS) -> bytes:
 @pytest.mark.parametrize("mode, transparent", [("hang", False), pytest.param("crash", False, marks=pytest.mark.slow),
                                                pytest.param("hang", True, marks=pytest.mark.slow),
                                                pytest.param("crash", True, marks=pytest.mark.slow),
-                                               # (test_transparent_peers.py's fall-back case covers this refusal fast)
+                                               # (test_native_no_save_path.py covers a refusal's fall-back fast)
                                                pytest.param("error", True, marks=pytest.mark.slow)])
 def test_launcher_resumes_from_libjit_detected_jit_checkpoint(jobs, tmp_path: Path, mode: str,
                                                              transparent: bool) -> None:

@@ -298,8 +298,10 @@ OPT_FAIL_AT = 12
 
 
 # The hang variant differs only in how every rank finds the failure (its hang timeout, which the
-# error variants' peers use too when the failed rank's word comes late): slow suite.
-@pytest.mark.parametrize("mode,check", [("error", "after"), pytest.param("hang", "after", marks=pytest.mark.slow),
+# error variants' peers use too when the failed rank's word comes late): slow suite. All slow for
+# make test's 15 minutes (~25 s each): make bench's bench_transparent_recovery runs "error" too.
+@pytest.mark.parametrize("mode,check", [pytest.param("error", "after", marks=pytest.mark.slow),
+                                        pytest.param("hang", "after", marks=pytest.mark.slow),
                                         pytest.param("error", "before", marks=pytest.mark.slow)])
 def test_a_failure_inside_the_optimizer_step_is_undone_with_the_undo_plugin(jobs, reference, tmp_path: Path,
                                                                             mode: str, check: str) -> None:
@@ -338,7 +340,7 @@ def test_a_failure_inside_the_optimizer_step_is_undone_with_the_undo_plugin(jobs
         assert finals == expected, "nothing ran to undo, yet the result differs from the failure-free run"
 
 
-@pytest.mark.slow  # ~15 s: the negative of the undo plugin's test, which stays fast
+@pytest.mark.slow  # ~15 s: the negative of the undo plugin's test
 def test_a_failure_inside_the_optimizer_step_without_the_undo_plugin_is_not_saved_torn(jobs, reference,
                                                                                       tmp_path: Path) -> None:
     """The same failure without `--plugin undo`, the optimizer kernel having run: refused on every
