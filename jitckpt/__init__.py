@@ -139,6 +139,15 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     if is_zero(optimizer) and rt.snapshots is not None:
         _check_zero_job(rt)
     state = Protected(model, optimizer, scheduler, extra=extra, snapshots=rt.snapshots)
+    if state.unsupported is not None:
+        # Never a crash of a job that runs under torchrun: no save function, so a failure gives up
+        # the JIT save at once, saying why, and the launcher restarts the job from step 0.
+        rt.no_save_reason = state.unsupported
+        if rt.rank == 0:
+            import logging
+
+            logging.getLogger("jitckpt.protect").warning("%s", state.unsupported)
+        return state
     if state.uses_aor:
         # A shard per rank, saved at a preemption and with --periodic-every, never after a failure:
         # a lost rank's partition exists only in the keepers (AOR), the survivors' shards would be

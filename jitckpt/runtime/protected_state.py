@@ -13,6 +13,7 @@ import torch
 from jitckpt.checkpoint_store import CheckpointError
 from jitckpt.runtime.current import get_runtime, runtime_or_none
 from jitckpt.runtime.ddp_buffers import rng_state, set_rng_state
+from jitckpt.runtime.sharded_layout import dtensor_layout
 
 log = logging.getLogger("jitckpt.protect")
 
@@ -76,6 +77,12 @@ ZERO_NEEDS_SNAPSHOTS = (
     "docs/aor.md) and a lost node's come back from there. Alternatives: a plain torch.optim "
     "optimizer with DDP, or jitckpt.init(save_fn) with your own per-rank save plus --periodic-every")
 
+DTENSOR_NOT_YET = (
+    "jitckpt.protect(): this model's state is DTensor-sharded or -replicated over a DeviceMesh "
+    "(FSDP2, HSDP or tensor parallel; {layout}), which jitckpt cannot JIT-save yet: the job trains "
+    "as under torchrun, and a failure restarts it from step 0. To lose fewer steps, save your own "
+    "torch.distributed.checkpoint every N steps and resume from it")
+
 
 class Protected:
     """Model, optimizer, optional scheduler and extra state, saved and restored consistently.
@@ -121,6 +128,11 @@ class Protected:
         if scheduler is not None and not hasattr(scheduler, "state_dict"):
             raise TypeError("protect(scheduler=...): the scheduler needs state_dict()/load_state_dict()")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        layout = dtensor_layout(model)
+        # Not saved, snapshotted or restored: a failure restarts the job from step 0 (see protect()).
+        self.unsupported: Optional[str] = None if layout is None else DTENSOR_NOT_YET.format(layout=layout)
+        if self.unsupported is not None:
+            snapshots = None
         self.extra = dict(extra or {})
         self.step = 0
         self._mid_minibatch = False
@@ -342,6 +354,8 @@ class Protected:
         def add(obj: Any) -> None:
             nonlocal total
             if isinstance(obj, torch.Tensor):
+                if hasattr(obj, "to_local"):  # a DTensor: its storage is the local shard's
+                    obj = obj.to_local()
                 storage = obj.untyped_storage()
                 if storage.data_ptr() not in seen:
                     seen.add(storage.data_ptr())
@@ -510,7 +524,12 @@ class Protected:
         With in-memory snapshots on (``jitckpt run --snapshot-every``) this is collective (every
         rank calls it) and also considers the snapshots held by the nodes' keepers.
         """
-        step = self._restore_tiered(get_runtime()) if self._snapshots is not None else self._restore_disk()
+        if self.unsupported is not None:
+            step = self.step  # nothing was saved (see protect())
+        elif self._snapshots is not None:
+            step = self._restore_tiered(get_runtime())
+        else:
+            step = self._restore_disk()
         self._begin_minibatch()  # the first minibatch's input copies come next
         return step
 

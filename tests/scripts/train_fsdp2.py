@@ -1,0 +1,62 @@
+"""A small FSDP2 job (``fully_shard`` on each layer and the root, AdamW, a step scheduler) under
+``jitckpt.protect``; rank 0 writes the full final parameters to ``--out`` (tests/test_sharded_layouts.py).
+
+--mesh fsdp: a 1-D mesh over every rank (full sharding); hsdp: a 2-D mesh (replicate x shard, the
+world split in two). --kill R:S: rank R SIGKILLs itself before minibatch S of the first launch.
+--no-jitckpt: the same training without jitckpt (under torchrun). Data is chosen by step and rank.
+"""
+import argparse
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=8)
+p.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp")
+p.add_argument("--kill", default="")
+p.add_argument("--no-jitckpt", action="store_true")
+p.add_argument("--out", required=True)
+p.add_argument("--steps-log", default=None)  # accepted for tests/jobs.py's run_job; unused
+args = p.parse_args()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+shape, names = ((world,), ("shard",)) if args.mesh == "fsdp" else ((2, world // 2), ("replicate", "shard"))
+mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+for layer in model:
+    if isinstance(layer, nn.Linear):
+        fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
+
+start = 0
+if not args.no_jitckpt:
+    import jitckpt
+
+    state = jitckpt.protect(model, opt, sched)
+    start = state.restore()
+kill_rank, kill_step = (int(v) for v in args.kill.split(":")) if args.kill else (-1, -1)
+for step in range(start, args.steps):
+    if gen == 0 and (rank, step) == (kill_rank, kill_step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a collective: every rank
+if rank == 0:
+    torch.save(full, args.out)
+dist.destroy_process_group()
