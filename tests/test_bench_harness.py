@@ -6,6 +6,7 @@ in a child process here, because it makes itself the subreaper of what it starts
 """
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -49,6 +50,15 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+def _bench_module(name: str):  # type: ignore[no-untyped-def]
+    """A script of bench/ imported as a module (bench/ is not a package)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
 def _gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -84,25 +94,16 @@ def test_the_inprocess_floor_ranks_exit_once_they_have_reported() -> None:
     """Their teardown deadlocked in torch (freeing DDP's reducer joins gloo's thread, which waits
     for the GIL) in about one run in three, each costing the floor a 120 s timeout and a retry:
     `make bench`'s recovery benchmark timed out. Five runs, each bounded, none retried."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import inprocess_floor
-    finally:
-        sys.path.remove(str(BENCH))
-    out = inprocess_floor.measure(reps=5, rank_timeout=30)
+    out = _bench_module("inprocess_floor").measure(reps=5, rank_timeout=30)
     assert len(out["samples_s"]) == 5 and out["attempts"] == 5, out
 
 
 def test_a_log_read_while_it_is_written_leaves_out_its_torn_last_line(tmp_path: Path) -> None:
     """bench_recovery reads the workers' step logs while they append to them: a line half written
     ended `make bench`'s recovery benchmark with a JSONDecodeError on a clean clone."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_recovery
-    finally:
-        sys.path.remove(str(BENCH))
+    read_log = _bench_module("bench_recovery").read_log
     log = tmp_path / "log.jsonl"
     log.write_text('{"rank": 0, "step": 1}\n{"rank": 1, "st')
-    assert bench_recovery.read_log(log) == [{"rank": 0, "step": 1}]
+    assert read_log(log) == [{"rank": 0, "step": 1}]
     log.write_text('{"rank": 0, "step": 1}\n')
-    assert bench_recovery.read_log(log) == [{"rank": 0, "step": 1}]
+    assert read_log(log) == [{"rank": 0, "step": 1}]

@@ -138,7 +138,8 @@ class Protected:
         self._mid_minibatch = False
         self._rng_snapshot: Optional[dict] = None
         self._buffer_snapshot: Optional[dict] = None
-        self._has_buffers = any(True for _ in model.buffers())
+        # Buffers copied at each minibatch's start, for a save of it (none for an unsaved layout).
+        self._has_buffers = self.unsupported is None and any(True for _ in model.buffers())
         self._stepped = False          # optimizer.step() ran since this minibatch's forward
         self._in_step = False          # optimizer.step() began and has not returned
         self._undo: Any = None         # jitckpt.swift.UpdateUndo under --plugin undo
@@ -354,8 +355,6 @@ class Protected:
         def add(obj: Any) -> None:
             nonlocal total
             if isinstance(obj, torch.Tensor):
-                if hasattr(obj, "to_local"):  # a DTensor: its storage is the local shard's
-                    obj = obj.to_local()
                 storage = obj.untyped_storage()
                 if storage.data_ptr() not in seen:
                     seen.add(storage.data_ptr())
