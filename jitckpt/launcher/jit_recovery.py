@@ -42,6 +42,7 @@ class FailureRecord:
     checkpoint_bytes: int = 0
     save_s: Optional[float] = None
     saved_ranks: list = field(default_factory=list)
+    save_failed: dict = field(default_factory=dict)  # rank -> why its JIT save gave up
     failed_ranks: list = field(default_factory=list)
     unsaving_ranks: list = field(default_factory=list)  # registered no save path: not waited for
     detect_s: float = 0.0                # failure -> detection, when known (a hang: its timeout)

@@ -665,8 +665,11 @@ class Launcher:
         saved = set(failure.saved_ranks) if failure is not None else set()
         unsaved = sorted(w.rank for w in self.workers if w.rank not in saved)
         if failure is not None and unsaved:
-            log.warning("preempted: rank(s) %s saved no JIT checkpoint (stopped, hung, or too "
-                        "slow); the next run resumes from the newest complete checkpoint", unsaved)
+            why = {failure.save_failed.get(r) for r in unsaved}
+            # One reason every unsaved rank gave (e.g. a layout protect() cannot save), else the usual causes.
+            log.warning("preempted: rank(s) %s saved no JIT checkpoint (%s); the next run resumes from the "
+                        "newest complete checkpoint", unsaved,
+                        why.pop() if len(why) == 1 and None not in why else "stopped, hung, or too slow")
             if isinstance(self.keeper, KeeperSupervisor):
                 # Found from outside: a preempted ZeRO job, told to run again to resume, started at step 0.
                 log.warning("preempted: the in-memory snapshots are in this launcher's keeper and stop with it, so "
@@ -753,6 +756,7 @@ class Launcher:
             self.emit("checkpoint_failed", rank=w.rank, reason=msg.reason, kind=msg.kind, step=msg.step)
             if failure is not None and msg.kind == "jit":
                 failure.saw_step(msg.step)
+                failure.save_failed[w.rank] = msg.reason
         elif isinstance(msg, WorkerWarning):
             self.emit("warning", rank=w.rank, reason=msg.reason)
             self.display.say(f"warning from rank {w.rank}: {msg.reason}")

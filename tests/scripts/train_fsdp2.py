@@ -2,7 +2,7 @@
 ``jitckpt.protect``; rank 0 writes the full final parameters to ``--out`` (tests/test_sharded_layouts.py).
 
 --mesh fsdp: a 1-D mesh over every rank (full sharding); hsdp: a 2-D mesh (replicate x shard, the
-world split in two). --kill R:S: rank R SIGKILLs itself before minibatch S of the first launch.
+world split in two). --kill R:S[:term]: rank R SIGKILLs (SIGTERMs) itself before minibatch S of the first launch.
 --no-jitckpt: the same training without jitckpt (under torchrun). Data is chosen by step and rank.
 """
 import argparse
@@ -45,10 +45,12 @@ if not args.no_jitckpt:
 
     state = jitckpt.protect(model, opt, sched)
     start = state.restore()
-kill_rank, kill_step = (int(v) for v in args.kill.split(":")) if args.kill else (-1, -1)
+kill_rank, kill_step, *how = args.kill.split(":") if args.kill else (-1, -1)
+kill_rank, kill_step = int(kill_rank), int(kill_step)
+sig = signal.SIGTERM if how == ["term"] else signal.SIGKILL
 for step in range(start, args.steps):
     if gen == 0 and (rank, step) == (kill_rank, kill_step):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)
     g = torch.Generator().manual_seed(1000 * step + rank)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
     loss = nn.functional.mse_loss(model(x), y)
