@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # torch is imported only by workers, not by the launcher
     from jitckpt.runtime.worker_runtime import WorkerRuntime
 
 __version__ = "0.1.0"
-__all__ = ["init", "get_checkpoint_path", "protect", "mark_step", "blocking_region", "Protected", "EXIT_JIT_SAVED",
+__all__ = ["init", "get_checkpoint_path", "protect", "mark_step", "blocking_region", "export_dcp", "Protected", "EXIT_JIT_SAVED",
            "EXIT_NO_SAVE"]
 
 def __getattr__(name: str) -> Any:
@@ -77,6 +77,16 @@ def get_checkpoint_path() -> Optional[str]:
     no path: they are taken and restored by :func:`protect` and ``restore()``.
     """
     return _get_runtime().select_checkpoint()
+
+
+def export_dcp(checkpoint_dir: str, out: str) -> str:
+    """Write the newest complete checkpoint of a DTensor-sharded job (FSDP2, HSDP, TP) under
+    ``checkpoint_dir`` as a plain ``torch.distributed.checkpoint`` directory ``out`` (hard links to
+    its shards, then ``.metadata``): ``dcp.load({"model": model.state_dict()}, checkpoint_id=out)``
+    reads it on any mesh. Keys: ``model.<name>``, ``optim.<parameter name>.<state key>``."""
+    from jitckpt.runtime.sharded_state import export_newest
+
+    return str(export_newest(checkpoint_dir, out))
 
 
 class blocking_region:
@@ -148,7 +158,14 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
 
             logging.getLogger("jitckpt.protect").warning("%s", state.unsupported)
         return state
-    if state.uses_aor:
+    if state.sharded is not None:
+        pos = state.sharded.position
+        rt.set_save_fn(state.save, step_fn=lambda: state.step, shard_id=pos.shard_id,
+                       num_shards=pos.num_shards, replica_id=pos.replica_id)
+        rt.saveable_while_running = state.untouched_mid_minibatch
+        if rt.rank == 0:
+            _warn_sharded_coverage(rt, pos)
+    elif state.uses_aor:
         # A shard per rank, saved at a preemption and with --periodic-every, never after a failure:
         # a lost rank's partition exists only in the keepers (AOR), the survivors' shards would be
         # an incomplete set.
@@ -166,6 +183,23 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     for plugin in rt.plugins:
         plugin.on_protect(state, rt)
     return state
+
+
+def _warn_sharded_coverage(rt: "WorkerRuntime", pos: Any) -> None:
+    """What a DTensor job's layout recovers from, said once at its start."""
+    import logging
+
+    from jitckpt.runtime.sharded_state import replicas_of
+
+    log = logging.getLogger("jitckpt.protect")
+    if rt.snapshots is not None:
+        log.warning("jitckpt run --snapshot-every: the in-memory tier does not hold DTensor-sharded state "
+                    "yet; this job (mesh %s) is protected by its disk checkpoints only", pos.mesh)
+    if replicas_of(pos, rt.world_size) < 2 and not rt.periodic_every:
+        log.warning("jitckpt.protect(): mesh %s keeps each shard on one rank only (no replica): after a "
+                    "lost rank its shard exists nowhere else, so the job restarts from step 0 (a "
+                    "preemption still saves every shard). Add a replicate dimension (HSDP) or "
+                    "run with --periodic-every N to lose at most N steps", pos.mesh)
 
 
 def _check_zero_job(rt: "WorkerRuntime") -> None:

@@ -317,17 +317,33 @@ def find_latest(
     Corrupt or incomplete checkpoints are skipped with a logged reason (also appended to
     ``skipped`` as (path, reason) when given). Returns None when nothing usable exists.
     """
+    found = find_complete_set(root, num_shards=num_shards, skipped=skipped)
+    return None if found is None else found[shard_id]
+
+
+def find_complete_set(
+    root: str | os.PathLike,
+    *,
+    num_shards: Optional[int] = None,
+    skipped: Optional[list] = None,
+) -> Optional[dict[int, tuple[Path, CheckpointMeta]]]:
+    """Newest step for which every shard has a verified copy: shard id -> (its copy, metadata).
+
+    ``num_shards``: the job's; None takes the shard count each step was saved with (a job resumed
+    on another mesh, which DCP reshards). Skips as :func:`find_latest` does.
+    """
     by_step: dict[int, list[Candidate]] = {}
     for c in list_candidates(root):
         by_step.setdefault(c.step, []).append(c)
     for step in sorted(by_step, reverse=True):
         verified: dict[int, tuple[Path, CheckpointMeta]] = {}
+        want = num_shards
         for c in by_step[step]:
             try:
                 meta = read_meta(c.path)
-                if meta.num_shards != num_shards:
+                if want is not None and meta.num_shards != want:
                     raise CheckpointError(
-                        f"{c.path}: saved with {meta.num_shards} shards, this job has {num_shards}")
+                        f"{c.path}: saved with {meta.num_shards} shards, this job has {want}")
                 if meta.shard_id in verified:
                     continue
                 verify_checkpoint(c.path)
@@ -336,11 +352,10 @@ def find_latest(
                 if skipped is not None:
                     skipped.append((c.path, str(e)))
                 continue
+            want = meta.num_shards
             verified[meta.shard_id] = (c.path, meta)
-            if len(verified) == num_shards:
-                break
-        if len(verified) == num_shards:
-            return verified[shard_id]
+            if len(verified) == want:
+                return verified
     return None
 
 

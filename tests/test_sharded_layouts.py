@@ -1,8 +1,11 @@
-"""``jitckpt.protect`` on DTensor-sharded models (FSDP2 ``fully_shard``, HSDP): the job must run as it
-does under torchrun. jitckpt cannot JIT-save such state yet (issue 44): protect() says so at the
-start, and a failure restarts the job from step 0. (Before: the first ``optimizer.step()`` crashed
-in the save reserve's size count, ``_state_bytes``, on the DTensor shards' storage, and the launcher
-restarted the job until it gave up.) Real processes, gloo, torch's own FSDP2.
+"""``jitckpt.protect`` on DTensor-sharded models (FSDP2 ``fully_shard``, HSDP): real processes, gloo,
+torch's own FSDP2, compared bitwise (parameters and optimizer state) with the same job under torchrun.
+
+HSDP keeps each shard on every replica group: after a lost rank the survivors save one copy of every
+shard as DCP shards and the job resumes at the failed minibatch. Full sharding keeps each shard on
+one rank: a lost rank's shard is gone, so the job starts again from step 0 (saying why), while a
+preemption saves every shard. (Before: the first ``optimizer.step()`` crashed in the save reserve's
+size count on the DTensor shards' storage; then: protect() saved nothing for such models.)
 """
 from __future__ import annotations
 
@@ -18,36 +21,85 @@ SCRIPT = ROOT / "tests" / "scripts" / "train_fsdp2.py"
 STEPS = 8
 
 
-def torchrun_final(tmp: Path, nproc: int, mesh: str) -> dict:
+def torchrun_final(tmp: Path, nproc: int, mesh: str, steps: int = STEPS) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
-    rc, out = run_bounded([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                           "--standalone", str(SCRIPT), "--no-jitckpt", "--mesh", mesh,
-                           "--steps", str(STEPS), "--out", str(tmp / "final.pt")], cwd=tmp, timeout=180)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+           str(SCRIPT), "--no-jitckpt", "--mesh", mesh, "--steps", str(steps), "--out", str(tmp / "final.pt")]
+    rc, out = run_bounded(cmd, cwd=tmp, timeout=180)
+    if rc != 0 and "terminate called without an active exception" in out:
+        # torch's own job, no jitckpt in it: gloo aborted one of its ranks once in CI (SIGABRT,
+        # not reproduced in 60 runs here). The reference is run again; jitckpt's runs are not.
+        rc, out = run_bounded(cmd, cwd=tmp, timeout=180)
     assert rc == 0, out[-4000:]
     return torch.load(tmp / "final.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("nproc,mesh", [(2, "fsdp"), pytest.param(4, "hsdp", marks=pytest.mark.slow)])
-def test_a_sharded_job_under_protect_trains_as_under_torchrun_and_restarts_after_a_failure(tmp_path, nproc, mesh):
-    want = torchrun_final(tmp_path / "torchrun", nproc, mesh)
-    res = run_job(tmp_path / "jit", nproc=nproc, script=SCRIPT,
-                  script_args=["--mesh", mesh, "--steps", str(STEPS), "--kill", f"{nproc - 1}:4"])
+def assert_bitwise(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    assert any(k.startswith("optim.") for k in want)  # the optimizer state is compared too
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, bad
+
+
+def test_hsdp_recovers_a_lost_rank_from_its_replica_bitwise(tmp_path):
+    want = torchrun_final(tmp_path / "torchrun", 4, "hsdp")
+    res = run_job(tmp_path / "jit", nproc=4, script=SCRIPT, script_args=["--mesh", "hsdp", "--steps", str(STEPS),
+                                                                         "--kill", "3:4"])
     assert res.rc == 0, res.out[-4000:]
-    assert "this model's state is DTensor-sharded" in res.out and "restarts it from step 0" in res.out, res.out[-4000:]
-    assert "Shard(dim=0)" in res.out, res.out[-4000:]  # the layout it found
-    # One failure: the launcher's word of the death, or a survivor's failed collective first.
-    assert len(res.ev("failure_detected")) == 1, res.ev("failure_detected")
-    assert [s["failed_ranks"] for s in res.ev("recovery_summary")] == [[nproc - 1]], res.ev("recovery_summary")
-    assert not res.ev("checkpoint_saved"), res.ev("checkpoint_saved")
+    assert [s["failed_ranks"] for s in res.ev("recovery_summary")] == [[3]], res.ev("recovery_summary")
+    saved = {e["rank"] for e in res.ev("checkpoint_saved")}
+    assert saved and 3 not in saved and {r % 2 for r in saved} == {0, 1}, saved  # both shards covered
+    assert "resuming from step 4" in res.out, res.out[-4000:]
+    [summary] = res.ev("recovery_summary")
+    assert summary["steps_redone"] <= 1, summary
+    assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
+
+
+def test_full_sharding_starts_again_after_a_lost_rank_and_says_why(tmp_path):
+    want = torchrun_final(tmp_path / "torchrun", 2, "fsdp")
+    res = run_job(tmp_path / "jit", nproc=2, script=SCRIPT, script_args=["--steps", str(STEPS), "--kill", "1:4"])
+    assert res.rc == 0, res.out[-4000:]
+    assert "keeps each shard on one rank only (no replica)" in res.out and "--periodic-every N" in res.out
+    assert "no copy of shard(s) [1] survived" in res.out and "starts again from step 0" in res.out, res.out[-4000:]
+    assert [s["failed_ranks"] for s in res.ev("recovery_summary")] == [[1]], res.ev("recovery_summary")
     assert [e["reason"] for e in res.ev("restart")] == ["failure"]
-    got = torch.load(res.workdir / "final.pt", weights_only=True)
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
 
 
-def test_a_preempted_sharded_job_says_why_it_saved_nothing(tmp_path):
-    """SIGTERM to a worker is a preemption: every rank would save, then the job stops. A layout
-    protect() cannot save is named as the reason (was: "stopped, hung, or too slow")."""
-    res = run_job(tmp_path, nproc=2, script=SCRIPT, script_args=["--steps", str(STEPS), "--kill", "1:3:term"])
-    assert res.rc == 143, res.out[-4000:]
-    assert "saved no JIT checkpoint (jitckpt.protect(): this model's state is DTensor-sharded" in res.out, res.out[-4000:]
-    assert not res.ev("checkpoint_saved")
+def test_a_preempted_fsdp2_job_saves_every_shard_resumes_bitwise_and_exports_plain_dcp(tmp_path):
+    """SIGTERM to a worker: every rank saves its shard, the job stops (143); run again, it resumes at
+    step 3. The checkpoint, exported, is read by a plain ``torch.distributed.checkpoint.load``."""
+    import torch.distributed.checkpoint as dcp
+
+    import jitckpt
+
+    want = torchrun_final(tmp_path / "torchrun", 2, "fsdp")
+    at3 = torchrun_final(tmp_path / "torchrun3", 2, "fsdp", steps=3)
+    first = run_job(tmp_path / "a", nproc=2, script=SCRIPT, script_args=["--steps", str(STEPS), "--kill", "1:3:term"])
+    assert first.rc == 143, first.out[-4000:]
+    assert sorted(e["rank"] for e in first.ev("checkpoint_saved")) == [0, 1], first.ev("checkpoint_saved")
+    out = Path(jitckpt.export_dcp(str(first.ckpt), str(tmp_path / "exported")))
+    plain = {k: torch.zeros_like(v) for k, v in at3.items()}  # whole tensors: DCP reshards the shards
+    dcp.load({"model": {k: v for k, v in plain.items() if not k.startswith("optim.")},
+              "optim": {k[len("optim."):]: v for k, v in plain.items() if k.startswith("optim.")}},
+             checkpoint_id=str(out), no_dist=True)
+    assert_bitwise(plain, at3)
+    again = run_job(tmp_path / "b", nproc=2, script=SCRIPT, script_args=["--steps", str(STEPS)], ckpt=first.ckpt)
+    assert again.rc == 0, again.out[-4000:]
+    assert "resuming from step 3" in again.out, again.out[-4000:]
+    assert_bitwise(torch.load(again.workdir / "final.pt", weights_only=True), want)
+
+
+@pytest.mark.slow
+def test_an_hsdp_2x2_checkpoint_resumes_on_1x2(tmp_path):
+    """DCP reshards: the 2x2 job's shards of step 3, loaded by a 2-rank job on a 1x2 mesh, are the
+    parameters and optimizer state a failure-free 2x2 run has after 3 steps."""
+    at3 = torchrun_final(tmp_path / "torchrun3", 4, "hsdp", steps=3)
+    first = run_job(tmp_path / "a", nproc=4, script=SCRIPT,
+                    script_args=["--mesh", "hsdp", "--steps", str(STEPS), "--kill", "2:3:term"])
+    assert first.rc == 143, first.out[-4000:]
+    again = run_job(tmp_path / "b", nproc=2, script=SCRIPT, ckpt=first.ckpt,
+                    script_args=["--mesh", "hsdp", "--replicas", "1", "--steps", "3"])
+    assert again.rc == 0, again.out[-4000:]
+    assert "resuming from step 3" in again.out, again.out[-4000:]
+    assert_bitwise(torch.load(again.workdir / "final.pt", weights_only=True), at3)

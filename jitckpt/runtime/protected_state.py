@@ -14,10 +14,12 @@ from jitckpt.checkpoint_store import CheckpointError
 from jitckpt.runtime.current import get_runtime, runtime_or_none
 from jitckpt.runtime.ddp_buffers import rng_state, set_rng_state
 from jitckpt.runtime.sharded_layout import dtensor_layout
+from jitckpt.runtime.sharded_state import ShardedState, UnmappableLayout
 
 log = logging.getLogger("jitckpt.protect")
 
 STATE_FILE = "state.pt"
+SHARDED_STATE_FILE = "sharded-state.pt"  # a DTensor job's non-tensor state; its tensors are DCP shards
 STATE_KEYS = ("step", "model", "optimizer", "scheduler", "rng", "extra")
 
 
@@ -79,9 +81,34 @@ ZERO_NEEDS_SNAPSHOTS = (
 
 DTENSOR_NOT_YET = (
     "jitckpt.protect(): this model's state is DTensor-sharded or -replicated over a DeviceMesh "
-    "(FSDP2, HSDP or tensor parallel; {layout}), which jitckpt cannot JIT-save yet: the job trains "
-    "as under torchrun, and a failure restarts it from step 0. To lose fewer steps, save your own "
-    "torch.distributed.checkpoint every N steps and resume from it")
+    "({layout}) in a way jitckpt cannot save: {why}. The job trains as under torchrun, and a failure "
+    "restarts it from step 0. To lose fewer steps, save your own torch.distributed.checkpoint every N "
+    "steps and resume from it")
+
+
+def incomplete_sets(root: Path) -> str:
+    """Why the checkpoints under ``root`` make no complete set ("" if there are none)."""
+    from jitckpt.checkpoint_store import CheckpointError as _Bad, list_candidates, read_meta
+
+    steps: dict = {}
+    for c in list_candidates(root):
+        try:
+            meta = read_meta(c.path)
+        except _Bad:
+            continue
+        steps.setdefault(c.step, (meta.num_shards, set()))[1].add(meta.shard_id)
+    if not steps:
+        return ""
+    step = max(steps)
+    n, have = steps[step]
+    lost = sorted(set(range(n)) - have)
+    return (f"the newest, of step {step}, holds {len(have)} of its {n} shards; no copy of shard(s) {lost} "
+            "survived (each was on a lost rank only: this layout has no replica of it)")
+
+
+def meta_shards(found: dict) -> int:
+    """The shard count a complete set (:func:`~jitckpt.checkpoint_store.find_complete_set`) was saved with."""
+    return next(iter(found.values()))[1].num_shards
 
 
 class Protected:
@@ -129,10 +156,16 @@ class Protected:
             raise TypeError("protect(scheduler=...): the scheduler needs state_dict()/load_state_dict()")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         layout = dtensor_layout(model)
+        # DTensor state: saved as DCP shards, one copy of each shard a complete checkpoint.
+        self.sharded: Optional[ShardedState] = None
         # Not saved, snapshotted or restored: a failure restarts the job from step 0 (see protect()).
-        self.unsupported: Optional[str] = None if layout is None else DTENSOR_NOT_YET.format(layout=layout)
-        if self.unsupported is not None:
-            snapshots = None
+        self.unsupported: Optional[str] = None
+        if layout is not None:
+            try:
+                self.sharded = ShardedState(model, optimizer, world_size=torch.distributed.get_world_size())
+            except UnmappableLayout as e:
+                self.unsupported = DTENSOR_NOT_YET.format(layout=layout, why=str(e).removeprefix("jitckpt.protect(): "))
+            snapshots = None  # the in-memory tier holds whole replicas only (see protect())
         self.extra = dict(extra or {})
         self.step = 0
         self._mid_minibatch = False
@@ -345,7 +378,7 @@ class Protected:
         if not self._reserve_asked:  # the optimizer state exists now: the state's size is known
             self._reserve_asked = True
             rt = runtime_or_none()
-            if rt is not None and rt.save_fn == self.save:
+            if rt is not None and rt.save_fn == self.save and self.sharded is None:
                 rt.save_reserve.prepare(self._state_bytes() + (1 << 20))  # + the pickle and RNG
 
     def _state_bytes(self) -> int:
@@ -460,6 +493,8 @@ class Protected:
         # CRC-32 of each zip record would be a second pass over the bytes (~40 % of the write).
         from torch.utils.serialization import config as serialization_config
 
+        if self.sharded is not None:
+            return self._save_sharded(path)
         target = Path(path) / STATE_FILE
         rt = runtime_or_none()
         reserve = rt.take_save_reserve() if rt is not None else None
@@ -474,6 +509,64 @@ class Protected:
             with open(target, "r+b") as f:
                 torch.save(sd, f)
                 f.truncate()
+
+    def _save_sharded(self, path: str) -> None:
+        """A DTensor job's save: this rank's chunks as DCP shards (no collective: a survivor writes
+        them while a peer is gone), the rest beside them. Reads only the tensors captured at
+        ``protect()`` (see :class:`ShardedState`), so it may run while the training thread is in
+        this minibatch's forward or backward."""
+        assert self.sharded is not None
+        mid = self._mid_minibatch
+        tensors, other = self.sharded.tensor_state(self._buffer_snapshot if mid else None)
+        rng = (self._rng_snapshot if mid else None) or rng_state()
+        self.sharded.write(path, tensors)
+        torch.save({
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rng": rng,
+            "extra": {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in self.extra.items()},
+            "param_groups": self.sharded.param_groups(),
+            "optim_other": other,
+            "layout": self.sharded.position.mesh,
+        }, Path(path) / SHARDED_STATE_FILE)
+
+    def _restore_sharded(self) -> int:
+        """``restore()`` of a DTensor job: one copy of every shard of the newest complete step,
+        loaded through DCP (resharded to this job's mesh). Collective."""
+        from jitckpt.checkpoint_store import find_complete_set
+
+        assert self.sharded is not None
+        rt = get_runtime()
+        t0 = time.monotonic()
+        root = Path(rt.checkpoint_dir)
+        found = find_complete_set(root)
+        if found is None:
+            why = incomplete_sets(root)
+            if why:
+                rt.report_fresh_start(self.step, why)
+            return self.step
+        plain = [str(p) for p, _ in found.values() if not (p / SHARDED_STATE_FILE).is_file()]
+        if plain:
+            raise CheckpointError(
+                f"{plain[0]} was not written by a DTensor-sharded job (no {SHARDED_STATE_FILE}): this job "
+                f"cannot resume from it. Start it with another checkpoint directory, or remove {root}")
+        pos = self.sharded.position
+        own, meta = found.get(pos.shard_id, found[0]) if meta_shards(found) == pos.num_shards else found[0]
+        sd = torch.load(own / SHARDED_STATE_FILE, map_location="cpu", weights_only=True)
+        self.sharded.load(root, {s: p.name for s, (p, _) in found.items()}, sd["optim_other"], sd["param_groups"])
+        if self.scheduler is not None and sd["scheduler"] is not None:
+            self.scheduler.load_state_dict(sd["scheduler"])
+        for k, v in sd["extra"].items():
+            if k in self.extra and hasattr(self.extra[k], "load_state_dict"):
+                self.extra[k].load_state_dict(v)
+            else:
+                self.extra[k] = v
+        set_rng_state(sd["rng"])
+        self.step = int(sd["step"])
+        self._mid_minibatch = False
+        self._resumed_step = self.step
+        rt.report_restored(str(own), self.step, time.monotonic() - t0)
+        return self.step
 
     def load(self, path: str) -> int:
         """Load a checkpoint directory written by :meth:`save`; return the step to continue from."""
@@ -525,6 +618,8 @@ class Protected:
         """
         if self.unsupported is not None:
             step = self.step  # nothing was saved (see protect())
+        elif self.sharded is not None:
+            step = self._restore_sharded()
         elif self._snapshots is not None:
             step = self._restore_tiered(get_runtime())
         else:

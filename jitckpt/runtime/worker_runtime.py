@@ -53,6 +53,7 @@ MINIBATCH_CAN_FINISH = ("preempted", "snapshot")
 # A rank blocked this long in a collective after a peer reached its exit barrier waits for it in
 # vain (see WorkerRuntime._on_peer_exit).
 PEER_EXIT_GRACE = 5.0
+SAVER_TOKEN = -1  # region_enter's token for a wait inside a checkpoint write
 
 
 def _first_line(exc: BaseException) -> str:
@@ -81,6 +82,7 @@ class WorkerRuntime:
         self.save_fn: Optional[Callable[[str], None]] = None
         # Why this job's failures take no JIT save (a preemption's still does, with a save function).
         self.no_save_reason: Optional[str] = None
+        self._saver_ident: Optional[int] = None  # the thread writing a checkpoint now
         # Such a job's save to memory after a failure (protect(), --snapshot-zero log): what it did.
         self.save_to_memory: Optional[Callable[[], str]] = None
         self._memory_save_lock = threading.Lock()  # the saver and the training thread may both give up
@@ -435,6 +437,8 @@ class WorkerRuntime:
         return self.roll_back is not None and threading.current_thread() is threading.main_thread()
 
     def region_enter(self, kind: str) -> int:
+        if threading.get_ident() == self._saver_ident:
+            return SAVER_TOKEN  # the save's own waits (DCP's write futures): it must not park itself
         if self._failure_evt.is_set() and self._consistent():
             self._save_and_exit(on_main=True)
         tok = next(self._ids)
@@ -444,6 +448,8 @@ class WorkerRuntime:
         return tok
 
     def region_exit(self, token: int, exc: Optional[BaseException]) -> None:
+        if token == SAVER_TOKEN:
+            return
         with self._lock:
             kind, start, on_main = self._regions.pop(token, ("?", time.monotonic(), False))
             held = self._save_claimed  # another thread is saving: stay inside, params untouched
@@ -736,9 +742,13 @@ class WorkerRuntime:
         assert self.save_fn is not None
         # DDP's bucket layout goes into every checkpoint, before its files are checksummed.
         save_fn = self.ddp_layouts.saving(self.save_fn)
-        return write_checkpoint(self.checkpoint_dir, save_fn, kind=kind, step=step,
-                                rank=self.rank, world_size=self.world_size, gen=self.gen,
-                                shard_id=self.shard_id, num_shards=self.num_shards, fsync=fsync)
+        self._saver_ident = threading.get_ident()
+        try:
+            return write_checkpoint(self.checkpoint_dir, save_fn, kind=kind, step=step,
+                                    rank=self.rank, world_size=self.world_size, gen=self.gen,
+                                    shard_id=self.shard_id, num_shards=self.num_shards, fsync=fsync)
+        finally:
+            self._saver_ident = None
 
     # ---- periodic tier ------------------------------------------------------------------
     def _periodic_save(self, step: int) -> None:

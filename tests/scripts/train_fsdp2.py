@@ -1,8 +1,8 @@
 """A small FSDP2 job (``fully_shard`` on each layer and the root, AdamW, a step scheduler) under
-``jitckpt.protect``; rank 0 writes the full final parameters to ``--out`` (tests/test_sharded_layouts.py).
+``jitckpt.protect``; rank 0 writes the full final parameters and optimizer state to ``--out``
+(tests/test_sharded_layouts.py).
 
---mesh fsdp: a 1-D mesh over every rank (full sharding); hsdp: a 2-D mesh (replicate x shard, the
-world split in two). --kill R:S[:term]: rank R SIGKILLs (SIGTERMs) itself before minibatch S of the first launch.
+--mesh fsdp: a 1-D mesh over every rank (full sharding); hsdp: a 2-D mesh (--replicas x shard). --kill R:S[:term]: rank R SIGKILLs (SIGTERMs) itself before minibatch S of the first launch.
 --no-jitckpt: the same training without jitckpt (under torchrun). Data is chosen by step and rank.
 """
 import argparse
@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp")
+p.add_argument("--replicas", type=int, default=2)
 p.add_argument("--kill", default="")
 p.add_argument("--no-jitckpt", action="store_true")
 p.add_argument("--out", required=True)
@@ -27,7 +28,8 @@ args = p.parse_args()
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-shape, names = ((world,), ("shard",)) if args.mesh == "fsdp" else ((2, world // 2), ("replicate", "shard"))
+shape, names = ((world,), ("shard",)) if args.mesh == "fsdp" else ((args.replicas, world // args.replicas),
+                                                                   ("replicate", "shard"))
 mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 torch.manual_seed(0)
@@ -59,6 +61,10 @@ for step in range(start, args.steps):
     sched.step()
     opt.zero_grad()
 full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a collective: every rank
+names_of = {id(p): n for n, p in model.named_parameters()}
+for p_, st in opt.state.items():
+    full.update({f"optim.{names_of[id(p_)]}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v
+                 for k, v in st.items()})
 if rank == 0:
     torch.save(full, args.out)
 dist.destroy_process_group()

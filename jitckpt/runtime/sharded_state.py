@@ -1,0 +1,306 @@
+"""The DTensor state of a protected model (FSDP2, HSDP, tensor parallel) as ``torch.distributed.checkpoint``
+shards: each rank writes its own without a collective, a restore reads one copy of every shard.
+
+A rank's *shard* is its coordinate on the mesh dimensions some tensor is sharded over; the ranks
+that differ only on the other (replicated) dimensions hold the same bytes, so one copy of each
+shard makes a complete checkpoint: HSDP's replica group is what a lost rank's shard comes back
+from. Each rank's checkpoint directory holds a DCP checkpoint of its own chunks (``dcp/``, written
+with ``no_dist``: no collective, so a survivor can write it while a peer is gone) and the chunks'
+DCP metadata as JSON (``dcp-chunks.json``). A restore merges one copy of every shard into one DCP
+metadata in memory (no pickle is read) and loads it with ``torch.distributed.checkpoint.load``,
+which reshards to the job's mesh; :func:`export_dcp` writes the same as a plain DCP directory.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+CHUNKS_FILE = "dcp-chunks.json"
+DCP_DIR = "dcp"
+
+
+class UnmappableLayout(TypeError):
+    """A model or optimizer whose DTensor layout jitckpt cannot map to shards and replicas."""
+
+
+@dataclass(frozen=True)
+class ShardPosition:
+    """Where this rank's state sits: shard ``shard_id`` of ``num_shards``, replica ``replica_id``."""
+
+    shard_id: int
+    num_shards: int
+    replica_id: int
+    mesh: str  # e.g. "(2, 2) ('replicate', 'shard'), sharded over ('shard',)", for messages
+
+
+def replicas_of(pos: ShardPosition, world_size: int) -> int:
+    """How many ranks hold each shard."""
+    return world_size // pos.num_shards
+
+
+def _ravel(coords: list, sizes: list) -> int:
+    out = 0
+    for c, n in zip(coords, sizes):
+        out = out * n + c
+    return out
+
+
+def shard_position(tensors: dict, *, world_size: int) -> ShardPosition:
+    """This rank's shard and replica for the DTensors in ``tensors`` (name -> tensor). Every
+    DTensor must live on one mesh spanning the whole job; raises :class:`UnmappableLayout` naming
+    the first tensor that does not."""
+    from torch.distributed.tensor import DTensor
+
+    mesh, first = None, None
+    sharded: set = set()
+    for name, t in tensors.items():
+        if not isinstance(t, DTensor):
+            continue  # a plain tensor: the same on every rank (FSDP2's buffers, TP's unparallelized layers)
+        if mesh is None:
+            mesh, first = t.device_mesh, name
+        elif t.device_mesh != mesh:
+            raise UnmappableLayout(
+                f"jitckpt.protect(): tensor {name!r} is on mesh {tuple(t.device_mesh.mesh.shape)} "
+                f"{t.device_mesh.mesh_dim_names}, tensor {first!r} on {tuple(mesh.mesh.shape)} "
+                f"{mesh.mesh_dim_names}; jitckpt maps a model on one DeviceMesh only (pipeline stages "
+                "on sub-meshes are not supported yet). Put every parameter on one mesh, or leave the "
+                "job to torchrun")
+        sharded.update(i for i, p in enumerate(t.placements) if p.is_shard())
+    assert mesh is not None, "shard_position() needs at least one DTensor"
+    if mesh.size() != world_size:
+        raise UnmappableLayout(
+            f"jitckpt.protect(): tensor {first!r} is on a mesh of {mesh.size()} ranks, the job has "
+            f"{world_size}; jitckpt maps a mesh spanning the whole job only")
+    coords = mesh.get_coordinate()
+    sizes = list(mesh.mesh.shape)
+    dims = sorted(sharded)
+    rest = [i for i in range(len(sizes)) if i not in sharded]
+    names = mesh.mesh_dim_names
+    return ShardPosition(
+        shard_id=_ravel([coords[i] for i in dims], [sizes[i] for i in dims]),
+        num_shards=math.prod(sizes[i] for i in dims),
+        replica_id=_ravel([coords[i] for i in rest], [sizes[i] for i in rest]),
+        mesh=f"{tuple(sizes)}{'' if names is None else ' ' + str(tuple(names))}, sharded over "
+             f"{tuple(names[i] for i in dims) if names else tuple(dims)}")
+
+
+# ---- DCP metadata as JSON, both ways -----------------------------------------------------------
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def chunks_to_json(md: Any) -> dict:
+    """The parts of a DCP ``Metadata`` a merge needs, as JSON (tensors only)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensors = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if not isinstance(m, TensorStorageMetadata):
+            raise UnmappableLayout(f"jitckpt: {fqn!r} is not a tensor; only tensors go into the DCP shards")
+        tensors[fqn] = {"dtype": _dtype_name(m.properties.dtype), "size": list(m.size),
+                        "chunks": [[list(c.offsets), list(c.sizes)] for c in m.chunks]}
+    storage = [[idx.fqn, list(idx.offset), info.relative_path, info.offset, info.length]
+               for idx, info in md.storage_data.items()]
+    return {"tensors": tensors, "storage": storage, "planner_data": {k: list(v) for k, v in (md.planner_data or {}).items()}}
+
+
+def merge_chunks(copies: dict[int, tuple[str, dict]]) -> Any:
+    """One DCP ``Metadata`` over one copy of every shard: ``copies`` maps shard id -> (the copy's
+    directory relative to the reader's root, its :func:`chunks_to_json`). A chunk that several
+    shards hold (a replicated tensor) is read from the lowest shard's copy."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    tensors: dict = {}
+    storage: dict = {}
+    planner: dict = {}
+    for shard in sorted(copies):
+        rel, doc = copies[shard]
+        for fqn, t in doc["tensors"].items():
+            m = tensors.get(fqn)
+            if m is None:
+                m = tensors[fqn] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=getattr(torch, t["dtype"])),
+                    size=torch.Size(t["size"]), chunks=[])
+            elif list(m.size) != t["size"]:
+                raise UnmappableLayout(f"jitckpt: the shards disagree on the size of {fqn!r}: "
+                                       f"{list(m.size)} and {t['size']} (not one checkpoint)")
+            have = {tuple(c.offsets) for c in m.chunks}
+            for offsets, sizes in t["chunks"]:
+                if tuple(offsets) not in have:
+                    m.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        for fqn, offset, path, off, length in doc["storage"]:
+            key = MetadataIndex(fqn, torch.Size(offset))
+            if key not in storage:
+                storage[key] = _StorageInfo(relative_path=f"{rel}/{path}" if rel else path, offset=off, length=length)
+        planner.update({k: tuple(v) for k, v in doc["planner_data"].items()})
+    return Metadata(state_dict_metadata=tensors, planner_data=planner, storage_data=storage)
+
+
+def _reader(root: Path, md: Any) -> Any:
+    """A DCP FileSystemReader of ``root`` whose metadata is ``md`` (built here, not unpickled)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class MergedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return md
+
+    return MergedReader(str(root))
+
+
+# ---- the state -----------------------------------------------------------------------------
+class ShardedState:
+    """The model's and optimizer's tensors of a DTensor-sharded job, captured at ``protect()``.
+
+    The objects are taken once, on the training thread, from ``model.state_dict(keep_vars=True)``:
+    FSDP2's sharded parameters stay the same objects for the whole job, while calling
+    ``state_dict()`` later (another thread, mid forward) would reshard the live module."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int) -> None:
+        self.tensors = dict(model.state_dict(keep_vars=True))
+        self.position = shard_position(self.tensors, world_size=world_size)
+        fqn_of = {id(p): n for n, p in model.named_parameters()}
+        self.param_names: list = []  # the optimizer's parameters in its own order, by name
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) not in fqn_of:
+                    raise UnmappableLayout(
+                        f"jitckpt.protect(): the optimizer's parameter {pi} of group {gi} (shape "
+                        f"{tuple(p.shape)}) is not a parameter of the model, so its state has no name "
+                        "to be saved under; build the optimizer from model.parameters() after "
+                        "fully_shard()/parallelize_module()")
+                self.param_names.append(fqn_of[id(p)])
+        self.optimizer = optimizer
+
+    def tensor_state(self, buffers: Optional[dict]) -> dict:
+        """``{"model": {name: tensor}, "optim": {param: {key: tensor}}}`` as now (``buffers``: a
+        copy of the buffers to save instead of the live ones), and the optimizer's non-tensor state."""
+        model = {k: (buffers[k] if buffers and k in buffers else v).detach() for k, v in self.tensors.items()}
+        optim: dict = {}
+        other: dict = {}
+        by_id = {id(p): n for n, p in zip(self.param_names, self._params())}
+        for p, st in self.optimizer.state.items():
+            name = by_id[id(p)]
+            optim[name] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
+            other[name] = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+        return {"model": model, "optim": optim}, other
+
+    def _params(self) -> list:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def param_groups(self) -> list:
+        """The optimizer's hyperparameters, each group's parameters by name."""
+        out, i = [], 0
+        for g in self.optimizer.param_groups:
+            n = len(g["params"])
+            out.append({**{k: v for k, v in g.items() if k != "params"}, "params": self.param_names[i:i + n]})
+            i += n
+        return out
+
+    @staticmethod
+    def write(directory: str, tensors: dict) -> None:
+        """This rank's chunks into ``directory`` (no collective): ``dcp/`` and ``dcp-chunks.json``."""
+        import torch.distributed.checkpoint as dcp
+
+        # no_dist is the point here (no collective), not a sign of a missing process group.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        # Files are fsynced and checksummed by the checkpoint store, which commits the directory.
+        writer = dcp.FileSystemWriter(os.path.join(directory, DCP_DIR), sync_files=False)
+        md = dcp.save(tensors, storage_writer=writer, no_dist=True)
+        with open(os.path.join(directory, CHUNKS_FILE), "w") as f:
+            json.dump(chunks_to_json(md), f)
+
+    def load(self, root: Path, copies: dict[int, str], other: dict, groups: list) -> None:
+        """Load one copy of every shard (``copies``: shard id -> directory name under ``root``)
+        into the live tensors and the optimizer. Collective: every rank calls it."""
+        import torch.distributed.checkpoint as dcp
+
+        md = merge_chunks({s: (f"{name}/{DCP_DIR}", json.loads((root / name / CHUNKS_FILE).read_text()))
+                           for s, name in copies.items()})
+        target = {"model": {k: v.detach() for k, v in self.tensors.items()}, "optim": {}}
+        params = dict(zip(self.param_names, self._params()))
+        missing = [k for k in target["model"] if f"model.{k}" not in md.state_dict_metadata]
+        if missing:
+            raise UnmappableLayout(f"jitckpt resume: the checkpoint has no {missing[0]!r} (of {len(missing)} "
+                                   "tensors missing): it is not of this model")
+        for key, m in md.state_dict_metadata.items():
+            if not key.startswith("optim."):
+                continue
+            name, _, k = key[len("optim."):].rpartition(".")
+            p = params.get(name)
+            if p is None:
+                raise UnmappableLayout(f"jitckpt resume: the checkpoint has optimizer state for {name!r}, "
+                                       "which this optimizer does not hold")
+            like = p.detach()
+            if list(m.size) == list(like.shape):  # the parameter's layout (Adam's moments)
+                t = torch.zeros_like(like, dtype=m.properties.dtype)
+            else:  # e.g. Adam's step counter: a plain tensor, whole on every rank
+                t = torch.zeros(m.size, dtype=m.properties.dtype)
+            target["optim"].setdefault(name, {})[k] = t
+        dcp.load(target, storage_reader=_reader(root, md))
+        index = {n: i for i, n in enumerate(self.param_names)}
+        state = {index[n]: {**st, **other.get(n, {})} for n, st in target["optim"].items()}
+        for n, st in other.items():
+            if st and index.get(n) is not None:
+                state.setdefault(index[n], {}).update(st)
+        saved_groups = []
+        for g in groups:
+            try:
+                saved_groups.append({**g, "params": [index[n] for n in g["params"]]})
+            except KeyError as e:
+                raise UnmappableLayout(f"jitckpt resume: the checkpoint's optimizer holds {e.args[0]!r}, "
+                                       "which this optimizer does not") from None
+        self.optimizer.load_state_dict({"state": state, "param_groups": saved_groups})
+
+
+def export_newest(checkpoint_dir: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """The newest complete checkpoint of a DTensor job under ``checkpoint_dir`` as a plain DCP
+    directory ``out`` (see :func:`export_dcp`); its keys are ``model.<name>`` and
+    ``optim.<parameter name>.<state key>``. Raises CheckpointError if there is none."""
+    from jitckpt.checkpoint_store import CheckpointError, find_complete_set
+
+    root = Path(checkpoint_dir)
+    found = find_complete_set(root)
+    if found is None:
+        raise CheckpointError(f"{root} holds no complete checkpoint (every shard verified)")
+    if not all((p / CHUNKS_FILE).is_file() for p, _ in found.values()):
+        raise CheckpointError(f"the newest complete checkpoint in {root} is not a DTensor job's "
+                              f"(no {CHUNKS_FILE}); it is not a DCP checkpoint")
+    if Path(out).exists():
+        raise CheckpointError(f"{out} exists; give a new directory")
+    return export_dcp(root, {s: p.name for s, (p, _) in found.items()}, out)
+
+
+def export_dcp(root: str | os.PathLike, copies: dict[int, str], out: str | os.PathLike) -> Path:
+    """Write one copy of every shard (``copies``: shard id -> checkpoint directory name under
+    ``root``) as a plain DCP checkpoint directory ``out`` (hard links to the shards' data, then
+    ``.metadata``), loadable by ``torch.distributed.checkpoint.load`` with any mesh."""
+    import pickle
+
+    root, out = Path(root), Path(out)
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    docs = {}
+    for shard, name in copies.items():
+        for f in (root / name / DCP_DIR).glob("*.distcp"):
+            os.link(f, tmp / f"__{shard}{f.name[len('__0'):]}" if f.name.startswith("__0_") else tmp / f"s{shard}-{f.name}")
+        doc = json.loads((root / name / CHUNKS_FILE).read_text())
+        for row in doc["storage"]:
+            row[2] = f"__{shard}{row[2][len('__0'):]}" if row[2].startswith("__0_") else f"s{shard}-{row[2]}"
+        docs[shard] = ("", doc)
+    md = merge_chunks(docs)
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+    md.version = CURRENT_DCP_VERSION
+    with open(tmp / ".metadata", "wb") as f:  # DCP's own format (a pickle), written last
+        pickle.dump(md, f)
+    os.rename(tmp, out)
+    return out
