@@ -21,7 +21,17 @@ SCRIPT = ROOT / "tests" / "scripts" / "train_fsdp2.py"
 STEPS = 8
 
 
+_REFERENCE: dict = {}  # (nproc, mesh, steps) -> final state: torch's runs are deterministic, run once
+
+
 def torchrun_final(tmp: Path, nproc: int, mesh: str, steps: int = STEPS) -> dict:
+    key = (nproc, mesh, steps)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _torchrun(tmp, nproc, mesh, steps)
+    return _REFERENCE[key]
+
+
+def _torchrun(tmp: Path, nproc: int, mesh: str, steps: int) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
            str(SCRIPT), "--no-jitckpt", "--mesh", mesh, "--steps", str(steps), "--out", str(tmp / "final.pt")]
@@ -62,6 +72,38 @@ def test_full_sharding_starts_again_after_a_lost_rank_and_says_why(tmp_path):
     assert "keeps each shard on one rank only (no replica)" in res.out and "--periodic-every N" in res.out
     assert "no copy of shard(s) [1] survived" in res.out and "starts again from step 0" in res.out, res.out[-4000:]
     assert [s["failed_ranks"] for s in res.ev("recovery_summary")] == [[1]], res.ev("recovery_summary")
+    assert [e["reason"] for e in res.ev("restart")] == ["failure"]
+    assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
+
+
+@pytest.mark.parametrize("nproc,mesh", [pytest.param(2, "fsdp", marks=pytest.mark.slow), (2, "tp"),
+                                        pytest.param(4, "fsdp_tp", marks=pytest.mark.slow)])
+def test_layouts_without_replicas_resume_from_periodic_checkpoints_bitwise(tmp_path, nproc, mesh):
+    """--periodic-every 2: every rank writes its shard every 2 steps, so a rank lost in minibatch 5
+    costs minibatches 4 and 5, not the job. TP's forward all-reduces are functional collectives:
+    the survivor's failed one is seen as the failure, not raised into the training loop."""
+    want = torchrun_final(tmp_path / "torchrun", nproc, mesh)
+    res = run_job(tmp_path / "jit", nproc=nproc, script=SCRIPT, launcher_args=["--periodic-every", "2"],
+                  script_args=["--mesh", mesh, "--steps", str(STEPS), "--kill", f"{nproc - 1}:5"])
+    assert res.rc == 0, res.out[-4000:]
+    assert "no replica" not in res.out  # protected: no warning
+    assert "Traceback" not in res.out, res.out[-4000:]
+    assert "resuming from step 4: periodic checkpoint" in res.out, res.out[-4000:]
+    assert [s["failed_ranks"] for s in res.ev("recovery_summary")] == [[nproc - 1]], res.ev("recovery_summary")
+    assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
+
+
+@pytest.mark.slow
+def test_a_layout_on_meshes_jitckpt_cannot_map_trains_as_under_torchrun_and_says_why(tmp_path):
+    """Each rank's copy on a 1-rank mesh of its own (as pipeline stages' meshes are): protect()
+    names the tensor and the reason, saves nothing, and a failure restarts the job from step 0."""
+    want = torchrun_final(tmp_path / "torchrun", 2, "stages")
+    res = run_job(tmp_path / "jit", nproc=2, script=SCRIPT,
+                  script_args=["--mesh", "stages", "--steps", str(STEPS), "--kill", "1:4"])
+    assert res.rc == 0, res.out[-4000:]
+    assert "tensor '0.weight' is on a mesh of 1 ranks, the job has 2" in res.out, res.out[-4000:]
+    assert "a failure restarts it from step 0" in res.out
+    assert not res.ev("checkpoint_saved"), res.ev("checkpoint_saved")
     assert [e["reason"] for e in res.ev("restart")] == ["failure"]
     assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
 

@@ -8,6 +8,7 @@ thread is blocked there (hang detection, a save while it is held) and sees a tra
 * ``Work.wait()`` and ``Future.wait()``: every torch.distributed collective issued from Python ends
   in one, synchronous ones (all_reduce, barrier, object collectives, ...) inside the call and
   ``async_op=True`` ones wherever the work handle or its future is waited for later.
+* ``wait_tensor()`` of functional collectives (DTensor, tensor parallel), for DTensor jobs.
 * Collectives that C++ issues and waits for itself: DDP's constructor (parameter broadcast), DDP's
   ``_pre_forward``/``_post_forward`` (bucket rebuild, buffer broadcast), backward (DDP's gradient
   all-reduce runs and is waited for inside it) and ``monitored_barrier``.
@@ -123,6 +124,18 @@ class CollectiveHooks:
                                            register_optimizer_step_pre_hook)
         self._handles.append(register_optimizer_step_pre_hook(lambda *a, **k: self._step_began()))
         self._handles.append(register_optimizer_step_post_hook(lambda *a, **k: self._step_done()))
+
+    def install_functional_waits(self) -> None:
+        """DTensor's collectives (tensor parallel's all-reduces, redistributes) are functional
+        collectives, waited for in ``wait_tensor()``, not in a ``Work.wait()``: wrapped too, once a
+        DTensor job is protected (other jobs do not pay for the module's import). Not while
+        torch.compile traces: the compiled graph waits by itself."""
+        import torch.distributed._functional_collectives as funcol
+
+        def applies(*args: Any, **kwargs: Any) -> bool:
+            return not torch.compiler.is_compiling() and _distributed()
+
+        self._wrap(funcol, "wait_tensor", "collective", applies)
 
     def _ddp_constructed(self, ddp: Any, *_: Any) -> None:
         # Kept alive until the interpreter exits, after the exit barrier: freeing a DDP model when

@@ -52,10 +52,26 @@ def _ravel(coords: list, sizes: list) -> int:
     return out
 
 
+def _root_dims(t: Any, name: str) -> tuple[Any, list]:
+    """The root mesh of DTensor ``t`` and, for each of its mesh's dimensions, the root's dimension
+    (a sub-mesh such as ``mesh["dp"]`` maps by dimension name)."""
+    mesh = t.device_mesh
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    if root is mesh or root is None:
+        return mesh, list(range(mesh.ndim))
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if names is None or root_names is None or any(n not in root_names for n in names):
+        raise UnmappableLayout(
+            f"jitckpt.protect(): tensor {name!r} is on a sub-mesh {names} of mesh {root_names} whose "
+            "dimensions jitckpt cannot map by name (flattened or unnamed dimensions); give every mesh "
+            "dimension a name (init_device_mesh(..., mesh_dim_names=...)) and slice sub-meshes by name")
+    return root, [root_names.index(n) for n in names]
+
+
 def shard_position(tensors: dict, *, world_size: int) -> ShardPosition:
     """This rank's shard and replica for the DTensors in ``tensors`` (name -> tensor). Every
-    DTensor must live on one mesh spanning the whole job; raises :class:`UnmappableLayout` naming
-    the first tensor that does not."""
+    DTensor must live on one mesh spanning the whole job or on its named sub-meshes (FSDP2 + TP);
+    raises :class:`UnmappableLayout` naming the first tensor that does not."""
     from torch.distributed.tensor import DTensor
 
     mesh, first = None, None
@@ -63,16 +79,17 @@ def shard_position(tensors: dict, *, world_size: int) -> ShardPosition:
     for name, t in tensors.items():
         if not isinstance(t, DTensor):
             continue  # a plain tensor: the same on every rank (FSDP2's buffers, TP's unparallelized layers)
+        root, dims = _root_dims(t, name)
         if mesh is None:
-            mesh, first = t.device_mesh, name
-        elif t.device_mesh != mesh:
+            mesh, first = root, name
+        elif root != mesh:
             raise UnmappableLayout(
-                f"jitckpt.protect(): tensor {name!r} is on mesh {tuple(t.device_mesh.mesh.shape)} "
-                f"{t.device_mesh.mesh_dim_names}, tensor {first!r} on {tuple(mesh.mesh.shape)} "
-                f"{mesh.mesh_dim_names}; jitckpt maps a model on one DeviceMesh only (pipeline stages "
-                "on sub-meshes are not supported yet). Put every parameter on one mesh, or leave the "
-                "job to torchrun")
-        sharded.update(i for i, p in enumerate(t.placements) if p.is_shard())
+                f"jitckpt.protect(): tensor {name!r} is on mesh {tuple(root.mesh.shape)} "
+                f"{root.mesh_dim_names}, tensor {first!r} on {tuple(mesh.mesh.shape)} "
+                f"{mesh.mesh_dim_names}; jitckpt maps a model on one DeviceMesh (and its sub-meshes) "
+                "only, not pipeline stages on separate meshes yet. Put every parameter on one mesh, "
+                "or leave the job to torchrun")
+        sharded.update(dims[i] for i, p in enumerate(t.placements) if p.is_shard())
     assert mesh is not None, "shard_position() needs at least one DTensor"
     if mesh.size() != world_size:
         raise UnmappableLayout(

@@ -253,6 +253,10 @@ class WorkerRuntime:
         self.shard_id, self.num_shards = shard_id, num_shards
         self.replica_id = self.rank // num_shards if replica_id is None else replica_id
 
+    def watch_functional_collectives(self) -> None:
+        """A DTensor job: its functional collectives' waits are regions too (see CollectiveHooks)."""
+        self._hooks.install_functional_waits()
+
     def _resuming_from_disk(self) -> bool:
         """A checkpoint on disk will be resumed from (the in-memory tier decides collectively)."""
         return self.snapshots is None and self.latest_checkpoint() is not None

@@ -2,7 +2,10 @@
 ``jitckpt.protect``; rank 0 writes the full final parameters and optimizer state to ``--out``
 (tests/test_sharded_layouts.py).
 
---mesh fsdp: a 1-D mesh over every rank (full sharding); hsdp: a 2-D mesh (--replicas x shard). --kill R:S[:term]: rank R SIGKILLs (SIGTERMs) itself before minibatch S of the first launch.
+--mesh fsdp: a 1-D mesh over every rank (full sharding); hsdp: a 2-D mesh (--replicas x shard); tp:
+tensor parallel (column- then row-wise, the last layer plain) on a 1-D mesh; fsdp_tp: a 2-D mesh
+(dp x tp), TP inside, fully_shard over dp (the last layer on the dp sub-mesh only); stages: each
+rank fully_shards its own copy on a 1-rank mesh of its own (as pipeline stages' meshes are). --kill R:S[:term]: rank R SIGKILLs (SIGTERMs) itself before minibatch S of the first launch.
 --no-jitckpt: the same training without jitckpt (under torchrun). Data is chosen by step and rank.
 """
 import argparse
@@ -17,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=8)
-p.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp")
+p.add_argument("--mesh", choices=["fsdp", "hsdp", "tp", "fsdp_tp", "stages"], default="fsdp")
 p.add_argument("--replicas", type=int, default=2)
 p.add_argument("--kill", default="")
 p.add_argument("--no-jitckpt", action="store_true")
@@ -28,16 +31,30 @@ args = p.parse_args()
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-shape, names = ((world,), ("shard",)) if args.mesh == "fsdp" else ((args.replicas, world // args.replicas),
-                                                                   ("replicate", "shard"))
-mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+layouts = {"fsdp": ((world,), ("shard",)), "hsdp": ((args.replicas, world // args.replicas), ("replicate", "shard")),
+           "tp": ((world,), ("tp",)), "fsdp_tp": ((2, world // 2), ("dp", "tp")), "stages": (None, None)}
+shape, names = layouts[args.mesh]
+if args.mesh == "stages":
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [rank], mesh_dim_names=("stage",))
+else:
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-for layer in model:
-    if isinstance(layer, nn.Linear):
-        fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
+data_rank = rank  # the ranks of one TP group see the same data
+if args.mesh in ("tp", "fsdp_tp"):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    data_rank = 0 if args.mesh == "tp" else mesh.get_coordinate()[0]
+if args.mesh != "tp":
+    dp = mesh["dp"] if args.mesh == "fsdp_tp" else mesh
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=dp)
+    fully_shard(model, mesh=dp)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
 
@@ -53,18 +70,21 @@ sig = signal.SIGTERM if how == ["term"] else signal.SIGKILL
 for step in range(start, args.steps):
     if gen == 0 and (rank, step) == (kill_rank, kill_step):
         os.kill(os.getpid(), sig)
-    g = torch.Generator().manual_seed(1000 * step + rank)
+    g = torch.Generator().manual_seed(1000 * step + data_rank)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
     sched.step()
     opt.zero_grad()
-full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a collective: every rank
+def whole(v):
+    return v.full_tensor() if hasattr(v, "full_tensor") else v  # a collective: every rank
+
+
+full = {k: whole(v) for k, v in model.state_dict().items()}
 names_of = {id(p): n for n, p in model.named_parameters()}
 for p_, st in opt.state.items():
-    full.update({f"optim.{names_of[id(p_)]}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v
-                 for k, v in st.items()})
+    full.update({f"optim.{names_of[id(p_)]}.{k}": whole(v) for k, v in st.items()})
 if rank == 0:
     torch.save(full, args.out)
 dist.destroy_process_group()
