@@ -62,6 +62,7 @@ class Config:
     api: str = "protect"    # protect | init
     nproc: int = 2
     optim: str = ""         # default: adam for ln, sgd for bn, adamw for dropout
+    parallel: str = "ddp"   # ddp | hsdp (FSDP2 on a 2 x nproc/2 mesh)
 
     @property
     def optimizer(self) -> str:
@@ -69,10 +70,10 @@ class Config:
 
     @property
     def id(self) -> str:
-        return f"{self.model}-{self.optimizer}-{self.api}-{self.nproc}r"
+        return f"{self.model}-{self.optimizer}-{self.api}-{self.nproc}r" + ("" if self.parallel == "ddp" else f"-{self.parallel}")
 
     def script_args(self) -> list:
-        return ["--model", self.model, "--optim", self.optimizer, "--api", self.api,
+        return ["--model", self.model, "--optim", self.optimizer, "--api", self.api, "--parallel", self.parallel,
                 "--steps", str(STEPS), "--phase-sleep", str(PHASE_SLEEP)]
 
 

@@ -30,6 +30,12 @@ FAST = [("sigkill", FAST_CONFIG), ("gil", FAST_CONFIG)]
 
 SLOW = [(f, c) for c in MATRIX_CONFIGS for f in FAULTS if (f, c) not in FAST]
 SLOW += [(f, DROPOUT) for f in DROPOUT_FAULTS]
+# FSDP2 on a 2x2 HSDP mesh (issue 44): a lost rank's shards come back from its replica group. (A
+# death of each layout is in test_sharded_layouts' fast tests.)
+HSDP = Config("ln", "protect", 4, parallel="hsdp")
+HSDP_FAULTS = ["sigkill", "sigstop", "exception", "optim", "gil", "step1", "recovery", "sigterm",
+               "launcher_sigterm"]
+SLOW += [(f, HSDP) for f in HSDP_FAULTS]
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,9 @@ parameters and buffers can be compared bitwise with a failure-free run's. Faults
 backward before DDP's all-reduce, before and inside the optimizer step) so a signal at a random
 time lands in any of them. Every step logs ``begin`` and, once done, ``step`` records (gen, rank,
 pid) to ``--steps-log``; rank 0 saves the final ``state_dict`` (parameters and buffers) to ``--out``.
+
+``--parallel hsdp``: FSDP2 instead of DDP, ``fully_shard`` on each linear layer and the root over a
+2-D mesh (2 replica groups x the rest), ``protect()`` only; the final state is gathered whole.
 """
 import argparse
 import atexit
@@ -40,6 +43,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--model", default="ln", choices=["ln", "bn", "dropout"])
     p.add_argument("--optim", default="adam", choices=["adam", "sgd", "adamw"])
     p.add_argument("--api", default="protect", choices=["protect", "init"])
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "hsdp"])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--phase-sleep", type=float, default=0.0)
     p.add_argument("--on-usr1", default="", choices=["", "gil", "raise", "optim"])
@@ -129,7 +133,18 @@ def main() -> None:
         if int(g) == gen and int(r) == rank:
             arm_exit_fault(mode)
     net = build(args)
-    model = DDP(net)
+    if args.parallel == "ddp":
+        model = DDP(net)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        world = dist.get_world_size()
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
     opt = make_optimizer(args, model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
     armed = {"fire": False}
@@ -203,8 +218,12 @@ def main() -> None:
             done["steps"] += 1
         sched.step()
         log(step=step)
+    if args.parallel != "ddp":  # gathered whole: a collective, every rank
+        sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+              for k, v in net.state_dict().items()}
     if rank == 0 and args.out:
-        sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        if args.parallel == "ddp":
+            sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
         torch.save(sd, args.out + ".tmp")
         os.replace(args.out + ".tmp", args.out)
     dist.destroy_process_group()
