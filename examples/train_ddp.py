@@ -71,6 +71,9 @@ def parse():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--optim", default="adam", choices=["adam", "sgd", "zero-adam"],
                    help="zero-adam: ZeroRedundancyOptimizer(Adam), ZeRO-1 (needs --snapshot-every)")
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "hsdp"],
+                   help="hsdp: FSDP2 (fully_shard on each linear layer and the root) over a 2-D mesh, "
+                        "2 replica groups x the rest, instead of DDP")
     p.add_argument("--inject", action="append", default=[], metavar="GEN:RANK:STEP:MODE")
     p.add_argument("--out", default="")
     p.add_argument("--steps-log", default="")
@@ -233,6 +236,18 @@ class InitApiState:
         return self.step
 
 
+def shard_hsdp(net, world):
+    """FSDP2 on a (2, world/2) mesh: each shard kept by both replica groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    for m in net.modules():
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    return fully_shard(net, mesh=mesh)
+
+
 def wait_gone(pid, timeout=10.0):
     """Until ``pid`` (not our child: we cannot reap it) has died, so a restart finds it dead."""
     import psutil
@@ -253,13 +268,16 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    model = build(args) if args.overlap_step else DDP(build(args))
+    if args.parallel == "hsdp":
+        model = shard_hsdp(build(args), world)
+    else:
+        model = build(args) if args.overlap_step else DDP(build(args))
     if args.rank_rng:
         import numpy as np
 
         torch.rand(rank + 1)
         np.random.rand(rank + 1)
-    net = model if args.overlap_step else model.module
+    net = model if args.overlap_step or args.parallel != "ddp" else model.module
     works, to_reduce = {}, []
     if args.overlap_step:  # a wait raises if a peer died before contributing that gradient
         def wait(i, p):
@@ -414,14 +432,16 @@ def main():
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if logf:
-            psum = float(sum(p.detach().double().sum() for p in model.parameters()))
+            # This rank's own values (a DTensor's whole sum would be a collective every step).
+            psum = float(sum(getattr(p.detach(), "to_local", p.detach)().double().sum() for p in model.parameters()))
             logf.write(json.dumps({"gen": gen, "rank": rank, "step": step, "loss": loss.item(), "psum": psum,
                                    "t": time.time(), "dt": time.perf_counter() - t0, "pid": os.getpid()}) + "\n")
             logf.flush()
     if dcp_saver is not None:
         dcp_saver.finish()
+    sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()  # every rank: a collective
+          for k, v in net.state_dict().items()}
     if rank == 0 and args.out:
-        sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
         tmp = args.out + ".tmp"
         torch.save(sd, tmp)
         os.replace(tmp, args.out)

@@ -1,0 +1,85 @@
+"""One job (torchrun, 4 ranks, HSDP 2x2): jitckpt's JIT save of an FSDP2 state against DCP ``save`` of
+the same state, interleaved, each timed on its slowest rank (bench/bench_sharded.py).
+
+The floor beside them: every rank writing the bytes of its own shard (what a JIT save after a
+failure must write: the lost rank's replica partner holds the only surviving copy of its shard)
+as one file, fsynced, all ranks at once. DCP writes each replicated chunk once, spread over the
+replicas: half of that per rank here."""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+import train_ddp  # noqa: E402
+
+from jitckpt.checkpoint_store import write_checkpoint  # noqa: E402
+from jitckpt.runtime.protected_state import Protected  # noqa: E402
+
+
+def slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sys.argv = [sys.argv[0], "--in-dim", "1024", "--hidden", "2048", "--layers", "2", "--out-dim", "1024"]
+    margs = train_ddp.parse()
+    model = train_ddp.shard_hsdp(train_ddp.build(margs), world)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 1024), torch.randn(32, 1024)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    state = Protected(model, opt)
+    pos = state.sharded.position
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in state.sharded.tensors.values()]
+    local += [v.to_local() if hasattr(v, "to_local") else v for st in opt.state.values() for v in st.values()]
+    blob = b"".join(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() for t in local)
+    jit, ref, floor = [], [], []
+    for i in range(args.reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        with open(Path(args.dir) / f"raw-{rank}-{i}", "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        floor.append(slowest(time.perf_counter() - t0))
+        dist.barrier()
+        t0 = time.perf_counter()
+        write_checkpoint(Path(args.dir) / "jit", state.save, kind="jit", step=i, rank=rank, world_size=world,
+                         gen=0, shard_id=pos.shard_id, num_shards=pos.num_shards, fsync=True)
+        jit.append(slowest(time.perf_counter() - t0))
+        dist.barrier()
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(args.dir) / f"dcp-{i}"))
+        ref.append(slowest(time.perf_counter() - t0))
+    if rank == 0:
+        nbytes = sum(p.numel() * p.element_size() for p in msd.values()) * 3  # params + Adam's two moments
+        Path(args.out).write_text(json.dumps({"jit_s": statistics.median(jit), "dcp_s": statistics.median(ref),
+                                              "floor_s": statistics.median(floor), "jit_runs": jit, "dcp_runs": ref,
+                                              "floor_runs": floor, "state_bytes_whole": nbytes,
+                                              "shard_bytes_per_rank": len(blob)}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
