@@ -145,3 +145,45 @@ def test_an_hsdp_2x2_checkpoint_resumes_on_1x2(tmp_path):
     assert again.rc == 0, again.out[-4000:]
     assert "resuming from step 3" in again.out, again.out[-4000:]
     assert_bitwise(torch.load(again.workdir / "final.pt", weights_only=True), at3)
+
+
+@pytest.mark.slow
+def test_the_example_transformer_on_hsdp_survives_a_sigkill_from_outside(tmp_path):
+    """examples/train_fsdp_tp.py as a user runs it: rank 3's worker SIGKILLed from outside once the
+    job logged step 10; it ends with the weights of an uninterrupted torchrun run, one minibatch redone."""
+    import json
+    import os
+    import signal
+    import time
+
+    from jobs import kill_tree, start_launcher
+
+    example = ROOT / "examples" / "train_fsdp_tp.py"
+    ref = tmp_path / "torchrun"
+    ref.mkdir()
+    rc, out = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(example), "--parallel", "hsdp", "--steps", "30", "--out", str(ref / "f.pt")],
+                          cwd=ref, timeout=240)
+    assert rc == 0, out[-3000:]
+    work = tmp_path / "jit"
+    proc = start_launcher(work, ["--nproc-per-node", "4", "--checkpoint-dir", str(work / "ck"), "--run-dir",
+                                 str(work / "run"), "--status-interval", "0", str(example), "--parallel", "hsdp",
+                                 "--steps", "30", "--out", str(work / "f.pt")])
+    try:
+        deadline = time.monotonic() + 180
+        while "step 10 " not in (work / "out.txt").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (work / "out.txt").read_text()[-3000:]
+            time.sleep(0.05)  # polling the job's output
+        events = [json.loads(x) for x in (work / "run" / "events.jsonl").read_text().splitlines() if x.strip()]
+        [victim] = [e["pid"] for e in events if e["event"] == "worker_start" and e["rank"] == 3 and e["gen"] == 0]
+        os.kill(victim, signal.SIGKILL)
+        rc = proc.wait(timeout=180)
+    finally:
+        kill_tree(proc.pid)
+    text = (work / "out.txt").read_text()
+    assert rc == 0, text[-3000:]
+    events = [json.loads(x) for x in (work / "run" / "events.jsonl").read_text().splitlines() if x.strip()]
+    [summary] = [e for e in events if e["event"] == "recovery_summary"]
+    assert summary["failed_ranks"] == [3] and summary["steps_redone"] <= 1, summary
+    got, want = (torch.load(d / "f.pt", weights_only=True) for d in (work, ref))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
