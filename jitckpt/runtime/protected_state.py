@@ -554,17 +554,7 @@ class Protected:
         own, meta = found.get(pos.shard_id, found[0]) if meta_shards(found) == pos.num_shards else found[0]
         sd = torch.load(own / SHARDED_STATE_FILE, map_location="cpu", weights_only=True)
         self.sharded.load(root, {s: p.name for s, (p, _) in found.items()}, sd["optim_other"], sd["param_groups"])
-        if self.scheduler is not None and sd["scheduler"] is not None:
-            self.scheduler.load_state_dict(sd["scheduler"])
-        for k, v in sd["extra"].items():
-            if k in self.extra and hasattr(self.extra[k], "load_state_dict"):
-                self.extra[k].load_state_dict(v)
-            else:
-                self.extra[k] = v
-        set_rng_state(sd["rng"])
-        self.step = int(sd["step"])
-        self._mid_minibatch = False
-        self._resumed_step = self.step
+        self._load_rest(sd)
         rt.report_restored(str(own), self.step, time.monotonic() - t0)
         return self.step
 
@@ -585,6 +575,10 @@ class Protected:
         elif not self._zero:
             raise ValueError("this state has no optimizer state (it is from a ZeroRedundancyOptimizer "
                              "job) but the optimizer is a plain one")
+        return self._load_rest(sd)
+
+    def _load_rest(self, sd: dict) -> int:
+        """Scheduler, extra, RNG and step of a loaded state (after model and optimizer); its step."""
         if self.scheduler is not None and sd["scheduler"] is not None:
             self.scheduler.load_state_dict(sd["scheduler"])
         for k, v in sd["extra"].items():
