@@ -9,12 +9,15 @@ size count on the DTensor shards' storage; then: protect() saved nothing for suc
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from etcd_cluster import etcd_cluster  # noqa: F401  (fixture)
 from jobs import ROOT, run_bounded, run_job
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_fsdp2.py"
@@ -151,8 +154,6 @@ def test_an_hsdp_2x2_checkpoint_resumes_on_1x2(tmp_path):
 def test_the_example_transformer_on_hsdp_survives_a_sigkill_from_outside(tmp_path):
     """examples/train_fsdp_tp.py as a user runs it: rank 3's worker SIGKILLed from outside once the
     job logged step 10; it ends with the weights of an uninterrupted torchrun run, one minibatch redone."""
-    import json
-    import os
     import signal
     import time
 
@@ -187,3 +188,84 @@ def test_the_example_transformer_on_hsdp_survives_a_sigkill_from_outside(tmp_pat
     assert summary["failed_ranks"] == [3] and summary["steps_redone"] <= 1, summary
     got, want = (torch.load(d / "f.pt", weights_only=True) for d in (work, ref))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_hsdp_across_two_nodes_survives_the_loss_of_one_and_ends_bitwise(tmp_path, etcd_cluster):
+    """2 launchers x 2 ranks on a real etcd, HSDP with the replicate dimension across the nodes
+    (node 0 holds replica group 0, node 1 group 1): node 1's whole process tree is SIGKILLed at a
+    random step, node 0's ranks save both shards, a replacement launcher (same command) joins, and
+    the job ends with the parameters of a failure-free run, at most one minibatch redone."""
+    import random
+    import subprocess
+    import time
+
+    from jobs import kill_tree
+
+    train = ROOT / "examples" / "train_ddp.py"
+    common = ["--parallel", "hsdp", "--steps", "30", "--step-sleep", "0.05"]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    rc, out = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(train), *common, "--no-jitckpt", "--out", str(ref / "f.pt")], cwd=ref, timeout=240)
+    assert rc == 0, out[-3000:]
+
+    def node(i: int, name: str = "") -> tuple:
+        d = tmp_path / f"node{i}{name}"
+        d.mkdir()
+        cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "2",
+               "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd_cluster.endpoint(i), "--rdzv-id", "hsdp",
+               "--checkpoint-dir", str(tmp_path / "ckpt"), "--run-dir", str(d / "run"), "--status-interval", "0",
+               "--max-restarts", "2", str(train), *common, "--out", str(tmp_path / "f.pt"),
+               "--steps-log", str(tmp_path / "train.jsonl")]
+        with open(d / "out.txt", "wb") as f:
+            return d, subprocess.Popen(cmd, cwd=d, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                       stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+    nodes = [node(0), node(1)]
+    try:
+        at = random.randint(4, 20)
+        log, deadline = tmp_path / "train.jsonl", time.monotonic() + 180
+        while (sum('"step"' in x for x in log.read_text().splitlines()) if log.exists() else 0) < 4 * at:
+            assert time.monotonic() < deadline and all(p.poll() is None for _, p in nodes), "the job ended early"
+            time.sleep(0.01)  # polling the training's progress: the moment is meant to be random
+        kill_tree(nodes[1][1].pid)
+        nodes.append(node(1, "-replacement"))
+        rcs = [p.wait(timeout=240) for _, p in (nodes[0], nodes[2])]
+        outs = "\n".join(f"--- {d.name}\n{(d / 'out.txt').read_text()[-3000:]}" for d, _ in nodes)
+        assert rcs == [0, 0], outs
+        events = [json.loads(x) for x in (nodes[0][0] / "run" / "events.jsonl").read_text().splitlines() if x.strip()]
+        saved = {e["rank"] for e in events if e["event"] == "checkpoint_saved"}
+        assert saved == {0, 1}, (saved, outs)  # node 0's ranks: one copy of each shard
+        [summary] = [e for e in events if e["event"] == "recovery_summary"]
+        assert summary["steps_redone"] <= 1, summary
+    finally:
+        for _, p in nodes:
+            kill_tree(p.pid)
+    got, want = (torch.load(d / "f.pt", weights_only=True) for d in (tmp_path, ref))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_optimizer_holding_a_tensor_the_model_does_not_trains_as_under_torchrun_and_says_so(tmp_path):
+    """Bad input at protect(): the optimizer's extra tensor has no name to be saved under. The job
+    is not broken (it trains; a failure restarts from 0) and the message names the tensor and the fix."""
+    res = run_job(tmp_path, nproc=2, script=SCRIPT, script_args=["--steps", "3", "--foreign-param"])
+    assert res.rc == 0, res.out[-4000:]
+    assert "the optimizer's parameter 0 of group 1 (shape (3,)) is not a parameter of the model" in res.out, \
+        res.out[-4000:]
+    assert "build the optimizer from model.parameters()" in res.out
+
+
+@pytest.mark.slow
+def test_another_models_checkpoint_is_refused_by_tensor_name_and_kept(tmp_path):
+    """Bad input at restore: a checkpoint of a wider model. The job stops with the tensor named and
+    the fix; the checkpoint is not touched (it is good state, of another model)."""
+    first = run_job(tmp_path / "a", nproc=2, script=SCRIPT, script_args=["--steps", str(STEPS), "--kill", "1:3:term"])
+    assert first.rc == 143, first.out[-4000:]
+    before = sorted(p.name for p in first.ckpt.iterdir())
+    other = run_job(tmp_path / "b", nproc=2, script=SCRIPT, ckpt=first.ckpt,
+                    launcher_args=["--max-restarts", "0"], script_args=["--steps", str(STEPS), "--hidden", "48"])
+    assert other.rc != 0
+    assert "tensor '0.weight' is [32, 16] in the checkpoint" in other.out and "[48, 16] in this model" in other.out, \
+        other.out[-4000:]
+    assert sorted(p.name for p in first.ckpt.iterdir()) == before

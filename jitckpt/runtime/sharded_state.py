@@ -246,8 +246,16 @@ class ShardedState:
         params = dict(zip(self.param_names, self._params()))
         missing = [k for k in target["model"] if f"model.{k}" not in md.state_dict_metadata]
         if missing:
-            raise UnmappableLayout(f"jitckpt resume: the checkpoint has no {missing[0]!r} (of {len(missing)} "
-                                   "tensors missing): it is not of this model")
+            raise UnmappableLayout(f"jitckpt resume: the checkpoint in {root} has no {missing[0]!r} (of "
+                                   f"{len(missing)} tensors missing): it is not of this model. Resume it "
+                                   "with the model that wrote it, or give this job another --checkpoint-dir")
+        for k, v in target["model"].items():
+            saved = list(md.state_dict_metadata[f"model.{k}"].size)
+            if saved != list(v.shape):  # DCP reshards a layout, not a tensor of another shape
+                raise UnmappableLayout(
+                    f"jitckpt resume: tensor {k!r} is {saved} in the checkpoint in {root}, {list(v.shape)} in "
+                    "this model: it is another model's checkpoint. Resume it with the model that wrote it, "
+                    "or give this job another --checkpoint-dir")
         for key, m in md.state_dict_metadata.items():
             if not key.startswith("optim."):
                 continue

@@ -6,7 +6,8 @@
 tensor parallel (column- then row-wise, the last layer plain) on a 1-D mesh; fsdp_tp: a 2-D mesh
 (dp x tp), TP inside, fully_shard over dp (the last layer on the dp sub-mesh only); stages: each
 rank fully_shards its own copy on a 1-rank mesh of its own (as pipeline stages' meshes are). --kill R:S[:term]: rank R SIGKILLs (SIGTERMs) itself before minibatch S of the first launch.
---no-jitckpt: the same training without jitckpt (under torchrun). Data is chosen by step and rank.
+--no-jitckpt: the same training without jitckpt (under torchrun). --hidden: the width (another
+model); --foreign-param: the optimizer also holds a tensor that is not the model's. Data is chosen by step and rank.
 """
 import argparse
 import os
@@ -22,6 +23,8 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--mesh", choices=["fsdp", "hsdp", "tp", "fsdp_tp", "stages"], default="fsdp")
 p.add_argument("--replicas", type=int, default=2)
+p.add_argument("--hidden", type=int, default=32)
+p.add_argument("--foreign-param", action="store_true")
 p.add_argument("--kill", default="")
 p.add_argument("--no-jitckpt", action="store_true")
 p.add_argument("--out", required=True)
@@ -42,7 +45,8 @@ else:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+H = args.hidden
+model = nn.Sequential(nn.Linear(16, H), nn.ReLU(), nn.Linear(H, H), nn.ReLU(), nn.Linear(H, 4))
 data_rank = rank  # the ranks of one TP group see the same data
 if args.mesh in ("tp", "fsdp_tp"):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -55,7 +59,10 @@ if args.mesh != "tp":
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=dp)
     fully_shard(model, mesh=dp)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+groups = [{"params": list(model.parameters())}]
+if args.foreign_param:  # a tensor the model does not hold, optimized beside it
+    groups.append({"params": [nn.Parameter(torch.zeros(3))]})
+opt = torch.optim.AdamW(groups, lr=1e-2)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
 
 start = 0
