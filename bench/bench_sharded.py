@@ -5,7 +5,9 @@
    model and optimizer state (``get_state_dict``, collective, fsynced), interleaved, in one job
    (bench/sharded_save_probe.py); the slowest rank of each, beside the floor: each rank writing its
    own shard's bytes as one fsynced file (a JIT save after a failure writes a whole shard on the
-   lost rank's partner; DCP, all ranks alive, spreads each replicated chunk over the replicas).
+   lost rank's partner; DCP, all ranks alive, spreads each replicated chunk over the replicas), and
+   jitckpt's save with every rank alive (preemption, periodic), which splits each shard over its
+   replicas as DCP does.
 2. Recovery, failure to the failed minibatch done again: `jitckpt run` (a SIGKILLed rank's shards
    come back from its replica group) against torchrun restarting the job from
    ``torch.distributed.checkpoint.async_save`` every 10 steps and every step (examples/train_ddp.py
@@ -43,6 +45,7 @@ def save_times(work: Path, reps: int) -> dict:
     res = json.loads(out.read_text())
     res["jit_over_dcp"] = res["jit_s"] / res["dcp_s"]
     res["jit_over_floor"] = res["jit_s"] / res["floor_s"]
+    res["split_over_dcp"] = res["split_s"] / res["dcp_s"]
     return res
 
 

@@ -4,7 +4,8 @@ the same state, interleaved, each timed on its slowest rank (bench/bench_sharded
 The floor beside them: every rank writing the bytes of its own shard (what a JIT save after a
 failure must write: the lost rank's replica partner holds the only surviving copy of its shard)
 as one file, fsynced, all ranks at once. DCP writes each replicated chunk once, spread over the
-replicas: half of that per rank here."""
+replicas: half of that per rank here, as jitckpt's own save does with every rank alive (a
+preemption, a periodic save: ``split``)."""
 import argparse
 import json
 import os
@@ -53,7 +54,16 @@ def main() -> None:
     local = [t.to_local() if hasattr(t, "to_local") else t for t in state.sharded.tensors.values()]
     local += [v.to_local() if hasattr(v, "to_local") else v for st in opt.state.values() for v in st.values()]
     blob = b"".join(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() for t in local)
-    jit, ref, floor = [], [], []
+    jit, split, ref, floor = [], [], [], []
+
+    def jit_save(everyone: bool, i: int) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        shard_id, num_shards = state.sharded.write_part(everyone)
+        write_checkpoint(Path(args.dir) / ("split" if everyone else "jit"), state.save, kind="jit", step=i,
+                         rank=rank, world_size=world, gen=0, shard_id=shard_id, num_shards=num_shards, fsync=True)
+        return slowest(time.perf_counter() - t0)
+
     for i in range(args.reps):
         dist.barrier()
         t0 = time.perf_counter()
@@ -62,11 +72,8 @@ def main() -> None:
             f.flush()
             os.fsync(f.fileno())
         floor.append(slowest(time.perf_counter() - t0))
-        dist.barrier()
-        t0 = time.perf_counter()
-        write_checkpoint(Path(args.dir) / "jit", state.save, kind="jit", step=i, rank=rank, world_size=world,
-                         gen=0, shard_id=pos.shard_id, num_shards=pos.num_shards, fsync=True)
-        jit.append(slowest(time.perf_counter() - t0))
+        jit.append(jit_save(False, i))  # after a failure: each survivor its whole shard
+        split.append(jit_save(True, i))  # every rank alive (preemption, periodic): half a shard each
         dist.barrier()
         t0 = time.perf_counter()
         msd, osd = get_state_dict(model, opt)
@@ -75,7 +82,8 @@ def main() -> None:
     if rank == 0:
         nbytes = sum(p.numel() * p.element_size() for p in msd.values()) * 3  # params + Adam's two moments
         Path(args.out).write_text(json.dumps({"jit_s": statistics.median(jit), "dcp_s": statistics.median(ref),
-                                              "floor_s": statistics.median(floor), "jit_runs": jit, "dcp_runs": ref,
+                                              "floor_s": statistics.median(floor), "split_s": statistics.median(split),
+                                              "split_runs": split, "jit_runs": jit, "dcp_runs": ref,
                                               "floor_runs": floor, "state_bytes_whole": nbytes,
                                               "shard_bytes_per_rank": len(blob)}))
     dist.destroy_process_group()

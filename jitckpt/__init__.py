@@ -163,6 +163,7 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
         rt.set_save_fn(state.save, step_fn=lambda: state.step, shard_id=pos.shard_id,
                        num_shards=pos.num_shards, replica_id=pos.replica_id)
         rt.saveable_while_running = state.untouched_mid_minibatch
+        rt.part_fn = state.sharded.write_part
         rt.watch_functional_collectives()
         if rt.rank == 0:
             _warn_sharded_coverage(rt, pos)

@@ -143,6 +143,9 @@ def test_an_hsdp_2x2_checkpoint_resumes_on_1x2(tmp_path):
     first = run_job(tmp_path / "a", nproc=4, script=SCRIPT,
                     script_args=["--mesh", "hsdp", "--steps", str(STEPS), "--kill", "2:3:term"])
     assert first.rc == 143, first.out[-4000:]
+    # Every rank alive: the two replicas of each shard wrote half of it each (4 parts of one copy).
+    metas = [json.loads((p / "jitckpt-meta.json").read_text()) for p in first.ckpt.glob("jit-*")]
+    assert sorted((m["shard_id"], m["num_shards"]) for m in metas) == [(i, 4) for i in range(4)], metas
     again = run_job(tmp_path / "b", nproc=2, script=SCRIPT, ckpt=first.ckpt,
                     script_args=["--mesh", "hsdp", "--replicas", "1", "--steps", "3"])
     assert again.rc == 0, again.out[-4000:]

@@ -184,6 +184,8 @@ class ShardedState:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int) -> None:
         self.tensors = dict(model.state_dict(keep_vars=True))
         self.position = shard_position(self.tensors, world_size=world_size)
+        self.world_size = world_size
+        self.part: Optional[tuple[int, int]] = None  # (replica, replicas): this write's share, or whole
         fqn_of = {id(p): n for n, p in model.named_parameters()}
         self.param_names: list = []  # the optimizer's parameters in its own order, by name
         for gi, group in enumerate(optimizer.param_groups):
@@ -197,9 +199,23 @@ class ShardedState:
                 self.param_names.append(fqn_of[id(p)])
         self.optimizer = optimizer
 
+    def write_part(self, everyone: bool) -> tuple[int, int]:
+        """Choose what the next write holds; return its (shard id, shard count) for the checkpoint
+        store. With every rank alive (a preemption, a periodic save) the ``R`` replicas of a shard
+        each write every R-th of its tensors, as DCP spreads replicated chunks, so a save costs each
+        rank 1/R of its shard; after a failure each survivor writes its whole shard (the lost rank's
+        partner holds its only copy)."""
+        pos = self.position
+        replicas = self.world_size // pos.num_shards
+        self.part = (pos.replica_id, replicas) if everyone and replicas > 1 else None
+        if self.part is None:
+            return pos.shard_id, pos.num_shards
+        return pos.shard_id * replicas + pos.replica_id, pos.num_shards * replicas
+
     def tensor_state(self, buffers: Optional[dict]) -> dict:
         """``{"model": {name: tensor}, "optim": {param: {key: tensor}}}`` as now (``buffers``: a
-        copy of the buffers to save instead of the live ones), and the optimizer's non-tensor state."""
+        copy of the buffers to save instead of the live ones), and the optimizer's non-tensor state;
+        only this write's part (:meth:`write_part`)."""
         model = {k: (buffers[k] if buffers and k in buffers else v).detach() for k, v in self.tensors.items()}
         optim: dict = {}
         other: dict = {}
@@ -208,6 +224,13 @@ class ShardedState:
             name = by_id[id(p)]
             optim[name] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
             other[name] = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+        if self.part is not None:  # every part-th tensor, in an order every rank of the shard shares
+            index, count = self.part
+            keys = sorted([("model", k) for k in model] + [("optim", n, k) for n, st in optim.items() for k in st])
+            mine = set(keys[index::count])
+            model = {k: v for k, v in model.items() if ("model", k) in mine}
+            optim = {n: {k: v for k, v in st.items() if ("optim", n, k) in mine} for n, st in optim.items()}
+            optim = {n: st for n, st in optim.items() if st}
         return {"model": model, "optim": optim}, other
 
     def _params(self) -> list:

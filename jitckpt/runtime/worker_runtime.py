@@ -83,6 +83,9 @@ class WorkerRuntime:
         # Why this job's failures take no JIT save (a preemption's still does, with a save function).
         self.no_save_reason: Optional[str] = None
         self._saver_ident: Optional[int] = None  # the thread writing a checkpoint now
+        # A DTensor job's replicas (protect()): part_fn(every rank alive) chooses this write's
+        # (shard id, shard count); with everyone alive each replica writes part of its shard.
+        self.part_fn: Optional[Callable[[bool], tuple[int, int]]] = None
         # Such a job's save to memory after a failure (protect(), --snapshot-zero log): what it did.
         self.save_to_memory: Optional[Callable[[], str]] = None
         self._memory_save_lock = threading.Lock()  # the saver and the training thread may both give up
@@ -368,7 +371,7 @@ class WorkerRuntime:
             self.channel.send(Resumed(rank=self.rank, step=step))
         self._heartbeat(step, (now - prev_t) if prev is not None else None)
         if (self.periodic_every and step > 0 and step % self.periodic_every == 0
-                and step != self._restored_step and self.replica_id == 0):
+                and step != self._restored_step and (self.replica_id == 0 or self.part_fn is not None)):
             if self.save_fn is not None:
                 self._periodic_save(step)
             else:
@@ -702,8 +705,8 @@ class WorkerRuntime:
                     ", over its reserve's pages" if self._reserve_used else "")
         if self.channel is not None:
             self.channel.send(Saved(rank=self.rank, path=str(path), step=step,
-                              bytes=meta.total_bytes, seconds=seconds, shard_id=self.shard_id,
-                              num_shards=self.num_shards, kind="jit", undone=undone))
+                              bytes=meta.total_bytes, seconds=seconds, shard_id=meta.shard_id,
+                              num_shards=meta.num_shards, kind="jit", undone=undone))
         self._exit(EXIT_JIT_SAVED)
 
     def take_save_reserve(self) -> Optional[Path]:
@@ -746,11 +749,15 @@ class WorkerRuntime:
         assert self.save_fn is not None
         # DDP's bucket layout goes into every checkpoint, before its files are checksummed.
         save_fn = self.ddp_layouts.saving(self.save_fn)
+        shard_id, num_shards = self.shard_id, self.num_shards
+        if self.part_fn is not None:  # every rank alive: the replicas split their shard's writing
+            everyone = kind == "periodic" or (self._failure or {}).get("kind") == "preempted"
+            shard_id, num_shards = self.part_fn(everyone)
         self._saver_ident = threading.get_ident()
         try:
             return write_checkpoint(self.checkpoint_dir, save_fn, kind=kind, step=step,
                                     rank=self.rank, world_size=self.world_size, gen=self.gen,
-                                    shard_id=self.shard_id, num_shards=self.num_shards, fsync=fsync)
+                                    shard_id=shard_id, num_shards=num_shards, fsync=fsync)
         finally:
             self._saver_ident = None
 
@@ -774,7 +781,7 @@ class WorkerRuntime:
         if self.channel is not None:
             self.channel.send(Saved(rank=self.rank, path=str(path), step=step,
                               bytes=meta.total_bytes, seconds=time.monotonic() - t0,
-                              shard_id=self.shard_id, kind="periodic"))
+                              shard_id=meta.shard_id, num_shards=meta.num_shards, kind="periodic"))
 
     # ---- launcher messages and the exit barrier -----------------------------------------
     def _listen(self) -> None:
