@@ -332,30 +332,41 @@ def find_complete_set(
     ``num_shards``: the job's; None takes the shard count each step was saved with (a job resumed
     on another mesh, which DCP reshards). Skips as :func:`find_latest` does.
     """
+    def skip(path: Path, why: str) -> None:
+        log.warning("skipping checkpoint: %s", why)
+        if skipped is not None:
+            skipped.append((path, why))
+
     by_step: dict[int, list[Candidate]] = {}
     for c in list_candidates(root):
         by_step.setdefault(c.step, []).append(c)
     for step in sorted(by_step, reverse=True):
-        verified: dict[int, tuple[Path, CheckpointMeta]] = {}
-        want = num_shards
+        metas = []
         for c in by_step[step]:
             try:
-                meta = read_meta(c.path)
-                if want is not None and meta.num_shards != want:
-                    raise CheckpointError(
-                        f"{c.path}: saved with {meta.num_shards} shards, this job has {want}")
+                metas.append((c, read_meta(c.path)))
+            except CheckpointError as e:
+                skip(c.path, str(e))
+        # A step may hold sets of several shard counts (a DTensor job's replicas split a shard's
+        # writing when every rank is alive): each is tried, in the candidates' order.
+        counts = [num_shards] if num_shards is not None else list(dict.fromkeys(m.num_shards for _, m in metas))
+        for want in counts:
+            verified: dict[int, tuple[Path, CheckpointMeta]] = {}
+            for c, meta in metas:
+                if meta.num_shards != want:
+                    if num_shards is not None:
+                        skip(c.path, f"{c.path}: saved with {meta.num_shards} shards, this job has {want}")
+                    continue
                 if meta.shard_id in verified:
                     continue
-                verify_checkpoint(c.path)
-            except CheckpointError as e:
-                log.warning("skipping checkpoint: %s", e)
-                if skipped is not None:
-                    skipped.append((c.path, str(e)))
-                continue
-            want = meta.num_shards
-            verified[meta.shard_id] = (c.path, meta)
-            if len(verified) == want:
-                return verified
+                try:
+                    verify_checkpoint(c.path)
+                except CheckpointError as e:
+                    skip(c.path, str(e))
+                    continue
+                verified[meta.shard_id] = (c.path, meta)
+                if len(verified) == want:
+                    return verified
     return None
 
 

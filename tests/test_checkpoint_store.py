@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jitckpt.checkpoint_store import (META_FILE, CheckpointError, find_latest, list_candidates,
+from jitckpt.checkpoint_store import (META_FILE, CheckpointError, find_complete_set, find_latest, list_candidates,
                                       prune, verify_checkpoint, write_checkpoint)
 
 
@@ -98,6 +98,15 @@ def test_shard_count_mismatch_is_reported(tmp_path):
     skipped = []
     assert find_latest(tmp_path, num_shards=2, skipped=skipped) is None
     assert "shards" in skipped[0][1]
+
+
+def test_a_step_with_sets_of_two_shard_counts_uses_the_complete_one(tmp_path):
+    """A DTensor job: a periodic set split in 4 parts (every rank alive), then a JIT set of 2 whole
+    shards of the same step missing one (a lost rank with no replica). The complete one is used."""
+    parts = {i: write(tmp_path, 4, kind="periodic", rank=i, shard_id=i, num_shards=4)[0] for i in range(4)}
+    write(tmp_path, 4, kind="jit", gen=1, rank=0, shard_id=0, num_shards=2)
+    found = find_complete_set(tmp_path)
+    assert found is not None and {k: v[0] for k, v in found.items()} == parts
 
 
 def test_jit_preferred_over_periodic_at_same_step(tmp_path):
