@@ -27,17 +27,18 @@ STEPS = 8
 _REFERENCE: dict = {}  # (nproc, mesh, steps) -> final state: torch's runs are deterministic, run once
 
 
-def torchrun_final(tmp: Path, nproc: int, mesh: str, steps: int = STEPS) -> dict:
-    key = (nproc, mesh, steps)
+def torchrun_final(tmp: Path, nproc: int, mesh: str, steps: int = STEPS, extra: tuple = ()) -> dict:
+    key = (nproc, mesh, steps, extra)
     if key not in _REFERENCE:
-        _REFERENCE[key] = _torchrun(tmp, nproc, mesh, steps)
+        _REFERENCE[key] = _torchrun(tmp, nproc, mesh, steps, extra)
     return _REFERENCE[key]
 
 
-def _torchrun(tmp: Path, nproc: int, mesh: str, steps: int) -> dict:
+def _torchrun(tmp: Path, nproc: int, mesh: str, steps: int, extra: tuple) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-           str(SCRIPT), "--no-jitckpt", "--mesh", mesh, "--steps", str(steps), "--out", str(tmp / "final.pt")]
+           str(SCRIPT), "--no-jitckpt", "--mesh", mesh, "--steps", str(steps), "--out", str(tmp / "final.pt"),
+           *extra]
     rc, out = run_bounded(cmd, cwd=tmp, timeout=180)
     if rc != 0 and "terminate called without an active exception" in out:
         # torch's own job, no jitckpt in it: gloo aborted one of its ranks once in CI (SIGABRT,
@@ -93,6 +94,23 @@ def test_layouts_without_replicas_resume_from_periodic_checkpoints_bitwise(tmp_p
     assert "Traceback" not in res.out, res.out[-4000:]
     assert "resuming from step 4: periodic checkpoint" in res.out, res.out[-4000:]
     assert [s["failed_ranks"] for s in res.ev("recovery_summary")] == [[nproc - 1]], res.ev("recovery_summary")
+    assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
+
+
+@pytest.mark.parametrize("standby", ["warm", pytest.param("none", marks=pytest.mark.slow)])
+def test_a_compiled_model_keeps_its_step_boundary_and_resumes_bitwise(tmp_path, standby):
+    """torch.compile traces a module's hooks: protect()'s minibatch boundary ran once, at trace time,
+    and every periodic save failed inside dynamo. The hook now runs eagerly at every step: with the
+    warm standby (dynamo imported before protect()) and without (dynamo imported by torch.compile)."""
+    want = torchrun_final(tmp_path / "torchrun", 2, "tp", extra=("--compile",))
+    res = run_job(tmp_path / "jit", nproc=2, script=SCRIPT,
+                  launcher_args=["--periodic-every", "2", *(["--warm-standby", "0"] if standby == "none" else [])],
+                  script_args=["--mesh", "tp", "--compile", "--steps", str(STEPS), "--kill", "1:5"])
+    assert res.rc == 0, res.out[-4000:]
+    assert not res.ev("checkpoint_failed"), res.ev("checkpoint_failed")
+    assert sorted({e["step"] for e in res.ev("checkpoint_saved") if e.get("kind") == "periodic"}) == [2, 4, 6], \
+        res.ev("checkpoint_saved")
+    assert "resuming from step 4: periodic checkpoint" in res.out, res.out[-4000:]
     assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
 
 

@@ -186,11 +186,15 @@ class Protected:
         self._peer_state: Optional[dict] = None  # ZeRO: the successor's partition, restored
         self._resumed_step: Optional[int] = None
         self._reserve_asked = False    # for the runtime's JIT save reserve, after the first step
+        self.forward_hook = model.register_forward_pre_hook(self._on_forward)
         self._handles = [
-            model.register_forward_pre_hook(self._on_forward),
+            self.forward_hook,
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._on_step_done),
         ]
+        from jitckpt.runtime import compile_guard
+
+        compile_guard.watch(self)  # under torch.compile the hook still runs at every step
 
     @property
     def uses_aor(self) -> bool:

@@ -7,7 +7,8 @@ tensor parallel (column- then row-wise, the last layer plain) on a 1-D mesh; fsd
 (dp x tp), TP inside, fully_shard over dp (the last layer on the dp sub-mesh only); stages: each
 rank fully_shards its own copy on a 1-rank mesh of its own (as pipeline stages' meshes are). --kill R:S[:term]: rank R SIGKILLs (SIGTERMs) itself before minibatch S of the first launch.
 --no-jitckpt: the same training without jitckpt (under torchrun). --hidden: the width (another
-model); --foreign-param: the optimizer also holds a tensor that is not the model's. Data is chosen by step and rank.
+model); --foreign-param: the optimizer also holds a tensor that is not the model's; --compile: the
+forward through torch.compile (aot_eager: no C++ compiler needed). Data is chosen by step and rank.
 """
 import argparse
 import os
@@ -25,6 +26,7 @@ p.add_argument("--mesh", choices=["fsdp", "hsdp", "tp", "fsdp_tp", "stages"], de
 p.add_argument("--replicas", type=int, default=2)
 p.add_argument("--hidden", type=int, default=32)
 p.add_argument("--foreign-param", action="store_true")
+p.add_argument("--compile", action="store_true")
 p.add_argument("--kill", default="")
 p.add_argument("--no-jitckpt", action="store_true")
 p.add_argument("--out", required=True)
@@ -71,6 +73,7 @@ if not args.no_jitckpt:
 
     state = jitckpt.protect(model, opt, sched)
     start = state.restore()
+forward = torch.compile(model, backend="aot_eager") if args.compile else model
 kill_rank, kill_step, *how = args.kill.split(":") if args.kill else (-1, -1)
 kill_rank, kill_step = int(kill_rank), int(kill_step)
 sig = signal.SIGTERM if how == ["term"] else signal.SIGKILL
@@ -79,7 +82,7 @@ for step in range(start, args.steps):
         os.kill(os.getpid(), sig)
     g = torch.Generator().manual_seed(1000 * step + data_rank)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-    loss = nn.functional.mse_loss(model(x), y)
+    loss = nn.functional.mse_loss(forward(x), y)
     loss.backward()
     opt.step()
     sched.step()
