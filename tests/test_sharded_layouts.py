@@ -69,6 +69,7 @@ def test_hsdp_recovers_a_lost_rank_from_its_replica_bitwise(tmp_path):
     assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
 
 
+@pytest.mark.slow  # FSDP2 under protect() (the crash this file began with) runs in every fast test here
 def test_full_sharding_starts_again_after_a_lost_rank_and_says_why(tmp_path):
     want = torchrun_final(tmp_path / "torchrun", 2, "fsdp")
     res = run_job(tmp_path / "jit", nproc=2, script=SCRIPT, script_args=["--steps", str(STEPS), "--kill", "1:4"])
@@ -80,8 +81,9 @@ def test_full_sharding_starts_again_after_a_lost_rank_and_says_why(tmp_path):
     assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
 
 
-@pytest.mark.parametrize("nproc,mesh", [pytest.param(2, "fsdp", marks=pytest.mark.slow), (2, "tp"),
-                                        pytest.param(4, "fsdp_tp", marks=pytest.mark.slow)])
+# Slow (make test's 15 minutes): TP with periodic checkpoints is in the fast compiled-model test.
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,mesh", [(2, "fsdp"), (2, "tp"), (4, "fsdp_tp")])
 def test_layouts_without_replicas_resume_from_periodic_checkpoints_bitwise(tmp_path, nproc, mesh):
     """--periodic-every 2: every rank writes its shard every 2 steps, so a rank lost in minibatch 5
     costs minibatches 4 and 5, not the job. TP's forward all-reduces are functional collectives:

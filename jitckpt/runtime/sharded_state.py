@@ -212,7 +212,7 @@ class ShardedState:
             return pos.shard_id, pos.num_shards
         return pos.shard_id * replicas + pos.replica_id, pos.num_shards * replicas
 
-    def tensor_state(self, buffers: Optional[dict]) -> dict:
+    def tensor_state(self, buffers: Optional[dict]) -> tuple[dict, dict]:
         """``{"model": {name: tensor}, "optim": {param: {key: tensor}}}`` as now (``buffers``: a
         copy of the buffers to save instead of the live ones), and the optimizer's non-tensor state;
         only this write's part (:meth:`write_part`)."""
@@ -337,12 +337,15 @@ def export_dcp(root: str | os.PathLike, copies: dict[int, str], out: str | os.Pa
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     tmp.mkdir(parents=True)
     docs = {}
+    def renamed(shard: int, file: str) -> str:  # every shard's no_dist save names its file __0_*
+        return f"s{shard}-{file}"
+
     for shard, name in copies.items():
         for f in (root / name / DCP_DIR).glob("*.distcp"):
-            os.link(f, tmp / f"__{shard}{f.name[len('__0'):]}" if f.name.startswith("__0_") else tmp / f"s{shard}-{f.name}")
+            os.link(f, tmp / renamed(shard, f.name))
         doc = json.loads((root / name / CHUNKS_FILE).read_text())
         for row in doc["storage"]:
-            row[2] = f"__{shard}{row[2][len('__0'):]}" if row[2].startswith("__0_") else f"s{shard}-{row[2]}"
+            row[2] = renamed(shard, row[2])
         docs[shard] = ("", doc)
     md = merge_chunks(docs)
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
