@@ -14,7 +14,7 @@ from jitckpt.checkpoint_store import CheckpointError
 from jitckpt.runtime.current import get_runtime, runtime_or_none
 from jitckpt.runtime.ddp_buffers import rng_state, set_rng_state
 from jitckpt.runtime.sharded_layout import dtensor_layout
-from jitckpt.runtime.sharded_state import ShardedState, UnmappableLayout
+from jitckpt.runtime.sharded_state import ShardedState, UnmappableLayout, newest_set
 
 log = logging.getLogger("jitckpt.protect")
 
@@ -88,13 +88,13 @@ DTENSOR_NOT_YET = (
 
 def incomplete_sets(root: Path) -> str:
     """Why the checkpoints under ``root`` make no complete set ("" if there are none)."""
-    from jitckpt.checkpoint_store import CheckpointError as _Bad, list_candidates, read_meta
+    from jitckpt.checkpoint_store import list_candidates, read_meta
 
     steps: dict = {}
     for c in list_candidates(root):
         try:
             meta = read_meta(c.path)
-        except _Bad:
+        except CheckpointError:
             continue
         steps.setdefault(c.step, (meta.num_shards, set()))[1].add(meta.shard_id)
     if not steps:
@@ -104,11 +104,6 @@ def incomplete_sets(root: Path) -> str:
     lost = sorted(set(range(n)) - have)
     return (f"the newest, of step {step}, holds {len(have)} of its {n} shards; no copy of shard(s) {lost} "
             "survived (each was on a lost rank only: this layout has no replica of it)")
-
-
-def meta_shards(found: dict) -> int:
-    """The shard count a complete set (:func:`~jitckpt.checkpoint_store.find_complete_set`) was saved with."""
-    return next(iter(found.values()))[1].num_shards
 
 
 class Protected:
@@ -537,27 +532,21 @@ class Protected:
     def _restore_sharded(self) -> int:
         """``restore()`` of a DTensor job: one copy of every shard of the newest complete step,
         loaded through DCP (resharded to this job's mesh). Collective."""
-        from jitckpt.checkpoint_store import find_complete_set
-
         assert self.sharded is not None
         rt = get_runtime()
         t0 = time.monotonic()
         root = Path(rt.checkpoint_dir)
-        found = find_complete_set(root)
-        if found is None:
+        copies = newest_set(root)
+        if copies is None:
             why = incomplete_sets(root)
             if why:
                 rt.report_fresh_start(self.step, why)
             return self.step
-        plain = [str(p) for p, _ in found.values() if not (p / SHARDED_STATE_FILE).is_file()]
-        if plain:
-            raise CheckpointError(
-                f"{plain[0]} was not written by a DTensor-sharded job (no {SHARDED_STATE_FILE}): this job "
-                f"cannot resume from it. Start it with another checkpoint directory, or remove {root}")
         pos = self.sharded.position
-        own, meta = found.get(pos.shard_id, found[0]) if meta_shards(found) == pos.num_shards else found[0]
+        # The own shard's copy when the set was saved with this layout's shard count, else shard 0's.
+        own = copies.get(pos.shard_id, copies[0]) if len(copies) == pos.num_shards else copies[0]
         sd = torch.load(own / SHARDED_STATE_FILE, map_location="cpu", weights_only=True)
-        self.sharded.load(root, {s: p.name for s, (p, _) in found.items()}, sd["optim_other"], sd["param_groups"])
+        self.sharded.load(root, {s: p.name for s, p in copies.items()}, sd["optim_other"], sd["param_groups"])
         self._load_rest(sd)
         rt.report_restored(str(own), self.step, time.monotonic() - t0)
         return self.step

@@ -206,7 +206,7 @@ class ShardedState:
         rank 1/R of its shard; after a failure each survivor writes its whole shard (the lost rank's
         partner holds its only copy)."""
         pos = self.position
-        replicas = self.world_size // pos.num_shards
+        replicas = replicas_of(pos, self.world_size)
         self.part = (pos.replica_id, replicas) if everyone and replicas > 1 else None
         if self.part is None:
             return pos.shard_id, pos.num_shards
@@ -295,9 +295,9 @@ class ShardedState:
             target["optim"].setdefault(name, {})[k] = t
         dcp.load(target, storage_reader=_reader(root, md))
         index = {n: i for i, n in enumerate(self.param_names)}
-        state = {index[n]: {**st, **other.get(n, {})} for n, st in target["optim"].items()}
-        for n, st in other.items():
-            if st and index.get(n) is not None:
+        state = {index[n]: dict(st) for n, st in target["optim"].items()}
+        for n, st in other.items():  # non-tensor state, also of parameters with no tensor state
+            if st and n in index:
                 state.setdefault(index[n], {}).update(st)
         saved_groups = []
         for g in groups:
@@ -309,22 +309,35 @@ class ShardedState:
         self.optimizer.load_state_dict({"state": state, "param_groups": saved_groups})
 
 
-def export_newest(checkpoint_dir: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """The newest complete checkpoint of a DTensor job under ``checkpoint_dir`` as a plain DCP
-    directory ``out`` (see :func:`export_dcp`); its keys are ``model.<name>`` and
-    ``optim.<parameter name>.<state key>``. Raises CheckpointError if there is none."""
+def newest_set(checkpoint_dir: str | os.PathLike) -> Optional[dict[int, Path]]:
+    """One copy of every shard of the newest complete step under ``checkpoint_dir``: shard id ->
+    its directory; None if there is none. CheckpointError if that set is not a DTensor job's."""
     from jitckpt.checkpoint_store import CheckpointError, find_complete_set
 
     root = Path(checkpoint_dir)
     found = find_complete_set(root)
     if found is None:
-        raise CheckpointError(f"{root} holds no complete checkpoint (every shard verified)")
-    if not all((p / CHUNKS_FILE).is_file() for p, _ in found.values()):
-        raise CheckpointError(f"the newest complete checkpoint in {root} is not a DTensor job's "
-                              f"(no {CHUNKS_FILE}); it is not a DCP checkpoint")
+        return None
+    plain = [p for p, _ in found.values() if not (p / CHUNKS_FILE).is_file()]
+    if plain:
+        raise CheckpointError(
+            f"{plain[0]} was not written by a DTensor-sharded job (no {CHUNKS_FILE}): this job cannot "
+            f"resume from it, nor is it a DCP checkpoint. Use another checkpoint directory, or remove {root}")
+    return {s: p for s, (p, _) in found.items()}
+
+
+def export_newest(checkpoint_dir: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """The newest complete checkpoint of a DTensor job under ``checkpoint_dir`` as a plain DCP
+    directory ``out`` (see :func:`export_dcp`); its keys are ``model.<name>`` and
+    ``optim.<parameter name>.<state key>``. Raises CheckpointError if there is none."""
+    from jitckpt.checkpoint_store import CheckpointError
+
+    copies = newest_set(checkpoint_dir)
+    if copies is None:
+        raise CheckpointError(f"{checkpoint_dir} holds no complete checkpoint (every shard verified)")
     if Path(out).exists():
         raise CheckpointError(f"{out} exists; give a new directory")
-    return export_dcp(root, {s: p.name for s, (p, _) in found.items()}, out)
+    return export_dcp(checkpoint_dir, {s: p.name for s, p in copies.items()}, out)
 
 
 def export_dcp(root: str | os.PathLike, copies: dict[int, str], out: str | os.PathLike) -> Path:
