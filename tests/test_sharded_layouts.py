@@ -292,3 +292,22 @@ def test_another_models_checkpoint_is_refused_by_tensor_name_and_kept(tmp_path):
     assert "tensor '0.weight' is [32, 16] in the checkpoint" in other.out and "[48, 16] in this model" in other.out, \
         other.out[-4000:]
     assert sorted(p.name for p in first.ckpt.iterdir()) == before
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_of_a_layout_without_replicas_is_not_waited_for(tmp_path):
+    """SIGSTOP: the survivor sees the hang and saves its shard, which makes no complete set; the
+    stopped rank can save nothing. The launcher restarts from the periodic checkpoint at once,
+    not after --save-timeout (found from outside: 120 s waited on an FSDP2+TP job)."""
+    want = torchrun_final(tmp_path / "torchrun", 2, "fsdp")
+    res = run_job(tmp_path / "jit", nproc=2, script=SCRIPT,
+                  launcher_args=["--periodic-every", "2", "--hang-timeout", "auto:floor=3,startup=60",
+                                 "--save-timeout", "60"],
+                  script_args=["--steps", str(STEPS), "--kill", "1:5:stop"])
+    assert res.rc == 0, res.out[-4000:]
+    assert "rank 1 is stopped (SIGSTOP?) and cannot save" in res.out, res.out[-4000:]
+    [detected] = res.ev("failure_detected")
+    [restart] = res.ev("restart")
+    assert restart["t"] - detected["t"] < 20, (detected, restart)  # --save-timeout is 60
+    assert "resuming from step 4: periodic checkpoint" in res.out, res.out[-4000:]
+    assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)

@@ -139,9 +139,20 @@ class JitRecovery:
                 self.emit("warning", rank=w.rank, reason=f"a native program {said}")
 
     def _nothing_to_wait_for(self, workers: list[Worker], failure: FailureRecord) -> bool:
-        """Every local worker is gone or registered no save path: none of them will save more."""
+        """Every local worker is gone, registered no save path, or is stopped: none of them will
+        save more. (A stopped rank of a layout with no replica of its shard was waited for until
+        --save-timeout, found from outside: SIGSTOP to an FSDP2+TP worker cost 120 s.)"""
         self._note_unsaving(workers, failure)  # a Hello read after the failure was announced
-        return all(w.exit_code is not None or w.no_save_path for w in workers)
+        waiting = [w for w in workers if w.exit_code is None and not w.no_save_path]
+        if not waiting or not all(w.stopped for w in waiting):
+            return not waiting
+        for w in waiting:
+            if w.rank not in failure.unsaving_ranks:
+                failure.unsaving_ranks.append(w.rank)
+                said = "is stopped (SIGSTOP?) and cannot save: not waiting for its JIT checkpoint"
+                log.warning("rank %d %s", w.rank, said)
+                self.emit("warning", rank=w.rank, reason=said)
+        return True
 
     def can_proceed(self, gen: int, workers: list[Worker], failure: FailureRecord) -> bool:
         """All local workers gone (or left with no save path: a native program is not waited

@@ -64,6 +64,17 @@ class Worker:
         self.can_save = bool(self.can_save) or can_save
 
     @property
+    def stopped(self) -> bool:
+        """Its process is stopped (SIGSTOP, a debugger): it runs nothing, a save included, until
+        someone continues it."""
+        import psutil
+
+        try:
+            return psutil.Process(self.proc.pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+        except psutil.Error:
+            return False
+
+    @property
     def live(self) -> bool:
         """Not known to have exited and its channel still open: it can be told things."""
         return self.exit_code is None and not self.eof
