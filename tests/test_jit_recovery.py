@@ -55,7 +55,8 @@ class Coordinator(LostPeerNode):
 
 def _workers(steps: dict) -> list:
     return [types.SimpleNamespace(rank=r, step=s, live=True, exit_ready=False, channel=Channel(),
-                                  proc=types.SimpleNamespace(pid=100 + r), no_save_path=False, exit_code=None)
+                                  proc=types.SimpleNamespace(pid=100 + r), no_save_path=False, exit_code=None,
+                                  stopped=False)
             for r, s in steps.items()]
 
 
