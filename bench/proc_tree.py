@@ -38,10 +38,11 @@ def kill_tree(pid: int, *, timeout: float = 10.0) -> list[int]:
     return _kill(procs, timeout)
 
 
-def kill_descendants(*, timeout: float = 10.0) -> list[int]:
+def kill_descendants(*, grace: float = 3.0, timeout: float = 10.0) -> list[int]:
     """SIGKILL every descendant of this process (a subreaper: also the orphans of its children's
-    children) and reap them; the PIDs of those that were still running (an orphan that ended by
-    itself is this process's zombie, reaped here too)."""
+    children) still running after ``grace`` seconds, and reap them all; the PIDs of those killed.
+    The grace is for what ends by itself just after its parent (multiprocessing's resource
+    tracker, once its pipe closes); an orphan that ended is this process's zombie, reaped too."""
     procs = psutil.Process().children(recursive=True)
     running = []
     for p in procs:
@@ -50,8 +51,9 @@ def kill_descendants(*, timeout: float = 10.0) -> list[int]:
                 running.append(p)
         except psutil.NoSuchProcess:
             pass
+    _, still = psutil.wait_procs(running, timeout=grace) if running else ([], [])
     _kill(procs, timeout)
-    return [p.pid for p in running]
+    return [p.pid for p in still]
 
 
 def _kill(procs: list, timeout: float) -> list[int]:
