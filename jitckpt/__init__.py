@@ -194,14 +194,20 @@ def _warn_sharded_coverage(rt: "WorkerRuntime", pos: Any) -> None:
     from jitckpt.runtime.sharded_state import replicas_of
 
     log = logging.getLogger("jitckpt.protect")
-    if rt.snapshots is not None:
-        log.warning("jitckpt run --snapshot-every: the in-memory tier does not hold DTensor-sharded state "
-                    "yet; this job (mesh %s) is protected by its disk checkpoints only", pos.mesh)
-    if replicas_of(pos, rt.world_size) < 2 and not rt.periodic_every:
+    snaps = rt.snapshots
+    if snaps is not None and snaps.flush_every:
+        log.warning("jitckpt run --snapshot-flush-every: a DTensor job's shard snapshots stay in the keepers "
+                    "(mesh %s); use --periodic-every N for shards on disk", pos.mesh)
+    if snaps is not None and rt.world_size > snaps.ranks_per_node:
+        log.warning("jitckpt run --snapshot-every: each node's keeper holds its own ranks' DTensor shards "
+                    "(mesh %s); a lost node's shards come back only from replicas on other nodes (HSDP's "
+                    "replicate dimension across nodes), or from disk (--periodic-every N)", pos.mesh)
+    if replicas_of(pos, rt.world_size) < 2 and not rt.periodic_every and snaps is None:
         log.warning("jitckpt.protect(): mesh %s keeps each shard on one rank only (no replica): after a "
                     "lost rank its shard exists nowhere else, so the job restarts from step 0 (a "
-                    "preemption still saves every shard). Add a replicate dimension (HSDP) or "
-                    "run with --periodic-every N to lose at most N steps", pos.mesh)
+                    "preemption still saves every shard). Run with --snapshot-every 1 (each rank's shard in its "
+                    "node's keeper: at most the failed minibatch is lost), add a replicate dimension (HSDP), "
+                    "or run with --periodic-every N to lose at most N steps", pos.mesh)
 
 
 def _check_zero_job(rt: "WorkerRuntime") -> None:

@@ -62,7 +62,13 @@ class Config:
     api: str = "protect"    # protect | init
     nproc: int = 2
     optim: str = ""         # default: adam for ln, sgd for bn, adamw for dropout
-    parallel: str = "ddp"   # ddp | hsdp (FSDP2 on a 2 x nproc/2 mesh)
+    parallel: str = "ddp"   # ddp | hsdp (FSDP2 on a 2 x nproc/2 mesh) | fsdp | tp | fsdp_tp (train_matrix.py)
+    snapshot_every: int = 0  # jitckpt run --snapshot-every (0: off)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether another rank holds each rank's state (DDP's replicas, HSDP's replica groups)."""
+        return self.parallel in ("ddp", "hsdp")
 
     @property
     def optimizer(self) -> str:
@@ -70,7 +76,11 @@ class Config:
 
     @property
     def id(self) -> str:
-        return f"{self.model}-{self.optimizer}-{self.api}-{self.nproc}r" + ("" if self.parallel == "ddp" else f"-{self.parallel}")
+        return (f"{self.model}-{self.optimizer}-{self.api}-{self.nproc}r" + ("" if self.parallel == "ddp" else f"-{self.parallel}")
+                + (f"-snap{self.snapshot_every}" if self.snapshot_every else ""))
+
+    def launcher_args(self) -> list:
+        return ["--snapshot-every", str(self.snapshot_every)] if self.snapshot_every else []
 
     def script_args(self) -> list:
         return ["--model", self.model, "--optim", self.optimizer, "--api", self.api, "--parallel", self.parallel,
@@ -163,7 +173,7 @@ class Job:
         self.ckpts_at_fault: dict = {}   # the complete checkpoints when the fault was delivered
         cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(cfg.nproc),
                "--checkpoint-dir", str(ckpt), "--run-dir", str(self.run_dir), "--status-interval", "0",
-               *HANG, *launcher_args, str(SCRIPT), *cfg.script_args(),
+               *HANG, *cfg.launcher_args(), *launcher_args, str(SCRIPT), *cfg.script_args(),
                "--out", str(self.final_path), "--steps-log", str(self.steps_path), *script_args]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self._out = open(self.out_path, "w")
@@ -495,9 +505,11 @@ def _check(out: Outcome, ref: Reference, fault: Fault, jobs: list, ckpt: Path, t
         p.append(f"{restarts} restarts, expected {fault.restarts} "
                  f"(failures: {[(e.get('kind'), e.get('rank'), e.get('detail')) for e in first.ev('failure_detected')]})")
     # Steps: every (job, gen) in order; each launch must start right after the last step completed
-    # by any earlier one (at most the interrupted minibatch is run again).
+    # by any earlier one (at most the interrupted minibatch is run again). Without replicas (full
+    # sharding, TP) a rank lost in its optimizer step takes its updated shard along while the others
+    # complete theirs: that minibatch, the one the lost rank did not complete, is done again.
     launches = [(j, g) for j in jobs for g in sorted({r["gen"] for r in j.steps})]
-    done_max = -1
+    done_max = done_all = -1
     newest_before_fault = max(first.ckpts_at_fault.values(), default=0)
     for j, g in launches:
         steps = completed(j.steps, g)
@@ -511,12 +523,16 @@ def _check(out: Outcome, ref: Reference, fault: Fault, jobs: list, ckpt: Path, t
                 if begun[0] != newest_before_fault:
                     p.append(f"disk full: gen 1 resumed at step {begun[0]}, expected the newest "
                              f"complete checkpoint's step {newest_before_fault}")
-            elif begun[0] != done_max + 1:
+            elif begun[0] != done_max + 1 and (ref.cfg.replicated or begun[0] != done_all + 1):
                 p.append(f"{j.name} gen {g} resumed at step {begun[0]}, but step {done_max} was the "
                          f"last completed before it: {done_max + 1 - begun[0]} minibatch(es) redone "
-                         f"(at most 1, i.e. resume at {done_max + 1})")
+                         f"(at most 1, i.e. resume at {done_max + 1}"
+                         + ("" if ref.cfg.replicated else f", or at {done_all + 1}: every rank's last") + ")")
         if steps:
             done_max = max(done_max, steps[-1])
+            by_rank = [max((r["step"] for r in j.steps if r["gen"] == g and r.get("rank") == k and "step" in r),
+                           default=-1) for k in range(ref.cfg.nproc)]
+            done_all = max(done_all, min(by_rank))
     last_job = jobs[-1]
     if done_max != STEPS - 1 and last_job.rc == 0:
         p.append(f"the job ended at rc 0 but the last completed step is {done_max}, not {STEPS - 1}")

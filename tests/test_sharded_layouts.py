@@ -99,6 +99,40 @@ def test_layouts_without_replicas_resume_from_periodic_checkpoints_bitwise(tmp_p
     assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
 
 
+@pytest.mark.parametrize("nproc,mesh,how", [(2, "fsdp", "kill"), pytest.param(2, "tp", "stop", marks=pytest.mark.slow),
+                                             pytest.param(4, "fsdp_tp", "kill", marks=pytest.mark.slow)])
+def test_layouts_without_replicas_resume_from_the_keepers_shard_snapshots_bitwise(tmp_path, nproc, mesh, how):
+    """--snapshot-every 1: each rank's own shard is in its node's keeper at the start of every
+    minibatch, so a rank lost (killed, or stopped: a hang) in minibatch 5 costs that minibatch only,
+    its shard coming back from the keeper. (Before: the tier held whole replicas only, and such a
+    job restarted from step 0.)"""
+    want = torchrun_final(tmp_path / "torchrun", nproc, mesh)
+    kill = f"{nproc - 1}:5" + (":stop" if how == "stop" else "")
+    res = run_job(tmp_path / "jit", nproc=nproc, script=SCRIPT,
+                  launcher_args=["--snapshot-every", "1", "--hang-timeout", "auto:floor=3,startup=60"],
+                  script_args=["--mesh", mesh, "--steps", str(STEPS), "--kill", kill])
+    assert res.rc == 0, res.out[-4000:]
+    assert "no replica" not in res.out and "Traceback" not in res.out, res.out[-4000:]
+    assert "resuming from step 5: memory" in res.out, res.out[-4000:]
+    assert [e["source"] for e in res.ev("restore")] == ["memory"] * nproc, res.ev("restore")
+    [summary] = res.ev("recovery_summary")
+    assert summary["failed_ranks"] == [nproc - 1] and summary["steps_redone"] <= 1, summary
+    assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
+
+
+@pytest.mark.slow
+def test_shard_snapshots_lost_with_their_keeper_fall_back_to_disk_and_say_why(tmp_path):
+    """The keeper SIGKILLed with a rank: its shards are gone from memory, the disk holds the
+    survivor's shard only, so the job starts again from step 0, saying which shard no copy of
+    survived, and still ends bitwise."""
+    want = torchrun_final(tmp_path / "torchrun", 2, "fsdp")
+    res = run_job(tmp_path / "jit", nproc=2, script=SCRIPT, launcher_args=["--snapshot-every", "1"],
+                  script_args=["--steps", str(STEPS), "--kill", "1:5:keeper"])
+    assert res.rc == 0, res.out[-4000:]
+    assert "no copy of shard(s) [1] survived" in res.out and "starts again from step 0" in res.out, res.out[-4000:]
+    assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
+
+
 @pytest.mark.parametrize("standby", ["warm", pytest.param("none", marks=pytest.mark.slow)])
 def test_a_compiled_model_keeps_its_step_boundary_and_resumes_bitwise(tmp_path, standby):
     """torch.compile traces a module's hooks: protect()'s minibatch boundary ran once, at trace time,

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from jitckpt.checkpoint_store import CheckpointError
+from jitckpt.checkpoint_store import CheckpointError, read_meta
 from jitckpt.runtime.current import get_runtime, runtime_or_none
 from jitckpt.runtime.ddp_buffers import rng_state, set_rng_state
 from jitckpt.runtime.sharded_layout import dtensor_layout
@@ -106,6 +106,13 @@ def incomplete_sets(root: Path) -> str:
             "survived (each was on a lost rank only: this layout has no replica of it)")
 
 
+class _Removal:
+    """A hook handle around a function that removes it."""
+
+    def __init__(self, fn: Any) -> None:
+        self.remove = fn
+
+
 class Protected:
     """Model, optimizer, optional scheduler and extra state, saved and restored consistently.
 
@@ -155,12 +162,23 @@ class Protected:
         self.sharded: Optional[ShardedState] = None
         # Not saved, snapshotted or restored: a failure restarts the job from step 0 (see protect()).
         self.unsupported: Optional[str] = None
+        # The in-memory tier of a DTensor job: each rank's own shard in its node's keeper.
+        self._shard_snaps: Any = None  # jitckpt.snapshot.shard_snapshots.ShardSnapshots
+        self._snapshot_owed = False  # the shard snapshot of self.step is due once the scheduler steps
         if layout is not None:
             try:
                 self.sharded = ShardedState(model, optimizer, world_size=torch.distributed.get_world_size())
             except UnmappableLayout as e:
                 self.unsupported = DTENSOR_NOT_YET.format(layout=layout, why=str(e).removeprefix("jitckpt.protect(): "))
-            snapshots = None  # the in-memory tier holds whole replicas only (see protect())
+            if self.sharded is not None and snapshots is not None:
+                from jitckpt.snapshot.shard_snapshots import ShardSnapshots
+
+                pos = self.sharded.position
+                self._shard_snaps = ShardSnapshots(
+                    socket_path=snapshots.socket_path, every=snapshots.every,
+                    ranks_per_node=snapshots.ranks_per_node, shard_id=pos.shard_id,
+                    num_shards=pos.num_shards, replica_id=pos.replica_id, mesh=pos.mesh)
+            snapshots = None  # the replicated tier (SnapshotTaker) holds whole replicas only
         self.extra = dict(extra or {})
         self.step = 0
         self._mid_minibatch = False
@@ -187,6 +205,14 @@ class Protected:
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._on_step_done),
         ]
+        if self._shard_snaps is not None and scheduler is not None:
+            # The state at the start of the next minibatch is complete once the scheduler stepped.
+            from jitckpt.runtime.scheduler_hook import after_step
+
+            try:
+                self._handles.append(_Removal(after_step(scheduler, self._after_scheduler_step)))
+            except TypeError:
+                pass  # no weak reference to it: the snapshot is taken at the next forward instead
         from jitckpt.runtime import compile_guard
 
         compile_guard.watch(self)  # under torch.compile the hook still runs at every step
@@ -200,6 +226,8 @@ class Protected:
     def _on_forward(self, module: Any, args: Any) -> None:
         if self._mid_minibatch:
             return  # gradient accumulation or a second forward: the snapshot is already taken
+        if self._snapshot_owed:  # a scheduler not stepped every minibatch
+            self._take_shard_snapshot()
         rt = runtime_or_none()
         if rt is not None:
             rt.mark_step(self.step)  # a safe point: may save (failure) or checkpoint (periodic)
@@ -373,12 +401,46 @@ class Protected:
         self.step += 1
         self._mid_minibatch = False
         self._stepped = True
+        if self._shard_snaps is not None and self._shard_snaps.due(self.step):
+            self._snapshot_owed = True
+            if self.scheduler is None:
+                self._take_shard_snapshot()
         self._begin_minibatch()  # the next one's input copies come next, before its forward
         if not self._reserve_asked:  # the optimizer state exists now: the state's size is known
             self._reserve_asked = True
             rt = runtime_or_none()
             if rt is not None and rt.save_fn == self.save and self.sharded is None:
                 rt.save_reserve.prepare(self._state_bytes() + (1 << 20))  # + the pickle and RNG
+
+    def _after_scheduler_step(self) -> None:
+        if self._snapshot_owed:
+            self._take_shard_snapshot()
+
+    def _take_shard_snapshot(self) -> None:
+        """A DTensor job's in-memory snapshot: this rank's shard at the start of minibatch
+        ``self.step``, written into its node's keeper before that minibatch begins, and no rank goes
+        on until every rank has (see :mod:`jitckpt.snapshot.shard_snapshots`). Its failure is the
+        job's (keeper gone)."""
+        self._snapshot_owed = False
+        assert self._shard_snaps is not None and self.sharded is not None
+        step = self.step
+
+        def take() -> None:
+            state = self.sharded.local_state()
+            state.update(step=step, rng=rng_state(), extra=self._extra_state(),
+                         scheduler=self.scheduler.state_dict() if self.scheduler is not None else None)
+            self._shard_snaps.take(step, state)
+
+        rt = runtime_or_none()
+        if rt is not None:
+            rt.run_snapshot_op(take, blocking=False)
+            rt.run_snapshot_op(lambda: self._shard_snaps.agree(step), blocking=True)  # waits on the others
+        else:
+            take()
+            self._shard_snaps.agree(step)
+
+    def _extra_state(self) -> dict:
+        return {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in self.extra.items()}
 
     def _state_bytes(self) -> int:
         seen: set = set()
@@ -523,7 +585,7 @@ class Protected:
             "step": self.step,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "rng": rng,
-            "extra": {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in self.extra.items()},
+            "extra": self._extra_state(),
             "param_groups": self.sharded.param_groups(),
             "optim_other": other,
             "layout": self.sharded.position.mesh,
@@ -537,6 +599,11 @@ class Protected:
         t0 = time.monotonic()
         root = Path(rt.checkpoint_dir)
         copies = newest_set(root)
+        if self._shard_snaps is not None:
+            disk_step = read_meta(next(iter(copies.values()))).step if copies else None
+            step = self._restore_shard_snapshot(rt, disk_step, t0)
+            if step is not None:
+                return step
         if copies is None:
             why = incomplete_sets(root)
             if why:
@@ -549,6 +616,29 @@ class Protected:
         self.sharded.load(root, {s: p.name for s, p in copies.items()}, sd["optim_other"], sd["param_groups"])
         self._load_rest(sd)
         rt.report_restored(str(own), self.step, time.monotonic() - t0)
+        return self.step
+
+    def _restore_shard_snapshot(self, rt: Any, disk_step: Optional[int], t0: float) -> Optional[int]:
+        """Collective: resume from the keepers' shard snapshots when their newest complete step is
+        at least the disk's (``disk_step``); the step, or None to resume from disk (or afresh)."""
+        from jitckpt.snapshot.shard_snapshots import shard_key
+
+        snaps = self._shard_snaps
+        assert snaps is not None and self.sharded is not None
+        choice = snaps.survey()
+        if choice is None or (disk_step is not None and choice.step < disk_step):
+            snaps.settle(-1 if disk_step is None else disk_step)
+            return None
+        try:
+            saved, remote = snaps.load(choice)
+            self.sharded.load_local(saved, source=f"the in-memory snapshot of step {choice.step}")
+        except (ValueError, UnmappableLayout):
+            snaps.reject(choice.step)  # never offered again: the restarted job resumes from the rest
+            raise
+        self._load_rest(saved)
+        snaps.settle(self.step)
+        rt.report_restored(f"memory:step{self.step}", self.step, time.monotonic() - t0, source="memory",
+                           fetched=[shard_key(choice.sources[rt.rank]["rank"])] if remote else [])
         return self.step
 
     def load(self, path: str) -> int:
@@ -721,3 +811,5 @@ class Protected:
             self._replica.close()
         if self._snapshots is not None:
             self._snapshots.close()
+        if self._shard_snaps is not None:
+            self._shard_snaps.close()

@@ -294,8 +294,13 @@ class ShardedState:
                 t = torch.zeros(m.size, dtype=m.properties.dtype)
             target["optim"].setdefault(name, {})[k] = t
         dcp.load(target, storage_reader=_reader(root, md))
+        self._load_optimizer(target["optim"], other, groups)
+
+    def _load_optimizer(self, tensors: dict, other: dict, groups: list) -> None:
+        """``optimizer.load_state_dict`` of state by parameter name (``tensors``: name -> {key: tensor},
+        ``other``: its non-tensor state) and hyperparameters ``groups`` (parameters by name)."""
         index = {n: i for i, n in enumerate(self.param_names)}
-        state = {index[n]: dict(st) for n, st in target["optim"].items()}
+        state = {index[n]: dict(st) for n, st in tensors.items()}
         for n, st in other.items():  # non-tensor state, also of parameters with no tensor state
             if st and n in index:
                 state.setdefault(index[n], {}).update(st)
@@ -307,6 +312,67 @@ class ShardedState:
                 raise UnmappableLayout(f"jitckpt resume: the checkpoint's optimizer holds {e.args[0]!r}, "
                                        "which this optimizer does not") from None
         self.optimizer.load_state_dict({"state": state, "param_groups": saved_groups})
+
+    # ---- this rank's shard as plain tensors (the in-memory tier: jitckpt.snapshot.shard_snapshots)
+    def local_state(self) -> dict:
+        """This rank's whole shard as plain tensors (each DTensor's local part, no copy): ``model``,
+        ``optim`` (by parameter name), ``dtensor`` (the ``[name, key]`` optimizer entries that are
+        DTensors), ``optim_other`` and ``param_groups``."""
+        model = {k: _local(v.detach()) for k, v in self.tensors.items()}
+        optim: dict = {}
+        other: dict = {}
+        dtensor: list = []
+        by_id = {id(p): n for n, p in zip(self.param_names, self._params())}
+        for p, st in self.optimizer.state.items():
+            name = by_id[id(p)]
+            optim[name] = {}
+            other[name] = {}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    optim[name][k] = _local(v.detach())
+                    if hasattr(v, "to_local"):
+                        dtensor.append([name, k])
+                else:
+                    other[name][k] = v
+        return {"model": model, "optim": optim, "dtensor": dtensor, "optim_other": other,
+                "param_groups": self.param_groups()}
+
+    def load_local(self, saved: dict, *, source: str) -> None:
+        """Load :meth:`local_state` as saved (on this mesh, by this rank's shard) into the live
+        tensors and the optimizer. ``source`` names where it came from, for errors."""
+        from torch.distributed.tensor import DTensor
+
+        model = saved["model"]
+        if set(model) != set(self.tensors):
+            odd = sorted(set(model) ^ set(self.tensors))
+            raise UnmappableLayout(f"jitckpt resume: {source} has other tensors than this model ({odd[0]!r} "
+                                   "differs): it is not of this model")
+        for k, live in self.tensors.items():
+            dst, src = _local(live.detach()), model[k]
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                raise UnmappableLayout(f"jitckpt resume: tensor {k!r} is {list(src.shape)} {src.dtype} in {source}, "
+                                       f"{list(dst.shape)} {dst.dtype} here: it is not of this model")
+            dst.copy_(src)
+        params = dict(zip(self.param_names, self._params()))
+        wrap = {(n, k) for n, k in saved["dtensor"]}
+        tensors: dict = {}
+        for name, st in saved["optim"].items():
+            p = params.get(name)
+            if p is None:
+                raise UnmappableLayout(f"jitckpt resume: {source} has optimizer state for {name!r}, which "
+                                       "this optimizer does not hold")
+            for k, t in st.items():
+                t = t.clone()  # private: load_state_dict keeps what it is given
+                if (name, k) in wrap:
+                    t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                           stride=p.stride())
+                tensors.setdefault(name, {})[k] = t
+        self._load_optimizer(tensors, saved["optim_other"], saved["param_groups"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (no copy); a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def newest_set(checkpoint_dir: str | os.PathLike) -> Optional[dict[int, Path]]:

@@ -38,21 +38,33 @@ def write_object(keeper: KeeperClient, *, key: str, step: int, header: dict, sta
     return m, size, h
 
 
-def read_object(data: Any, *, key: str, step: int, want: dict) -> Any:
-    """The state written by :func:`write_object` into ``data`` (a buffer the returned tensors keep
-    viewing), after checking that its header has every ``want`` entry."""
+def object_header(data: Any) -> dict:
+    """The JSON header of an object :func:`write_object` wrote into ``data``; ValueError if damaged."""
     buf = memoryview(data).cast("B")
     n = int.from_bytes(buf[:8], "little") if len(buf) >= 8 else -1
     try:
         if not 0 < n <= len(buf) - 8:
             raise ValueError(f"header length {n}")
         head = json.loads(bytes(buf[8:8 + n]))
-        got = {k: head.get(k) for k in want}
-    except (ValueError, UnicodeDecodeError, AttributeError) as e:
-        raise ValueError(f"AOR object {key} step {step} is damaged ({e}) or written by "
-                         "another jitckpt version") from None
+        if not isinstance(head, dict):
+            raise ValueError("the header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"its header is damaged ({e}) or written by another jitckpt version") from None
+    return head
+
+
+def read_object(data: Any, *, key: str, step: int, want: dict) -> Any:
+    """The state written by :func:`write_object` into ``data`` (a buffer the returned tensors keep
+    viewing), after checking that its header has every ``want`` entry."""
+    buf = memoryview(data).cast("B")
+    try:
+        head = object_header(buf)
+    except ValueError as e:
+        raise ValueError(f"keeper object {key} step {step}: {e}") from None
+    n = int.from_bytes(buf[:8], "little")
+    got = {k: head.get(k) for k in want}
     if got != want:
-        raise ValueError(f"AOR object {key} is for {got}, this job needs {want} "
+        raise ValueError(f"keeper object {key} is for {got}, this job needs {want} "
                          "(different job, world size, optimizer or jitckpt version)")
     start = -(-(8 + n) // ALIGN) * ALIGN
     return rebuild(head["layout"], buf[start:])

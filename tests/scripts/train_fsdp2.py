@@ -5,7 +5,8 @@
 --mesh fsdp: a 1-D mesh over every rank (full sharding); hsdp: a 2-D mesh (--replicas x shard); tp:
 tensor parallel (column- then row-wise, the last layer plain) on a 1-D mesh; fsdp_tp: a 2-D mesh
 (dp x tp), TP inside, fully_shard over dp (the last layer on the dp sub-mesh only); stages: each
-rank fully_shards its own copy on a 1-rank mesh of its own (as pipeline stages' meshes are). --kill R:S[:term|stop]: rank R SIGKILLs (SIGTERMs, SIGSTOPs) itself before minibatch S of the first launch.
+rank fully_shards its own copy on a 1-rank mesh of its own (as pipeline stages' meshes are). --kill R:S[:term|stop|keeper]: rank R SIGKILLs (SIGTERMs, SIGSTOPs) itself before minibatch S of the first launch
+(keeper: SIGKILLs its node's snapshot keeper first).
 --no-jitckpt: the same training without jitckpt (under torchrun). --hidden: the width (another
 model); --foreign-param: the optimizer also holds a tensor that is not the model's; --compile: the
 forward through torch.compile (aot_eager: no C++ compiler needed). Data is chosen by step and rank.
@@ -79,6 +80,15 @@ kill_rank, kill_step = int(kill_rank), int(kill_step)
 sig = {"term": signal.SIGTERM, "stop": signal.SIGSTOP}.get(how[0] if how else "", signal.SIGKILL)
 for step in range(start, args.steps):
     if gen == 0 and (rank, step) == (kill_rank, kill_step):
+        if how == ["keeper"]:  # the node's snapshot keeper too (the process serving its socket)
+            import psutil
+
+            from jitckpt.runtime.current import runtime_or_none
+
+            sock = runtime_or_none().snapshots.socket_path
+            for proc in psutil.process_iter(["cmdline"]):
+                if sock in (proc.info["cmdline"] or []):
+                    proc.kill()
         os.kill(os.getpid(), sig)
     g = torch.Generator().manual_seed(1000 * step + data_rank)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)

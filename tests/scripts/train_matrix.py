@@ -19,6 +19,9 @@ pid) to ``--steps-log``; rank 0 saves the final ``state_dict`` (parameters and b
 
 ``--parallel hsdp``: FSDP2 instead of DDP, ``fully_shard`` on each linear layer and the root over a
 2-D mesh (2 replica groups x the rest), ``protect()`` only; the final state is gathered whole.
+``fsdp``: the same on a 1-D mesh (full sharding); ``tp``: tensor parallel on a 1-D mesh, each linear
+layer column- or row-wise with replicated activations between them (the norms see whole features),
+the ranks of a TP group on the same data; ``fsdp_tp``: a (dp 2 x tp) mesh, TP inside, FSDP2 over dp.
 """
 import argparse
 import atexit
@@ -43,7 +46,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--model", default="ln", choices=["ln", "bn", "dropout"])
     p.add_argument("--optim", default="adam", choices=["adam", "sgd", "adamw"])
     p.add_argument("--api", default="protect", choices=["protect", "init"])
-    p.add_argument("--parallel", default="ddp", choices=["ddp", "hsdp"])
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "hsdp", "fsdp", "tp", "fsdp_tp"])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--phase-sleep", type=float, default=0.0)
     p.add_argument("--on-usr1", default="", choices=["", "gil", "raise", "optim"])
@@ -100,6 +103,34 @@ def batch_for(step: int, rank: int):  # type: ignore[no-untyped-def]
     return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
 
 
+def sharded(net: nn.Module, parallel: str) -> tuple:
+    """``net`` laid out on a DeviceMesh (see the module docstring); (the model, the rank whose data
+    this rank trains on)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shape, names = {"hsdp": ((2, world // 2), ("replicate", "shard")), "fsdp": ((world,), ("shard",)),
+                    "tp": ((world,), ("tp",)), "fsdp_tp": ((2, world // 2), ("dp", "tp"))}[parallel]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    data_rank = rank
+    if parallel in ("tp", "fsdp_tp"):
+        whole = Replicate()
+        parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(output_layouts=whole),
+                                             "4": RowwiseParallel(input_layouts=whole),
+                                             "7": ColwiseParallel(output_layouts=whole)})
+        data_rank = 0 if parallel == "tp" else mesh.get_coordinate()[0]
+    if parallel == "tp":
+        return net, data_rank
+    dp = mesh["dp"] if parallel == "fsdp_tp" else mesh
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=dp)
+    return fully_shard(net, mesh=dp), data_rank
+
+
 def arm_exit_fault(mode: str) -> None:
     if mode == "abort":  # libc runs __cxa_atexit handlers after Py_Finalize
         import ctypes
@@ -133,18 +164,11 @@ def main() -> None:
         if int(g) == gen and int(r) == rank:
             arm_exit_fault(mode)
     net = build(args)
+    data_rank = rank
     if args.parallel == "ddp":
         model = DDP(net)
     else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        world = dist.get_world_size()
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-        for layer in net:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        model = fully_shard(net, mesh=mesh)
+        model, data_rank = sharded(net, args.parallel)
     opt = make_optimizer(args, model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
     armed = {"fire": False}
@@ -202,7 +226,7 @@ def main() -> None:
         if args.api == "init":
             jitckpt.mark_step(step)
         log(begin=step)
-        x, y = batch_for(step, rank)
+        x, y = batch_for(step, data_rank)
         if args.phase_sleep:
             time.sleep(args.phase_sleep)
         check_raise()

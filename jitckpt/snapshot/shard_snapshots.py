@@ -1,0 +1,215 @@
+"""DTensor shards in the snapshot keepers (``jitckpt run --snapshot-every N`` with FSDP2, TP, HSDP).
+
+A DTensor-sharded rank holds state no other rank has (full sharding, tensor parallel) or shares it
+with its replica group only (HSDP), so the replicated snapshots of :mod:`jitckpt.snapshot.client`
+do not apply. Here every rank writes its *own* shard (its local parameter, buffer and optimizer
+tensors, with the scheduler, RNG and step) into its node's keeper as one self-describing object,
+``dt.r<rank>`` (:func:`~jitckpt.snapshot.keeper_object.write_object`: JSON header, never pickle).
+The keeper outlives the trainers, so a rank killed with its shard comes back from the keeper.
+
+The snapshot of step ``s`` is written synchronously at the end of minibatch ``s - 1`` (after the
+scheduler's step, or the optimizer's when there is no scheduler), and no rank begins minibatch
+``s`` before every rank has committed it (one small all-reduce on a side group). So a rank lost
+anywhere in minibatch ``s`` has it committed, and one lost inside its optimizer step of ``s - 1``
+(its updated shard exists nowhere else) holds the others at the end of ``s - 1``: either way the
+job resumes at the minibatch the failure hit (with ``--snapshot-every 1``: at most it is done
+again). The keeper keeps two versions per object, and the agreement keeps every rank within one
+snapshot of the others, so some step has every shard.
+
+Resume (collective, :meth:`ShardSnapshots.survey` then :meth:`ShardSnapshots.load`): each rank
+verifies its own objects (checksums, into private memory) and all-gather a catalogue; the newest
+step with every shard of this mesh wins against the newest complete DCP set on disk (memory at equal
+steps). A rank whose own object is gone (a lost node) gets a replica's (HSDP) from its node's keeper
+or, sent point to point, from the rank that verified it. The memory tier restores on the same mesh
+only; another mesh resumes from disk (DCP reshards).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from jitckpt.snapshot.checksum import checksum_of, copy_verified
+from jitckpt.snapshot.client import Topology
+from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
+from jitckpt.snapshot.keeper_object import object_header, read_object, write_object
+from jitckpt.snapshot.restore import gather_json
+
+log = logging.getLogger("jitckpt.snapshot")
+
+PREFIX = "dt.r"
+FORMAT = 1
+KIND = "dtensor-shard"
+
+
+def shard_key(rank: int) -> str:
+    """Keeper object key of rank ``rank``'s shard snapshot."""
+    return f"{PREFIX}{rank}"
+
+
+@dataclass(frozen=True)
+class ShardChoice:
+    """The newest in-memory step with every shard of this mesh, and which object each rank loads."""
+
+    step: int
+    sources: dict            # rank -> catalogue entry of the object it loads
+    catalogue: list = field(default_factory=list)  # every rank's gathered entry
+
+
+class ShardSnapshots:
+    """Writes this rank's shard into its node's keeper; finds and loads the newest complete step."""
+
+    def __init__(self, *, socket_path: str, every: int, ranks_per_node: int, shard_id: int,
+                 num_shards: int, replica_id: int, mesh: str) -> None:
+        if every < 1:
+            raise ValueError(f"shard snapshots: every={every} must be >= 1")
+        self.socket_path, self.every = socket_path, every
+        self.topo = Topology.detect(ranks_per_node)
+        self.shard_id, self.num_shards, self.replica_id, self.mesh = shard_id, num_shards, replica_id, mesh
+        self._keeper: Optional[KeeperClient] = None
+        self._kept: dict = {}        # (key, step) -> this rank's verified private copy (restore)
+        self.bytes_written = 0
+        # The commit agreement's own group (created here: protect() runs on every rank alike).
+        self._side = dist.new_group(backend="gloo") if self.topo.world > 1 else None
+
+    @property
+    def keeper(self) -> KeeperClient:
+        if self._keeper is None:
+            self._keeper = KeeperClient(self.socket_path)
+        return self._keeper
+
+    def header(self, step: int) -> dict:
+        return {"format": FORMAT, "kind": KIND, "step": step, "world": self.topo.world,
+                "shard_id": self.shard_id, "num_shards": self.num_shards, "mesh": self.mesh}
+
+    def due(self, step: int) -> bool:
+        """Whether the state at the start of minibatch ``step`` is snapshotted."""
+        return step > 0 and step % self.every == 0
+
+    # Snapshots ----------------------------------------------------------------------------------
+    def take(self, step: int, state: dict) -> None:
+        """Write ``state`` (this rank's shard at the start of minibatch ``step``) and commit it."""
+        key = shard_key(self.topo.rank)
+        _, size, h = write_object(self.keeper, key=key, step=step, header=self.header(step), state=state)
+        self.keeper.commit([{"key": key, "step": step, "checksum": h.value(), "algo": h.algorithm}])
+        self.bytes_written += size
+
+    def agree(self, step: int) -> None:
+        """Block until every rank has committed its snapshot of ``step`` (a collective)."""
+        if self._side is None:
+            return
+        t = torch.tensor([step], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._side)
+        if int(t) != step:
+            raise RuntimeError(f"shard snapshot of step {step}: some rank has committed only step {int(t)}")
+
+    # Resume -------------------------------------------------------------------------------------
+    def survey(self) -> Optional[ShardChoice]:
+        """Collective: the newest step whose every shard of this mesh survives in some keeper."""
+        mine = self._verify_own()
+        gathered = gather_json({"rank": self.topo.rank, "node": self.topo.node, "shard": self.shard_id,
+                                "objects": mine}, self.topo, None)
+        want = {k: v for k, v in self.header(0).items() if k not in ("step", "shard_id")}
+        by_step: dict = {}
+        for g in gathered:
+            for e in g["objects"]:
+                if {k: e["header"].get(k) for k in want} == want:
+                    by_step.setdefault(int(e["step"]), {}).setdefault(e["header"]["shard_id"], []).append(e)
+        complete = [s for s, shards in by_step.items() if set(shards) == set(range(self.num_shards))]
+        if not complete:
+            return None
+        step = max(complete)
+        sources = {}
+        for g in gathered:
+            same = by_step[step][g["shard"]]
+            own = [e for e in same if e["key"] == shard_key(g["rank"])]
+            near = [e for e in same if e["node"] == g["node"]]
+            sources[g["rank"]] = (own or near or sorted(same, key=lambda e: e["rank"]))[0]
+        return ShardChoice(step, sources, gathered)
+
+    def _verify_own(self) -> list:
+        """This rank's own objects in its keeper, checksum-verified into private memory (kept for
+        the load and for peers that need them), newest first."""
+        key = shard_key(self.topo.rank)
+        out = []
+        try:
+            entries = [e for e in self.keeper.listing() if e["key"] == key]
+        except KeeperError as e:
+            log.warning("shard snapshots: the keeper cannot be read (%s); resuming from disk", e)
+            return []
+        for e in sorted(entries, key=lambda e: -int(e["step"])):
+            try:
+                m, info = self.keeper.open(key, int(e["step"]))
+            except KeeperError:
+                continue  # reused since the listing
+            data, value = copy_verified(torch.frombuffer(m, dtype=torch.uint8, count=e["size"]), info.algo)
+            if value != info.checksum:
+                log.warning("shard snapshot %s of step %s fails its checksum; not used", key, e["step"])
+                continue
+            try:
+                header = object_header(data.numpy())
+            except ValueError as err:
+                log.warning("shard snapshot %s of step %s: %s; not used", key, e["step"], err)
+                continue
+            self._kept[(key, int(e["step"]))] = data
+            out.append({"key": key, "step": int(e["step"]), "size": int(e["size"]), "checksum": info.checksum,
+                        "algo": info.algo, "rank": self.topo.rank, "node": self.topo.node,
+                        "header": {k: header.get(k) for k in ("format", "kind", "world", "shard_id",
+                                                              "num_shards", "mesh")}})
+        return out
+
+    def load(self, choice: ShardChoice) -> tuple[dict, bool]:
+        """Collective: this rank's state of ``choice.step`` (tensors in private memory), and
+        whether it came from another node. Raises ValueError if it is damaged or not this job's."""
+        me = self.topo.rank
+        works, sending = [], []
+        for rank, src in sorted(choice.sources.items()):
+            if src["rank"] == me and rank != me and src["node"] != choice.catalogue[rank]["node"]:
+                sending.append(self._kept[(src["key"], choice.step)])
+                works.append(dist.isend(sending[-1], dst=rank))
+        src = choice.sources[me]
+        remote = src["node"] != self.topo.node
+        if src["rank"] == me:
+            data = self._kept[(src["key"], choice.step)]
+        elif not remote:  # another rank's object on this node: read from the keeper
+            m, info = self.keeper.open(src["key"], choice.step)
+            data, value = copy_verified(torch.frombuffer(m, dtype=torch.uint8, count=src["size"]), info.algo)
+            if value != src["checksum"]:
+                raise ValueError(f"shard snapshot {src['key']} of step {choice.step} changed since it was verified")
+        else:
+            data = torch.empty(src["size"], dtype=torch.uint8)
+            works.append(dist.irecv(data, src=src["rank"]))
+        for w in works:
+            w.wait()
+        if remote and checksum_of(data.numpy(), src["algo"]) != src["checksum"]:
+            raise ValueError(f"shard snapshot {src['key']} of step {choice.step} from rank {src['rank']} "
+                             "changed in transit")
+        self._kept.clear()
+        return read_object(data.numpy(), key=src["key"], step=choice.step, want=self.header(choice.step)), remote
+
+    def settle(self, step: int) -> None:
+        """Collective, once the resume point is chosen (``step``; -1: a fresh start): every keeper
+        drops the newer snapshots, which belong to a timeline the job does not continue."""
+        self._kept.clear()
+        if self.topo.local_rank == 0:
+            try:
+                self.keeper.discard_newer(step)
+            except KeeperError as e:
+                log.warning("shard snapshots: the keeper cannot be cleared (%s)", e)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
+    def reject(self, step: int) -> None:
+        """A restore from ``step`` failed: it is never offered again."""
+        try:
+            self.keeper.reject(step)
+        except KeeperError:
+            pass
+
+    def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.close()
+            self._keeper = None
