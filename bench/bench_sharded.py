@@ -15,6 +15,10 @@
 3. Steady state, end to end: median step time of the jitckpt runs' and the torchrun runs' steps
    before the failure (this VM's run-to-run spread is about +-10 %; the CPU-accounting bound of
    bench_recovery.py is not measured for FSDP2 yet).
+4. Full sharding (FSDP2 on a 1-D mesh of 4 ranks: no replica) with ``--snapshot-every 1``: recovery
+   from the keepers' shard snapshots against torchrun + DCP ``async_save`` every 10 steps and every
+   step, and what the snapshots cost a step: the median step with ``--snapshot-every 1`` against the
+   same jitckpt job without snapshots (end to end: inside this VM's spread only a large cost shows).
 
 Model: the 8.4 M-parameter MLP of bench_recovery.py (1024-2048-2048-1024), Adam, batch 32.
 Usage: python bench/bench_sharded.py [--quick] [--out bench/results/sharded.json]
@@ -78,6 +82,38 @@ def recovery(work: Path, steps: int, fail: int) -> dict:
     return res
 
 
+FSDP = ["--parallel", "fsdp"]
+
+
+def shard_snapshots(work: Path, steps: int, fail: int) -> dict:
+    """Section 4: full sharding, a SIGKILLed rank's shard from its keeper."""
+    res: dict = {}
+    for name, extra, inject in (("snapshots", ["--snapshot-every", "1"], ["--inject", f"0:1:{fail}:kill"]),
+                                ("no_snapshots", [], [])):
+        d = work / f"shards-{name}"
+        d.mkdir()
+        run(jitrun(NPROC, [*MODEL, *FSDP, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"), *inject], d,
+                   extra=["--hang-timeout", "30", *extra]), d)
+        log = read_log(d / "log.jsonl")
+        res[name] = {"step_s": steady(log, fail)}
+        if inject:
+            t_fail, t_back, first = back_at_failed_step(log, fail)
+            res[name].update(total_s=t_back - t_fail, resumed_at=first, minibatches_redone=fail - first + 1)
+    for name, every in (("torchrun_dcp10", 10), ("torchrun_dcp1", 1)):
+        d = work / f"shards-{name}"
+        d.mkdir()
+        run(torchrun(NPROC, [*MODEL, *FSDP, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"),
+                             "--no-jitckpt", "--baseline-dcp-every", str(every), "--baseline-dir", str(d / "ckpt"),
+                             "--inject", f"0:1:{fail}:kill"], d, max_restarts=1), d)
+        log = read_log(d / "log.jsonl")
+        t_fail, t_back, first = back_at_failed_step(log, fail)
+        res[name] = {"total_s": t_back - t_fail, "resumed_at": first, "minibatches_redone": fail - first + 1,
+                     "step_s": steady(log, fail)}
+        res[f"speedup_vs_{name}"] = res[name]["total_s"] / res["snapshots"]["total_s"]
+    res["step_time_snapshots_over_none"] = res["snapshots"]["step_s"] / res["no_snapshots"]["step_s"]
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
@@ -87,7 +123,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="jitckpt-bench-sharded-") as tmp:
         work = Path(tmp)
         res = {"workload": "FSDP2 HSDP 2x2, 8.4M-parameter MLP, Adam, 4 ranks, gloo, CPU",
-               "save": save_times(work, reps), "recovery": recovery(work, steps, fail)}
+               "save": save_times(work, reps), "recovery": recovery(work, steps, fail),
+               "shard_snapshots": shard_snapshots(work, steps, fail)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))

@@ -71,9 +71,10 @@ def parse():
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--optim", default="adam", choices=["adam", "sgd", "zero-adam"],
                    help="zero-adam: ZeroRedundancyOptimizer(Adam), ZeRO-1 (needs --snapshot-every)")
-    p.add_argument("--parallel", default="ddp", choices=["ddp", "hsdp"],
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "hsdp", "fsdp"],
                    help="hsdp: FSDP2 (fully_shard on each linear layer and the root) over a 2-D mesh, "
-                        "2 replica groups x the rest, instead of DDP")
+                        "2 replica groups x the rest, instead of DDP; fsdp: the same on a 1-D mesh "
+                        "(full sharding: no replica, protected by --snapshot-every)")
     p.add_argument("--inject", action="append", default=[], metavar="GEN:RANK:STEP:MODE")
     p.add_argument("--out", default="")
     p.add_argument("--steps-log", default="")
@@ -236,12 +237,13 @@ class InitApiState:
         return self.step
 
 
-def shard_hsdp(net, world):
-    """FSDP2 on a (2, world/2) mesh: each shard kept by both replica groups."""
+def shard_fsdp2(net, world, replicas):
+    """FSDP2 on a (replicas, world/replicas) mesh: each shard kept by every replica group (1: full sharding)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    mesh = (init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+            if replicas > 1 else init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
     for m in net.modules():
         if isinstance(m, nn.Linear):
             fully_shard(m, mesh=mesh)
@@ -268,8 +270,8 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if args.parallel == "hsdp":
-        model = shard_hsdp(build(args), world)
+    if args.parallel != "ddp":
+        model = shard_fsdp2(build(args), world, 2 if args.parallel == "hsdp" else 1)
     else:
         model = build(args) if args.overlap_step else DDP(build(args))
     if args.rank_rng:

@@ -99,15 +99,21 @@ def test_layouts_without_replicas_resume_from_periodic_checkpoints_bitwise(tmp_p
     assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
 
 
-@pytest.mark.parametrize("nproc,mesh,how", [(2, "fsdp", "kill"), pytest.param(2, "tp", "stop", marks=pytest.mark.slow),
+@pytest.mark.parametrize("nproc,mesh,how", [(2, "fsdp", "kill"), (2, "fsdp", "optim"),
+                                             pytest.param(2, "tp", "stop", marks=pytest.mark.slow),
                                              pytest.param(4, "fsdp_tp", "kill", marks=pytest.mark.slow)])
 def test_layouts_without_replicas_resume_from_the_keepers_shard_snapshots_bitwise(tmp_path, nproc, mesh, how):
     """--snapshot-every 1: each rank's own shard is in its node's keeper at the start of every
     minibatch, so a rank lost (killed, or stopped: a hang) in minibatch 5 costs that minibatch only,
     its shard coming back from the keeper. (Before: the tier held whole replicas only, and such a
-    job restarted from step 0.)"""
+    job restarted from step 0.) Lost inside its optimizer step (optim), its updated shard is gone:
+    the survivor is held at the end of minibatch 5 until every rank committed the next snapshot, and
+    the job resumes at 5, one minibatch redone (the launcher counted two: it took the survivor's
+    step board, already at 6 after its optimizer step, for the minibatch it was in). The launcher
+    restarts as soon as its keeper holds every shard of the failed minibatch, without waiting for
+    JIT saves (a rank hung holding the GIL never finishes one: --save-timeout was waited)."""
     want = torchrun_final(tmp_path / "torchrun", nproc, mesh)
-    kill = f"{nproc - 1}:5" + (":stop" if how == "stop" else "")
+    kill = f"{nproc - 1}:5" + {"kill": "", "stop": ":stop", "optim": ":optim"}[how]
     res = run_job(tmp_path / "jit", nproc=nproc, script=SCRIPT,
                   launcher_args=["--snapshot-every", "1", "--hang-timeout", "auto:floor=3,startup=60"],
                   script_args=["--mesh", mesh, "--steps", str(STEPS), "--kill", kill])
@@ -117,6 +123,10 @@ def test_layouts_without_replicas_resume_from_the_keepers_shard_snapshots_bitwis
     assert [e["source"] for e in res.ev("restore")] == ["memory"] * nproc, res.ev("restore")
     [summary] = res.ev("recovery_summary")
     assert summary["failed_ranks"] == [nproc - 1] and summary["steps_redone"] <= 1, summary
+    # Every shard of the failed minibatch was in the keeper: no JIT save waited for.
+    assert any("is in the snapshot keeper: restarting without waiting" in e["reason"] for e in res.ev("warning"))
+    if how == "optim":  # the survivor, done with minibatch 5, was held before minibatch 6
+        assert summary["step_failed"] == 5, summary
     assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
 
 

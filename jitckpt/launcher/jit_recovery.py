@@ -50,6 +50,7 @@ class FailureRecord:
     first_kind: Optional[str] = None     # of the failure this one interrupted the recovery from
     during_recovery: int = 0             # how many failures in a row hit the recovery
     timed_out: bool = False              # --save-timeout passed before every shard was covered (said once)
+    in_memory: Optional[int] = None      # the step every rank's shard snapshot is in the keeper of
     not_ready: list = field(default_factory=list)  # "rank r: why", each restarted rank without a ready standby
 
     @property
@@ -77,9 +78,13 @@ class JitRecovery:
     """
 
     def __init__(self, *, cfg: LaunchConfig, coord: Any, emit: Callable[..., None],
-                 display: Any, flusher: Optional[CheckpointFlusher] = None) -> None:
+                 display: Any, flusher: Optional[CheckpointFlusher] = None,
+                 keeper_socket: Optional[Callable[[], Optional[str]]] = None) -> None:
         self.cfg, self.coord, self.emit, self.display = cfg, coord, emit, display
         self.flusher = flusher  # one node: JIT checkpoints reach the disk after the restart began
+        # One node under --snapshot-every: its keeper's socket (DTensor shard snapshots, see
+        # jitckpt.launcher.keeper_coverage).
+        self.keeper_socket = keeper_socket
         # The failure whose recovery has not yet been summarized (the workers did not resume).
         self.pending: Optional[FailureRecord] = None
 
@@ -163,6 +168,8 @@ class JitRecovery:
         now = time.time()
         if failure.t_covered is None and self.coord.shards_covered(gen):
             failure.t_covered = now
+        if failure.t_covered is None and self._covered_in_memory(workers, failure):
+            failure.t_covered = now
         if self.coord.leads:
             decided = self._restart_due(failure, now)
             if decided:
@@ -180,7 +187,27 @@ class JitRecovery:
             return False
         return decided or now - failure.t_detect > self.cfg.save_timeout + LEASE_TTL_S
 
+    def _covered_in_memory(self, workers: list[Worker], failure: FailureRecord) -> bool:
+        """The keeper holds every rank's shard snapshot of the newest minibatch any rank began: a
+        restart resumes from there, and no JIT save can make a newer complete state."""
+        sock = self.keeper_socket() if self.keeper_socket is not None else None
+        began = [w.step for w in workers if w.step is not None and w.step >= 0]
+        if sock is None or not began:
+            return False
+        from jitckpt.launcher.keeper_coverage import newest_common_shard_step
+
+        step = newest_common_shard_step(sock, [w.rank for w in workers])
+        if step is None or step < max(began):
+            return False
+        failure.in_memory = step
+        said = f"every rank's shard of step {step} is in the snapshot keeper: restarting without waiting for JIT checkpoints"
+        log.warning("%s", said)
+        self.emit("warning", rank=None, reason=said)
+        return True
+
     def _restart_due(self, failure: FailureRecord, now: float) -> bool:
+        if failure.in_memory is not None and (failure.rank is not None or failure.failed_ranks):
+            return True  # a hang's culprit not known yet: the grace below lets the others save, so it shows
         if failure.t_covered is not None and now - failure.t_covered > max(1.0, failure.save_s or 0.0):
             return True
         if now - failure.t_detect > self.cfg.save_timeout:

@@ -113,7 +113,7 @@ class Launcher:
         # One node: a survivor's JIT save returns at the page cache, this launcher fsyncs it.
         self.flusher = CheckpointFlusher(emit=self.emit) if cfg.nnodes == 1 else None
         self.jit = JitRecovery(cfg=cfg, coord=self.coord, emit=self.emit, display=self.display,
-                               flusher=self.flusher)
+                               flusher=self.flusher, keeper_socket=self._local_keeper_socket)
         self.restart_count = 0
         self.keeper: Optional[KeeperSupervisor | DaemonKeeper] = None
         self.gen = 0  # process-group generation; --recovery stage advances it per replacement
@@ -143,6 +143,12 @@ class Launcher:
             # The node's daemon runs it when there is one, so it outlives this launcher.
             self.keeper = self.daemon.keeper(cfg.node_rank) or KeeperSupervisor(
                 run_dir=str(self.run_dir), node=cfg.node_rank, python=sys.executable, env=self._base_env())
+
+    def _local_keeper_socket(self) -> Optional[str]:
+        """This node's snapshot keeper's socket when it is the job's only node (else None)."""
+        if self.keeper is None or self.cfg.nnodes != 1:
+            return None
+        return self.keeper.socket_path
 
     # ---- events ---------------------------------------------------------------------------
     def emit(self, event: str, **fields) -> None:
@@ -736,7 +742,7 @@ class Launcher:
                 culprit = msg.rank if msg.kind == "exception" else msg.culprit
                 failure = self.jit.on_failure(gen, self.workers, msg.kind, culprit, msg.detail,
                                               reporter=w.rank)
-            failure.saw_step(msg.step)
+            failure.saw_step(_began(w, msg.step))
             if msg.detect_s is not None:
                 failure.detect_s = max(failure.detect_s, float(msg.detect_s))
         elif isinstance(msg, Saved):
@@ -750,12 +756,12 @@ class Launcher:
                     failure.saved_ranks.append(w.rank)
                     failure.checkpoint_bytes = max(failure.checkpoint_bytes, msg.bytes)
                     failure.save_s = max(failure.save_s or 0.0, msg.seconds)
-            if failure is not None:  # the state saved is at least as far as the failed step
-                failure.saw_step(msg.step)
+            if failure is not None:
+                failure.saw_step(_began(w, msg.step))
         elif isinstance(msg, SaveFailed):
             self.emit("checkpoint_failed", rank=w.rank, reason=msg.reason, kind=msg.kind, step=msg.step)
             if failure is not None and msg.kind == "jit":
-                failure.saw_step(msg.step)
+                failure.saw_step(_began(w, msg.step))
                 failure.save_failed[w.rank] = msg.reason
         elif isinstance(msg, WorkerWarning):
             self.emit("warning", rank=w.rank, reason=msg.reason)
@@ -813,3 +819,13 @@ def run(cfg: LaunchConfig) -> int:
         return 2
     set_title(f"jitckpt launcher {cfg.run_id} node {cfg.node_rank}")
     return launcher.run()
+
+
+def _began(w: Worker, state_step: Optional[int]) -> Optional[int]:
+    """The minibatch worker ``w`` was in when it reported the state at the start of ``state_step``
+    (a save, a failure report): its step board's, which shows the minibatch begun. A rank held
+    between minibatches (a DTensor job's snapshot agreement after its optimizer step) reports the
+    next one's state without having begun it. Without a board step (a job that never marks its
+    steps) the state's step is the minibatch in progress."""
+    board = w.step
+    return board if board is not None and board >= 0 else state_step

@@ -403,6 +403,9 @@ class Protected:
         self._stepped = True
         if self._shard_snaps is not None and self._shard_snaps.due(self.step):
             self._snapshot_owed = True
+            rt = runtime_or_none()
+            if rt is not None:
+                rt.minibatch_open = True  # until the snapshot's agreement
             if self.scheduler is None:
                 self._take_shard_snapshot()
         self._begin_minibatch()  # the next one's input copies come next, before its forward
@@ -435,6 +438,7 @@ class Protected:
         if rt is not None:
             rt.run_snapshot_op(take, blocking=False)
             rt.run_snapshot_op(lambda: self._shard_snaps.agree(step), blocking=True)  # waits on the others
+            rt.close_minibatch(step)
         else:
             take()
             self._shard_snaps.agree(step)
@@ -621,7 +625,7 @@ class Protected:
     def _restore_shard_snapshot(self, rt: Any, disk_step: Optional[int], t0: float) -> Optional[int]:
         """Collective: resume from the keepers' shard snapshots when their newest complete step is
         at least the disk's (``disk_step``); the step, or None to resume from disk (or afresh)."""
-        from jitckpt.snapshot.shard_snapshots import shard_key
+        from jitckpt.snapshot.shard_keys import shard_key
 
         snaps = self._shard_snaps
         assert snaps is not None and self.sharded is not None

@@ -86,6 +86,9 @@ class WorkerRuntime:
         # A DTensor job's replicas (protect()): part_fn(every rank alive) chooses this write's
         # (shard id, shard count); with everyone alive each replica writes part of its shard.
         self.part_fn: Optional[Callable[[bool], tuple[int, int]]] = None
+        # The minibatch goes on after optimizer.step() (a DTensor job's shard snapshot and its
+        # agreement come after the scheduler's step): the board shows the next one once it is over.
+        self.minibatch_open = False
         # Such a job's save to memory after a failure (protect(), --snapshot-zero log): what it did.
         self.save_to_memory: Optional[Callable[[], str]] = None
         self._memory_save_lock = threading.Lock()  # the saver and the training thread may both give up
@@ -393,6 +396,12 @@ class WorkerRuntime:
         self._native.mark_minibatch(step)
         self._native_step = step
 
+    def close_minibatch(self, step: int) -> None:
+        """The minibatch left open after its optimizer step is over: the next one, ``step``, is
+        what a failure from here on hits (see ``minibatch_open``)."""
+        self.minibatch_open = False
+        self._heartbeat(step, None)
+
     def _heartbeat(self, step: int, step_time: Optional[float]) -> None:
         """Tell the launcher every step begun: it needs the step a failure hit even when the ranks
         die with it. On the step board: two memory writes, no message, no launcher wake-up."""
@@ -506,7 +515,8 @@ class WorkerRuntime:
         if self.channel is not None and not self._resumed_reported:  # the first step done after a restart
             self._resumed_reported = True
             self.channel.send(Resumed(rank=self.rank, step=step))
-        self._heartbeat(step, None if marked or prev_t is None else now - prev_t)
+        if not self.minibatch_open:
+            self._heartbeat(step, None if marked or prev_t is None else now - prev_t)
         if (not marked and self.periodic_every and self._opt_steps >= self.periodic_every
                 and self.save_fn is not None and self.replica_id == 0):
             # No safe point is known: after optimizer.step() the user's step counter, scheduler and

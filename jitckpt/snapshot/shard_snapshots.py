@@ -37,17 +37,12 @@ from jitckpt.snapshot.client import Topology
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
 from jitckpt.snapshot.keeper_object import object_header, read_object, write_object
 from jitckpt.snapshot.restore import gather_json
+from jitckpt.snapshot.shard_keys import shard_key
 
 log = logging.getLogger("jitckpt.snapshot")
 
-PREFIX = "dt.r"
 FORMAT = 1
 KIND = "dtensor-shard"
-
-
-def shard_key(rank: int) -> str:
-    """Keeper object key of rank ``rank``'s shard snapshot."""
-    return f"{PREFIX}{rank}"
 
 
 @dataclass(frozen=True)

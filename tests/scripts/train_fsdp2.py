@@ -5,8 +5,8 @@
 --mesh fsdp: a 1-D mesh over every rank (full sharding); hsdp: a 2-D mesh (--replicas x shard); tp:
 tensor parallel (column- then row-wise, the last layer plain) on a 1-D mesh; fsdp_tp: a 2-D mesh
 (dp x tp), TP inside, fully_shard over dp (the last layer on the dp sub-mesh only); stages: each
-rank fully_shards its own copy on a 1-rank mesh of its own (as pipeline stages' meshes are). --kill R:S[:term|stop|keeper]: rank R SIGKILLs (SIGTERMs, SIGSTOPs) itself before minibatch S of the first launch
-(keeper: SIGKILLs its node's snapshot keeper first).
+rank fully_shards its own copy on a 1-rank mesh of its own (as pipeline stages' meshes are). --kill R:S[:term|stop|keeper|optim]: rank R SIGKILLs (SIGTERMs, SIGSTOPs) itself before minibatch S of the first launch
+(keeper: SIGKILLs its node's snapshot keeper first; optim: SIGKILLs itself inside that minibatch's optimizer.step()).
 --no-jitckpt: the same training without jitckpt (under torchrun). --hidden: the width (another
 model); --foreign-param: the optimizer also holds a tensor that is not the model's; --compile: the
 forward through torch.compile (aot_eager: no C++ compiler needed). Data is chosen by step and rank.
@@ -78,8 +78,10 @@ forward = torch.compile(model, backend="aot_eager") if args.compile else model
 kill_rank, kill_step, *how = args.kill.split(":") if args.kill else (-1, -1)
 kill_rank, kill_step = int(kill_rank), int(kill_step)
 sig = {"term": signal.SIGTERM, "stop": signal.SIGSTOP}.get(how[0] if how else "", signal.SIGKILL)
+if how == ["optim"] and gen == 0 and rank == kill_rank:  # SIGKILL inside optimizer.step() of minibatch S
+    opt.register_step_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL) if step == kill_step else None)
 for step in range(start, args.steps):
-    if gen == 0 and (rank, step) == (kill_rank, kill_step):
+    if gen == 0 and (rank, step) == (kill_rank, kill_step) and how != ["optim"]:
         if how == ["keeper"]:  # the node's snapshot keeper too (the process serving its socket)
             import psutil
 
