@@ -62,7 +62,7 @@ class Config:
     api: str = "protect"    # protect | init
     nproc: int = 2
     optim: str = ""         # default: adam for ln, sgd for bn, adamw for dropout
-    parallel: str = "ddp"   # ddp | hsdp (FSDP2 on a 2 x nproc/2 mesh) | fsdp | tp | fsdp_tp (train_matrix.py)
+    parallel: str = "ddp"   # ddp | hsdp (FSDP2 on a 2 x nproc/2 mesh) | fsdp | tp | fsdp_tp | pp (train_matrix.py)
     snapshot_every: int = 0  # jitckpt run --snapshot-every (0: off)
 
     @property

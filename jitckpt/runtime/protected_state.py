@@ -14,7 +14,7 @@ from jitckpt.checkpoint_store import CheckpointError, read_meta
 from jitckpt.runtime.current import get_runtime, runtime_or_none
 from jitckpt.runtime.ddp_buffers import rng_state, set_rng_state
 from jitckpt.runtime.sharded_layout import dtensor_layout
-from jitckpt.runtime.sharded_state import ShardedState, UnmappableLayout, newest_set
+from jitckpt.runtime.sharded_state import ShardedState, UnmappableLayout, newest_set, own_copy
 
 log = logging.getLogger("jitckpt.protect")
 
@@ -165,6 +165,7 @@ class Protected:
         # The in-memory tier of a DTensor job: each rank's own shard in its node's keeper.
         self._shard_snaps: Any = None  # jitckpt.snapshot.shard_snapshots.ShardSnapshots
         self._snapshot_owed = False  # the shard snapshot of self.step is due once the scheduler steps
+        self._agreement_owed: Optional[int] = None  # its step, agreed on at the next minibatch's start
         if layout is not None:
             try:
                 self.sharded = ShardedState(model, optimizer, world_size=torch.distributed.get_world_size())
@@ -228,6 +229,8 @@ class Protected:
             return  # gradient accumulation or a second forward: the snapshot is already taken
         if self._snapshot_owed:  # a scheduler not stepped every minibatch
             self._take_shard_snapshot()
+        if self._agreement_owed is not None:
+            self._agree_on_shard_snapshot()
         rt = runtime_or_none()
         if rt is not None:
             rt.mark_step(self.step)  # a safe point: may save (failure) or checkpoint (periodic)
@@ -421,9 +424,10 @@ class Protected:
 
     def _take_shard_snapshot(self) -> None:
         """A DTensor job's in-memory snapshot: this rank's shard at the start of minibatch
-        ``self.step``, written into its node's keeper before that minibatch begins, and no rank goes
-        on until every rank has (see :mod:`jitckpt.snapshot.shard_snapshots`). Its failure is the
-        job's (keeper gone)."""
+        ``self.step``, written into its node's keeper once the previous minibatch's scheduler step
+        is done. The minibatch it starts begins only when every rank has (the agreement, at its
+        first forward, or right away for pipeline stages: see :mod:`jitckpt.snapshot.shard_snapshots`).
+        Its failure is the job's (keeper gone)."""
         self._snapshot_owed = False
         assert self._shard_snaps is not None and self.sharded is not None
         step = self.step
@@ -437,11 +441,26 @@ class Protected:
         rt = runtime_or_none()
         if rt is not None:
             rt.run_snapshot_op(take, blocking=False)
-            rt.run_snapshot_op(lambda: self._shard_snaps.agree(step), blocking=True)  # waits on the others
-            rt.close_minibatch(step)
         else:
             take()
+        self._agreement_owed = step
+        if self.sharded.position.stage is not None:
+            # Pipeline stages: a later stage's first forward waits for the earlier stage's output,
+            # so the earlier stage must not wait for it there; the agreement comes now instead.
+            self._agree_on_shard_snapshot()
+
+    def _agree_on_shard_snapshot(self) -> None:
+        """At the first forward of minibatch ``step``, before it begins: wait until every rank has
+        committed its shard snapshot of ``step`` (a collective). Until then the step board shows the
+        previous minibatch: a rank lost before its commit leaves the others here, at a safe point."""
+        step, self._agreement_owed = self._agreement_owed, None
+        assert self._shard_snaps is not None and step is not None
+        rt = runtime_or_none()
+        if rt is None:
             self._shard_snaps.agree(step)
+            return
+        rt.run_snapshot_op(lambda: self._shard_snaps.agree(step), blocking=True)  # waits on the others
+        rt.close_minibatch(step)
 
     def _extra_state(self) -> dict:
         return {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in self.extra.items()}
@@ -613,9 +632,7 @@ class Protected:
             if why:
                 rt.report_fresh_start(self.step, why)
             return self.step
-        pos = self.sharded.position
-        # The own shard's copy when the set was saved with this layout's shard count, else shard 0's.
-        own = copies.get(pos.shard_id, copies[0]) if len(copies) == pos.num_shards else copies[0]
+        own = own_copy(copies, self.sharded.position, self.sharded.world_size)
         sd = torch.load(own / SHARDED_STATE_FILE, map_location="cpu", weights_only=True)
         self.sharded.load(root, {s: p.name for s, p in copies.items()}, sd["optim_other"], sd["param_groups"])
         self._load_rest(sd)

@@ -38,6 +38,12 @@ class ShardPosition:
     num_shards: int
     replica_id: int
     mesh: str  # e.g. "(2, 2) ('replicate', 'shard'), sharded over ('shard',)", for messages
+    stage: Optional[int] = None  # the coordinate on mesh dimensions no tensor is on (pipeline stages)
+
+    @property
+    def key_prefix(self) -> str:
+        """What this rank's tensor names get in the DCP shards: stages' names may coincide."""
+        return "" if self.stage is None else f"stage{self.stage}."
 
 
 def replicas_of(pos: ShardPosition, world_size: int) -> int:
@@ -76,10 +82,12 @@ def shard_position(tensors: dict, *, world_size: int) -> ShardPosition:
 
     mesh, first = None, None
     sharded: set = set()
+    covered: set = set()  # root dimensions some tensor's mesh has
     for name, t in tensors.items():
         if not isinstance(t, DTensor):
             continue  # a plain tensor: the same on every rank (FSDP2's buffers, TP's unparallelized layers)
         root, dims = _root_dims(t, name)
+        covered.update(dims)
         if mesh is None:
             mesh, first = root, name
         elif root != mesh:
@@ -97,15 +105,20 @@ def shard_position(tensors: dict, *, world_size: int) -> ShardPosition:
             f"{world_size}; jitckpt maps a mesh spanning the whole job only")
     coords = mesh.get_coordinate()
     sizes = list(mesh.mesh.shape)
-    dims = sorted(sharded)
-    rest = [i for i in range(len(sizes)) if i not in sharded]
+    # A dimension no tensor is on (pipeline stages: each stage's module on mesh["dp"]) holds other
+    # tensors at each coordinate, not replicas: it counts as sharded.
+    stages = [i for i in range(len(sizes)) if i not in covered]
+    dims = sorted(sharded | set(stages))
+    rest = [i for i in range(len(sizes)) if i not in dims]
     names = mesh.mesh_dim_names
     return ShardPosition(
         shard_id=_ravel([coords[i] for i in dims], [sizes[i] for i in dims]),
         num_shards=math.prod(sizes[i] for i in dims),
         replica_id=_ravel([coords[i] for i in rest], [sizes[i] for i in rest]),
         mesh=f"{tuple(sizes)}{'' if names is None else ' ' + str(tuple(names))}, sharded over "
-             f"{tuple(names[i] for i in dims) if names else tuple(dims)}")
+             f"{tuple(names[i] for i in dims) if names else tuple(dims)}"
+             + (f" (stages over {tuple(names[i] for i in stages) if names else tuple(stages)})" if stages else ""),
+        stage=_ravel([coords[i] for i in stages], [sizes[i] for i in stages]) if stages else None)
 
 
 # ---- DCP metadata as JSON, both ways -----------------------------------------------------------
@@ -216,13 +229,14 @@ class ShardedState:
         """``{"model": {name: tensor}, "optim": {param: {key: tensor}}}`` as now (``buffers``: a
         copy of the buffers to save instead of the live ones), and the optimizer's non-tensor state;
         only this write's part (:meth:`write_part`)."""
-        model = {k: (buffers[k] if buffers and k in buffers else v).detach() for k, v in self.tensors.items()}
+        pre = self.position.key_prefix
+        model = {pre + k: (buffers[k] if buffers and k in buffers else v).detach() for k, v in self.tensors.items()}
         optim: dict = {}
         other: dict = {}
         by_id = {id(p): n for n, p in zip(self.param_names, self._params())}
         for p, st in self.optimizer.state.items():
             name = by_id[id(p)]
-            optim[name] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
+            optim[pre + name] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
             other[name] = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
         if self.part is not None:  # every part-th tensor, in an order every rank of the shard shares
             index, count = self.part
@@ -265,8 +279,9 @@ class ShardedState:
 
         md = merge_chunks({s: (f"{name}/{DCP_DIR}", json.loads((root / name / CHUNKS_FILE).read_text()))
                            for s, name in copies.items()})
-        target = {"model": {k: v.detach() for k, v in self.tensors.items()}, "optim": {}}
-        params = dict(zip(self.param_names, self._params()))
+        pre = self.position.key_prefix
+        target = {"model": {pre + k: v.detach() for k, v in self.tensors.items()}, "optim": {}}
+        params = {pre + n: p for n, p in zip(self.param_names, self._params())}
         missing = [k for k in target["model"] if f"model.{k}" not in md.state_dict_metadata]
         if missing:
             raise UnmappableLayout(f"jitckpt resume: the checkpoint in {root} has no {missing[0]!r} (of "
@@ -280,8 +295,8 @@ class ShardedState:
                     "this model: it is another model's checkpoint. Resume it with the model that wrote it, "
                     "or give this job another --checkpoint-dir")
         for key, m in md.state_dict_metadata.items():
-            if not key.startswith("optim."):
-                continue
+            if not key.startswith(f"optim.{pre}"):
+                continue  # (with stages: another stage's)
             name, _, k = key[len("optim."):].rpartition(".")
             p = params.get(name)
             if p is None:
@@ -294,7 +309,7 @@ class ShardedState:
                 t = torch.zeros(m.size, dtype=m.properties.dtype)
             target["optim"].setdefault(name, {})[k] = t
         dcp.load(target, storage_reader=_reader(root, md))
-        self._load_optimizer(target["optim"], other, groups)
+        self._load_optimizer({n[len(pre):]: st for n, st in target["optim"].items()}, other, groups)
 
     def _load_optimizer(self, tensors: dict, other: dict, groups: list) -> None:
         """``optimizer.load_state_dict`` of state by parameter name (``tensors``: name -> {key: tensor},
@@ -373,6 +388,19 @@ class ShardedState:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local part (no copy); a plain tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def own_copy(copies: dict[int, Path], pos: ShardPosition, world_size: int) -> Path:
+    """The copy in a complete set (shard id -> directory) of this rank's shard, for its non-tensor
+    state (each pipeline stage has its own): whole shards, or the parts its replicas split it
+    into (:meth:`ShardedState.write_part`); shard 0's for a set of another mesh (DCP reshards it,
+    and every shard has the same non-tensor state then)."""
+    replicas = replicas_of(pos, world_size)
+    if len(copies) == pos.num_shards:
+        return copies[pos.shard_id]
+    if len(copies) == pos.num_shards * replicas:
+        return copies[pos.shard_id * replicas + pos.replica_id]
+    return copies[0]
 
 
 def newest_set(checkpoint_dir: str | os.PathLike) -> Optional[dict[int, Path]]:

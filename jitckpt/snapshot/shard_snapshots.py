@@ -9,12 +9,15 @@ The keeper outlives the trainers, so a rank killed with its shard comes back fro
 
 The snapshot of step ``s`` is written synchronously at the end of minibatch ``s - 1`` (after the
 scheduler's step, or the optimizer's when there is no scheduler), and no rank begins minibatch
-``s`` before every rank has committed it (one small all-reduce on a side group). So a rank lost
-anywhere in minibatch ``s`` has it committed, and one lost inside its optimizer step of ``s - 1``
-(its updated shard exists nowhere else) holds the others at the end of ``s - 1``: either way the
-job resumes at the minibatch the failure hit (with ``--snapshot-every 1``: at most it is done
-again). The keeper keeps two versions per object, and the agreement keeps every rank within one
-snapshot of the others, so some step has every shard.
+``s`` (its first forward) before every rank has committed it (one small all-reduce on a side
+group). So a rank lost anywhere in minibatch ``s`` has it committed, and one lost inside its
+optimizer step of ``s - 1`` (its updated shard exists nowhere else) holds the others at the start
+of ``s``, a safe point, with the end of ``s - 1`` done: the job resumes at the minibatch the lost
+rank was in (with ``--snapshot-every 1``: at most it is done again). Pipeline stages agree right
+after the write instead: a later stage's first forward waits for the earlier stage's output. The
+keeper keeps two versions
+per object, and the agreement keeps every rank within one snapshot of the others, so some step has
+every shard.
 
 Resume (collective, :meth:`ShardSnapshots.survey` then :meth:`ShardSnapshots.load`): each rank
 verifies its own objects (checksums, into private memory) and all-gather a catalogue; the newest

@@ -4,7 +4,9 @@
 
 --mesh fsdp: a 1-D mesh over every rank (full sharding); hsdp: a 2-D mesh (--replicas x shard); tp:
 tensor parallel (column- then row-wise, the last layer plain) on a 1-D mesh; fsdp_tp: a 2-D mesh
-(dp x tp), TP inside, fully_shard over dp (the last layer on the dp sub-mesh only); stages: each
+(dp x tp), TP inside, fully_shard over dp (the last layer on the dp sub-mesh only); pp: pipeline stages
+(torch.distributed.pipelining, GPipe, 2 microbatches) on a (pp 2 x dp) mesh, each stage fully_shard over
+dp, its layers named from "0" as the other stage's are; stages: each
 rank fully_shards its own copy on a 1-rank mesh of its own (as pipeline stages' meshes are). --kill R:S[:term|stop|keeper|optim]: rank R SIGKILLs (SIGTERMs, SIGSTOPs) itself before minibatch S of the first launch
 (keeper: SIGKILLs its node's snapshot keeper first; optim: SIGKILLs itself inside that minibatch's optimizer.step()).
 --no-jitckpt: the same training without jitckpt (under torchrun). --hidden: the width (another
@@ -23,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=8)
-p.add_argument("--mesh", choices=["fsdp", "hsdp", "tp", "fsdp_tp", "stages"], default="fsdp")
+p.add_argument("--mesh", choices=["fsdp", "hsdp", "tp", "fsdp_tp", "stages", "pp"], default="fsdp")
 p.add_argument("--replicas", type=int, default=2)
 p.add_argument("--hidden", type=int, default=32)
 p.add_argument("--foreign-param", action="store_true")
@@ -38,7 +40,8 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 layouts = {"fsdp": ((world,), ("shard",)), "hsdp": ((args.replicas, world // args.replicas), ("replicate", "shard")),
-           "tp": ((world,), ("tp",)), "fsdp_tp": ((2, world // 2), ("dp", "tp")), "stages": (None, None)}
+           "tp": ((world,), ("tp",)), "fsdp_tp": ((2, world // 2), ("dp", "tp")), "stages": (None, None),
+           "pp": ((2, world // 2), ("pp", "dp"))}
 shape, names = layouts[args.mesh]
 if args.mesh == "stages":
     from torch.distributed.device_mesh import DeviceMesh
@@ -56,8 +59,12 @@ if args.mesh in ("tp", "fsdp_tp"):
 
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     data_rank = 0 if args.mesh == "tp" else mesh.get_coordinate()[0]
+if args.mesh == "pp":  # this rank's stage of the model (each stage's layers named from "0": names coincide)
+    layers = list(model.children())
+    model = nn.Sequential(*(layers[:2] if mesh.get_coordinate()[0] == 0 else layers[2:]))
+    data_rank = mesh.get_coordinate()[1]
 if args.mesh != "tp":
-    dp = mesh["dp"] if args.mesh == "fsdp_tp" else mesh
+    dp = mesh["dp"] if args.mesh in ("fsdp_tp", "pp") else mesh
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=dp)
@@ -75,6 +82,12 @@ if not args.no_jitckpt:
     state = jitckpt.protect(model, opt, sched)
     start = state.restore()
 forward = torch.compile(model, backend="aot_eager") if args.compile else model
+if args.mesh == "pp":
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    stage_index = mesh.get_coordinate()[0]
+    pipe = ScheduleGPipe(PipelineStage(model, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group()),
+                         n_microbatches=2, loss_fn=nn.functional.mse_loss)
 kill_rank, kill_step, *how = args.kill.split(":") if args.kill else (-1, -1)
 kill_rank, kill_step = int(kill_rank), int(kill_step)
 sig = {"term": signal.SIGTERM, "stop": signal.SIGSTOP}.get(how[0] if how else "", signal.SIGKILL)
@@ -94,8 +107,11 @@ for step in range(start, args.steps):
         os.kill(os.getpid(), sig)
     g = torch.Generator().manual_seed(1000 * step + data_rank)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-    loss = nn.functional.mse_loss(forward(x), y)
-    loss.backward()
+    if args.mesh == "pp":  # forward and backward of both microbatches through the stages
+        pipe.step(x) if stage_index == 0 else pipe.step(target=y)
+    else:
+        loss = nn.functional.mse_loss(forward(x), y)
+        loss.backward()
     opt.step()
     sched.step()
     opt.zero_grad()
@@ -107,6 +123,11 @@ full = {k: whole(v) for k, v in model.state_dict().items()}
 names_of = {id(p): n for n, p in model.named_parameters()}
 for p_, st in opt.state.items():
     full.update({f"optim.{names_of[id(p_)]}.{k}": whole(v) for k, v in st.items()})
+if args.mesh == "pp":  # every stage's state, named by stage, to rank 0
+    everyone = [None] * world
+    dist.gather_object({f"stage{stage_index}.{k}": v for k, v in full.items()} if data_rank == 0 else None,
+                       everyone if rank == 0 else None, dst=0)
+    full = {k: v for part in everyone or [] if part for k, v in part.items()}
 if rank == 0:
     torch.save(full, args.out)
 dist.destroy_process_group()

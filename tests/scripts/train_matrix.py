@@ -21,7 +21,9 @@ pid) to ``--steps-log``; rank 0 saves the final ``state_dict`` (parameters and b
 2-D mesh (2 replica groups x the rest), ``protect()`` only; the final state is gathered whole.
 ``fsdp``: the same on a 1-D mesh (full sharding); ``tp``: tensor parallel on a 1-D mesh, each linear
 layer column- or row-wise with replicated activations between them (the norms see whole features),
-the ranks of a TP group on the same data; ``fsdp_tp``: a (dp 2 x tp) mesh, TP inside, FSDP2 over dp.
+the ranks of a TP group on the same data; ``fsdp_tp``: a (dp 2 x tp) mesh, TP inside, FSDP2 over dp;
+``pp``: two pipeline stages (torch.distributed.pipelining, GPipe, 2 microbatches) on a (pp 2 x dp)
+mesh, each stage's half of the model fully_shard over dp.
 """
 import argparse
 import atexit
@@ -46,7 +48,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--model", default="ln", choices=["ln", "bn", "dropout"])
     p.add_argument("--optim", default="adam", choices=["adam", "sgd", "adamw"])
     p.add_argument("--api", default="protect", choices=["protect", "init"])
-    p.add_argument("--parallel", default="ddp", choices=["ddp", "hsdp", "fsdp", "tp", "fsdp_tp"])
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "hsdp", "fsdp", "tp", "fsdp_tp", "pp"])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--phase-sleep", type=float, default=0.0)
     p.add_argument("--on-usr1", default="", choices=["", "gil", "raise", "optim"])
@@ -105,7 +107,7 @@ def batch_for(step: int, rank: int):  # type: ignore[no-untyped-def]
 
 def sharded(net: nn.Module, parallel: str) -> tuple:
     """``net`` laid out on a DeviceMesh (see the module docstring); (the model, the rank whose data
-    this rank trains on)."""
+    this rank trains on, the pipeline schedule or None, the stage index or None)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
@@ -113,9 +115,23 @@ def sharded(net: nn.Module, parallel: str) -> tuple:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     shape, names = {"hsdp": ((2, world // 2), ("replicate", "shard")), "fsdp": ((world,), ("shard",)),
-                    "tp": ((world,), ("tp",)), "fsdp_tp": ((2, world // 2), ("dp", "tp"))}[parallel]
+                    "tp": ((world,), ("tp",)), "fsdp_tp": ((2, world // 2), ("dp", "tp")),
+                    "pp": ((2, world // 2), ("pp", "dp"))}[parallel]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     data_rank = rank
+    if parallel == "pp":
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+        stage, data_rank = mesh.get_coordinate()
+        layers = list(net.children())
+        half = nn.Sequential(*(layers[:4] if stage == 0 else layers[4:]))
+        for layer in half:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(half, mesh=mesh["dp"])
+        pipe = ScheduleGPipe(PipelineStage(half, stage, 2, torch.device("cpu"), group=mesh["pp"].get_group()),
+                             n_microbatches=2, loss_fn=nn.functional.mse_loss)
+        return half, data_rank, pipe, stage
     if parallel in ("tp", "fsdp_tp"):
         whole = Replicate()
         parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(output_layouts=whole),
@@ -123,12 +139,12 @@ def sharded(net: nn.Module, parallel: str) -> tuple:
                                              "7": ColwiseParallel(output_layouts=whole)})
         data_rank = 0 if parallel == "tp" else mesh.get_coordinate()[0]
     if parallel == "tp":
-        return net, data_rank
+        return net, data_rank, None, None
     dp = mesh["dp"] if parallel == "fsdp_tp" else mesh
     for layer in net:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=dp)
-    return fully_shard(net, mesh=dp), data_rank
+    return fully_shard(net, mesh=dp), data_rank, None, None
 
 
 def arm_exit_fault(mode: str) -> None:
@@ -164,11 +180,13 @@ def main() -> None:
         if int(g) == gen and int(r) == rank:
             arm_exit_fault(mode)
     net = build(args)
-    data_rank = rank
+    data_rank, pipe, stage = rank, None, None
     if args.parallel == "ddp":
         model = DDP(net)
     else:
-        model, data_rank = sharded(net, args.parallel)
+        model, data_rank, pipe, stage = sharded(net, args.parallel)
+        if pipe is not None:
+            net = model  # this rank's stage
     opt = make_optimizer(args, model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
     armed = {"fire": False}
@@ -230,10 +248,14 @@ def main() -> None:
         if args.phase_sleep:
             time.sleep(args.phase_sleep)
         check_raise()
-        loss = loss_fn(model(x), y)
-        check_raise()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if pipe is not None:  # forward and backward of both microbatches through the stages
+            opt.zero_grad(set_to_none=True)
+            pipe.step(x) if stage == 0 else pipe.step(target=y)
+        else:
+            loss = loss_fn(model(x), y)
+            check_raise()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         check_raise()
         if args.phase_sleep:
             time.sleep(args.phase_sleep)
@@ -245,6 +267,11 @@ def main() -> None:
     if args.parallel != "ddp":  # gathered whole: a collective, every rank
         sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
               for k, v in net.state_dict().items()}
+    if pipe is not None:  # every stage's state, named by stage, to rank 0
+        everyone = [None] * dist.get_world_size()
+        dist.gather_object({f"stage{stage}.{k}": v for k, v in sd.items()} if data_rank == 0 else None,
+                           everyone if rank == 0 else None, dst=0)
+        sd = {k: v for part in everyone if part for k, v in part.items()} if rank == 0 else {}
     if rank == 0 and args.out:
         if args.parallel == "ddp":
             sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
