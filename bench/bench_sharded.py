@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -57,28 +58,42 @@ def steady(log: list, before: int) -> float:
     return statistics.median(r["dt"] for r in log if r.get("gen", 0) == 0 and "step" in r and 2 <= r["step"] < before)
 
 
-def recovery(work: Path, steps: int, fail: int) -> dict:
-    res: dict = {}
-    d = work / "rec-jitckpt"
+def _timed_run(d: Path, cmd: list, fail: Optional[int]) -> dict:
+    """Run ``cmd`` in ``d`` (created); its steady step time and, with a failure at ``fail``, how long
+    from it to the failed minibatch done again and how many minibatches were redone."""
     d.mkdir()
-    run(jitrun(NPROC, [*MODEL, *HSDP, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"),
-                       "--inject", f"0:1:{fail}:kill"], d, extra=["--hang-timeout", "30"]), d)
+    run(cmd, d)
     log = read_log(d / "log.jsonl")
-    t_fail, t_back, first = back_at_failed_step(log, fail)
-    res["jitckpt"] = {"total_s": t_back - t_fail, "resumed_at": first, "minibatches_redone": fail - first + 1,
-                      "step_s": steady(log, fail)}
-    for name, every in (("torchrun_dcp10", 10), ("torchrun_dcp1", 1)):
-        d = work / f"rec-{name}"
-        d.mkdir()
-        run(torchrun(NPROC, [*MODEL, *HSDP, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"),
-                             "--no-jitckpt", "--baseline-dcp-every", str(every), "--baseline-dir", str(d / "ckpt"),
-                             "--inject", f"0:1:{fail}:kill"], d, max_restarts=1), d)
-        log = read_log(d / "log.jsonl")
+    out = {"step_s": steady(log, fail if fail is not None else 10 ** 9)}
+    if fail is not None:
         t_fail, t_back, first = back_at_failed_step(log, fail)
-        res[name] = {"total_s": t_back - t_fail, "resumed_at": first, "minibatches_redone": fail - first + 1,
-                     "step_s": steady(log, fail)}
-        res[f"speedup_vs_{name}"] = res[name]["total_s"] / res["jitckpt"]["total_s"]
-        res[f"step_time_jitckpt_over_{name}"] = res["jitckpt"]["step_s"] / res[name]["step_s"]
+        out.update(total_s=t_back - t_fail, resumed_at=first, minibatches_redone=fail - first + 1)
+    return out
+
+
+def _against_torchrun(res: dict, work: Path, layout: list, steps: int, fail: int, ours: str, tag: str) -> None:
+    """Add torchrun + DCP async_save every 10 steps and every step (the same job and failure) to
+    ``res``, with the speedup of ``res[ours]`` against each."""
+    for name, every in (("torchrun_dcp10", 10), ("torchrun_dcp1", 1)):
+        d = work / f"{tag}-{name}"
+        res[name] = _timed_run(d, torchrun(NPROC, [*MODEL, *layout, "--steps", str(steps), "--steps-log",
+                                                   str(d / "log.jsonl"), "--no-jitckpt", "--baseline-dcp-every",
+                                                   str(every), "--baseline-dir", str(d / "ckpt"),
+                                                   "--inject", f"0:1:{fail}:kill"], d, max_restarts=1), fail)
+        res[f"speedup_vs_{name}"] = res[name]["total_s"] / res[ours]["total_s"]
+        res[f"step_time_{ours}_over_{name}"] = res[ours]["step_s"] / res[name]["step_s"]
+
+
+def _jitckpt(work: Path, tag: str, layout: list, steps: int, fail: Optional[int], extra: list = ()) -> dict:
+    d = work / tag
+    inject = ["--inject", f"0:1:{fail}:kill"] if fail is not None else []
+    return _timed_run(d, jitrun(NPROC, [*MODEL, *layout, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"),
+                                        *inject], d, extra=["--hang-timeout", "30", *extra]), fail)
+
+
+def recovery(work: Path, steps: int, fail: int) -> dict:
+    res = {"jitckpt": _jitckpt(work, "rec-jitckpt", HSDP, steps, fail)}
+    _against_torchrun(res, work, HSDP, steps, fail, "jitckpt", "rec")
     return res
 
 
@@ -87,29 +102,9 @@ FSDP = ["--parallel", "fsdp"]
 
 def shard_snapshots(work: Path, steps: int, fail: int) -> dict:
     """Section 4: full sharding, a SIGKILLed rank's shard from its keeper."""
-    res: dict = {}
-    for name, extra, inject in (("snapshots", ["--snapshot-every", "1"], ["--inject", f"0:1:{fail}:kill"]),
-                                ("no_snapshots", [], [])):
-        d = work / f"shards-{name}"
-        d.mkdir()
-        run(jitrun(NPROC, [*MODEL, *FSDP, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"), *inject], d,
-                   extra=["--hang-timeout", "30", *extra]), d)
-        log = read_log(d / "log.jsonl")
-        res[name] = {"step_s": steady(log, fail)}
-        if inject:
-            t_fail, t_back, first = back_at_failed_step(log, fail)
-            res[name].update(total_s=t_back - t_fail, resumed_at=first, minibatches_redone=fail - first + 1)
-    for name, every in (("torchrun_dcp10", 10), ("torchrun_dcp1", 1)):
-        d = work / f"shards-{name}"
-        d.mkdir()
-        run(torchrun(NPROC, [*MODEL, *FSDP, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"),
-                             "--no-jitckpt", "--baseline-dcp-every", str(every), "--baseline-dir", str(d / "ckpt"),
-                             "--inject", f"0:1:{fail}:kill"], d, max_restarts=1), d)
-        log = read_log(d / "log.jsonl")
-        t_fail, t_back, first = back_at_failed_step(log, fail)
-        res[name] = {"total_s": t_back - t_fail, "resumed_at": first, "minibatches_redone": fail - first + 1,
-                     "step_s": steady(log, fail)}
-        res[f"speedup_vs_{name}"] = res[name]["total_s"] / res["snapshots"]["total_s"]
+    res = {"snapshots": _jitckpt(work, "shards-snapshots", FSDP, steps, fail, ["--snapshot-every", "1"]),
+           "no_snapshots": _jitckpt(work, "shards-none", FSDP, steps, None)}
+    _against_torchrun(res, work, FSDP, steps, fail, "snapshots", "shards")
     res["step_time_snapshots_over_none"] = res["snapshots"]["step_s"] / res["no_snapshots"]["step_s"]
     return res
 

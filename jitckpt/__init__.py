@@ -164,6 +164,7 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
                        num_shards=pos.num_shards, replica_id=pos.replica_id)
         rt.saveable_while_running = state.untouched_mid_minibatch
         rt.part_fn = state.sharded.write_part
+        rt.preempt_at_boundary = True  # every rank's shard of one step
         rt.watch_functional_collectives()
         if rt.rank == 0:
             _warn_sharded_coverage(rt, pos)

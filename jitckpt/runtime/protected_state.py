@@ -425,9 +425,9 @@ class Protected:
     def _take_shard_snapshot(self) -> None:
         """A DTensor job's in-memory snapshot: this rank's shard at the start of minibatch
         ``self.step``, written into its node's keeper once the previous minibatch's scheduler step
-        is done. The minibatch it starts begins only when every rank has (the agreement, at its
-        first forward, or right away for pipeline stages: see :mod:`jitckpt.snapshot.shard_snapshots`).
-        Its failure is the job's (keeper gone)."""
+        is done. The minibatch it starts begins only when every rank has (the agreement, begun
+        now, waited for at its first forward: see :mod:`jitckpt.snapshot.shard_snapshots`). Its
+        failure is the job's (keeper gone)."""
         self._snapshot_owed = False
         assert self._shard_snaps is not None and self.sharded is not None
         step = self.step
@@ -441,13 +441,11 @@ class Protected:
         rt = runtime_or_none()
         if rt is not None:
             rt.run_snapshot_op(take, blocking=False)
+            rt.run_snapshot_op(lambda: self._shard_snaps.agree_begin(step), blocking=False)
         else:
             take()
+            self._shard_snaps.agree_begin(step)
         self._agreement_owed = step
-        if self.sharded.position.stage is not None:
-            # Pipeline stages: a later stage's first forward waits for the earlier stage's output,
-            # so the earlier stage must not wait for it there; the agreement comes now instead.
-            self._agree_on_shard_snapshot()
 
     def _agree_on_shard_snapshot(self) -> None:
         """At the first forward of minibatch ``step``, before it begins: wait until every rank has
@@ -457,9 +455,9 @@ class Protected:
         assert self._shard_snaps is not None and step is not None
         rt = runtime_or_none()
         if rt is None:
-            self._shard_snaps.agree(step)
+            self._shard_snaps.agree_wait()
             return
-        rt.run_snapshot_op(lambda: self._shard_snaps.agree(step), blocking=True)  # waits on the others
+        rt.run_snapshot_op(self._shard_snaps.agree_wait, blocking=True)  # waits on the others
         rt.close_minibatch(step)
 
     def _extra_state(self) -> dict:

@@ -89,6 +89,9 @@ class WorkerRuntime:
         # The minibatch goes on after optimizer.step() (a DTensor job's shard snapshot and its
         # agreement come after the scheduler's step): the board shows the next one once it is over.
         self.minibatch_open = False
+        # A DTensor job (protect()): a preemption is saved at a minibatch boundary only, never in a
+        # collective the main thread waits in, so that every rank's shard is of the same step.
+        self.preempt_at_boundary = False
         # Such a job's save to memory after a failure (protect(), --snapshot-zero log): what it did.
         self.save_to_memory: Optional[Callable[[], str]] = None
         self._memory_save_lock = threading.Lock()  # the saver and the training thread may both give up
@@ -455,7 +458,7 @@ class WorkerRuntime:
     def region_enter(self, kind: str) -> int:
         if threading.get_ident() == self._saver_ident:
             return SAVER_TOKEN  # the save's own waits (DCP's write futures): it must not park itself
-        if self._failure_evt.is_set() and self._consistent():
+        if self._failure_evt.is_set() and self._consistent() and not self._waits_for_boundary():
             self._save_and_exit(on_main=True)
         tok = next(self._ids)
         with self._lock:
@@ -605,7 +608,8 @@ class WorkerRuntime:
                 blocked = [on_main for _, start, on_main in self._regions.values()
                            if time.monotonic() - start > self.blocked_grace]
                 # A torn state is rolled back only while the main thread, which mutates it, waits.
-                claim = bool(blocked) and (not self._torn() or (self.roll_back is not None and any(blocked)))
+                claim = (bool(blocked) and not self._waits_for_boundary()
+                         and (not self._torn() or (self.roll_back is not None and any(blocked))))
                 speculate = (not claim and running and not self._torn() and self._speculation is None
                              and not self._moved_on)
                 if claim:
@@ -618,6 +622,11 @@ class WorkerRuntime:
                 self._speculate()
             time.sleep(0.02)
         self._give_up(f"main thread reached no safe point within {self.save_timeout}s")
+
+    def _waits_for_boundary(self) -> bool:
+        """A preemption of a job that saves it at the next minibatch boundary only (see
+        ``preempt_at_boundary``): the peers are alive, so every rank gets there."""
+        return self.preempt_at_boundary and (self._failure or {}).get("kind") == "preempted"
 
     def _minibatch_futile(self, failure: dict) -> bool:
         """Whether this failure may keep the minibatch under way from finishing: not a

@@ -10,12 +10,12 @@ The keeper outlives the trainers, so a rank killed with its shard comes back fro
 The snapshot of step ``s`` is written synchronously at the end of minibatch ``s - 1`` (after the
 scheduler's step, or the optimizer's when there is no scheduler), and no rank begins minibatch
 ``s`` (its first forward) before every rank has committed it (one small all-reduce on a side
-group). So a rank lost anywhere in minibatch ``s`` has it committed, and one lost inside its
+group, issued asynchronously right after the commit and waited for there). So a rank lost anywhere in minibatch ``s`` has it committed, and one lost inside its
 optimizer step of ``s - 1`` (its updated shard exists nowhere else) holds the others at the start
 of ``s``, a safe point, with the end of ``s - 1`` done: the job resumes at the minibatch the lost
-rank was in (with ``--snapshot-every 1``: at most it is done again). Pipeline stages agree right
-after the write instead: a later stage's first forward waits for the earlier stage's output. The
-keeper keeps two versions
+rank was in (with ``--snapshot-every 1``: at most it is done again). (A later pipeline stage's
+first forward waits for the earlier stage's output: the agreement, issued before, never waits on
+it.) The keeper keeps two versions
 per object, and the agreement keeps every rank within one snapshot of the others, so some step has
 every shard.
 
@@ -72,6 +72,7 @@ class ShardSnapshots:
         self.bytes_written = 0
         # The commit agreement's own group (created here: protect() runs on every rank alike).
         self._side = dist.new_group(backend="gloo") if self.topo.world > 1 else None
+        self._agreeing: Optional[tuple] = None  # (step, tensor, work) of the agreement under way
 
     @property
     def keeper(self) -> KeeperClient:
@@ -95,12 +96,22 @@ class ShardSnapshots:
         self.keeper.commit([{"key": key, "step": step, "checksum": h.value(), "algo": h.algorithm}])
         self.bytes_written += size
 
-    def agree(self, step: int) -> None:
-        """Block until every rank has committed its snapshot of ``step`` (a collective)."""
+    def agree_begin(self, step: int) -> None:
+        """Start the agreement that every rank has committed its snapshot of ``step`` (an
+        asynchronous all-reduce on the side group, issued right after this rank's commit)."""
         if self._side is None:
             return
-        t = torch.tensor([step], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._side)
+        self._agreeing = (step, torch.tensor([step], dtype=torch.int64))
+        self._agreeing += (dist.all_reduce(self._agreeing[1], op=dist.ReduceOp.MIN, group=self._side,
+                                           async_op=True),)
+
+    def agree_wait(self) -> None:
+        """Block until the agreement begun last is reached (every rank committed that step)."""
+        job, self._agreeing = self._agreeing, None
+        if job is None:
+            return
+        step, t, work = job
+        work.wait()
         if int(t) != step:
             raise RuntimeError(f"shard snapshot of step {step}: some rank has committed only step {int(t)}")
 
