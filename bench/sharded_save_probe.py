@@ -44,7 +44,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     sys.argv = [sys.argv[0], "--in-dim", "1024", "--hidden", "2048", "--layers", "2", "--out-dim", "1024"]
     margs = train_ddp.parse()
-    model = train_ddp.shard_hsdp(train_ddp.build(margs), world)
+    model = train_ddp.shard_fsdp2(train_ddp.build(margs), world, 2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.randn(32, 1024), torch.randn(32, 1024)
     torch.nn.functional.mse_loss(model(x), y).backward()
