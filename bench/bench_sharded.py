@@ -19,6 +19,10 @@
    from the keepers' shard snapshots against torchrun + DCP ``async_save`` every 10 steps and every
    step, and what the snapshots cost a step: the median step with ``--snapshot-every 1`` against the
    same jitckpt job without snapshots (end to end: inside this VM's spread only a large cost shows).
+5. What a shard snapshot costs the step it ends, resolved: one rank's shard of that job (its quarter
+   of the parameters and of both Adam moments, 25 MB) written into a real keeper by
+   ``ShardSnapshots.take`` (the synchronous part: copy + checksum + commit), median of repetitions,
+   against one memcpy of the same bytes (the floor), and over section 4's median step.
 
 Model: the 8.4 M-parameter MLP of bench_recovery.py (1024-2048-2048-1024), Adam, batch 32.
 Usage: python bench/bench_sharded.py [--quick] [--out bench/results/sharded.json]
@@ -109,6 +113,50 @@ def shard_snapshots(work: Path, steps: int, fail: int) -> dict:
     return res
 
 
+def snapshot_write(reps: int, step_s: float) -> dict:
+    """Section 5, in this process: ``ShardSnapshots.take`` of one rank's shard vs one memcpy."""
+    import time
+
+    import torch
+
+    from bench_snapshot import start_keeper
+    from jitckpt.snapshot.shard_snapshots import ShardSnapshots
+
+    dims = [(2048, 1024), (2048,), (2048, 2048), (2048,), (1024, 2048), (1024,)]  # MODEL's layers
+    params = {f"p{i}": torch.randn(*d[:1], *d[1:]).view(-1)[: max(1, torch.Size(d).numel() // NPROC)].clone()
+              for i, d in enumerate(dims)}
+    state = {"model": params,
+             "optim": {k: {"exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v),
+                           "step": torch.tensor(7.0)} for k, v in params.items()},
+             "step": 7, "rng": {"torch": torch.get_rng_state()}}
+    nbytes = sum(v.nbytes * 3 for v in params.values())
+    with tempfile.TemporaryDirectory(prefix="jitckpt-shardsnap-") as tmp:
+        sock = str(Path(tmp) / "k.sock")
+        keeper = start_keeper(sock)
+        try:
+            snaps = ShardSnapshots(socket_path=sock, every=1, ranks_per_node=1, shard_id=0, num_shards=NPROC,
+                                   replica_id=0, mesh="bench")
+            takes = []
+            for step in range(1, reps + 1):
+                t0 = time.perf_counter()
+                snaps.take(step, state)
+                takes.append(time.perf_counter() - t0)
+            snaps.close()
+        finally:
+            keeper.kill()
+            keeper.wait(timeout=10)
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    copies = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        flat.copy_(src)
+        copies.append(time.perf_counter() - t0)
+    take_s, copy_s = statistics.median(takes[1:] or takes), statistics.median(copies)
+    return {"bytes": nbytes, "take_s": take_s, "memcpy_s": copy_s, "take_over_memcpy": take_s / copy_s,
+            "step_s": step_s, "take_over_step": take_s / step_s}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
@@ -120,6 +168,7 @@ def main() -> None:
         res = {"workload": "FSDP2 HSDP 2x2, 8.4M-parameter MLP, Adam, 4 ranks, gloo, CPU",
                "save": save_times(work, reps), "recovery": recovery(work, steps, fail),
                "shard_snapshots": shard_snapshots(work, steps, fail)}
+        res["shard_snapshot_write"] = snapshot_write(reps * 5, res["shard_snapshots"]["no_snapshots"]["step_s"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))

@@ -199,10 +199,14 @@ def _warn_sharded_coverage(rt: "WorkerRuntime", pos: Any) -> None:
     if snaps is not None and snaps.flush_every:
         log.warning("jitckpt run --snapshot-flush-every: a DTensor job's shard snapshots stay in the keepers "
                     "(mesh %s); use --periodic-every N for shards on disk", pos.mesh)
-    if snaps is not None and rt.world_size > snaps.ranks_per_node:
-        log.warning("jitckpt run --snapshot-every: each node's keeper holds its own ranks' DTensor shards "
-                    "(mesh %s); a lost node's shards come back only from replicas on other nodes (HSDP's "
-                    "replicate dimension across nodes), or from disk (--periodic-every N)", pos.mesh)
+    if snaps is not None and rt.world_size > snaps.ranks_per_node and snaps.protection == "none":
+        log.warning("jitckpt run --snapshot-protection none: each node's keeper holds its own ranks' DTensor "
+                    "shards only (mesh %s); a lost node's shards come back only from replicas on other nodes "
+                    "(HSDP's replicate dimension across nodes), or from disk (--periodic-every N); "
+                    "--snapshot-protection arc keeps a copy of each on the next node", pos.mesh)
+    elif snaps is not None and snaps.protection == "aec":
+        log.warning("jitckpt run --snapshot-protection aec: XOR parity is not built for DTensor shards; each "
+                    "rank's shard is copied to the next node instead (as arc: a full copy, mesh %s)", pos.mesh)
     if replicas_of(pos, rt.world_size) < 2 and not rt.periodic_every and snaps is None:
         log.warning("jitckpt.protect(): mesh %s keeps each shard on one rank only (no replica): after a "
                     "lost rank its shard exists nowhere else, so the job restarts from step 0 (a "

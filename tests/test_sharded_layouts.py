@@ -286,11 +286,14 @@ def test_the_example_transformer_on_hsdp_survives_a_sigkill_from_outside(tmp_pat
 
 
 @pytest.mark.slow
-def test_hsdp_across_two_nodes_survives_the_loss_of_one_and_ends_bitwise(tmp_path, etcd_cluster):
-    """2 launchers x 2 ranks on a real etcd, HSDP with the replicate dimension across the nodes
-    (node 0 holds replica group 0, node 1 group 1): node 1's whole process tree is SIGKILLed at a
-    random step, node 0's ranks save both shards, a replacement launcher (same command) joins, and
-    the job ends with the parameters of a failure-free run, at most one minibatch redone."""
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp-arc"])
+def test_two_nodes_survive_the_loss_of_one_and_end_bitwise(tmp_path, etcd_cluster, layout):
+    """2 launchers x 2 ranks on a real etcd; node 1's whole process tree (its keeper too) is
+    SIGKILLed at a random step, a replacement launcher (same command) joins, and the job ends with
+    the parameters of a failure-free run, at most one minibatch redone. hsdp: the replicate dimension
+    across the nodes (node 0 holds replica group 0, node 1 group 1), node 0's ranks save both shards.
+    fsdp-arc: full sharding over the 4 ranks, --snapshot-every 1 --snapshot-protection arc: each rank's
+    shard is also in the next node's keeper, so node 1's come back from node 0's."""
     import random
     import subprocess
     import time
@@ -298,7 +301,8 @@ def test_hsdp_across_two_nodes_survives_the_loss_of_one_and_ends_bitwise(tmp_pat
     from jobs import kill_tree
 
     train = ROOT / "examples" / "train_ddp.py"
-    common = ["--parallel", "hsdp", "--steps", "30", "--step-sleep", "0.05"]
+    common = ["--parallel", layout.split("-")[0], "--steps", "30", "--step-sleep", "0.05"]
+    tier = ["--snapshot-every", "1", "--snapshot-protection", "arc"] if layout == "fsdp-arc" else []
     ref = tmp_path / "ref"
     ref.mkdir()
     rc, out = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
@@ -311,7 +315,7 @@ def test_hsdp_across_two_nodes_survives_the_loss_of_one_and_ends_bitwise(tmp_pat
         cmd = [sys.executable, "-m", "jitckpt", "run", "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "2",
                "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd_cluster.endpoint(i), "--rdzv-id", "hsdp",
                "--checkpoint-dir", str(tmp_path / "ckpt"), "--run-dir", str(d / "run"), "--status-interval", "0",
-               "--max-restarts", "2", str(train), *common, "--out", str(tmp_path / "f.pt"),
+               "--max-restarts", "2", *tier, str(train), *common, "--out", str(tmp_path / "f.pt"),
                "--steps-log", str(tmp_path / "train.jsonl")]
         with open(d / "out.txt", "wb") as f:
             return d, subprocess.Popen(cmd, cwd=d, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -330,8 +334,14 @@ def test_hsdp_across_two_nodes_survives_the_loss_of_one_and_ends_bitwise(tmp_pat
         outs = "\n".join(f"--- {d.name}\n{(d / 'out.txt').read_text()[-3000:]}" for d, _ in nodes)
         assert rcs == [0, 0], outs
         events = [json.loads(x) for x in (nodes[0][0] / "run" / "events.jsonl").read_text().splitlines() if x.strip()]
-        saved = {e["rank"] for e in events if e["event"] == "checkpoint_saved"}
-        assert saved == {0, 1}, (saved, outs)  # node 0's ranks: one copy of each shard
+        if layout == "hsdp":
+            saved = {e["rank"] for e in events if e["event"] == "checkpoint_saved"}
+            assert saved == {0, 1}, (saved, outs)  # node 0's ranks: one copy of each shard
+        else:
+            assert [e["source"] for e in events if e["event"] == "restore"] == ["memory"] * 2, outs
+            again = [json.loads(x) for x in (nodes[2][0] / "run" / "events.jsonl").read_text().splitlines() if x.strip()]
+            got = sorted((e["source"], *e["fetched"]) for e in again if e["event"] == "restore")
+            assert got == [("memory", "dt.r2 from rank 0"), ("memory", "dt.r3 from rank 1")], (got, outs)
         [summary] = [e for e in events if e["event"] == "recovery_summary"]
         assert summary["steps_redone"] <= 1, summary
     finally:

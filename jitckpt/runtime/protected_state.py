@@ -178,7 +178,8 @@ class Protected:
                 self._shard_snaps = ShardSnapshots(
                     socket_path=snapshots.socket_path, every=snapshots.every,
                     ranks_per_node=snapshots.ranks_per_node, shard_id=pos.shard_id,
-                    num_shards=pos.num_shards, replica_id=pos.replica_id, mesh=pos.mesh)
+                    num_shards=pos.num_shards, replica_id=pos.replica_id, mesh=pos.mesh,
+                    copy_to_next_node=snapshots.protection != "none")
             snapshots = None  # the replicated tier (SnapshotTaker) holds whole replicas only
         self.extra = dict(extra or {})
         self.step = 0
@@ -440,7 +441,8 @@ class Protected:
 
         rt = runtime_or_none()
         if rt is not None:
-            rt.run_snapshot_op(take, blocking=False)
+            # With copies to the next node the write waits on the peers: a region (hang detection).
+            rt.run_snapshot_op(take, blocking=self._shard_snaps.copying)
             rt.run_snapshot_op(lambda: self._shard_snaps.agree_begin(step), blocking=False)
         else:
             take()
@@ -640,8 +642,6 @@ class Protected:
     def _restore_shard_snapshot(self, rt: Any, disk_step: Optional[int], t0: float) -> Optional[int]:
         """Collective: resume from the keepers' shard snapshots when their newest complete step is
         at least the disk's (``disk_step``); the step, or None to resume from disk (or afresh)."""
-        from jitckpt.snapshot.shard_keys import shard_key
-
         snaps = self._shard_snaps
         assert snaps is not None and self.sharded is not None
         choice = snaps.survey()
@@ -656,8 +656,9 @@ class Protected:
             raise
         self._load_rest(saved)
         snaps.settle(self.step)
+        src = choice.sources[rt.rank]
         rt.report_restored(f"memory:step{self.step}", self.step, time.monotonic() - t0, source="memory",
-                           fetched=[shard_key(choice.sources[rt.rank]["rank"])] if remote else [])
+                           fetched=[f"{src['key']} from rank {src['rank']}"] if remote else [])
         return self.step
 
     def load(self, path: str) -> int:

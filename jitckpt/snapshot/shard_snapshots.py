@@ -35,12 +35,19 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from jitckpt.snapshot.checksum import checksum_of, copy_verified
+from jitckpt.snapshot.checksum import Checksum, checksum_of, copy_verified
 from jitckpt.snapshot.client import Topology
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
 from jitckpt.snapshot.keeper_object import object_header, read_object, write_object
 from jitckpt.snapshot.restore import gather_json
 from jitckpt.snapshot.shard_keys import shard_key
+
+MASK64 = (1 << 64) - 1
+
+
+def _signed(v: int) -> int:
+    """An unsigned 64-bit checksum as an int64 tensor element (and back with ``& MASK64``)."""
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 log = logging.getLogger("jitckpt.snapshot")
 
@@ -61,11 +68,16 @@ class ShardSnapshots:
     """Writes this rank's shard into its node's keeper; finds and loads the newest complete step."""
 
     def __init__(self, *, socket_path: str, every: int, ranks_per_node: int, shard_id: int,
-                 num_shards: int, replica_id: int, mesh: str) -> None:
+                 num_shards: int, replica_id: int, mesh: str, copy_to_next_node: bool = False) -> None:
         if every < 1:
             raise ValueError(f"shard snapshots: every={every} must be >= 1")
         self.socket_path, self.every = socket_path, every
         self.topo = Topology.detect(ranks_per_node)
+        # ARC for shards: each snapshot also goes to the same local rank of the next node, whose
+        # keeper keeps it as the owner's object; this rank keeps the previous node's (its peer's).
+        self.copying = copy_to_next_node and self.topo.num_nodes > 1
+        rpn, world, rank = self.topo.ranks_per_node, self.topo.world, self.topo.rank
+        self.protector, self.peer = (rank + rpn) % world, (rank - rpn) % world
         self.shard_id, self.num_shards, self.replica_id, self.mesh = shard_id, num_shards, replica_id, mesh
         self._keeper: Optional[KeeperClient] = None
         self._kept: dict = {}        # (key, step) -> this rank's verified private copy (restore)
@@ -90,11 +102,39 @@ class ShardSnapshots:
 
     # Snapshots ----------------------------------------------------------------------------------
     def take(self, step: int, state: dict) -> None:
-        """Write ``state`` (this rank's shard at the start of minibatch ``step``) and commit it."""
+        """Write ``state`` (this rank's shard at the start of minibatch ``step``) and commit it;
+        with copies to the next node, exchange them (a collective of the side group)."""
         key = shard_key(self.topo.rank)
-        _, size, h = write_object(self.keeper, key=key, step=step, header=self.header(step), state=state)
+        m, size, h = write_object(self.keeper, key=key, step=step, header=self.header(step), state=state)
         self.keeper.commit([{"key": key, "step": step, "checksum": h.value(), "algo": h.algorithm}])
         self.bytes_written += size
+        if self.copying:
+            self._exchange(step, m, size, h)
+
+    def _exchange(self, step: int, mine: object, size: int, h: Checksum) -> None:
+        """Send this rank's object of ``step`` to its protector and keep its peer's, received straight
+        into this node's keeper and checked against the checksum its owner computed."""
+        head = torch.tensor([size, _signed(h.value())], dtype=torch.int64)
+        peer_head = torch.empty(2, dtype=torch.int64)
+        self._both(head, peer_head, tag=0)
+        peer_size, want = int(peer_head[0]), int(peer_head[1]) & MASK64
+        key = shard_key(self.peer)
+        into = self.keeper.begin(key, step, peer_size)
+        self._both(torch.frombuffer(mine, dtype=torch.uint8, count=size),
+                   torch.frombuffer(into, dtype=torch.uint8, count=peer_size), tag=1)
+        got = Checksum(h.algorithm)
+        got.update(memoryview(into)[:peer_size])
+        if got.value() != want:
+            raise ValueError(f"shard snapshot {key} of step {step} from rank {self.peer} changed in transit")
+        self.keeper.commit([{"key": key, "step": step, "checksum": want, "algo": h.algorithm}])
+        self.bytes_written += peer_size
+
+    def _both(self, send: torch.Tensor, recv: torch.Tensor, *, tag: int) -> None:
+        """Send to the protector and receive from the peer at once (the same rank with 2 nodes)."""
+        works = [dist.isend(send, dst=self.protector, group=self._side, tag=tag),
+                 dist.irecv(recv, src=self.peer, group=self._side, tag=tag)]
+        for w in works:
+            w.wait()
 
     def agree_begin(self, step: int) -> None:
         """Start the agreement that every rank has committed its snapshot of ``step`` (an
@@ -140,16 +180,17 @@ class ShardSnapshots:
         return ShardChoice(step, sources, gathered)
 
     def _verify_own(self) -> list:
-        """This rank's own objects in its keeper, checksum-verified into private memory (kept for
-        the load and for peers that need them), newest first."""
-        key = shard_key(self.topo.rank)
+        """This rank's own objects in its keeper, and the copies it keeps of its peer's,
+        checksum-verified into private memory (kept for the load and for ranks that need them)."""
+        keys = {shard_key(self.topo.rank)} | ({shard_key(self.peer)} if self.copying else set())
         out = []
         try:
-            entries = [e for e in self.keeper.listing() if e["key"] == key]
+            entries = [e for e in self.keeper.listing() if e["key"] in keys]
         except KeeperError as e:
             log.warning("shard snapshots: the keeper cannot be read (%s); resuming from disk", e)
             return []
         for e in sorted(entries, key=lambda e: -int(e["step"])):
+            key = e["key"]
             try:
                 m, info = self.keeper.open(key, int(e["step"]))
             except KeeperError:
