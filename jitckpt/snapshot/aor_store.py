@@ -47,6 +47,7 @@ from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, Checksum, checksum_of
 from jitckpt.snapshot.client import Topology
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
 from jitckpt.snapshot.keeper_object import read_object, write_object
+from jitckpt.snapshot.object_exchange import exchange
 from jitckpt.snapshot.restore import gather_json, restore
 
 log = logging.getLogger("jitckpt.snapshot")
@@ -167,12 +168,6 @@ class AorSnapshotter:
         self.write_seconds += time.perf_counter() - t0
 
 
-def _signed(v: int) -> int:
-    """An unsigned 64-bit checksum as an int64 tensor element (and back with ``& MASK64``)."""
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-MASK64 = (1 << 64) - 1
 
 
 class PartitionCopier:
@@ -233,30 +228,13 @@ class PartitionCopier:
         m_own, own_size, h = write_partition(self.keeper, owner=self.rank, world=self.world, step=step,
                                              zero=self.zero, state=self.zero.optim.state_dict())
         own_key, peer_key = partition_key(self.rank), partition_key(self.peer)
-        header = torch.tensor([own_size, _signed(h.value())], dtype=torch.int64)
-        peer_header = torch.empty(2, dtype=torch.int64)
-        self._both(header, peer_header, tag=0)
-        size, want = int(peer_header[0]), int(peer_header[1]) & MASK64
-        m_peer = self.keeper.begin(peer_key, step, size)
-        # Received straight into the keeper's memory; sent from there too (no staging copy).
-        self._both(torch.frombuffer(m_own, dtype=torch.uint8, count=own_size),
-                   torch.frombuffer(m_peer, dtype=torch.uint8, count=size), tag=1)
-        got = Checksum(h.algorithm)
-        got.update(memoryview(m_peer)[:size])
-        if got.value() != want:
-            raise ValueError(f"AOR partition {peer_key} of step {step} from rank {self.peer} changed in transit")
+        size, want = exchange(self.keeper, own=m_own, own_size=own_size, own_checksum=h, peer_key=peer_key, step=step,
+                              protector=self.protector, peer=self.peer, group=self._group)
         self.keeper.commit([{"key": own_key, "step": step, "checksum": h.value(), "algo": h.algorithm},
                             {"key": peer_key, "step": step, "checksum": want, "algo": h.algorithm}])
         self.bytes_written += own_size + size
         self.bytes_received += size
         self.write_seconds += time.perf_counter() - t0
-
-    def _both(self, send: torch.Tensor, recv: torch.Tensor, *, tag: int) -> None:
-        """Send to the protector and receive from the peer at once (the same rank with 2 nodes)."""
-        works = [dist.isend(send, dst=self.protector, group=self._group, tag=tag),
-                 dist.irecv(recv, src=self.peer, group=self._group, tag=tag)]
-        for w in works:
-            w.wait()
 
 
 # Restore ---------------------------------------------------------------------------------------

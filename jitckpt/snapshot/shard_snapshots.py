@@ -40,14 +40,8 @@ from jitckpt.snapshot.client import Topology
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
 from jitckpt.snapshot.keeper_object import object_header, read_object, write_object
 from jitckpt.snapshot.restore import gather_json
+from jitckpt.snapshot.object_exchange import exchange
 from jitckpt.snapshot.shard_keys import shard_key
-
-MASK64 = (1 << 64) - 1
-
-
-def _signed(v: int) -> int:
-    """An unsigned 64-bit checksum as an int64 tensor element (and back with ``& MASK64``)."""
-    return v - (1 << 64) if v >= 1 << 63 else v
 
 log = logging.getLogger("jitckpt.snapshot")
 
@@ -112,29 +106,13 @@ class ShardSnapshots:
             self._exchange(step, m, size, h)
 
     def _exchange(self, step: int, mine: object, size: int, h: Checksum) -> None:
-        """Send this rank's object of ``step`` to its protector and keep its peer's, received straight
-        into this node's keeper and checked against the checksum its owner computed."""
-        head = torch.tensor([size, _signed(h.value())], dtype=torch.int64)
-        peer_head = torch.empty(2, dtype=torch.int64)
-        self._both(head, peer_head, tag=0)
-        peer_size, want = int(peer_head[0]), int(peer_head[1]) & MASK64
+        """Send this rank's object of ``step`` to its protector and keep its peer's (see
+        :mod:`jitckpt.snapshot.object_exchange`)."""
         key = shard_key(self.peer)
-        into = self.keeper.begin(key, step, peer_size)
-        self._both(torch.frombuffer(mine, dtype=torch.uint8, count=size),
-                   torch.frombuffer(into, dtype=torch.uint8, count=peer_size), tag=1)
-        got = Checksum(h.algorithm)
-        got.update(memoryview(into)[:peer_size])
-        if got.value() != want:
-            raise ValueError(f"shard snapshot {key} of step {step} from rank {self.peer} changed in transit")
+        peer_size, want = exchange(self.keeper, own=mine, own_size=size, own_checksum=h, peer_key=key, step=step,
+                                   protector=self.protector, peer=self.peer, group=self._side)
         self.keeper.commit([{"key": key, "step": step, "checksum": want, "algo": h.algorithm}])
         self.bytes_written += peer_size
-
-    def _both(self, send: torch.Tensor, recv: torch.Tensor, *, tag: int) -> None:
-        """Send to the protector and receive from the peer at once (the same rank with 2 nodes)."""
-        works = [dist.isend(send, dst=self.protector, group=self._side, tag=tag),
-                 dist.irecv(recv, src=self.peer, group=self._side, tag=tag)]
-        for w in works:
-            w.wait()
 
     def agree_begin(self, step: int) -> None:
         """Start the agreement that every rank has committed its snapshot of ``step`` (an
