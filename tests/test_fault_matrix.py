@@ -37,14 +37,13 @@ HSDP_FAULTS = ["sigkill", "sigstop", "exception", "optim", "gil", "step1", "reco
                "launcher_sigterm"]
 SLOW += [(f, HSDP) for f in HSDP_FAULTS]
 # Layouts without replicas (full sharding, TP, FSDP2+TP, pipeline stages x FSDP2): each rank's shard in its node's keeper
-# (--snapshot-every 1). FSDP2 on 2 ranks with SIGKILL is in make test.
+# (--snapshot-every 1). A death of FSDP2 and of PP from the keepers is in test_sharded_layouts' fast tests.
 NO_REPLICA = [Config("ln", "protect", 2, parallel="fsdp", snapshot_every=1),
               Config("ln", "protect", 4, parallel="fsdp", snapshot_every=1),
               Config("ln", "protect", 2, parallel="tp", snapshot_every=1),
               Config("ln", "protect", 4, parallel="fsdp_tp", snapshot_every=1),
               Config("ln", "protect", 4, parallel="pp", snapshot_every=1)]
-FAST += [("sigkill", NO_REPLICA[0])]
-SLOW += [(f, c) for c in NO_REPLICA for f in HSDP_FAULTS if (f, c) not in FAST]
+SLOW += [(f, c) for c in NO_REPLICA for f in HSDP_FAULTS]
 
 
 @pytest.fixture(scope="module")

@@ -102,12 +102,13 @@ def test_layouts_without_replicas_resume_from_periodic_checkpoints_bitwise(tmp_p
 @pytest.mark.parametrize("nproc,mesh,how", [(2, "fsdp", "kill"), (4, "pp", "kill"),
                                              pytest.param(2, "fsdp", "optim", marks=pytest.mark.slow),
                                              pytest.param(2, "tp", "stop", marks=pytest.mark.slow),
-                                             pytest.param(4, "fsdp_tp", "kill", marks=pytest.mark.slow)])
-def test_layouts_without_replicas_resume_from_the_keepers_shard_snapshots_bitwise(tmp_path, nproc, mesh, how):
+                                             pytest.param(4, "fsdp_tp", "kill", marks=pytest.mark.slow),
+                                             pytest.param(4, "hsdp", "kill", marks=pytest.mark.slow)])
+def test_dtensor_layouts_resume_from_the_keepers_shard_snapshots_bitwise(tmp_path, nproc, mesh, how):
     """--snapshot-every 1: each rank's own shard is in its node's keeper at the start of every
     minibatch, so a rank lost (killed, or stopped: a hang) in minibatch 5 costs that minibatch only,
-    its shard coming back from the keeper. (Before: the tier held whole replicas only, and such a
-    job restarted from step 0; a pipeline job's stages, FSDP2 on a (pp, dp) mesh's dp sub-mesh, were
+    its shard coming back from the keeper (HSDP too, which also has replicas). (Before: the tier
+    held whole replicas only, and a job without replicas restarted from step 0; a pipeline job's stages, FSDP2 on a (pp, dp) mesh's dp sub-mesh, were
     taken for replicas of each other.) Lost inside its optimizer step (optim), its updated shard is gone:
     the survivor is held at the end of minibatch 5 until every rank committed the next snapshot, and
     the job resumes at 5, one minibatch redone (the launcher counted two: it took the survivor's
