@@ -8,6 +8,8 @@ parameters and buffers can be compared bitwise with a failure-free run's. Faults
     gil     hold the GIL in a C call (libc sleep through ctypes.PyDLL), at the point the signal hit
     raise   raise an exception at the next point the training loop checks (several per step)
     optim   SIGKILL itself inside the next optimizer.step(), after the gradient all-reduce
+    backward  SIGKILL itself inside the next backward, in the middle of the model: the layers after
+            it have issued their gradient reduction (FSDP2's reduce-scatters, DDP's buckets)
 * ``--exit-fault GEN:RANK:MODE``: RANK of launch GEN dies once it passed jitckpt's exit barrier:
     abort   SIGABRT from a libc exit handler, after the interpreter has finalized
     kill    SIGKILL from a Python atexit handler that runs after jitckpt's exit barrier
@@ -51,7 +53,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--parallel", default="ddp", choices=["ddp", "hsdp", "fsdp", "tp", "fsdp_tp", "pp"])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--phase-sleep", type=float, default=0.0)
-    p.add_argument("--on-usr1", default="", choices=["", "gil", "raise", "optim"])
+    p.add_argument("--on-usr1", default="", choices=["", "gil", "raise", "optim", "backward"])
     p.add_argument("--exit-fault", default="", metavar="GEN:RANK:MODE")
     p.add_argument("--out", default="")
     p.add_argument("--steps-log", default="")
@@ -72,6 +74,9 @@ class Sleep(nn.Module):
         return x
 
 
+KILL_IN_BACKWARD = {"armed": False}  # --on-usr1 backward, once SIGUSR1 came
+
+
 class _SleepBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, seconds):  # type: ignore[no-untyped-def]
@@ -80,6 +85,8 @@ class _SleepBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[no-untyped-def]
+        if KILL_IN_BACKWARD["armed"]:
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(ctx.seconds)
         return g, None
 
@@ -197,6 +204,7 @@ def main() -> None:
 
             ctypes.PyDLL(None).sleep(3600)  # PyDLL keeps the GIL: no Python thread here runs
         armed["fire"] = True
+        KILL_IN_BACKWARD["armed"] = args.on_usr1 == "backward"
 
     signal.signal(signal.SIGUSR1, on_usr1)
 
