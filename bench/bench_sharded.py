@@ -39,7 +39,7 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_recovery import ENV, MODEL, back_at_failed_step, jitrun, read_log, run, torchrun  # noqa: E402
+from bench_recovery import MODEL, back_at_failed_step, jitrun, read_log, run, torchrun  # noqa: E402
 
 NPROC = 4
 HSDP = ["--parallel", "hsdp"]

@@ -43,7 +43,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from jitckpt.snapshot.aor import OptimizerReplica, successor_peer
 from jitckpt.snapshot.aor_log import (BASE_PREFIX, GRAD_PREFIX, INBAND, base_key, log_header, read_ring_entry,
                                       replay_partition, ring_entries, ring_key)
-from jitckpt.snapshot.checksum import DEFAULT_ALGORITHM, Checksum, checksum_of
+from jitckpt.snapshot.checksum import Checksum, checksum_of
 from jitckpt.snapshot.client import Topology
 from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
 from jitckpt.snapshot.keeper_object import read_object, write_object
