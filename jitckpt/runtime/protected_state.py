@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -104,13 +105,6 @@ def incomplete_sets(root: Path) -> str:
     lost = sorted(set(range(n)) - have)
     return (f"the newest, of step {step}, holds {len(have)} of its {n} shards; no copy of shard(s) {lost} "
             "survived (each was on a lost rank only: this layout has no replica of it)")
-
-
-class _Removal:
-    """A hook handle around a function that removes it."""
-
-    def __init__(self, fn: Any) -> None:
-        self.remove = fn
 
 
 class Protected:
@@ -212,7 +206,7 @@ class Protected:
             from jitckpt.runtime.scheduler_hook import after_step
 
             try:
-                self._handles.append(_Removal(after_step(scheduler, self._after_scheduler_step)))
+                self._handles.append(SimpleNamespace(remove=after_step(scheduler, self._after_scheduler_step)))
             except TypeError:
                 pass  # no weak reference to it: the snapshot is taken at the next forward instead
         from jitckpt.runtime import compile_guard
@@ -438,15 +432,14 @@ class Protected:
             state.update(step=step, rng=rng_state(), extra=self._extra_state(),
                          scheduler=self.scheduler.state_dict() if self.scheduler is not None else None)
             self._shard_snaps.take(step, state)
+            self._shard_snaps.agree_begin(step)
 
         rt = runtime_or_none()
         if rt is not None:
             # With copies to the next node the write waits on the peers: a region (hang detection).
             rt.run_snapshot_op(take, blocking=self._shard_snaps.copying)
-            rt.run_snapshot_op(lambda: self._shard_snaps.agree_begin(step), blocking=False)
         else:
             take()
-            self._shard_snaps.agree_begin(step)
         self._agreement_owed = step
 
     def _agree_on_shard_snapshot(self) -> None:
