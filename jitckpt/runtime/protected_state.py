@@ -173,7 +173,7 @@ class Protected:
                     socket_path=snapshots.socket_path, every=snapshots.every,
                     ranks_per_node=snapshots.ranks_per_node, shard_id=pos.shard_id,
                     num_shards=pos.num_shards, replica_id=pos.replica_id, mesh=pos.mesh,
-                    copy_to_next_node=snapshots.protection != "none")
+                    protection=snapshots.protection)
             snapshots = None  # the replicated tier (SnapshotTaker) holds whole replicas only
         self.extra = dict(extra or {})
         self.step = 0
@@ -436,8 +436,8 @@ class Protected:
 
         rt = runtime_or_none()
         if rt is not None:
-            # With copies to the next node the write waits on the peers: a region (hang detection).
-            rt.run_snapshot_op(take, blocking=self._shard_snaps.copying)
+            # With copies or parity across nodes the write waits on the peers: a region (hang detection).
+            rt.run_snapshot_op(take, blocking=self._shard_snaps.waits_on_peers)
         else:
             take()
         self._agreement_owed = step
@@ -642,16 +642,15 @@ class Protected:
             snaps.settle(-1 if disk_step is None else disk_step)
             return None
         try:
-            saved, remote = snaps.load(choice)
+            saved, fetched = snaps.load(choice)
             self.sharded.load_local(saved, source=f"the in-memory snapshot of step {choice.step}")
         except (ValueError, UnmappableLayout):
             snaps.reject(choice.step)  # never offered again: the restarted job resumes from the rest
             raise
         self._load_rest(saved)
         snaps.settle(self.step)
-        src = choice.sources[rt.rank]
         rt.report_restored(f"memory:step{self.step}", self.step, time.monotonic() - t0, source="memory",
-                           fetched=[f"{src['key']} from rank {src['rank']}"] if remote else [])
+                           fetched=[fetched] if fetched else [])
         return self.step
 
     def load(self, path: str) -> int:

@@ -23,8 +23,14 @@ Resume (collective, :meth:`ShardSnapshots.survey` then :meth:`ShardSnapshots.loa
 verifies its own objects (checksums, into private memory) and all-gather a catalogue; the newest
 step with every shard of this mesh wins against the newest complete DCP set on disk (memory at equal
 steps). A rank whose own object is gone (a lost node) gets a replica's (HSDP) from its node's keeper
-or, sent point to point, from the rank that verified it. The memory tier restores on the same mesh
-only; another mesh resumes from disk (DCP reshards).
+or, sent point to point, from the rank that verified it.
+
+Across nodes (``--snapshot-protection``): ``arc`` sends each snapshot to the same local rank of
+the next node, which keeps it as the owner's object; ``aec`` with 3 or more nodes keeps XOR parity
+instead (:mod:`jitckpt.snapshot.shard_parity`: ``1/(m-1)`` of an object per node), from which a
+lost node's objects are decoded at restore (with 2 nodes the parity would be the other node's
+object: ARC). The memory tier restores on the same mesh only; another mesh resumes from disk (DCP
+reshards).
 """
 from __future__ import annotations
 
@@ -41,7 +47,8 @@ from jitckpt.snapshot.keeper_client import KeeperClient, KeeperError
 from jitckpt.snapshot.keeper_object import object_header, read_object, write_object
 from jitckpt.snapshot.restore import gather_json
 from jitckpt.snapshot.object_exchange import exchange
-from jitckpt.snapshot.shard_keys import shard_key
+from jitckpt.snapshot.shard_keys import parity_key, shard_key
+from jitckpt.snapshot import shard_parity
 
 log = logging.getLogger("jitckpt.snapshot")
 
@@ -62,14 +69,19 @@ class ShardSnapshots:
     """Writes this rank's shard into its node's keeper; finds and loads the newest complete step."""
 
     def __init__(self, *, socket_path: str, every: int, ranks_per_node: int, shard_id: int,
-                 num_shards: int, replica_id: int, mesh: str, copy_to_next_node: bool = False) -> None:
+                 num_shards: int, replica_id: int, mesh: str, protection: str = "none") -> None:
         if every < 1:
             raise ValueError(f"shard snapshots: every={every} must be >= 1")
+        if protection not in ("none", "arc", "aec"):
+            raise ValueError(f"shard snapshots: protection {protection!r} is not one of none, arc, aec")
         self.socket_path, self.every = socket_path, every
         self.topo = Topology.detect(ranks_per_node)
+        nodes = self.topo.num_nodes
         # ARC for shards: each snapshot also goes to the same local rank of the next node, whose
         # keeper keeps it as the owner's object; this rank keeps the previous node's (its peer's).
-        self.copying = copy_to_next_node and self.topo.num_nodes > 1
+        # AEC with two nodes would keep exactly that copy as its parity.
+        self.copying = nodes > 1 and (protection == "arc" or (protection == "aec" and nodes == 2))
+        self.parity = protection == "aec" and nodes >= 3
         rpn, world, rank = self.topo.ranks_per_node, self.topo.world, self.topo.rank
         self.protector, self.peer = (rank + rpn) % world, (rank - rpn) % world
         self.shard_id, self.num_shards, self.replica_id, self.mesh = shard_id, num_shards, replica_id, mesh
@@ -85,6 +97,11 @@ class ShardSnapshots:
         if self._keeper is None:
             self._keeper = KeeperClient(self.socket_path)
         return self._keeper
+
+    @property
+    def waits_on_peers(self) -> bool:
+        """Whether a snapshot's write exchanges with other ranks (copies or parity across nodes)."""
+        return self.copying or self.parity
 
     def header(self, step: int) -> dict:
         return {"format": FORMAT, "kind": KIND, "step": step, "world": self.topo.world,
@@ -104,6 +121,13 @@ class ShardSnapshots:
         self.bytes_written += size
         if self.copying:
             self._exchange(step, m, size, h)
+        if self.parity:
+            entry, psize = shard_parity.exchange_parity(
+                self.keeper, own=m, own_size=size, own_checksum=h, step=step, rank=self.topo.rank,
+                ranks_per_node=self.topo.ranks_per_node, nodes=self.topo.num_nodes, group=self._side,
+                header=self.header(step))
+            self.keeper.commit([entry])
+            self.bytes_written += psize
 
     def _exchange(self, step: int, mine: object, size: int, h: Checksum) -> None:
         """Send this rank's object of ``step`` to its protector and keep its peer's (see
@@ -145,6 +169,12 @@ class ShardSnapshots:
             for e in g["objects"]:
                 if {k: e["header"].get(k) for k in want} == want:
                     by_step.setdefault(int(e["step"]), {}).setdefault(e["header"]["shard_id"], []).append(e)
+        if self.parity:
+            for step, shards in by_step.items():
+                for g in gathered:
+                    entry = self._decodable(g["rank"], step, gathered)
+                    if entry is not None:
+                        shards.setdefault(g["shard"], []).append(entry)
         complete = [s for s, shards in by_step.items() if set(shards) == set(range(self.num_shards))]
         if not complete:
             return None
@@ -152,15 +182,46 @@ class ShardSnapshots:
         sources = {}
         for g in gathered:
             same = by_step[step][g["shard"]]
-            own = [e for e in same if e["key"] == shard_key(g["rank"])]
-            near = [e for e in same if e["node"] == g["node"]]
-            sources[g["rank"]] = (own or near or sorted(same, key=lambda e: e["rank"]))[0]
+            held = [e for e in same if not e.get("decode")]  # a copy someone holds beats decoding
+            own = [e for e in held if e["key"] == shard_key(g["rank"])]
+            near = [e for e in held if e["node"] == g["node"]]
+            sources[g["rank"]] = (own or near or sorted(held, key=lambda e: e["rank"]) or same)[0]
         return ShardChoice(step, sources, gathered)
+
+    def _decodable(self, rank: int, step: int, gathered: list) -> Optional[dict]:
+        """A catalogue entry for ``rank``'s object of ``step`` decoded from its group's parity
+        (``decode``), when its own is gone and every part is verified and agrees with what each
+        parity covers; else None."""
+        def entry(r: int, key: str) -> Optional[dict]:
+            return next((e for e in gathered[r]["objects"] if e["key"] == key and int(e["step"]) == step), None)
+
+        if entry(rank, shard_key(rank)) is not None:
+            return None
+        rpn, nodes = self.topo.ranks_per_node, self.topo.num_nodes
+        covers = None
+        for holder, others in shard_parity.decode_sources(rank, ranks_per_node=rpn, nodes=nodes):
+            par = entry(holder, parity_key(holder))
+            if par is None or par["header"].get("nodes") != nodes:
+                return None
+            mine = par["header"]["covers"].get(str(rank))
+            if covers is not None and (mine, par["header"]["size"]) != covers:
+                return None  # the parities were not written over the same objects
+            covers = (mine, par["header"]["size"])
+            for r in others:
+                own = entry(r, shard_key(r))
+                if own is None or [own["size"], own["checksum"]] != par["header"]["covers"].get(str(r)):
+                    return None
+        if covers is None or covers[0] is None:
+            return None
+        (size, checksum), padded = covers
+        return {"key": shard_key(rank), "step": step, "size": size, "checksum": checksum, "padded": padded,
+                "algo": par["header"]["algo"], "rank": rank, "node": rank // rpn, "decode": True}
 
     def _verify_own(self) -> list:
         """This rank's own objects in its keeper, and the copies it keeps of its peer's,
         checksum-verified into private memory (kept for the load and for ranks that need them)."""
-        keys = {shard_key(self.topo.rank)} | ({shard_key(self.peer)} if self.copying else set())
+        keys = ({shard_key(self.topo.rank)} | ({shard_key(self.peer)} if self.copying else set())
+                | ({parity_key(self.topo.rank)} if self.parity else set()))
         out = []
         try:
             entries = [e for e in self.keeper.listing() if e["key"] in keys]
@@ -185,22 +246,32 @@ class ShardSnapshots:
             self._kept[(key, int(e["step"]))] = data
             out.append({"key": key, "step": int(e["step"]), "size": int(e["size"]), "checksum": info.checksum,
                         "algo": info.algo, "rank": self.topo.rank, "node": self.topo.node,
-                        "header": {k: header.get(k) for k in ("format", "kind", "world", "shard_id",
-                                                              "num_shards", "mesh")}})
+                        "header": {k: header.get(k) for k in ("format", "kind", "world", "shard_id", "num_shards",
+                                                              "mesh", "nodes", "size", "algo", "covers")
+                                   if k in header}})
         return out
 
-    def load(self, choice: ShardChoice) -> tuple[dict, bool]:
-        """Collective: this rank's state of ``choice.step`` (tensors in private memory), and
-        whether it came from another node. Raises ValueError if it is damaged or not this job's."""
-        me = self.topo.rank
+    def load(self, choice: ShardChoice) -> tuple[dict, Optional[str]]:
+        """Collective: this rank's state of ``choice.step`` (tensors in private memory), and where
+        it came from when not from this node (None). Raises ValueError if it is damaged or not this job's."""
+        me, step = self.topo.rank, choice.step
         works, sending = [], []
         for rank, src in sorted(choice.sources.items()):
-            if src["rank"] == me and rank != me and src["node"] != choice.catalogue[rank]["node"]:
+            if src.get("decode") and rank != me:
+                for w, t in self._send_for_decode(rank, src, step):
+                    works.append(w)
+                    sending.append(t)
+            elif src["rank"] == me and rank != me and src["node"] != choice.catalogue[rank]["node"]:
                 sending.append(self._kept[(src["key"], choice.step)])
                 works.append(dist.isend(sending[-1], dst=rank))
         src = choice.sources[me]
         remote = src["node"] != self.topo.node
-        if src["rank"] == me:
+        how = f"{src['key']} from rank {src['rank']}" if remote else None
+        if src.get("decode"):
+            data = shard_parity.receive_decoded(lost=me, ranks_per_node=self.topo.ranks_per_node,
+                                                nodes=self.topo.num_nodes, size=src["padded"])[:src["size"]]
+            how = f"{src['key']} decoded from parity"
+        elif src["rank"] == me:
             data = self._kept[(src["key"], choice.step)]
         elif not remote:  # another rank's object on this node: read from the keeper
             m, info = self.keeper.open(src["key"], choice.step)
@@ -212,11 +283,24 @@ class ShardSnapshots:
             works.append(dist.irecv(data, src=src["rank"]))
         for w in works:
             w.wait()
-        if remote and checksum_of(data.numpy(), src["algo"]) != src["checksum"]:
+        if (remote or src.get("decode")) and checksum_of(data.numpy(), src["algo"]) != src["checksum"]:
             raise ValueError(f"shard snapshot {src['key']} of step {choice.step} from rank {src['rank']} "
-                             "changed in transit")
+                             + ("decoded from parity differs from the one its owner wrote" if src.get("decode")
+                                else "changed in transit"))
         self._kept.clear()
-        return read_object(data.numpy(), key=src["key"], step=choice.step, want=self.header(choice.step)), remote
+        return read_object(data.numpy(), key=src["key"], step=choice.step, want=self.header(choice.step)), how
+
+    def _send_for_decode(self, lost: int, src: dict, step: int) -> list:
+        """This rank's parity and own segments toward ``lost``'s decoding, if it is in its group."""
+        rpn = self.topo.ranks_per_node
+        if lost % rpn != self.topo.local_rank:
+            return []
+        own = self._kept[(shard_key(self.topo.rank), step)]
+        par = self._kept[(parity_key(self.topo.rank), step)]
+        parity = read_object(par.numpy(), key=parity_key(self.topo.rank), step=step,
+                             want={"kind": shard_parity.KIND})["parity"]
+        return shard_parity.send_for_decode(lost=lost, rank=self.topo.rank, ranks_per_node=rpn,
+                                            nodes=self.topo.num_nodes, size=src["padded"], own=own, parity=parity)
 
     def settle(self, step: int) -> None:
         """Collective, once the resume point is chosen (``step``; -1: a fresh start): every keeper
