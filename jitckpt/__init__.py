@@ -148,7 +148,27 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
                          "off for model-parallel jobs")
     if is_zero(optimizer) and rt.snapshots is not None:
         _check_zero_job(rt)
-    state = Protected(model, optimizer, scheduler, extra=extra, snapshots=rt.snapshots)
+    snapshots, unmapped = rt.snapshots, None
+    if num_shards == 1 and not is_zero(optimizer):
+        from jitckpt.runtime.ddp_groups import DdpGroupError, ddp_shards
+
+        try:
+            found = ddp_shards(model)
+        except DdpGroupError as e:
+            found, unmapped = None, f"{e}. The job trains as under torchrun; a failure restarts it from step 0"
+        if found is not None:
+            shard_id, num_shards = found
+            rt.step_sync = _step_sync()
+            if snapshots is not None and rt.rank == 0:
+                import logging
+
+                logging.getLogger("jitckpt.protect").warning(
+                    "jitckpt run --snapshot-every: DDP over sub-groups (%d groups: pipeline stages) is not "
+                    "snapshotted in memory; a lost rank's state comes back from its DDP group's replicas", num_shards)
+            snapshots = None  # the replicated tier holds whole replicas only
+    state = Protected(model, optimizer, scheduler, extra=extra, snapshots=snapshots)
+    if unmapped is not None:
+        state.unsupported = unmapped
     if state.unsupported is not None:
         # Never a crash of a job that runs under torchrun: no save function, so a failure gives up
         # the JIT save at once, saying why, and the launcher restarts the job from step 0.
@@ -188,6 +208,22 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     return state
 
 
+def _step_sync() -> Callable[[], None]:
+    """One small all-reduce of every rank (on its own gloo group) before each optimizer step.
+
+    Pipeline stages in DDP over their own groups do not wait on each other once the activations'
+    gradients are sent: stage 1 could step to the next minibatch while stage 0, its gradient
+    lost with a failed rank, cannot, and then no step has every stage's state. With this sync no
+    rank steps before every rank is done with the minibatch's backward (Megatron's grad-norm
+    all-reduce couples the stages the same way)."""
+    import torch
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")
+    one = torch.zeros(1)
+    return lambda: dist.all_reduce(one, group=group)
+
+
 def _warn_sharded_coverage(rt: "WorkerRuntime", pos: Any) -> None:
     """What a DTensor job's layout recovers from, said once at its start."""
     import logging
@@ -204,9 +240,9 @@ def _warn_sharded_coverage(rt: "WorkerRuntime", pos: Any) -> None:
                     "shards only (mesh %s); a lost node's shards come back only from replicas on other nodes "
                     "(HSDP's replicate dimension across nodes), or from disk (--periodic-every N); "
                     "--snapshot-protection arc keeps a copy of each on the next node", pos.mesh)
-    elif snaps is not None and snaps.protection == "aec":
-        log.warning("jitckpt run --snapshot-protection aec: XOR parity is not built for DTensor shards; each "
-                    "rank's shard is copied to the next node instead (as arc: a full copy, mesh %s)", pos.mesh)
+    elif snaps is not None and snaps.protection == "aec" and rt.world_size == 2 * snaps.ranks_per_node:
+        log.info("jitckpt run --snapshot-protection aec on 2 nodes: the XOR parity of a DTensor shard would be "
+                 "the other node's shard itself, so each is copied to the other node (as arc; mesh %s)", pos.mesh)
     if replicas_of(pos, rt.world_size) < 2 and not rt.periodic_every and snaps is None:
         log.warning("jitckpt.protect(): mesh %s keeps each shard on one rank only (no replica): after a "
                     "lost rank its shard exists nowhere else, so the job restarts from step 0 (a "

@@ -62,13 +62,13 @@ class Config:
     api: str = "protect"    # protect | init
     nproc: int = 2
     optim: str = ""         # default: adam for ln, sgd for bn, adamw for dropout
-    parallel: str = "ddp"   # ddp | hsdp (FSDP2 on a 2 x nproc/2 mesh) | fsdp | tp | fsdp_tp | pp (train_matrix.py)
+    parallel: str = "ddp"   # ddp | hsdp (FSDP2 on a 2 x nproc/2 mesh) | fsdp | tp | fsdp_tp | pp | pp_ddp (train_matrix.py)
     snapshot_every: int = 0  # jitckpt run --snapshot-every (0: off)
 
     @property
     def replicated(self) -> bool:
         """Whether another rank holds each rank's state (DDP's replicas, HSDP's replica groups)."""
-        return self.parallel in ("ddp", "hsdp")
+        return self.parallel in ("ddp", "hsdp", "pp_ddp")
 
     @property
     def optimizer(self) -> str:

@@ -36,6 +36,10 @@ HSDP = Config("ln", "protect", 4, parallel="hsdp")
 HSDP_FAULTS = ["sigkill", "sigstop", "exception", "optim", "gil", "step1", "recovery", "sigterm",
                "launcher_sigterm"]
 SLOW += [(f, HSDP) for f in HSDP_FAULTS]
+# Pipeline stages as plain modules, DDP over each stage's data-parallel group: the stages are told
+# apart by their DDP groups, and a lost rank's stage comes back from its DDP replica.
+PP_DDP = Config("ln", "protect", 4, parallel="pp_ddp")
+SLOW += [(f, PP_DDP) for f in HSDP_FAULTS]
 # Layouts without replicas (full sharding, TP, FSDP2+TP, pipeline stages x FSDP2): each rank's shard in its node's keeper
 # (--snapshot-every 1). A death of FSDP2 and of PP from the keepers is in test_sharded_layouts' fast tests.
 NO_REPLICA = [Config("ln", "protect", 2, parallel="fsdp", snapshot_every=1),

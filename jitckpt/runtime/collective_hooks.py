@@ -9,6 +9,8 @@ thread is blocked there (hang detection, a save while it is held) and sees a tra
   in one, synchronous ones (all_reduce, barrier, object collectives, ...) inside the call and
   ``async_op=True`` ones wherever the work handle or its future is waited for later.
 * ``wait_tensor()`` of functional collectives (DTensor, tensor parallel), for DTensor jobs.
+* Point-to-point calls (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``: pipeline
+  stages): gloo raises in the call when the peer is gone.
 * Collectives that C++ issues and waits for itself: DDP's constructor (parameter broadcast), DDP's
   ``_pre_forward``/``_post_forward`` (bucket rebuild, buffer broadcast), backward (DDP's gradient
   all-reduce runs and is waited for inside it) and ``monitored_barrier``.
@@ -110,6 +112,10 @@ class CollectiveHooks:
         # torch.futures.Future.wait calls this one: wrapping it covers both.
         self._wrap(torch._C.Future, "wait", "collective", _distributed)
         self._wrap(dist, "monitored_barrier", "collective")
+        # Point to point (pipeline stages): gloo posts a send or receive at once, so a peer already
+        # gone raises in the call itself, before any wait.
+        for name in ("send", "recv", "isend", "irecv", "batch_isend_irecv"):
+            self._wrap(dist, name, "collective", _distributed)
         self._wrap(DDP, "__init__", "ddp_init", after=self._ddp_constructed)
         sink = self._sink
         self._wrap(DDP, "_pre_forward", "ddp_forward", after=self._ddp_forward_began)

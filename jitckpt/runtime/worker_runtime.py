@@ -92,6 +92,10 @@ class WorkerRuntime:
         # A DTensor job (protect()): a preemption is saved at a minibatch boundary only, never in a
         # collective the main thread waits in, so that every rank's shard is of the same step.
         self.preempt_at_boundary = False
+        # Shards that do not wait on each other within a minibatch (pipeline stages, DDP per stage):
+        # a collective of every rank before each optimizer step, so that no shard's state moves to
+        # the next minibatch while another's may still be held in this one (protect()).
+        self.step_sync: Optional[Callable[[], None]] = None
         # Such a job's save to memory after a failure (protect(), --snapshot-zero log): what it did.
         self.save_to_memory: Optional[Callable[[], str]] = None
         self._memory_save_lock = threading.Lock()  # the saver and the training thread may both give up
@@ -488,6 +492,14 @@ class WorkerRuntime:
             self._history.add(kind, time.monotonic() - start)
 
     def optimizer_pre_step(self) -> None:
+        if self.step_sync is not None:  # before the optimizer phase: a failure in it saves this minibatch's start
+            tok = self.region_enter("collective")
+            try:
+                self.step_sync()
+            except BaseException as e:
+                self.region_exit(tok, e)
+                raise
+            self.region_exit(tok, None)
         self._native_step = None  # the next minibatch gets its own mark, whatever step it is given
         with self._lock:  # atomic with a saver's claim: it either sees this step begun or wins
             speculation, held = self._speculation, self._save_claimed

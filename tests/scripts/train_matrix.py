@@ -25,7 +25,10 @@ pid) to ``--steps-log``; rank 0 saves the final ``state_dict`` (parameters and b
 layer column- or row-wise with replicated activations between them (the norms see whole features),
 the ranks of a TP group on the same data; ``fsdp_tp``: a (dp 2 x tp) mesh, TP inside, FSDP2 over dp;
 ``pp``: two pipeline stages (torch.distributed.pipelining, GPipe, 2 microbatches) on a (pp 2 x dp)
-mesh, each stage's half of the model fully_shard over dp.
+mesh, each stage's half of the model fully_shard over dp; ``pp_ddp``: the same stages, each a plain
+module in DDP over its dp group (no DTensor: the stages are told apart by their DDP groups), the
+activations and their gradients sent point to point (Megatron-style: torch.distributed.pipelining's
+microbatches trip DDP's bucket rebuild in this torch, with or without jitckpt).
 """
 import argparse
 import atexit
@@ -50,7 +53,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--model", default="ln", choices=["ln", "bn", "dropout"])
     p.add_argument("--optim", default="adam", choices=["adam", "sgd", "adamw"])
     p.add_argument("--api", default="protect", choices=["protect", "init"])
-    p.add_argument("--parallel", default="ddp", choices=["ddp", "hsdp", "fsdp", "tp", "fsdp_tp", "pp"])
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "hsdp", "fsdp", "tp", "fsdp_tp", "pp", "pp_ddp"])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--phase-sleep", type=float, default=0.0)
     p.add_argument("--on-usr1", default="", choices=["", "gil", "raise", "optim", "backward"])
@@ -123,19 +126,24 @@ def sharded(net: nn.Module, parallel: str) -> tuple:
     world, rank = dist.get_world_size(), dist.get_rank()
     shape, names = {"hsdp": ((2, world // 2), ("replicate", "shard")), "fsdp": ((world,), ("shard",)),
                     "tp": ((world,), ("tp",)), "fsdp_tp": ((2, world // 2), ("dp", "tp")),
-                    "pp": ((2, world // 2), ("pp", "dp"))}[parallel]
+                    "pp": ((2, world // 2), ("pp", "dp")), "pp_ddp": ((2, world // 2), ("pp", "dp"))}[parallel]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     data_rank = rank
-    if parallel == "pp":
+    if parallel in ("pp", "pp_ddp"):
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         stage, data_rank = mesh.get_coordinate()
         layers = list(net.children())
         half = nn.Sequential(*(layers[:4] if stage == 0 else layers[4:]))
-        for layer in half:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(half, mesh=mesh["dp"])
+        if parallel == "pp_ddp":
+            half = DDP(half, process_group=mesh["dp"].get_group())
+            peer = dist.get_process_group_ranks(mesh["pp"].get_group())[1 - stage]
+            return half, data_rank, PointToPointPipe(half, stage, peer), stage
+        else:
+            for layer in half:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(half, mesh=mesh["dp"])
         pipe = ScheduleGPipe(PipelineStage(half, stage, 2, torch.device("cpu"), group=mesh["pp"].get_group()),
                              n_microbatches=2, loss_fn=nn.functional.mse_loss)
         return half, data_rank, pipe, stage
@@ -152,6 +160,28 @@ def sharded(net: nn.Module, parallel: str) -> tuple:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=dp)
     return fully_shard(net, mesh=dp), data_rank, None, None
+
+
+class PointToPointPipe:
+    """Two stages, one microbatch: stage 0 sends its output to its peer in stage 1 and gets back
+    the gradient of the loss with respect to it."""
+
+    def __init__(self, module: nn.Module, stage: int, peer: int) -> None:
+        self.module, self.stage, self.peer = module, stage, peer
+
+    def step(self, x: torch.Tensor = None, target: torch.Tensor = None) -> None:  # type: ignore[assignment]
+        if self.stage == 0:
+            out = self.module(x)
+            dist.send(out.detach().contiguous(), self.peer)
+            grad = torch.empty_like(out)
+            dist.recv(grad, self.peer)
+            out.backward(grad)
+        else:
+            h = torch.empty(target.shape[0], HIDDEN)
+            dist.recv(h, self.peer)
+            h.requires_grad_(True)
+            nn.functional.mse_loss(self.module(h), target).backward()
+            dist.send(h.grad.contiguous(), self.peer)
 
 
 def arm_exit_fault(mode: str) -> None:
