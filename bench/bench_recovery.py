@@ -117,7 +117,7 @@ def first_step_after_standbys(d: Path) -> tuple[int, float]:
 
 def launcher_cpu(cmd: list, d: Path, *, from_step: int, to_step: int, timeout: float = 300,
                  after_standbys: bool = True) -> dict:
-    """Run ``cmd`` (a launcher of 2 ranks) in ``d`` like :func:`run`, and read from the kernel
+    """Run ``cmd`` (a launcher and its ranks) in ``d`` like :func:`run`, and read from the kernel
     the CPU seconds per step of the launcher's own processes and threads between rank 0's steps
     ``from_step`` (or, ``after_standbys``, the first after the warm standbys were ready, if later)
     and ``to_step``:

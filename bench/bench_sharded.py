@@ -13,8 +13,7 @@
    ``torch.distributed.checkpoint.async_save`` every 10 steps and every step (examples/train_ddp.py
    --parallel hsdp --baseline-dcp-every N).
 3. Steady state, end to end: median step time of the jitckpt runs' and the torchrun runs' steps
-   before the failure (this VM's run-to-run spread is about +-10 %; the CPU-accounting bound of
-   bench_recovery.py is not measured for FSDP2 yet).
+   before the failure (this VM's run-to-run spread is about +-10 %; section 6 resolves the bound).
 4. Full sharding (FSDP2 on a 1-D mesh of 4 ranks: no replica) with ``--snapshot-every 1``: recovery
    from the keepers' shard snapshots against torchrun + DCP ``async_save`` every 10 steps and every
    step, and what the snapshots cost a step: the median step with ``--snapshot-every 1`` against the
@@ -23,6 +22,11 @@
    of the parameters and of both Adam moments, 25 MB) written into a real keeper by
    ``ShardSnapshots.take`` (the synchronous part: copy + checksum + commit), median of repetitions,
    against one memcpy of the same bytes (the floor), and over section 4's median step.
+6. Steady-state bound for FSDP2 (full sharding, 4 ranks, no snapshots), with bench_recovery.py's
+   accounting: (a) the CPU per step of the launcher's own processes and of its runtime's threads in
+   the workers (`jitckpt run` against torchrun, from the kernel's clocks), over the median step;
+   (b) what the training thread's step gains: the hooks and every region FSDP2's all-gathers and
+   reduce-scatters enter, counted in a real job and timed in it (bench/sharded_hook_probe.py).
 
 Model: the 8.4 M-parameter MLP of bench_recovery.py (1024-2048-2048-1024), Adam, batch 32.
 Usage: python bench/bench_sharded.py [--quick] [--out bench/results/sharded.json]
@@ -39,7 +43,8 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_recovery import MODEL, back_at_failed_step, jitrun, read_log, run, torchrun  # noqa: E402
+from bench_recovery import (MODEL, back_at_failed_step, jitrun, launcher_cpu, read_log, run,  # noqa: E402
+                            torchrun)
 
 NPROC = 4
 HSDP = ["--parallel", "hsdp"]
@@ -157,6 +162,35 @@ def snapshot_write(reps: int, step_s: float) -> dict:
             "step_s": step_s, "take_over_step": take_s / step_s}
 
 
+def steady_bound(work: Path, steps: int, reps: int) -> dict:
+    """Section 6: (a) the launchers' own CPU per step, jitckpt against torchrun, median over
+    ``reps`` interleaved runs each; (b) the training thread's added cost per step (the probe)."""
+    cpu: dict = {"torchrun": [], "jitckpt": []}
+    step_s = []
+    window = {"from_step": steps // 2, "to_step": steps - 3}
+    for i in range(reps):
+        for kind in cpu:
+            d = work / f"steady-{kind}-{i}"
+            d.mkdir()
+            args = [*MODEL, *FSDP, "--steps", str(steps), "--steps-log", str(d / "log.jsonl")]
+            cmd = torchrun(NPROC, [*args, "--no-jitckpt"], d) if kind == "torchrun" else jitrun(NPROC, args, d)
+            cpu[kind].append(launcher_cpu(cmd, d, **window))
+            if kind == "torchrun":
+                step_s.append(steady(read_log(d / "log.jsonl"), steps))
+    own = {k: statistics.median(r["own_cpu_per_step_s"] for r in v) for k, v in cpu.items()}
+    mp = statistics.median(step_s)
+    d = work / "steady-probe"
+    d.mkdir()
+    out = d / "probe.json"
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
+         str(ROOT / "bench" / "sharded_hook_probe.py"), "--out", str(out)], d)
+    probe = json.loads(out.read_text())
+    return {"median_step_torchrun_s": mp, "own_cpu_per_step_s": own, "own_cpu_runs": cpu,
+            "own_cpu_extra_fraction": (own["jitckpt"] - own["torchrun"]) / mp,
+            "thread": probe, "thread_fraction": probe["worst"]["fraction"],
+            "bound_fraction": (own["jitckpt"] - own["torchrun"]) / mp + probe["worst"]["fraction"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
@@ -169,6 +203,7 @@ def main() -> None:
                "save": save_times(work, reps), "recovery": recovery(work, steps, fail),
                "shard_snapshots": shard_snapshots(work, steps, fail)}
         res["shard_snapshot_write"] = snapshot_write(reps * 5, res["shard_snapshots"]["no_snapshots"]["step_s"])
+        res["steady"] = steady_bound(work, max(steps, 30), 1 if args.quick else 2)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))

@@ -25,13 +25,15 @@ def shards(tmp_path: Path, layout: str) -> dict:
 
 
 @pytest.mark.parametrize("layout,want", [("stages", [[0, 2], [0, 2], [1, 2], [1, 2]]),
-                                         ("strided", [[0, 2], [1, 2], [0, 2], [1, 2]]),
-                                         ("world", [None] * 4)])
+                                         pytest.param("strided", [[0, 2], [1, 2], [0, 2], [1, 2]],
+                                                      marks=pytest.mark.slow),
+                                         pytest.param("world", [None] * 4, marks=pytest.mark.slow)])
 def test_ddp_groups_are_shards_of_their_own(tmp_path, layout, want):
     got = shards(tmp_path, layout)
     assert [got[r].get("shards") for r in range(4)] == want, got
 
 
+@pytest.mark.slow
 def test_ranks_outside_every_ddp_group_are_refused_on_every_rank_with_the_fix(tmp_path):
     got = shards(tmp_path, "mixed")
     assert all("do not split the job into disjoint groups" in got[r].get("error", "") for r in range(4)), got
