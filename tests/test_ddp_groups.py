@@ -17,10 +17,9 @@ PROBE = ROOT / "tests" / "scripts" / "ddp_groups_probe.py"
 
 def shards(tmp_path: Path, layout: str) -> dict:
     rc, out = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           str(PROBE), "--layout", layout], cwd=tmp_path, timeout=120)
+                           str(PROBE), "--layout", layout, "--out", str(tmp_path)], cwd=tmp_path, timeout=120)
     assert rc == 0, out[-3000:]
-    rows = [json.loads(x) for x in out.splitlines() if x.startswith('{"rank"')]
-    assert len(rows) == 4, out[-3000:]
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     return {r["rank"]: r for r in rows}
 
 

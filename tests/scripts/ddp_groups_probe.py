@@ -1,5 +1,5 @@
 """One rank of tests/test_ddp_groups.py: DDP over the groups --layout names, then ddp_shards()
-printed as a JSON line (or the DdpGroupError's message)."""
+written as JSON (or the DdpGroupError's message)."""
 import argparse
 import json
 
@@ -20,6 +20,7 @@ LAYOUTS = {  # world 4: each rank's DDP group
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    p.add_argument("--out", required=True, help="a directory: each rank writes rank<r>.json there")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -31,7 +32,8 @@ def main() -> None:
         out = {"rank": rank, "shards": ddp_shards(torch.nn.Sequential(model))}
     except DdpGroupError as e:
         out = {"rank": rank, "error": str(e)}
-    print(json.dumps(out), flush=True)
+    with open(f"{a.out}/rank{rank}.json", "w") as f:  # not stdout: torchrun interleaves the ranks' lines
+        json.dump(out, f)
     dist.destroy_process_group()
 
 
