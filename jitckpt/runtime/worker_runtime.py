@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 from jitckpt.checkpoint_store import (CheckpointError, find_latest, quarantine, read_meta,
                                write_checkpoint)
-from jitckpt.runtime.collective_hooks import CollectiveHooks
+from jitckpt.runtime.collective_hooks import CollectiveHooks, run_region
 from jitckpt.runtime.peer_failure import is_collective_failure
 from jitckpt.protocol.control_channel import ControlChannel
 from jitckpt.protocol.step_board import StepBoard
@@ -493,13 +493,7 @@ class WorkerRuntime:
 
     def optimizer_pre_step(self) -> None:
         if self.step_sync is not None:  # before the optimizer phase: a failure in it saves this minibatch's start
-            tok = self.region_enter("collective")
-            try:
-                self.step_sync()
-            except BaseException as e:
-                self.region_exit(tok, e)
-                raise
-            self.region_exit(tok, None)
+            run_region(self, "collective", self.step_sync)
         self._native_step = None  # the next minibatch gets its own mark, whatever step it is given
         with self._lock:  # atomic with a saver's claim: it either sees this step begun or wins
             speculation, held = self._speculation, self._save_claimed
