@@ -67,6 +67,9 @@ class CheckpointMeta:
     files: dict = field(default_factory=dict)  # relative path -> {"size": int, "crc32c": int}
     format_version: int = FORMAT_VERSION
     run_id: str = ""  # the job that wrote it (jitckpt run's --rdzv-id or its generated id)
+    # What a framework resumes from inside the directory (a Trainer's checkpoint-<step>/, a
+    # Lightning .ckpt): the name save_fn returned; "" for the directory itself.
+    entry: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -125,13 +128,31 @@ def _data_files(directory: Path) -> Iterable[Path]:
             yield p
 
 
+def _entry_of(directory: Path, returned: object) -> str:
+    """The entry ``save_fn`` named by returning it (None: the directory itself), checked."""
+    if returned is None:
+        return ""
+    if not isinstance(returned, str) or not returned or os.path.isabs(returned) or ".." in Path(returned).parts:
+        raise CheckpointError(f"save function returned {returned!r}: it may return None or the relative name of "
+                              "the file or directory it wrote that a framework resumes from")
+    if not (directory / returned).exists():
+        raise CheckpointError(f"save function returned {returned!r}, which it did not write into {directory}")
+    return returned
+
+
+def resume_path(directory: str | os.PathLike) -> str:
+    """What to resume from in a checkpoint directory: the entry its save function named, or itself."""
+    entry = read_meta(directory).entry
+    return str(Path(directory) / entry) if entry else str(directory)
+
+
 def checkpoint_dir_name(kind: str, gen: int, rank: int, step: int) -> str:
     return f"{kind}-g{gen:04d}-r{rank:05d}-s{step}"
 
 
 def write_checkpoint(
     root: str | os.PathLike,
-    save_fn: Callable[[str], None],
+    save_fn: Callable[[str], Optional[str]],
     *,
     kind: str,
     step: int,
@@ -144,6 +165,9 @@ def write_checkpoint(
     run_id: Optional[str] = None,
 ) -> tuple[Path, CheckpointMeta]:
     """Run ``save_fn(tmpdir)`` and commit the result atomically; return (final dir, metadata).
+
+    ``save_fn`` may return the relative name of what a framework resumes from (recorded as the
+    metadata's ``entry``; see :func:`resume_path`).
 
     Raises :class:`CheckpointError` if ``save_fn`` writes nothing or the file system fills up
     ("no space left on <root>: N bytes needed"); other errors of ``save_fn`` propagate. In every
@@ -161,7 +185,7 @@ def write_checkpoint(
     t0 = time.monotonic()
     try:
         tmp.mkdir()
-        save_fn(str(tmp))
+        entry = _entry_of(tmp, save_fn(str(tmp)))
         files = {}
         for p in _data_files(tmp):
             crc, size = _fsynced_crc32c(p) if fsync else _crc32c_file(p)
@@ -172,7 +196,8 @@ def write_checkpoint(
                 "path it is given")
         meta = CheckpointMeta(kind=kind, step=step, rank=rank, world_size=world_size, gen=gen,
                               shard_id=shard_id, num_shards=num_shards, created=time.time(),
-                              save_seconds=time.monotonic() - t0, files=files, run_id=run_id)
+                              save_seconds=time.monotonic() - t0, files=files, run_id=run_id,
+                              entry=entry)
         meta_tmp = tmp / (META_FILE + ".tmp")
         with open(meta_tmp, "w") as f:
             json.dump(asdict(meta), f)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from jitckpt.checkpoint_store import (META_FILE, CheckpointError, find_complete_set, find_latest, list_candidates,
-                                      prune, verify_checkpoint, write_checkpoint)
+                                      prune, read_meta, resume_path, verify_checkpoint,
+                                      write_checkpoint)
 
 
 def saver(payload: bytes):
@@ -135,3 +136,26 @@ def test_prune_keeps_newer_and_removes_dead_writers_tmp(tmp_path):
     removed = prune(tmp_path, older_than_step=3)
     assert [c.step for c in list_candidates(tmp_path)] == [3]
     assert dead in removed and live.exists()
+
+
+def test_the_entry_a_save_function_names_is_what_a_resume_gets(tmp_path):
+    def save(path: str) -> str:
+        saver(b"y" * 10)(path)
+        return "sub"  # a framework's directory inside the checkpoint (a Trainer's checkpoint-<step>/)
+
+    path, meta = write_checkpoint(tmp_path, save, kind="jit", step=3, rank=0, world_size=2, gen=0)
+    assert meta.entry == "sub" and read_meta(path).entry == "sub"
+    assert resume_path(path) == str(path / "sub")
+    plain, _ = write(tmp_path, 4)
+    assert resume_path(plain) == str(plain)  # no entry named: the directory itself
+
+
+@pytest.mark.parametrize("returned", ["/etc", "../x", "missing", 7, ""])
+def test_a_bad_entry_is_refused_and_leaves_no_checkpoint(tmp_path, returned):
+    def save(path: str):
+        saver(b"z")(path)
+        return returned
+
+    with pytest.raises(CheckpointError, match="save function returned"):
+        write_checkpoint(tmp_path, save, kind="jit", step=5, rank=0, world_size=2, gen=0)
+    assert find_latest(tmp_path) is None and not list(tmp_path.iterdir())

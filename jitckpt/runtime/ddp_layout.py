@@ -130,13 +130,14 @@ class LayoutTracker:
             return None
         return {**layouts[0], "models": layouts}
 
-    def saving(self, save_fn: Callable[[str], None]) -> Callable[[str], None]:
+    def saving(self, save_fn: Callable[[str], Optional[str]]) -> Callable[[str], Optional[str]]:
         """``save_fn`` followed by writing the current layout into the same directory."""
-        def save(path: str) -> None:
-            save_fn(path)
+        def save(path: str) -> Optional[str]:
+            entry = save_fn(path)
             layout = self.current()
             if layout is not None and not (Path(path) / LAYOUT_FILE).exists():
                 write(layout, path)
+            return entry
 
         return save
 

@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
-from jitckpt.checkpoint_store import (CheckpointError, find_latest, quarantine, read_meta,
+from jitckpt.checkpoint_store import (CheckpointError, find_latest, quarantine, read_meta, resume_path,
                                write_checkpoint)
 from jitckpt.runtime.collective_hooks import CollectiveHooks, run_region
 from jitckpt.runtime.peer_failure import is_collective_failure
@@ -79,7 +79,7 @@ class WorkerRuntime:
         self.plugins = get_plugins(plugins)  # jitckpt run --plugin: their hooks run at protect()
         # A region blocked this long after a failure is taken as stuck: save while it is held.
         self.blocked_grace = 2.0
-        self.save_fn: Optional[Callable[[str], None]] = None
+        self.save_fn: Optional[Callable[[str], Optional[str]]] = None
         # Why this job's failures take no JIT save (a preemption's still does, with a save function).
         self.no_save_reason: Optional[str] = None
         self._saver_ident: Optional[int] = None  # the thread writing a checkpoint now
@@ -256,7 +256,7 @@ class WorkerRuntime:
             self._native.set_phase(phase)
 
     # ---- the user-facing pieces -------------------------------------------------------------
-    def set_save_fn(self, save_fn: Callable[[str], None], *, step_fn=None, shard_id: int = 0,
+    def set_save_fn(self, save_fn: Callable[[str], Optional[str]], *, step_fn=None, shard_id: int = 0,
                     num_shards: int = 1, replica_id: Optional[int] = None) -> None:
         if not callable(save_fn):
             raise TypeError("jitckpt.init(save_fn): save_fn must be callable as save_fn(path: str)")
@@ -307,9 +307,14 @@ class WorkerRuntime:
         """``jitckpt.get_checkpoint_path()``: the newest checkpoint, reported as the restore point."""
         path = self.latest_checkpoint()
         self._selected_path = path
-        if path is not None and self._restored_step is not None:
+        if path is None:
+            return None
+        if self._restored_step is not None:
             self.report_restored(path, self._restored_step, None)
-        return path
+        try:
+            return resume_path(path)  # a framework's entry inside it (Trainer's checkpoint-<step>/)
+        except CheckpointError:
+            return path  # verified by latest_checkpoint(); a race with a quarantine reads as before
 
     def report_restored(self, path: str, step: int, seconds: Optional[float], *,
                         source: str = "disk", decoded: Optional[list] = None,
