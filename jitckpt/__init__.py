@@ -39,12 +39,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'jitckpt' has no attribute {name!r}")
 
 
-def init(save_fn: Callable[[str], None], *, step_fn: Optional[Callable[[], int]] = None,
+def init(save_fn: Callable[[str], Optional[str]], *, step_fn: Optional[Callable[[], int]] = None,
          shard_id: int = 0, num_shards: int = 1, checkpoint_dir: Optional[str] = None) -> None:
     """Register the function that saves this rank's state after a failure.
 
     ``save_fn(path)`` must write model, optimizer, step counter and RNG state into the existing
-    directory ``path`` without any collective communication (peers may be dead). ``step_fn()``
+    directory ``path`` without any collective communication (peers may be dead); it may return the
+    relative name of what a framework resumes from inside ``path`` (a Trainer's ``checkpoint-<step>``
+    directory), which :func:`get_checkpoint_path` then returns. ``step_fn()``
     returns the number of completed optimizer steps (used to pick the newest checkpoint; without
     it jitckpt counts ``optimizer.step()`` calls). ``shard_id``/``num_shards`` describe model
     parallelism: ranks with the same shard_id are data-parallel replicas (default: pure data
@@ -69,7 +71,8 @@ def init(save_fn: Callable[[str], None], *, step_fn: Optional[Callable[[], int]]
 
 
 def get_checkpoint_path() -> Optional[str]:
-    """Directory of the newest complete checkpoint for this rank's shard, or None.
+    """Directory of the newest complete checkpoint for this rank's shard (or the entry inside it
+    that its save function named, such as a Trainer's ``checkpoint-<step>/``), or None.
 
     Checks every candidate against its metadata (sizes, CRC32C) and skips incomplete or corrupt
     ones with a logged warning; a JIT checkpoint from any data-parallel replica qualifies, and so
