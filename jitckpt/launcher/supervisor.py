@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import ExitStack
@@ -37,6 +38,7 @@ from jitckpt.protocol.control_messages import (Assign, ExitReady, FailureReport,
 from jitckpt.observability.events import EVENTS_FILE, EventLog
 from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
 from jitckpt.snapshot.premap import ENV_PREMAP
+from jitckpt.runtime.rank_state import ENV as RANK_STATE_ENV
 from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED
 from jitckpt.launcher.config import LaunchConfig, check_writable_dir
 from jitckpt.launcher.node_coordinator import SCALE_UP, NodeCoordinator
@@ -139,6 +141,10 @@ class Launcher:
             if cfg.nnodes > 1:  # shared by every node, as the JIT checkpoints are
                 self.replica_dir = os.path.join(cfg.checkpoint_dir, f".jitckpt-replicas-{cfg.run_id}")
                 os.makedirs(self.replica_dir, mode=0o700, exist_ok=True)
+        # Each rank's state at its minibatch start (RNG, loader position), for a lost rank's survivors
+        # on this node (jitckpt.runtime.rank_state): tmpfs where there is one, removed at the end.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.rank_state_dir = tempfile.mkdtemp(prefix=f"jitckpt-ranks-{cfg.run_id}-", dir=shm)
         if cfg.snapshot_every:
             # The node's daemon runs it when there is one, so it outlives this launcher.
             self.keeper = self.daemon.keeper(cfg.node_rank) or KeeperSupervisor(
@@ -307,6 +313,7 @@ class Launcher:
         finally:
             self._stop_processes()
             self._take_worker_records()  # the last ones, written as the workers ended
+            shutil.rmtree(self.rank_state_dir, ignore_errors=True)
             if self.store_relay is not None:
                 self.store_relay.close()
                 if self.replica_dir and cfg.nnodes > 1 and cfg.node_rank == 0:
@@ -372,6 +379,7 @@ class Launcher:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
         # Restarted gloo workers must not read a previous generation's peer addresses.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        env[RANK_STATE_ENV] = self.rank_state_dir
         if "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(self.cfg.omp_num_threads)
             if self.cfg.nproc_per_node > 1 and not self._omp_warned:  # torchrun's warning, once

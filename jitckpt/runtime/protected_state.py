@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -179,6 +179,8 @@ class Protected:
         self.step = 0
         self._mid_minibatch = False
         self._rng_snapshot: Optional[dict] = None
+        # Called as f(step, rng) when a minibatch starts (its first forward): per-rank state boards.
+        self.on_minibatch: list[Callable[[int, dict], None]] = []
         self._buffer_snapshot: Optional[dict] = None
         # Buffers copied at each minibatch's start, for a save of it (none for an unsaved layout).
         self._has_buffers = self.unsupported is None and any(True for _ in model.buffers())
@@ -232,6 +234,8 @@ class Protected:
         self._stepped = False
         self._sched_epoch = getattr(self.scheduler, "last_epoch", None)
         self._rng_snapshot = rng_state()
+        for listener in self.on_minibatch:
+            listener(self.step, self._rng_snapshot)
         if self._has_buffers:
             self._buffer_snapshot = self._shared_next() or {
                 k: b.detach().clone() for k, b in self.model.named_buffers()}
