@@ -244,6 +244,17 @@ def test_death_after_exit_verdict_is_not_a_failure(tmp_path):
     assert res.ev("job_end")[-1]["status"] == "ok"
 
 
+def test_a_script_exiting_with_an_error_code_is_a_failure_not_a_finished_job(tmp_path):
+    """``sys.exit(2)`` (here: argparse refusing a flag) fails the rank, as under torchrun: the
+    launcher restarts it and, its restarts used up, the job fails (exit code 1)."""
+    res = run_job(tmp_path, nproc=2, launcher_args=[*HANG, "--max-restarts", "1"],
+                  script_args=["--no-such-flag"])
+    assert res.rc == 1, res.out[-4000:]
+    assert "unrecognized arguments: --no-such-flag" in res.out
+    assert len(res.ev("restart")) == 1 and not res.ev("death_after_verdict"), res.out[-4000:]
+    assert res.ev("job_end")[-1]["status"] != "ok"
+
+
 def torchrun_cmd(workdir: Path, script_args: list, max_restarts: int) -> list:
     return [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--max-restarts",
             str(max_restarts), str(TRAIN), "--out", str(workdir / "final.pt"), "--steps-log",

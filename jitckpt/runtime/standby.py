@@ -118,14 +118,20 @@ def serve() -> None:
         else:
             premapped.close()
     install_runtime(rt)
-    if msg.module:
-        sys.argv = argv
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-    else:
-        script = argv[0]
-        sys.argv = argv
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        runpy.run_path(script, run_name="__main__")
+    try:
+        if msg.module:
+            sys.argv = argv
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        else:
+            script = argv[0]
+            sys.argv = argv
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (0, None):
+            # sys.exit(2) (a bad flag) is a failed rank, as under torchrun: not a rank that finished.
+            rt.skip_exit_barrier()
+        raise
 
 
 if __name__ == "__main__":

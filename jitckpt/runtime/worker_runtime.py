@@ -858,6 +858,11 @@ class WorkerRuntime:
 
         threading.Thread(target=watch, name="jitckpt-peer-exit", daemon=True).start()
 
+    def skip_exit_barrier(self) -> None:
+        """This rank is ending with a failure the launcher sees in its exit code (``sys.exit(2)``):
+        it did not finish, so it does not tell the launcher it did."""
+        self._crashed = True
+
     def _exit_barrier(self) -> None:
         """At normal exit, wait until every rank finished or a failure is known.
 
