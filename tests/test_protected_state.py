@@ -177,3 +177,30 @@ def test_mark_step_marks_a_minibatch_protect_did_not_begin():
     rt.optimizer_pre_step()
     rt.mark_step(1)  # after an optimizer step the same number starts a new minibatch
     assert events == [("mark", 0), ("mark", 1), ("mark", 1)]
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional", "lbfgs"])
+def test_a_closure_steps_forward_and_backward_are_an_untouched_minibatch(how):
+    """optimizer.step(closure) (Lightning's automatic optimization, LBFGS) runs the forward and
+    backward inside the step: until the closure returns the state is the minibatch's start, so a
+    save there is taken (not refused as a torn step); after it, inside the update, it is torn."""
+    model = torch.nn.Linear(3, 1)
+    opt = (torch.optim.LBFGS(model.parameters(), max_iter=3) if how == "lbfgs"
+           else torch.optim.AdamW(model.parameters(), lr=0.1))
+    state = Protected(model, opt)
+    seen = []
+
+    def closure():
+        opt.zero_grad()
+        loss = model(torch.ones(2, 3)).square().sum()
+        loss.backward()
+        seen.append((state.step, state.untouched_mid_minibatch(), state.torn()))
+        return loss
+
+    for _ in range(2):
+        opt.step(closure=closure) if how == "keyword" else opt.step(closure)
+    for step in (0, 1):
+        calls = [(untouched, torn) for s, untouched, torn in seen if s == step]
+        assert calls[0] == (True, False), seen  # each step's first closure
+        assert all(c == (False, True) for c in calls[1:]), seen  # LBFGS's later calls are inside its update
+    assert state.step == 2 and not state.torn()

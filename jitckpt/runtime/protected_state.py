@@ -388,7 +388,25 @@ class Protected:
         self._mid_minibatch = True  # RNG and buffers are saved from the minibatch's start again
         return undone
 
-    def _before_step(self, *args: Any, **kwargs: Any) -> None:
+    def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
+        # args: (optimizer, *step's arguments), as torch's step wrapper passes them on.
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._enter_step()
+            return None
+        # optimizer.step(closure) (Lightning, LBFGS): this hook runs before the closure's forward
+        # and backward, which leave the state untouched; the step begins once the closure returns.
+        def closure_then_step() -> Any:
+            loss = closure()
+            if not self._in_step:  # LBFGS calls it again inside the step
+                self._enter_step()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_step}
+        return (args[0], closure_then_step, *args[2:]), kwargs
+
+    def _enter_step(self) -> None:
         self._in_step = True
         # The snapshot reads parameters and optimizer state: done before they change.
         if self._snapshots is not None and self._snapshots.taker is not None:
