@@ -128,7 +128,10 @@ class CollectiveHooks:
             torch.autograd.backward = self._backward(bw)
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
-        self._handles.append(register_optimizer_step_pre_hook(lambda *a, **k: self._step_began()))
+
+        from jitckpt.runtime.step_closure import begin_after_closure
+        self._handles.append(register_optimizer_step_pre_hook(
+            lambda opt, args, kwargs: begin_after_closure(args, kwargs, self._step_began)))
         self._handles.append(register_optimizer_step_post_hook(lambda *a, **k: self._step_done()))
 
     def install_functional_waits(self) -> None:

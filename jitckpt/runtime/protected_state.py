@@ -13,6 +13,7 @@ import torch
 
 from jitckpt.checkpoint_store import CheckpointError, read_meta
 from jitckpt.runtime.current import get_runtime, runtime_or_none
+from jitckpt.runtime.step_closure import begin_after_closure
 from jitckpt.runtime.ddp_buffers import rng_state, set_rng_state
 from jitckpt.runtime.sharded_layout import dtensor_layout
 from jitckpt.runtime.sharded_state import ShardedState, UnmappableLayout, newest_set, own_copy
@@ -389,22 +390,7 @@ class Protected:
         return undone
 
     def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
-        # args: (optimizer, *step's arguments), as torch's step wrapper passes them on.
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None:
-            self._enter_step()
-            return None
-        # optimizer.step(closure) (Lightning, LBFGS): this hook runs before the closure's forward
-        # and backward, which leave the state untouched; the step begins once the closure returns.
-        def closure_then_step() -> Any:
-            loss = closure()
-            if not self._in_step:  # LBFGS calls it again inside the step
-                self._enter_step()
-            return loss
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_step}
-        return (args[0], closure_then_step, *args[2:]), kwargs
+        return begin_after_closure(args, kwargs, self._enter_step)
 
     def _enter_step(self) -> None:
         self._in_step = True
