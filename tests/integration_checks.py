@@ -1,0 +1,33 @@
+"""What the framework integration tests (issue 45) share: a preempted job's JIT checkpoint."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from fault_harness import FAULTS, Job, Outcome, _inject, case_seed
+from framework_jobs import FrameworkConfig
+
+
+def preempted_checkpoint(workdir: Path, cfg: FrameworkConfig) -> tuple[dict, Path, list]:
+    """Run ``cfg``'s script under ``jitckpt run``, SIGTERM the launcher at a random step (a
+    preemption: every rank saves a JIT checkpoint and the job stops) and return the metadata of a
+    non-zero rank's checkpoint, the framework's entry inside it, and the harness's notes."""
+    fault = FAULTS["launcher_sigterm"]
+    out = Outcome(f"resume-outside-{cfg.id}", case_seed(f"resume-outside-{cfg.id}"))
+    rnd = random.Random(out.seed)
+    target = rnd.randint(3, cfg.steps - 4)
+    # Slow steps (the numbers are the same), so that the signal lands before training ends.
+    job = Job(workdir, cfg, ckpt=workdir / "ckpt", name="run1", script_args=("--step-sleep", "0.3"))
+    try:
+        _inject(job, fault, 0, target, rnd.random(), rnd, out)
+    finally:
+        problems = job.finish()
+    assert not problems and job.rc == fault.expect_rc, (problems, out.notes, job.output())
+    saved = sorted((workdir / "ckpt").glob("jit-*"))
+    metas = [json.loads((d / "jitckpt-meta.json").read_text()) for d in saved]
+    assert saved and len({m["step"] for m in metas}) == 1, (saved, job.output())
+    meta = metas[-1]
+    assert meta["rank"] != 0 and target <= meta["step"] <= target + 1 < cfg.steps, (meta, out.notes)
+    assert meta["entry"], meta
+    return meta, saved[-1] / meta["entry"], out.notes
