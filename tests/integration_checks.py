@@ -1,11 +1,12 @@
-"""What the framework integration tests (issue 45) share: a preempted job's JIT checkpoint."""
+"""What the framework integration tests (issue 45) share: a death at an exact point, and a
+preempted job's JIT checkpoint."""
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
 
-from fault_harness import FAULTS, Job, Outcome, _inject, case_seed
+from fault_harness import FAULTS, Fault, Job, Outcome, Reference, _check, _inject, case_seed, record
 from framework_jobs import FrameworkConfig
 
 
@@ -31,3 +32,16 @@ def preempted_checkpoint(workdir: Path, cfg: FrameworkConfig) -> tuple[dict, Pat
     assert meta["rank"] != 0 and target <= meta["step"] <= target + 1 < cfg.steps, (meta, out.notes)
     assert meta["entry"], meta
     return meta, saved[-1] / meta["entry"], out.notes
+
+
+def death_at(workdir: Path, reference: Reference, die: str, *, target: int) -> Outcome:
+    """Run the reference's script under ``jitckpt run`` with ``--die RANK:STEP:forward|end`` (the
+    rank SIGKILLs itself at that exact point) and check the recovery as the fault harness does."""
+    fault = Fault(f"die-{die}", sig=None)
+    out = Outcome(fault.name, 0)
+    job = Job(workdir, reference.cfg, ckpt=workdir / "ckpt", name="run1", script_args=("--die", die))
+    out.jobs.append(job)
+    out.problems += job.finish()
+    _check(out, reference, fault, [job], workdir / "ckpt", target)
+    record(out)
+    return out

@@ -17,9 +17,9 @@ import re
 import pytest
 import torch
 
-from fault_harness import FAULTS, Fault, Job, Outcome, _check, record, run_case
+from fault_harness import FAULTS, record, run_case
 from framework_jobs import FrameworkConfig, torchrun, torchrun_reference
-from integration_checks import preempted_checkpoint
+from integration_checks import death_at, preempted_checkpoint
 
 pytest.importorskip("lightning")
 pytest.importorskip("torchdata")
@@ -48,13 +48,7 @@ def test_lightning_job_recovers_from_a_sigkill_at_a_random_step_bitwise(referenc
 def test_lightning_job_recovers_from_a_death_at_an_exact_point_bitwise(reference, tmp_path, die):
     # 1:7:end and 0:8:forward: an epoch's end and the next one's first minibatch, where Lightning
     # restarts its loops from an epoch-end state and makes the next epoch's iterator afresh.
-    fault = Fault(f"die-{die}", sig=None)
-    out = Outcome(fault.name, 0)
-    job = Job(tmp_path, CFG, ckpt=tmp_path / "ckpt", name="run1", script_args=("--die", die))
-    out.jobs.append(job)
-    out.problems += job.finish()
-    _check(out, reference, fault, [job], tmp_path / "ckpt", EPOCH)
-    record(out)
+    out = death_at(tmp_path, reference, die, target=EPOCH)
     assert not out.problems, out.report()
 
 
@@ -64,6 +58,7 @@ def test_lightning_job_recovers_from_other_faults_bitwise(reference, tmp_path, f
     _run(tmp_path, reference, FAULTS[fault])
 
 
+@pytest.mark.slow
 def test_a_preempted_jobs_checkpoint_is_resumed_by_lightning_itself_outside_jitckpt(reference, tmp_path):
     meta, entry, notes = preempted_checkpoint(tmp_path, CFG)
     # ModelCheckpoint's name; an epoch's end is named for that epoch, as Lightning names it

@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
-from fault_harness import FAULTS, Fault, Job, Outcome, _check, record, run_case
+from fault_harness import FAULTS, record, run_case
 from framework_jobs import FrameworkConfig, torchrun, torchrun_reference
-from integration_checks import preempted_checkpoint
+from integration_checks import death_at, preempted_checkpoint
 from jobs import run_bounded
 
 pytest.importorskip("transformers")
@@ -40,6 +40,7 @@ def _run(tmp_path, reference, fault):
     return out
 
 
+@pytest.mark.slow  # make test runs the Lightning one (test_integration_lightning.py)
 def test_trainer_job_recovers_from_a_sigkill_at_a_random_step_bitwise(reference, tmp_path):
     _run(tmp_path, reference, FAULTS["sigkill"])
 
@@ -59,13 +60,7 @@ def test_trainer_job_recovers_from_a_death_at_an_exact_point_of_an_epoch_boundar
     # 0:8:forward: rank 0 dies in the new epoch's first minibatch, after it posted that minibatch's
     # RNG; its checkpoint must hold the RNG as the epoch began (found by the random case above).
     # 1:7:end: rank 1 dies once the epoch's last optimizer step is done; rank 0 saves step 8.
-    fault = Fault(f"die-{die}", sig=None)
-    out = Outcome(fault.name, 0)
-    job = Job(tmp_path, CFG, ckpt=tmp_path / "ckpt", name="run1", script_args=("--die", die))
-    out.jobs.append(job)
-    out.problems += job.finish()
-    _check(out, reference, fault, [job], tmp_path / "ckpt", EPOCH)
-    record(out)
+    out = death_at(tmp_path, reference, die, target=EPOCH)
     assert not out.problems, out.report()
 
 
@@ -75,6 +70,7 @@ def test_trainer_job_recovers_from_other_faults_bitwise(reference, tmp_path, fau
     _run(tmp_path, reference, FAULTS[fault])
 
 
+@pytest.mark.slow
 def test_a_preempted_jobs_checkpoint_is_resumed_by_trainer_itself_outside_jitckpt(reference, tmp_path):
     meta, entry, notes = preempted_checkpoint(tmp_path, CFG)
     assert entry.name == f"checkpoint-{meta['step']}" and entry.is_dir(), meta
@@ -90,6 +86,7 @@ def test_a_preempted_jobs_checkpoint_is_resumed_by_trainer_itself_outside_jitckp
     assert not diff, f"resumed outside jitckpt from step {meta['step']}: {diff} differ ({notes})"
 
 
+@pytest.mark.slow  # the same refusal, without a job, is in the fast test below
 def test_save_only_model_is_refused_when_the_trainer_is_built(tmp_path):
     rc, out = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                            str(CFG.script), "--save-only-model", "--steps", "1"], cwd=tmp_path, timeout=120)
@@ -99,6 +96,7 @@ def test_save_only_model_is_refused_when_the_trainer_is_built(tmp_path):
 
 
 @pytest.mark.parametrize("args,what", [
+    ({"save_only_model": True}, "save_only_model=True"),
     ({"fsdp": "full_shard"}, "an FSDP Trainer"),
     ({"deepspeed": "ds.json"}, "a DeepSpeed Trainer"),
     ({"fp16": True}, "fp16=True"),
@@ -111,4 +109,4 @@ def test_sharded_and_fp16_trainers_are_refused_naming_the_fix(args, what):
     targs = SimpleNamespace(**{"save_only_model": False, "deepspeed": None, "fsdp": None, "fp16": False, **args})
     with pytest.raises(ValueError, match=what) as e:
         JitCheckpointCallback().on_init_end(targs, None, None, model=torch.nn.Linear(1, 1))
-    assert "without JitCheckpointCallback" in str(e.value) or "Use bf16" in str(e.value)
+    assert any(fix in str(e.value) for fix in ("without JitCheckpointCallback", "Use bf16", "Remove save_only_model"))

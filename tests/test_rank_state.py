@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from jitckpt.integrations.versions import require
-from jitckpt.runtime.rank_state import ENV, RankStateBoard
+from jitckpt.runtime.rank_state import RankStateBoard
 from jobs import ROOT
 
 CHILD = """
 import os, sys, torch
 from jitckpt.runtime.rank_state import RankStateBoard
-board = RankStateBoard.from_env(1)
+board = RankStateBoard(directory=sys.argv[2], rank=1)
 for step in range(int(sys.argv[1])):
     board.publish(step, {"torch": torch.full((4,), step, dtype=torch.uint8)})
 os.kill(os.getpid(), 9)
@@ -23,8 +23,8 @@ os.kill(os.getpid(), 9)
 
 
 def test_a_killed_ranks_last_state_is_read_by_another(tmp_path):
-    env = {ENV: str(tmp_path), "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    p = subprocess.run([sys.executable, "-c", CHILD, "7"], env=env, timeout=120)
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    p = subprocess.run([sys.executable, "-c", CHILD, "7", str(tmp_path)], env=env, timeout=120)
     assert p.returncode == -9
     seen = RankStateBoard(directory=str(tmp_path), rank=0).read(1)
     assert seen is not None and seen.rank == 1 and seen.step == 6
@@ -41,9 +41,8 @@ def test_missing_torn_or_misfiled_states_read_as_missing(tmp_path):
     assert board.read(1) is None
 
 
-def test_no_board_outside_jitckpt_run(monkeypatch, tmp_path):
-    monkeypatch.delenv(ENV, raising=False)
-    assert RankStateBoard.from_env(0) is None
+def test_no_board_outside_jitckpt_run(tmp_path):
+    assert RankStateBoard.of_job(0) is None
     with pytest.raises(ValueError, match="not a directory"):
         RankStateBoard(directory=str(tmp_path / "nope"), rank=0)
 

@@ -134,16 +134,12 @@ class JitCheckpointCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         import jitckpt
         from jitckpt.integrations.rank_rngs import RankRngs
-        from jitckpt.runtime.current import get_runtime
+        from jitckpt.integrations.runtime_checks import require_jit_checkpoints
 
         why = _refusal(trainer)
         if why is not None:
             raise ValueError(f"jitckpt JitCheckpointCallback (lightning {VERSION}): {why}")
-        rt = get_runtime()
-        if rt.snapshots is not None:
-            raise ValueError("jitckpt JitCheckpointCallback: jitckpt run --snapshot-every keeps snapshots in "
-                             "jitckpt's own format, which Lightning cannot resume from; run without it (the JIT "
-                             "checkpoint after a failure is a Lightning .ckpt)")
+        require_jit_checkpoints("Lightning", "a Lightning .ckpt")
         wrapped = trainer.strategy.model  # DDP(the module): its forward runs every training_step
         self._prefix = next(name + "." for name, m in wrapped.named_modules() if m is pl_module) \
             if wrapped is not pl_module else ""
@@ -154,7 +150,7 @@ class JitCheckpointCallback(Callback):
         step = int(trainer.global_step)
         self._protected.step = self._protected._resumed_step = step
         self._trainer = trainer
-        self._rngs = RankRngs.from_env(rank=self._rank, world_size=int(trainer.world_size))
+        self._rngs = RankRngs.of_job(rank=self._rank, world_size=int(trainer.world_size))
         self._protected.on_minibatch.append(lambda s, rng: self._rngs.started(s, self._resume_rngs(s, rng)))
         if self._loaded is not None and self._loaded[0] == step:
             self._loops[step] = self._loaded[1:]  # what this run resumed from is what it would save

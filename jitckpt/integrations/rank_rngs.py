@@ -40,9 +40,9 @@ class RankRngs:
         self._own: dict[int, dict] = {}
 
     @classmethod
-    def from_env(cls, *, rank: int, world_size: int) -> "RankRngs":
+    def of_job(cls, *, rank: int, world_size: int) -> "RankRngs":
         """With the board ``jitckpt run`` made for this job (none outside it)."""
-        return cls(rank=rank, world_size=world_size, board=RankStateBoard.from_env(rank))
+        return cls(rank=rank, world_size=world_size, board=RankStateBoard.of_job(rank))
 
     def started(self, step: int, rng: dict) -> None:
         """Minibatch ``step`` starts with this rank's RNG ``rng`` (the state its resume loads)."""

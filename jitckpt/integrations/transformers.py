@@ -88,17 +88,13 @@ class JitCheckpointCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, train_dataloader: Any = None, **kwargs: Any) -> None:
         import jitckpt
-        from jitckpt.runtime.current import get_runtime
         from jitckpt.integrations.rank_rngs import RankRngs
+        from jitckpt.integrations.runtime_checks import require_jit_checkpoints
 
         why = _refusal(args, model)
         if why is not None:
             raise ValueError(f"jitckpt JitCheckpointCallback (transformers {VERSION}): {why}")
-        rt = get_runtime()
-        if rt.snapshots is not None:
-            raise ValueError("jitckpt JitCheckpointCallback: jitckpt run --snapshot-every keeps snapshots in "
-                             "jitckpt's own format, which Trainer cannot resume from; run without it (the JIT "
-                             "checkpoint after a failure is in Trainer's layout)")
+        require_jit_checkpoints("Trainer", "in Trainer's layout")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
         self._protected = jitckpt.protect(model, inner, lr_scheduler)
         if self._protected.unsupported is not None:
@@ -106,7 +102,7 @@ class JitCheckpointCallback(TrainerCallback):
         self._protected.step = self._protected._resumed_step = int(state.global_step)
         self._model, self._args, self._state = model, args, state
         self._rank, self._world = int(args.process_index), int(args.world_size)
-        self._rngs = RankRngs.from_env(rank=self._rank, world_size=self._world)
+        self._rngs = RankRngs.of_job(rank=self._rank, world_size=self._world)
         self._protected.on_minibatch.append(lambda step, rng: self._rngs.started(step, self._resume_rng(step, rng)))
         self._steps_per_epoch = self._update_steps_per_epoch(args, train_dataloader)
         jitckpt.init(self._save, step_fn=lambda: self._protected.step)

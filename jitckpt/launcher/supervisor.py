@@ -38,7 +38,6 @@ from jitckpt.protocol.control_messages import (Assign, ExitReady, FailureReport,
 from jitckpt.observability.events import EVENTS_FILE, EventLog
 from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
 from jitckpt.snapshot.premap import ENV_PREMAP
-from jitckpt.runtime.rank_state import ENV as RANK_STATE_ENV
 from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED
 from jitckpt.launcher.config import LaunchConfig, check_writable_dir
 from jitckpt.launcher.node_coordinator import SCALE_UP, NodeCoordinator
@@ -379,7 +378,6 @@ class Launcher:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
         # Restarted gloo workers must not read a previous generation's peer addresses.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        env[RANK_STATE_ENV] = self.rank_state_dir
         if "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(self.cfg.omp_num_threads)
             if self.cfg.nproc_per_node > 1 and not self._omp_warned:  # torchrun's warning, once
@@ -445,7 +443,8 @@ class Launcher:
                           run_dir=str(self.run_dir), hang_timeout=cfg.hang_timeout,
                           periodic_every=cfg.periodic_every, save_timeout=cfg.save_timeout,
                           plugins=cfg.plugins, host_store=not cfg.no_python, snapshot=snapshot,
-                          stage=stage, launcher_fsyncs=self.flusher is not None)
+                          stage=stage, launcher_fsyncs=self.flusher is not None,
+                          rank_state_dir=self.rank_state_dir)
 
     def _start_workers(self, launch: int, master: tuple[str, int]) -> None:
         role = "initial" if launch == 0 else "restart"

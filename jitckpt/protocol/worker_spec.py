@@ -97,6 +97,8 @@ class WorkerSpec:
     # One node: a JIT save returns once its files are in the page cache; the launcher fsyncs them
     # after the restart has begun (jitckpt.launcher.checkpoint_flush), for every JIT save reported.
     launcher_fsyncs: bool = False
+    # This node's rank-state board (jitckpt.runtime.rank_state), made by the launcher ("": none).
+    rank_state_dir: str = ""
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1 and 0 <= self.rank < self.world_size,

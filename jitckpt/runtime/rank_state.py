@@ -5,8 +5,9 @@ A JIT checkpoint is written by survivors, but a framework's resume (a Trainer's
 ``rng_state_<rank>.pth``) wants every rank's own RNG: a lost rank's is on this board. Each rank
 replaces its file at every minibatch start (tmpfs, a few KB: no disk, no collective); a rank
 killed mid-write leaves the previous file, never a torn one (write, then rename). ``jitckpt run``
-makes the directory (``$JITCKPT_RANK_STATE_DIR``, 0700, removed when the job ends); without it
-there is no board and a lost rank's state is said to be missing.
+makes the directory (0700, removed when the job ends) and names it in each worker's spec
+(``WorkerSpec.rank_state_dir``); without it there is no board and a lost rank's state is said to
+be missing.
 """
 from __future__ import annotations
 
@@ -14,9 +15,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
-
-ENV = "JITCKPT_RANK_STATE_DIR"
-
 
 @dataclass(frozen=True)
 class RankState:
@@ -32,14 +30,17 @@ class RankStateBoard:
 
     def __init__(self, *, directory: str, rank: int) -> None:
         if not os.path.isdir(directory):
-            raise ValueError(f"{ENV}={directory}: not a directory")
+            raise ValueError(f"rank-state board {directory}: not a directory")
         self.directory, self.rank = Path(directory), rank
         self._tmp = self.directory / f".rank{rank}.tmp"
 
     @classmethod
-    def from_env(cls, rank: int) -> Optional["RankStateBoard"]:
-        """The board ``jitckpt run`` made for this job, or None outside it."""
-        directory = os.environ.get(ENV)
+    def of_job(cls, rank: int) -> Optional["RankStateBoard"]:
+        """The board ``jitckpt run`` made for this job (its worker spec names it), or None outside it."""
+        from jitckpt.runtime.current import runtime_or_none
+
+        rt = runtime_or_none()
+        directory = rt.spec.rank_state_dir if rt is not None and rt.spec is not None else ""
         return cls(directory=directory, rank=rank) if directory else None
 
     def _path(self, rank: int) -> Path:

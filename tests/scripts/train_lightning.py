@@ -8,57 +8,30 @@ torchrun); ``--resume CKPT`` resumes with Lightning's own ``ckpt_path``, outside
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import signal
-import sys
-import time
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-p = argparse.ArgumentParser()
-p.add_argument("--steps", type=int, default=16)
-p.add_argument("--out", default="")
-p.add_argument("--steps-log", default="")
-p.add_argument("--without-jitckpt", action="store_true")
-p.add_argument("--resume", default="")
+from harness_flags import StepRecords, end, parser, save_final
+
+p = parser()
 p.add_argument("--keep-callback", action="store_true", help="with --without-jitckpt: keep JitCheckpointCallback "
                "(it restores every rank's RNG when resuming from jitckpt's checkpoint)")
-p.add_argument("--die", default="", help="RANK:STEP:forward|end: that rank SIGKILLs itself (first run only) after "
-               "its forward of minibatch STEP, or once optimizer step STEP is done")
-p.add_argument("--step-sleep", type=float, default=0.0, help="seconds slept at each step's start (numbers unchanged)")
 args = p.parse_args()
-rank = int(os.environ.get("RANK", "0"))
-gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def die(step: int, where: str) -> None:
-    if args.die and gen == 0 and args.die == f"{rank}:{step}:{where}":
-        os.kill(os.getpid(), signal.SIGKILL)
+records = StepRecords(args)
 
 
 class StepLog(L.Callback):
     """What the fault harness watches: when each rank begins and completes each step."""
 
-    def __init__(self) -> None:
-        self.f = open(args.steps_log, "a") if args.steps_log else None
-
-    def _log(self, **rec) -> None:  # type: ignore[no-untyped-def]
-        if self.f:
-            self.f.write(json.dumps({"gen": gen, "rank": rank, "pid": os.getpid(), "t": time.time(), **rec}) + "\n")
-            self.f.flush()
-
     def on_train_batch_start(self, trainer, module, batch, batch_idx):  # type: ignore[no-untyped-def]
-        self._log(begin=trainer.global_step)
-        time.sleep(args.step_sleep)  # a slow step, for a signal to land mid-training
+        records.began(trainer.global_step)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
-        self._log(step=trainer.global_step - 1)
-        die(trainer.global_step - 1, "end")
+        records.done(trainer.global_step - 1)
 
 
 class MLP(L.LightningModule):
@@ -71,7 +44,7 @@ class MLP(L.LightningModule):
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
-        die(self.trainer.global_step, "forward")
+        records.die(self.trainer.global_step, "forward")
         return loss
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
@@ -100,18 +73,5 @@ ckpt = args.resume or None
 if not args.without_jitckpt and not ckpt:
     ckpt = jitckpt.get_checkpoint_path()
 trainer.fit(model, loader, ckpt_path=ckpt)
-if rank == 0 and args.out:
-    final = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for i, st in trainer.optimizers[0].state_dict()["state"].items():
-        final.update({f"optim.{i}.{k}": v.clone() for k, v in st.items() if torch.is_tensor(v)})
-    torch.save(final, args.out)
-# As a user's script ends (the framework leaves the process group up).
-if torch.distributed.is_initialized():
-    torch.distributed.destroy_process_group()
-if args.without_jitckpt:
-    # A reference run must not fail after its work is done: torch's gloo teardown at interpreter
-    # exit now and then aborts ("terminate called without an active exception"). Under jitckpt
-    # run the exit barrier (atexit) must run, and such a death after it is no failure.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+save_final(model, trainer.optimizers[0], args.out)
+end(args.without_jitckpt)
