@@ -125,7 +125,7 @@ def mark_step(step: int) -> None:
 
 
 def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optional[dict] = None,
-            shard_id: int = 0, num_shards: int = 1) -> "Protected":
+            shard_id: int = 0, num_shards: int = 1, dataloader: Any = None) -> "Protected":
     """Make model, optimizer, scheduler, RNG states and step counter recoverable.
 
     Registers :meth:`Protected.save` with :func:`init`; call ``restore()`` on the result to resume.
@@ -141,6 +141,11 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     ``optimizer.step()``, or before the scheduler's step of the same minibatch) is undone by SWIFT
     update-undo before the JIT save, so the survivors still save the start of that minibatch;
     an optimizer without an exact inverse is refused here (:class:`jitckpt.swift.UpdateUndo`).
+    ``dataloader``: a loader with ``state_dict()``/``load_state_dict()`` (torchdata's
+    ``StatefulDataLoader``) iterated once per optimizer step; ``restore()`` puts it at the failed
+    minibatch (its state once the previous step was done), and the loop resumes at epoch
+    ``step // len(loader)``. Every rank loads the saver's state: right for a position that is the
+    same on every rank (a ``DistributedSampler``'s).
     """
     from jitckpt.runtime.protected_state import Protected, is_zero
 
@@ -169,7 +174,7 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
                     "jitckpt run --snapshot-every: DDP over sub-groups (%d groups: pipeline stages) is not "
                     "snapshotted in memory; a lost rank's state comes back from its DDP group's replicas", num_shards)
             snapshots = None  # the replicated tier holds whole replicas only
-    state = Protected(model, optimizer, scheduler, extra=extra, snapshots=snapshots)
+    state = Protected(model, optimizer, scheduler, extra=extra, snapshots=snapshots, dataloader=dataloader)
     if unmapped is not None:
         state.unsupported = unmapped
     if state.unsupported is not None:

@@ -21,7 +21,7 @@ TORCHRUN_TIMEOUT = 240.0
 class FrameworkConfig(Config):
     """A framework's script on ``nproc`` DDP ranks over gloo."""
 
-    framework: str = "transformers"  # tests/scripts/train_<framework>.py: transformers | lightning | accelerate
+    framework: str = "transformers"  # tests/scripts/train_<framework>.py: transformers | lightning | loader
 
     @property
     def script(self) -> Path:

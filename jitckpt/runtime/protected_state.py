@@ -136,7 +136,7 @@ class Protected:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any = None, *, extra: Optional[dict] = None,
-                 snapshots: Any = None) -> None:
+                 snapshots: Any = None, dataloader: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"protect(model=...): expected a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -151,7 +151,18 @@ class Protected:
                             "AOR protects a ZeRO group spanning the whole job only (no hybrid parallelism)")
         if scheduler is not None and not hasattr(scheduler, "state_dict"):
             raise TypeError("protect(scheduler=...): the scheduler needs state_dict()/load_state_dict()")
+        if dataloader is not None and not (hasattr(dataloader, "state_dict") and hasattr(dataloader, "load_state_dict")):
+            raise TypeError(f"protect(dataloader=...): a {type(dataloader).__name__} has no state_dict()/"
+                            "load_state_dict(), so its position cannot be saved; use torchdata's "
+                            "StatefulDataLoader (a drop-in DataLoader), or choose each step's data by step")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.dataloader = dataloader
+        # What a resume at each step loads, taken once the previous optimizer step is done (its
+        # batches are all drawn, the next minibatch's not yet): the loader's state (None: the next
+        # iter() starts an epoch afresh) and the RNG the loop goes on from, which the loader's
+        # iter() draws from at an epoch's start. The minibatch's own RNG is restored at its forward.
+        self._loader_states: dict[int, tuple[Any, dict]] = {0: (None, rng_state())} if dataloader is not None else {}
+        self._forward_rng: Optional[dict] = None  # a resume's, until the first forward
         layout = dtensor_layout(model)
         # DTensor state: saved as DCP shards, one copy of each shard a complete checkpoint.
         self.sharded: Optional[ShardedState] = None
@@ -176,6 +187,9 @@ class Protected:
                     num_shards=pos.num_shards, replica_id=pos.replica_id, mesh=pos.mesh,
                     protection=snapshots.protection)
             snapshots = None  # the replicated tier (SnapshotTaker) holds whole replicas only
+        if dataloader is not None and (self.sharded is not None or self._zero or snapshots is not None):
+            raise TypeError("protect(dataloader=...): not yet with DTensor-sharded models, a ZeroRedundancyOptimizer "
+                            "or jitckpt run --snapshot-every; drop dataloader= and choose each step's data by step")
         self.extra = dict(extra or {})
         self.step = 0
         self._mid_minibatch = False
@@ -234,6 +248,9 @@ class Protected:
             rt.mark_step(self.step)  # a safe point: may save (failure) or checkpoint (periodic)
         self._stepped = False
         self._sched_epoch = getattr(self.scheduler, "last_epoch", None)
+        if self._forward_rng is not None:  # a resume with dataloader=: the minibatch's RNG, now
+            set_rng_state(self._forward_rng)
+            self._forward_rng = None
         self._rng_snapshot = rng_state()
         for listener in self.on_minibatch:
             listener(self.step, self._rng_snapshot)
@@ -405,6 +422,8 @@ class Protected:
     def _on_step_done(self, *args: Any, **kwargs: Any) -> None:
         self._in_step = False
         self.step += 1
+        if self.dataloader is not None:
+            self._loader_states = {self.step: (self._loader_position(), rng_state())}
         self._mid_minibatch = False
         self._stepped = True
         if self._shard_snaps is not None and self._shard_snaps.due(self.step):
@@ -545,6 +564,16 @@ class Protected:
             return True
         return getattr(self.scheduler, "last_epoch", None) != self._sched_epoch
 
+    def _loader_position(self) -> Any:
+        """The loader's state as of now; None once its epoch is drawn out, so that a resume's next
+        iter() starts the next epoch instead of finishing the drawn-out one (and skipping an epoch)."""
+        state = self.dataloader.state_dict()
+        try:
+            drawn_out = isinstance(state, dict) and state.get("_num_yielded", -1) >= len(self.dataloader)
+        except TypeError:  # an iterable dataset: no length
+            drawn_out = False
+        return None if drawn_out else state
+
     # Save / load ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         model_sd = self.model.state_dict()
@@ -564,6 +593,13 @@ class Protected:
             "rng": rng,
             "extra": extra,
         }
+        if self.dataloader is not None:
+            position, loop_rng = self._loader_states[self.step]
+            # Inside the minibatch its forward's RNG is pinned; before it (a safe point at its
+            # forward, a collective after the previous step) the loop's own draws from loop_rng
+            # lead to it again.
+            out["dataloader"] = {"position": position, "rng": loop_rng,
+                                 "forward_rng": rng if self._mid_minibatch else None}
         if self._zero:
             # The wrapper's hyperparameters are what its step syncs into the local optimizer: a
             # scheduler changes them there, and scheduler.load_state_dict() does not set them.
@@ -691,6 +727,13 @@ class Protected:
                 self.extra[k] = v
         set_rng_state(sd["rng"])
         self.step = int(sd["step"])
+        if self.dataloader is not None and sd.get("dataloader") is not None:
+            position, loop_rng = sd["dataloader"]["position"], sd["dataloader"]["rng"]
+            if position is not None:
+                self.dataloader.load_state_dict(position)
+            set_rng_state(loop_rng)  # the loop's iter() and fetch come next, then the forward
+            self._forward_rng = sd["dataloader"]["forward_rng"]
+            self._loader_states = {self.step: (position, loop_rng)}
         self._mid_minibatch = False
         self._resumed_step = self.step
         return self.step
