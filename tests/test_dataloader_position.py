@@ -27,6 +27,7 @@ def reference(tmp_path_factory):
     return torchrun_reference(tmp_path_factory.mktemp("loader-ref"), CFG)
 
 
+@pytest.mark.slow  # make test's budget: the Lightning job's fault case runs there
 def test_a_loader_job_recovers_from_a_sigkill_at_a_random_step_bitwise(reference, tmp_path):
     out = run_case(tmp_path, reference, FAULTS["sigkill"])
     record(out)
