@@ -1,12 +1,14 @@
-"""What the framework integration tests (issue 45) share: a death at an exact point, and a
-preempted job's JIT checkpoint."""
+"""What the framework integration tests (issue 45) share: a fault case, a death at an exact point,
+a preempted job's JIT checkpoint, and a resumed run's final state against the reference."""
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
 
-from fault_harness import FAULTS, Fault, Job, Outcome, Reference, _check, _inject, case_seed, record
+import torch
+
+from fault_harness import FAULTS, Fault, Job, Outcome, Reference, _check, _inject, case_seed, record, run_case
 from framework_jobs import FrameworkConfig
 
 
@@ -45,3 +47,18 @@ def death_at(workdir: Path, reference: Reference, die: str, *, target: int) -> O
     _check(out, reference, fault, [job], workdir / "ckpt", target)
     record(out)
     return out
+
+
+def fault_case(workdir: Path, reference: Reference, fault: Fault) -> None:
+    """The fault harness's case of ``fault`` on the reference's script; fails naming its problems."""
+    out = run_case(workdir, reference, fault)
+    record(out)
+    assert not out.problems, out.report()
+
+
+def assert_same_final(final_path: Path, reference: Reference, what: str) -> None:
+    """Rank 0's final state at ``final_path`` is bitwise the failure-free run's."""
+    final = torch.load(final_path, weights_only=True)
+    assert final.keys() == reference.final.keys(), sorted(final.keys() ^ reference.final.keys())
+    diff = [k for k in final if not torch.equal(final[k], reference.final[k])]
+    assert not diff, f"{what}: {diff} differ from the failure-free run"

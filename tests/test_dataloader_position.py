@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fault_harness import FAULTS, record, run_case
+from fault_harness import FAULTS
 from framework_jobs import FrameworkConfig, torchrun_reference
-from integration_checks import death_at
+from integration_checks import death_at, fault_case
 
 pytest.importorskip("torchdata")
 
@@ -29,9 +29,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.slow  # make test's budget: the Lightning job's fault case runs there
 def test_a_loader_job_recovers_from_a_sigkill_at_a_random_step_bitwise(reference, tmp_path):
-    out = run_case(tmp_path, reference, FAULTS["sigkill"])
-    record(out)
-    assert not out.problems, out.report()
+    fault_case(tmp_path, reference, FAULTS["sigkill"])
 
 
 @pytest.mark.slow

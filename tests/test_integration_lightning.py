@@ -17,9 +17,9 @@ import re
 import pytest
 import torch
 
-from fault_harness import FAULTS, record, run_case
+from fault_harness import FAULTS
 from framework_jobs import FrameworkConfig, torchrun, torchrun_reference
-from integration_checks import death_at, preempted_checkpoint
+from integration_checks import assert_same_final, death_at, fault_case, preempted_checkpoint
 
 pytest.importorskip("lightning")
 pytest.importorskip("torchdata")
@@ -33,14 +33,9 @@ def reference(tmp_path_factory):
     return torchrun_reference(tmp_path_factory.mktemp("lightning-ref"), CFG)
 
 
-def _run(tmp_path, reference, fault):
-    out = run_case(tmp_path, reference, fault)
-    record(out)
-    assert not out.problems, out.report()
-
 
 def test_lightning_job_recovers_from_a_sigkill_at_a_random_step_bitwise(reference, tmp_path):
-    _run(tmp_path, reference, FAULTS["sigkill"])
+    fault_case(tmp_path, reference, FAULTS["sigkill"])
 
 
 @pytest.mark.slow
@@ -55,7 +50,7 @@ def test_lightning_job_recovers_from_a_death_at_an_exact_point_bitwise(reference
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["sigstop", "sigsegv", "recovery"])
 def test_lightning_job_recovers_from_other_faults_bitwise(reference, tmp_path, fault):
-    _run(tmp_path, reference, FAULTS[fault])
+    fault_case(tmp_path, reference, FAULTS[fault])
 
 
 @pytest.mark.slow
@@ -68,10 +63,8 @@ def test_a_preempted_jobs_checkpoint_is_resumed_by_lightning_itself_outside_jitc
     assert ckpt["global_step"] == meta["step"] and {"state_dict", "optimizer_states", "lr_schedulers", "loops",
                                                     "callbacks"} <= ckpt.keys()
     assert set(ckpt["callbacks"]["JitCheckpointCallback"]["rng"]) == {0, 1}  # every rank's RNG
-    final = torch.load(torchrun(tmp_path, CFG, "resumed", "--without-jitckpt", "--resume", str(entry),
-                                "--keep-callback"), weights_only=True)
-    diff = [k for k in final if not torch.equal(final[k], reference.final[k])]
-    assert final.keys() == reference.final.keys() and not diff, f"resumed from step {meta['step']}: {diff} ({notes})"
+    assert_same_final(torchrun(tmp_path, CFG, "resumed", "--without-jitckpt", "--resume", str(entry),
+                               "--keep-callback"), reference, f"resumed outside jitckpt from step {meta['step']} ({notes})")
 
 
 def test_a_sharded_strategy_is_refused_naming_the_fix():

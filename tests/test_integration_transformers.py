@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
-from fault_harness import FAULTS, record, run_case
+from fault_harness import FAULTS
 from framework_jobs import FrameworkConfig, torchrun, torchrun_reference
-from integration_checks import death_at, preempted_checkpoint
+from integration_checks import assert_same_final, death_at, fault_case, preempted_checkpoint
 from jobs import run_bounded
 
 pytest.importorskip("transformers")
@@ -33,16 +33,10 @@ def reference(tmp_path_factory):
     return torchrun_reference(tmp_path_factory.mktemp("hf-ref"), CFG)
 
 
-def _run(tmp_path, reference, fault):
-    out = run_case(tmp_path, reference, fault)
-    record(out)
-    assert not out.problems, out.report()
-    return out
-
 
 @pytest.mark.slow  # make test runs the Lightning one (test_integration_lightning.py)
 def test_trainer_job_recovers_from_a_sigkill_at_a_random_step_bitwise(reference, tmp_path):
-    _run(tmp_path, reference, FAULTS["sigkill"])
+    fault_case(tmp_path, reference, FAULTS["sigkill"])
 
 
 @pytest.mark.slow
@@ -50,7 +44,7 @@ def test_trainer_job_recovers_from_a_sigkill_at_a_random_step_bitwise(reference,
 def test_trainer_job_recovers_at_an_epoch_boundary_bitwise(reference, tmp_path, step):
     # Trainer loads a resumed epoch's RNG before the epoch draws its shuffle when the resume
     # point is an epoch's first step, after skipping otherwise: both are saved as Trainer wants.
-    _run(tmp_path, reference, dataclasses.replace(FAULTS["sigkill"], name=f"sigkill-step{step}",
+    fault_case(tmp_path, reference, dataclasses.replace(FAULTS["sigkill"], name=f"sigkill-step{step}",
                                                   window=(step, step)))
 
 
@@ -67,7 +61,7 @@ def test_trainer_job_recovers_from_a_death_at_an_exact_point_of_an_epoch_boundar
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["sigstop", "sigsegv", "recovery"])
 def test_trainer_job_recovers_from_other_faults_bitwise(reference, tmp_path, fault):
-    _run(tmp_path, reference, FAULTS[fault])
+    fault_case(tmp_path, reference, FAULTS[fault])
 
 
 @pytest.mark.slow
@@ -79,11 +73,8 @@ def test_a_preempted_jobs_checkpoint_is_resumed_by_trainer_itself_outside_jitckp
                  "rng_state_0.pth", "rng_state_1.pth", "training_args.bin"):
         assert (entry / name).is_file(), (name, sorted(p.name for p in entry.iterdir()))
     assert json.loads((entry / "trainer_state.json").read_text())["global_step"] == meta["step"]
-    final = torch.load(torchrun(tmp_path, CFG, "resumed", "--without-jitckpt", "--resume", str(entry)),
-                       weights_only=True)
-    assert final.keys() == reference.final.keys()
-    diff = [k for k in final if not torch.equal(final[k], reference.final[k])]
-    assert not diff, f"resumed outside jitckpt from step {meta['step']}: {diff} differ ({notes})"
+    assert_same_final(torchrun(tmp_path, CFG, "resumed", "--without-jitckpt", "--resume", str(entry)), reference,
+                      f"resumed outside jitckpt from step {meta['step']} ({notes})")
 
 
 @pytest.mark.slow  # the same refusal, without a job, is in the fast test below
