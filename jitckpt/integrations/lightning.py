@@ -148,7 +148,7 @@ class JitCheckpointCallback(Callback):
         if self._protected.unsupported is not None:
             return  # protect() said why; the job trains as without jitckpt
         step = int(trainer.global_step)
-        self._protected.step = self._protected._resumed_step = step
+        self._protected.resumed_by_framework(step)
         self._trainer = trainer
         self._rngs = RankRngs.of_job(rank=self._rank, world_size=int(trainer.world_size))
         self._protected.on_minibatch.append(lambda s, rng: self._rngs.started(s, self._resume_rngs(s, rng)))

@@ -99,7 +99,7 @@ class JitCheckpointCallback(TrainerCallback):
         self._protected = jitckpt.protect(model, inner, lr_scheduler)
         if self._protected.unsupported is not None:
             return  # protect() said why; the job trains as without jitckpt
-        self._protected.step = self._protected._resumed_step = int(state.global_step)
+        self._protected.resumed_by_framework(state.global_step)
         self._model, self._args, self._state = model, args, state
         self._rank, self._world = int(args.process_index), int(args.world_size)
         self._rngs = RankRngs.of_job(rank=self._rank, world_size=self._world)

@@ -738,6 +738,11 @@ class Protected:
         self._resumed_step = self.step
         return self.step
 
+    def resumed_by_framework(self, step: int) -> None:
+        """A framework's own resume (a Trainer's, Lightning's) loaded the state of minibatch ``step``
+        into the protected objects: count on from there, as :meth:`restore` does."""
+        self.step = self._resumed_step = int(step)
+
     def _load_zero_hyperparameters(self, sd: dict) -> None:
         """ZeRO, after its partitions are loaded: the wrapper's hyperparameters as they were. The
         partition loader copies the local optimizer's, which a scheduler step after the last
