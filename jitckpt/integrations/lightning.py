@@ -30,50 +30,10 @@ VERSION = require("lightning", extra="lightning", at_least="2.0", below="3")
 import torch  # noqa: E402  (after the version check: its error is the one to see)
 from lightning.pytorch import Callback  # noqa: E402
 
+from jitckpt.integrations.data_rng import data_rng, set_data_rng  # noqa: E402
+
 log = logging.getLogger("jitckpt.lightning")
 ENTRY = "epoch={epoch}-step={step}.ckpt"  # ModelCheckpoint's default file name
-
-
-def _sampler_generators(loader: Any) -> list:
-    """The ``torch.Generator`` objects a loader's samplers draw their order from (torchdata's
-    RandomSampler seeds its own once and advances it at every iter(); Lightning wraps a sampler
-    for DDP), found along sampler attributes only, never inside a dataset's data."""
-    found: list = []
-    seen: set = set()
-    todo = [(loader, 0)]
-    while todo:
-        obj, depth = todo.pop(0)
-        if obj is None or id(obj) in seen or depth > 6:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Generator):
-            found.append(obj)
-            continue
-        for name in ("generator", "batch_sampler", "sampler", "_sampler"):
-            todo.append((getattr(obj, name, None), depth + 1))
-        if isinstance(obj, torch.utils.data.Sampler) and depth > 0:
-            todo.append((getattr(obj, "dataset", None), depth + 1))  # Lightning's DistributedSamplerWrapper
-    return found
-
-
-def _data_rng(loaders: list) -> dict:
-    """What a loader's next iter() draws its order from: the global RNG and its samplers' generators."""
-    from jitckpt.runtime.ddp_buffers import rng_state
-
-    return {"global": rng_state(), "samplers": [g.get_state() for dl in loaders for g in _sampler_generators(dl)]}
-
-
-def _set_data_rng(loaders: list, state: dict) -> None:
-    from jitckpt.runtime.ddp_buffers import set_rng_state
-
-    set_rng_state(state["global"])
-    gens = [g for dl in loaders for g in _sampler_generators(dl)]
-    if len(gens) != len(state["samplers"]):
-        log.warning("resuming: the data loader's samplers have %d random generators, the checkpoint %d: its "
-                    "order is not the interrupted run's", len(gens), len(state["samplers"]))
-        return
-    for g, st in zip(gens, state["samplers"]):
-        g.set_state(st)
 
 
 def _refusal(trainer: Any) -> Optional[str]:
@@ -129,7 +89,7 @@ class JitCheckpointCallback(Callback):
         # Next come the restore of the training state and the first epoch's iter() (a resume makes
         # that iterator again in on_train_start).
         source = trainer.fit_loop._data_source.instance  # the user's loader: Lightning wraps its sampler
-        self._iter_rng = (int(trainer.global_step), _data_rng([source]))
+        self._iter_rng = (int(trainer.global_step), data_rng([source]))
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         import jitckpt
@@ -169,11 +129,11 @@ class JitCheckpointCallback(Callback):
             # (seen: epoch 1 shuffled as epoch 2): the sampler gets the epoch that runs.
             for dl in loaders:
                 _set_sampler_epoch(dl, trainer.current_epoch)
-            _set_data_rng(loaders, self._pending_iter)
+            set_data_rng(loaders, self._pending_iter)
             self._pending_iter = None
             self._first_epoch = False
         if not self._first_epoch:  # a later epoch's iterator is made after this hook
-            self._iter_rng = (int(trainer.global_step), _data_rng(loaders))
+            self._iter_rng = (int(trainer.global_step), data_rng(loaders))
         self._first_epoch = False
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -228,9 +188,9 @@ class JitCheckpointCallback(Callback):
             for dl in loaders:
                 _set_sampler_epoch(dl, fit.epoch_progress.current.processed)
             if self._pending_iter is not None:
-                _set_data_rng(loaders, self._pending_iter)
+                set_data_rng(loaders, self._pending_iter)
                 self._pending_iter = None
-            self._iter_rng = (int(trainer.global_step), _data_rng(loaders))
+            self._iter_rng = (int(trainer.global_step), data_rng(loaders))
             iter(fit._data_fetcher)  # resets the fetcher's count, which the epoch loop's start sets again
         n, t0 = int(fit.epoch_loop.batch_progress.current.ready), time.monotonic()
         for _ in range(n):
@@ -248,7 +208,7 @@ class JitCheckpointCallback(Callback):
         if it is not None and (it[0] == step or self._loops_epoch_end(step) is False):
             iter_rng = it[1]
         else:
-            iter_rng = _data_rng(self._trainer.fit_loop._combined_loader.flattened)
+            iter_rng = data_rng(self._trainer.fit_loop._combined_loader.flattened)
         return {"iter": iter_rng, "batch": rng}
 
     def _loops_epoch_end(self, step: int) -> Optional[bool]:

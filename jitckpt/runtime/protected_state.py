@@ -743,6 +743,11 @@ class Protected:
         into the protected objects: count on from there, as :meth:`restore` does."""
         self.step = self._resumed_step = int(step)
 
+    def pin_forward_rng(self, rng: dict) -> None:
+        """The next minibatch's first forward starts from RNG state ``rng`` (a resume whose loop
+        draws differently from the interrupted run's before that forward: a skipped data loader)."""
+        self._forward_rng = rng
+
     def _load_zero_hyperparameters(self, sd: dict) -> None:
         """ZeRO, after its partitions are loaded: the wrapper's hyperparameters as they were. The
         partition loader copies the local optimizer's, which a scheduler step after the last
