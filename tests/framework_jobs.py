@@ -21,7 +21,8 @@ TORCHRUN_TIMEOUT = 240.0
 class FrameworkConfig(Config):
     """A framework's script on ``nproc`` DDP ranks over gloo."""
 
-    framework: str = "transformers"  # tests/scripts/train_<framework>.py: transformers | lightning | loader
+    framework: str = "transformers"  # tests/scripts/train_<framework>.py: transformers | lightning | accelerate | loader
+    flags: tuple = ()                # the script's own, in every run of it
 
     @property
     def script(self) -> Path:
@@ -33,10 +34,10 @@ class FrameworkConfig(Config):
 
     @property
     def id(self) -> str:
-        return f"{self.framework}-{self.nproc}r"
+        return "-".join([self.framework, *(f.lstrip("-") for f in self.flags), f"{self.nproc}r"])
 
     def script_args(self) -> list:
-        return ["--steps", str(self.steps)]
+        return ["--steps", str(self.steps), *self.flags]
 
 
 def torchrun(workdir: Path, cfg: FrameworkConfig, name: str, *args: str) -> Path:

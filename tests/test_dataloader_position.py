@@ -5,7 +5,9 @@ chosen by step (tests/scripts/train_loader.py).
 A worker SIGKILLed from outside at a random step, or at an exact point inside an epoch, at an
 epoch's end and in the next epoch's first minibatch: exit 0, at most one minibatch redone, final
 weights and AdamW state bitwise equal to a failure-free torchrun run of the same loop without
-jitckpt. A loader without ``state_dict()`` is refused naming the fix.
+jitckpt. A plain ``DataLoader`` (no ``state_dict()``) is fast-forwarded: its epoch's iterator made
+again, the batches already trained on read past, with a warning of what that cost. Anything else
+without ``state_dict()`` is refused naming the fix.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from integration_checks import death_at, fault_case
 pytest.importorskip("torchdata")
 
 CFG = FrameworkConfig(framework="loader", nproc=2)
+PLAIN = FrameworkConfig(framework="loader", nproc=2, flags=("--plain",))
 EPOCH = 8  # batches per epoch and rank: 64 samples, 2 ranks, 4 per batch
 
 
@@ -41,10 +44,40 @@ def test_a_loader_job_recovers_from_a_death_at_an_exact_point_bitwise(reference,
     assert not out.problems, out.report()
 
 
-def test_a_loader_without_state_is_refused_naming_the_fix():
+@pytest.fixture(scope="module")
+def plain_reference(tmp_path_factory):
+    return torchrun_reference(tmp_path_factory.mktemp("plain-loader-ref"), PLAIN)
+
+
+def test_a_plain_loader_job_recovers_inside_an_epoch_bitwise(plain_reference, tmp_path):
+    # A plain DataLoader(shuffle=True) draws its order from the global RNG at each iter(): the
+    # resume makes the epoch's iterator again from that RNG and reads past the batches done.
+    out = death_at(tmp_path, plain_reference, "1:5:forward", target=EPOCH)
+    assert not out.problems, out.report()
+    log = "\n".join(job.output() for job in out.jobs)
+    assert "read past the 5 batches of it already trained on" in log, log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("die", ["0:7:end", "1:8:forward", "0:11:end"])
+def test_a_plain_loader_job_recovers_at_an_epoch_boundary_and_after_it_bitwise(plain_reference, tmp_path, die):
+    out = death_at(tmp_path, plain_reference, die, target=EPOCH)
+    assert not out.problems, out.report()
+
+
+def test_a_loader_without_state_that_is_no_dataloader_is_refused_naming_the_fix():
     from jitckpt.runtime.protected_state import Protected
 
     model = torch.nn.Linear(2, 1)
-    loader = torch.utils.data.DataLoader(list(range(4)))
-    with pytest.raises(TypeError, match="DataLoader has no state_dict.*StatefulDataLoader"):
-        Protected(model, torch.optim.SGD(model.parameters(), lr=0.1), dataloader=loader)
+    with pytest.raises(TypeError, match="a list is no torch DataLoader.*StatefulDataLoader"):
+        Protected(model, torch.optim.SGD(model.parameters(), lr=0.1), dataloader=[1, 2])
+
+
+def test_a_plain_loader_stays_a_dataloader_and_yields_the_same_batches():
+    from jitckpt.runtime.protected_state import Protected
+
+    model = torch.nn.Linear(2, 1)
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    Protected(model, torch.optim.SGD(model.parameters(), lr=0.1), dataloader=loader)
+    assert isinstance(loader, torch.utils.data.DataLoader) and len(loader) == 4
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]

@@ -151,12 +151,15 @@ class Protected:
                             "AOR protects a ZeRO group spanning the whole job only (no hybrid parallelism)")
         if scheduler is not None and not hasattr(scheduler, "state_dict"):
             raise TypeError("protect(scheduler=...): the scheduler needs state_dict()/load_state_dict()")
-        if dataloader is not None and not (hasattr(dataloader, "state_dict") and hasattr(dataloader, "load_state_dict")):
-            raise TypeError(f"protect(dataloader=...): a {type(dataloader).__name__} has no state_dict()/"
-                            "load_state_dict(), so its position cannot be saved; use torchdata's "
+        stateful = hasattr(dataloader, "state_dict") and hasattr(dataloader, "load_state_dict")
+        if dataloader is not None and not stateful and not isinstance(dataloader, torch.utils.data.DataLoader):
+            raise TypeError(f"protect(dataloader=...): a {type(dataloader).__name__} is no torch DataLoader and has "
+                            "no state_dict()/load_state_dict(), so its position cannot be saved; use torchdata's "
                             "StatefulDataLoader (a drop-in DataLoader), or choose each step's data by step")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.dataloader = dataloader
+        # A plain DataLoader: its epoch's start is recorded, and a resume reads past the batches done.
+        self._fast_forward: Any = None
         # What a resume at each step loads, taken once the previous optimizer step is done (its
         # batches are all drawn, the next minibatch's not yet): the loader's state (None: the next
         # iter() starts an epoch afresh) and the RNG the loop goes on from, which the loader's
@@ -190,6 +193,10 @@ class Protected:
         if dataloader is not None and (self.sharded is not None or self._zero or snapshots is not None):
             raise TypeError("protect(dataloader=...): not yet with DTensor-sharded models, a ZeroRedundancyOptimizer "
                             "or jitckpt run --snapshot-every; drop dataloader= and choose each step's data by step")
+        if dataloader is not None and not stateful:
+            from jitckpt.runtime.loader_fast_forward import FastForward
+
+            self._fast_forward = FastForward(dataloader, lambda: self.step)
         self.extra = dict(extra or {})
         self.step = 0
         self._mid_minibatch = False
@@ -567,6 +574,8 @@ class Protected:
     def _loader_position(self) -> Any:
         """The loader's state as of now; None once its epoch is drawn out, so that a resume's next
         iter() starts the next epoch instead of finishing the drawn-out one (and skipping an epoch)."""
+        if self._fast_forward is not None:
+            return self._fast_forward.position(self.step)
         state = self.dataloader.state_dict()
         try:
             drawn_out = isinstance(state, dict) and state.get("_num_yielded", -1) >= len(self.dataloader)
@@ -729,10 +738,18 @@ class Protected:
         self.step = int(sd["step"])
         if self.dataloader is not None and sd.get("dataloader") is not None:
             position, loop_rng = sd["dataloader"]["position"], sd["dataloader"]["rng"]
-            if position is not None:
+            if position is not None and self._fast_forward is not None:
+                self._fast_forward.resume_at(position["skip"])
+            elif position is not None:
                 self.dataloader.load_state_dict(position)
             set_rng_state(loop_rng)  # the loop's iter() and fetch come next, then the forward
             self._forward_rng = sd["dataloader"]["forward_rng"]
+            if position is not None and self._fast_forward is not None:
+                # The epoch's iterator is made again from the RNG it was made from; reading past
+                # its first batches draws otherwise than training on them did: the minibatch's
+                # RNG is pinned (at a step's end it is the loop's then: nothing draws before it).
+                set_rng_state(position["iter_rng"])
+                self._forward_rng = self._forward_rng or loop_rng
             self._loader_states = {self.step: (position, loop_rng)}
         self._mid_minibatch = False
         self._resumed_step = self.step

@@ -1,6 +1,6 @@
 """A hand-written DDP loop whose data position is a data loader's, not "data chosen by step": an MLP
-with dropout, AdamW and StepLR, a ``StatefulDataLoader`` over a ``DistributedSampler(shuffle=True)``,
-two epochs, with ``jitckpt.protect(ddp, opt, sched, dataloader=loader)``.
+with dropout, AdamW and StepLR, a ``StatefulDataLoader`` over a ``DistributedSampler(shuffle=True)`` (``--plain``: a
+plain ``DataLoader(shuffle=True)`` over the rank's half of the data), two epochs, with ``jitckpt.protect(ddp, opt, sched, dataloader=loader)``.
 
 The flags are tests/fault_harness.py's (tests/scripts/harness_flags.py). ``--without-jitckpt`` runs
 the same loop with no jitckpt at all (the failure-free reference under torchrun).
@@ -16,6 +16,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from harness_flags import StepRecords, end, parser, save_final
 
 p = parser()
+p.add_argument("--plain", action="store_true", help="a plain torch DataLoader (no state_dict): fast-forwarded")
 args = p.parse_args()
 records = StepRecords(args)
 dist.init_process_group("gloo")
@@ -27,8 +28,12 @@ sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
 g = torch.Generator().manual_seed(1)
 x = torch.randn(64, 8, generator=g)
 data = list(zip(x, x.sum(dim=1, keepdim=True).sin()))
-sampler = DistributedSampler(data, shuffle=True, seed=0)
-loader = StatefulDataLoader(data, batch_size=4, sampler=sampler)
+if args.plain:  # this rank's half, shuffled at each iter() from the global RNG (a RandomSampler)
+    sampler = None
+    loader = torch.utils.data.DataLoader(data[dist.get_rank()::dist.get_world_size()], batch_size=4, shuffle=True)
+else:
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    loader = StatefulDataLoader(data, batch_size=4, sampler=sampler)
 step = 0
 if not args.without_jitckpt:
     import jitckpt
@@ -36,7 +41,8 @@ if not args.without_jitckpt:
     state = jitckpt.protect(model, opt, sched, dataloader=loader)
     step = state.restore()  # model, optimizer, scheduler, RNG and the loader's position
 for epoch in range(step // len(loader), -(-args.steps // len(loader))):
-    sampler.set_epoch(epoch)
+    if sampler is not None:
+        sampler.set_epoch(epoch)
     for xb, yb in loader:
         if step >= args.steps:
             break
