@@ -107,6 +107,7 @@ def test_a_job_whose_every_checkpoint_is_bad_says_it_starts_again_from_step_0(tm
     assert sorted({r["step"] for r in res.log if "step" in r}) == [0, 1]  # from scratch
 
 
+@pytest.mark.slow  # make test's 15-minute budget: checkpoint pruning stays fast in test_checkpoint_store
 def test_named_jobs_keep_their_own_checkpoints_and_finished_jobs_leave_no_jit(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     stale = ckpt / "A" / ".tmp-jit-g0000-r00001-s3-999999999-1"  # a save killed half-way, long ago
@@ -149,6 +150,7 @@ def _restore_as(ckpt: Path, rank: int) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # make test's 15-minute budget: quarantine and fall-back stay fast in the other tests here
 def test_a_shard_that_cannot_load_its_copy_stops_rather_than_resume_elsewhere(tmp_path):
     """Shard 1's copy of step 4 is garbage. Shard 0 loads step 4; shard 1 must not resume at
     step 2 beside it: it stops (the job restarts), and after that every shard chooses step 2."""

@@ -49,6 +49,7 @@ def plain_reference(tmp_path_factory):
     return torchrun_reference(tmp_path_factory.mktemp("plain-loader-ref"), PLAIN)
 
 
+@pytest.mark.slow  # make test's 15-minute budget: the fast-forward's unit test stays fast
 def test_a_plain_loader_job_recovers_inside_an_epoch_bitwise(plain_reference, tmp_path):
     # A plain DataLoader(shuffle=True) draws its order from the global RNG at each iter(): the
     # resume makes the epoch's iterator again from that RNG and reads past the batches done.
@@ -81,3 +82,22 @@ def test_a_plain_loader_stays_a_dataloader_and_yields_the_same_batches():
     Protected(model, torch.optim.SGD(model.parameters(), lr=0.1), dataloader=loader)
     assert isinstance(loader, torch.utils.data.DataLoader) and len(loader) == 4
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_a_plain_loaders_resume_reads_past_the_batches_done_and_remakes_the_epochs_order(caplog):
+    from jitckpt.runtime.ddp_buffers import set_rng_state
+    from jitckpt.runtime.loader_fast_forward import FastForward
+
+    loader = torch.utils.data.DataLoader(list(range(12)), batch_size=2, shuffle=True)
+    steps = iter(range(100))
+    ff = FastForward(loader, lambda: next(steps))
+    torch.manual_seed(3)
+    epoch = [b.tolist() for b in loader]  # the shuffle draws from the global RNG at iter()
+    where = ff.position(2)  # two batches of this epoch trained on
+    assert where is not None and where["skip"] == 2 and ff.position(6) is None  # 6: drawn out
+    torch.manual_seed(4)  # a restarted process's RNG, until the resume sets it
+    ff.resume_at(where["skip"])
+    set_rng_state(where["iter_rng"])
+    with caplog.at_level("WARNING", logger="jitckpt.protect"):
+        assert [b.tolist() for b in loader] == epoch[2:]
+    assert "read past the 2 batches of it already trained on" in caplog.text

@@ -26,7 +26,7 @@ DROPOUT_FAULTS = ["sigkill", "sigstop", "exception", "launcher_sigterm"]
 # broadcast by DDP): a death and a hang (GIL held at a random point). A preemption and its resume is
 # in tests/test_preemption.py's fast tests, and on BatchNorm in the slow matrix.
 FAST_CONFIG = Config("bn", "protect", 2)
-FAST = [("sigkill", FAST_CONFIG), ("gil", FAST_CONFIG)]
+FAST = [("sigkill", FAST_CONFIG)]  # the GIL case is slow: make test's 15-minute budget
 
 SLOW = [(f, c) for c in MATRIX_CONFIGS for f in FAULTS if (f, c) not in FAST]
 SLOW += [(f, DROPOUT) for f in DROPOUT_FAULTS]

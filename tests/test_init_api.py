@@ -35,6 +35,7 @@ def test_init_job_recovery_is_summarized_and_periodic_warns(tmp_path):
     assert res.ev("step") or run.last_step is None
 
 
+@pytest.mark.slow  # make test's 15-minute budget: test_preemption's non-zero exit case stays fast
 def test_rank_leaving_with_exit_code_0_is_its_failure(tmp_path):
     """sys.exit(0) in the middle of training: the rank waits in jitckpt's exit barrier, its peers
     in a collective it will never join. That is reported as that rank's failure within

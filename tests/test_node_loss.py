@@ -221,6 +221,7 @@ def _in_threads(*fns) -> list:  # type: ignore[no-untyped-def]
     return out
 
 
+@pytest.mark.slow  # make test's 15-minute budget: the node-range and replacement tests on etcd stay fast
 def test_without_node_ranks_a_replacement_takes_the_lost_slot_on_etcd(tmp_path: Path, etcd_cluster) -> None:
     """NodeCoordinator on etcd, no --node-rank: two launchers take slots 0 and 1; slot 0's (the
     controller's) is lost. Two new launchers started at once find every slot taken, watch the

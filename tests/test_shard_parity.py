@@ -56,7 +56,7 @@ class ParityCluster(SimCluster):
     script = ROOT / "tests" / "scripts" / "shard_parity_worker.py"
 
 
-@pytest.mark.parametrize("lost", [[2], pytest.param([1, 2], marks=pytest.mark.slow)], ids=["one-node", "two-nodes"])
+@pytest.mark.parametrize("lost", [pytest.param([2], marks=pytest.mark.slow), pytest.param([1, 2], marks=pytest.mark.slow)], ids=["one-node", "two-nodes"])
 def test_a_lost_nodes_shard_comes_back_from_parity_bitwise(tmp_path, lost):
     c = ParityCluster(tmp_path, nodes=4, ranks_per_node=1, scheme="aec")
     try:

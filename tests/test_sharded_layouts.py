@@ -180,7 +180,8 @@ def test_shard_snapshots_lost_with_their_keeper_fall_back_to_disk_and_say_why(tm
     assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
 
 
-@pytest.mark.parametrize("standby", ["warm", pytest.param("none", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("standby", [pytest.param("warm", marks=pytest.mark.slow),  # make test's 15-minute budget
+                                     pytest.param("none", marks=pytest.mark.slow)])
 def test_a_compiled_model_keeps_its_step_boundary_and_resumes_bitwise(tmp_path, standby):
     """torch.compile traces a module's hooks: protect()'s minibatch boundary ran once, at trace time,
     and every periodic save failed inside dynamo. The hook now runs eagerly at every step: with the
@@ -212,6 +213,7 @@ def test_a_layout_on_meshes_jitckpt_cannot_map_trains_as_under_torchrun_and_says
     assert_bitwise(torch.load(res.workdir / "final.pt", weights_only=True), want)
 
 
+@pytest.mark.slow  # make test's 15-minute budget: FSDP2 and HSDP deaths stay fast
 def test_a_preempted_fsdp2_job_saves_every_shard_resumes_bitwise_and_exports_plain_dcp(tmp_path):
     """SIGTERM to a worker: every rank saves its shard at its next minibatch boundary, the job stops
     (143); run again, it resumes there. The checkpoint, exported, is read by a plain

@@ -95,7 +95,7 @@ def reference(tmp_path_factory):
     # Every rank's RNG state differs (a script seeding by rank) and node 0 is lost: AEC's XOR
     # decode of its part mixed two ranks' RNG bytes from node 2's part, and the difference landed
     # in node 0's part at the same offset; the snapshot now holds rank 0's RNG on every rank.
-    ("aec", 2, 0, ["--rank-rng"])])
+    pytest.param("aec", 2, 0, ["--rank-rng"], marks=pytest.mark.slow)])  # make test's 15-minute budget
 def test_node_loss_resumes_from_in_memory_snapshot(reference, tmp_path, protection, kill_at, lost, extra):
     inject = [a for r in range(NODES) for a in ("--inject", f"0:{r}:{kill_at}:{'node' if r == lost else 'kill'}")]
     _, events = run_nodes(tmp_path, "fail", protection, inject + extra)
@@ -151,6 +151,7 @@ def one_node_reference(tmp_path_factory):
     return torch.load(tmp / "ref-final.pt", weights_only=True)
 
 
+@pytest.mark.slow  # make test's 15-minute budget: a node's keeper restore stays fast in test_snapshot_nodes
 def test_one_node_two_ranks_killed_at_once_resume_from_their_keeper(one_node_reference, tmp_path):
     """One node, two ranks, both SIGKILLed at the same step (no survivor to JIT-save from): the
     keeper outlives them, and both ranks read the newest snapshot's objects from it, each verified
@@ -318,6 +319,7 @@ def test_zero_failure_restores_partitions_through_aor(zero_reference, tmp_path, 
         assert torch.equal(final[k], zero_reference[k]), f"parameter {k} differs from the failure-free run; restores {restores}"
 
 
+@pytest.mark.slow  # make test's 15-minute budget: ZeRO's AOR stays fast in test_snapshot_aor
 def test_zero_log_mode_replays_a_lost_node_partition_and_resumes_at_the_failed_step(zero_reference, tmp_path):
     """--snapshot-zero log (copy every 2 steps, gradients logged every step): node 2 (rank and
     keeper) is lost before its forward of step KILL_AT; the survivors, blocked in that step's

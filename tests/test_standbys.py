@@ -33,6 +33,7 @@ def test_every_worker_is_a_process_of_its_own_child_of_the_launcher(tmp_path: Pa
     assert ranks[0]["numpy"] != ranks[1]["numpy"] and ranks[0]["random"] != ranks[1]["random"], ranks
 
 
+@pytest.mark.slow  # make test's 15-minute budget: standbys stay fast in the other tests here and in every e2e recovery
 def test_a_failure_soon_after_the_first_step_restarts_on_ready_standbys_bitwise(tmp_path: Path) -> None:
     """Rank 1 killed at its 7th step, 0.6 s into training, under protect() and under the paper's
     init() API: the standbys were forked once both ranks trained, so the restart found them ready

@@ -202,6 +202,7 @@ def kill_a_proxy_mid_training(jobs, tmp: Path, name: str, steps: int, **extra: s
     return job, worker
 
 
+@pytest.mark.slow  # make test's 15-minute budget: a collective failure's recovery stays fast
 def test_a_proxy_killed_mid_training_is_rebuilt_from_a_replica(jobs, reference, tmp_path: Path) -> None:
     """From outside: SIGKILL one worker's proxy at a random moment of training (issue 16 case 3). Its
     parameters were only in that proxy: the others, whose all-reduce hangs, learn it through the
