@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import psutil
+import pytest
 from jobs import run_job
 
 from jitckpt.observability.report import load_run
