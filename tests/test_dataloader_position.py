@@ -21,7 +21,7 @@ from integration_checks import death_at, fault_case
 pytest.importorskip("torchdata")
 
 CFG = FrameworkConfig(framework="loader", nproc=2)
-PLAIN = FrameworkConfig(framework="loader", nproc=2, flags=("--plain",))
+PLAIN = FrameworkConfig(framework="loader", nproc=2, flags=("--loader", "shuffle"))
 EPOCH = 8  # batches per epoch and rank: 64 samples, 2 ranks, 4 per batch
 
 
@@ -63,6 +63,23 @@ def test_a_plain_loader_job_recovers_inside_an_epoch_bitwise(plain_reference, tm
 @pytest.mark.parametrize("die", ["0:7:end", "1:8:forward", "0:11:end"])
 def test_a_plain_loader_job_recovers_at_an_epoch_boundary_and_after_it_bitwise(plain_reference, tmp_path, die):
     out = death_at(tmp_path, plain_reference, die, target=EPOCH)
+    assert not out.problems, out.report()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, die", [
+    (("--loader", "plain"), "1:5:forward"),  # a plain DataLoader over a DistributedSampler
+    (("--loader", "shuffle", "--rank-seed"), "1:5:forward"),
+    (("--loader", "shuffle", "--rank-seed"), "0:7:end"),
+    (("--loader", "stateful", "--rank-seed"), "0:10:forward")],
+    ids=["plain-distributed-sampler", "rank-seeded-inside", "rank-seeded-end", "rank-seeded-stateful"])
+def test_each_rank_resumes_with_its_own_rng_and_position_bitwise(tmp_path, flags, die):
+    # --rank-seed: every rank's dropout (and its shuffle) draws from an RNG of its own. The rank
+    # that saves writes every rank's resume state from the node's rank-state board (posted at each
+    # step's end and minibatch start), and each rank resumes with its own: with the saver's, the
+    # lost rank's draws would differ.
+    reference = torchrun_reference(tmp_path / "ref", FrameworkConfig(framework="loader", nproc=2, flags=flags))
+    out = death_at(tmp_path / "run", reference, die, target=EPOCH)
     assert not out.problems, out.report()
 
 

@@ -51,9 +51,11 @@ class RankRngs:
         if self.board is not None:
             self.board.publish(step, rng)
 
-    def at(self, step: int, own: dict) -> dict[int, Any]:
+    def at(self, step: int, own: dict, *, unknown: str = "the resume starts rank {rank} with a fresh RNG, so its "
+           "random draws (dropout) differ from an uninterrupted run") -> dict[int, Any]:
         """Every rank's RNG at the start of minibatch ``step`` that is known, by rank (``own``:
-        this rank's); a rank left out is logged as not known."""
+        this rank's); a rank left out is logged as not known, with ``unknown`` (what its resume
+        does then; ``{rank}`` is filled in)."""
         out: dict[int, Any] = {self.rank: own}
         for r in range(self.world_size):
             if r == self.rank:
@@ -70,7 +72,6 @@ class RankRngs:
             else:
                 where = ("jitckpt run's rank-state board has no entry for it" if seen is None else
                          f"its last entry is of step {seen.step}")
-                log.warning("JIT checkpoint of step %d: rank %d's RNG state is not known (%s); the resume starts "
-                            "rank %d with a fresh RNG, so its random draws (dropout) differ from an "
-                            "uninterrupted run", step, r, where, r)
+                log.warning("JIT checkpoint of step %d: rank %d's RNG state is not known (%s); %s", step, r, where,
+                            unknown.format(rank=r))
         return out

@@ -197,8 +197,19 @@ class Protected:
             from jitckpt.runtime.loader_fast_forward import FastForward
 
             self._fast_forward = FastForward(dataloader, lambda: self.step)
+        # With dataloader=, each rank's own resume state (its loader's position, the RNG its loop goes
+        # on from), posted to the node's rank-state board once each step is done: the rank that
+        # saves writes every rank's, and each resumes with its own (a script seeding by rank).
+        self._rank_states: Any = None
+        if dataloader is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            from jitckpt.integrations.rank_rngs import RankRngs
+
+            states = RankRngs.of_job(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size())
+            self._rank_states = states if states.board is not None else None
         self.extra = dict(extra or {})
         self.step = 0
+        if self._rank_states is not None:
+            self._rank_states.started(0, self._own_resume(None))
         self._mid_minibatch = False
         self._rng_snapshot: Optional[dict] = None
         # Called as f(step, rng) when a minibatch starts (its first forward): per-rank state boards.
@@ -431,6 +442,8 @@ class Protected:
         self.step += 1
         if self.dataloader is not None:
             self._loader_states = {self.step: (self._loader_position(), rng_state())}
+            if self._rank_states is not None:
+                self._rank_states.started(self.step, self._own_resume(None))
         self._mid_minibatch = False
         self._stepped = True
         if self._shard_snaps is not None and self._shard_snaps.due(self.step):
@@ -571,6 +584,14 @@ class Protected:
             return True
         return getattr(self.scheduler, "last_epoch", None) != self._sched_epoch
 
+    def _own_resume(self, forward_rng: Optional[dict]) -> dict:
+        """What a resume at ``self.step`` loads on this rank (``dataloader=``): the loader's state
+        and the RNG the loop goes on from, taken when the previous step was done, and the
+        minibatch's forward RNG when it is known (inside the minibatch; before it, at a safe point
+        at its forward or a collective after the previous step, see :meth:`_load_rest`)."""
+        position, loop_rng = self._loader_states[self.step]
+        return {"position": position, "rng": loop_rng, "forward_rng": forward_rng}
+
     def _loader_position(self) -> Any:
         """The loader's state as of now; None once its epoch is drawn out, so that a resume's next
         iter() starts the next epoch instead of finishing the drawn-out one (and skipping an epoch)."""
@@ -603,12 +624,12 @@ class Protected:
             "extra": extra,
         }
         if self.dataloader is not None:
-            position, loop_rng = self._loader_states[self.step]
-            # Inside the minibatch its forward's RNG is pinned; before it (a safe point at its
-            # forward, a collective after the previous step) the loop's own draws from loop_rng
-            # lead to it again.
-            out["dataloader"] = {"position": position, "rng": loop_rng,
-                                 "forward_rng": rng if self._mid_minibatch else None}
+            own = self._own_resume(rng if self._mid_minibatch else None)
+            out["dataloader"] = dict(own)
+            if self._rank_states is not None:
+                out["dataloader"]["ranks"] = self._rank_states.at(
+                    self.step, own, unknown="rank {rank} resumes with this rank's RNG and loader position, so its "
+                    "random draws and data differ from an uninterrupted run where they differ from this rank's")
         if self._zero:
             # The wrapper's hyperparameters are what its step syncs into the local optimizer: a
             # scheduler changes them there, and scheduler.load_state_dict() does not set them.
@@ -737,23 +758,42 @@ class Protected:
         set_rng_state(sd["rng"])
         self.step = int(sd["step"])
         if self.dataloader is not None and sd.get("dataloader") is not None:
-            position, loop_rng = sd["dataloader"]["position"], sd["dataloader"]["rng"]
+            resume = self._resume_of_this_rank(sd["dataloader"], int(sd["step"]))
+            position, loop_rng = resume["position"], resume["rng"]
             if position is not None and self._fast_forward is not None:
                 self._fast_forward.resume_at(position["skip"])
             elif position is not None:
                 self.dataloader.load_state_dict(position)
             set_rng_state(loop_rng)  # the loop's iter() and fetch come next, then the forward
-            self._forward_rng = sd["dataloader"]["forward_rng"]
+            self._forward_rng = resume["forward_rng"]
             if position is not None and self._fast_forward is not None:
                 # The epoch's iterator is made again from the RNG it was made from; reading past
-                # its first batches draws otherwise than training on them did: the minibatch's
-                # RNG is pinned (at a step's end it is the loop's then: nothing draws before it).
+                # its first batches draws otherwise than training on them did.
                 set_rng_state(position["iter_rng"])
-                self._forward_rng = self._forward_rng or loop_rng
+            if position is not None and self._forward_rng is None:
+                # Inside an epoch the resumed iter() draws where the interrupted loop drew nothing
+                # (it went on with its iterator): the minibatch's RNG is the loop's at the step's
+                # end (a loader whose fetch draws, random augmentation, is not covered).
+                self._forward_rng = loop_rng
             self._loader_states = {self.step: (position, loop_rng)}
         self._mid_minibatch = False
         self._resumed_step = self.step
         return self.step
+
+    @staticmethod
+    def _resume_of_this_rank(saved: dict, step: int) -> dict:
+        """This rank's own resume state in a checkpoint's ``dataloader`` entry: from its ``ranks``
+        (every rank's, where the saver knew them), else the saver's, said in the log."""
+        ranks = saved.get("ranks")
+        if ranks is None:
+            return saved  # written without a rank-state board (outside jitckpt run, one rank)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank in ranks:
+            return ranks[rank]
+        log.warning("resuming at step %d: this rank's (%d) RNG and loader position were not known to the rank that "
+                    "saved (lost with this rank); it resumes with that rank's, so its random draws and data differ "
+                    "from an uninterrupted run where they differ from that rank's", step, rank)
+        return saved
 
     def resumed_by_framework(self, step: int) -> None:
         """A framework's own resume (a Trainer's, Lightning's) loaded the state of minibatch ``step``

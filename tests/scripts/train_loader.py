@@ -1,6 +1,6 @@
 """A hand-written DDP loop whose data position is a data loader's, not "data chosen by step": an MLP
-with dropout, AdamW and StepLR, a ``StatefulDataLoader`` over a ``DistributedSampler(shuffle=True)`` (``--plain``: a
-plain ``DataLoader(shuffle=True)`` over the rank's half of the data), two epochs, with ``jitckpt.protect(ddp, opt, sched, dataloader=loader)``.
+with dropout, AdamW and StepLR, a ``StatefulDataLoader`` over a ``DistributedSampler(shuffle=True)`` (``--loader``: or a plain
+``DataLoader``, fast-forwarded), two epochs, with ``jitckpt.protect(ddp, opt, sched, dataloader=loader)``.
 
 The flags are tests/fault_harness.py's (tests/scripts/harness_flags.py). ``--without-jitckpt`` runs
 the same loop with no jitckpt at all (the failure-free reference under torchrun).
@@ -16,7 +16,12 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from harness_flags import StepRecords, end, parser, save_final
 
 p = parser()
-p.add_argument("--plain", action="store_true", help="a plain torch DataLoader (no state_dict): fast-forwarded")
+p.add_argument("--loader", default="stateful", choices=["stateful", "plain", "shuffle"],
+               help="stateful: a StatefulDataLoader over a DistributedSampler(shuffle=True); plain: a torch "
+                    "DataLoader (no state_dict: fast-forwarded) over the same sampler; shuffle: a DataLoader("
+                    "shuffle=True) over this rank's half of the data (its order drawn from the global RNG)")
+p.add_argument("--rank-seed", action="store_true", help="seed torch's RNG by rank after building the model "
+               "(every rank's dropout, and with --loader shuffle its order, differ)")
 args = p.parse_args()
 records = StepRecords(args)
 dist.init_process_group("gloo")
@@ -28,12 +33,15 @@ sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
 g = torch.Generator().manual_seed(1)
 x = torch.randn(64, 8, generator=g)
 data = list(zip(x, x.sum(dim=1, keepdim=True).sin()))
-if args.plain:  # this rank's half, shuffled at each iter() from the global RNG (a RandomSampler)
+if args.loader == "shuffle":  # this rank's half, shuffled at each iter() from the global RNG (a RandomSampler)
     sampler = None
     loader = torch.utils.data.DataLoader(data[dist.get_rank()::dist.get_world_size()], batch_size=4, shuffle=True)
 else:
     sampler = DistributedSampler(data, shuffle=True, seed=0)
-    loader = StatefulDataLoader(data, batch_size=4, sampler=sampler)
+    kind = StatefulDataLoader if args.loader == "stateful" else torch.utils.data.DataLoader
+    loader = kind(data, batch_size=4, sampler=sampler)
+if args.rank_seed:
+    torch.manual_seed(100 + dist.get_rank())
 step = 0
 if not args.without_jitckpt:
     import jitckpt
