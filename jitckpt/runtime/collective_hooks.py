@@ -116,6 +116,15 @@ class CollectiveHooks:
         # gone raises in the call itself, before any wait.
         for name in ("send", "recv", "isend", "irecv", "batch_isend_irecv"):
             self._wrap(dist, name, "collective", _distributed)
+        # P2POp accepts only the c10d module's own isend/irecv (torch.distributed.pipelining passes
+        # dist.isend): they become the same wrappers, or every P2POp of a pipeline job would raise.
+        from torch.distributed import distributed_c10d as c10d
+
+        for name in ("isend", "irecv"):
+            wrapped = getattr(dist, name, None)
+            if hasattr(wrapped, "__jitckpt_wrapped__") and getattr(c10d, name, None) is not wrapped:
+                self._saved.append((c10d, name, getattr(c10d, name)))
+                setattr(c10d, name, wrapped)
         self._wrap(DDP, "__init__", "ddp_init", after=self._ddp_constructed)
         sink = self._sink
         self._wrap(DDP, "_pre_forward", "ddp_forward", after=self._ddp_forward_began)
