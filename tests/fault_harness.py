@@ -386,6 +386,7 @@ FAULTS = {f.name: f for f in [
     Fault("exception", usr1="raise", sig=signal.SIGUSR1),
     Fault("optim", usr1="optim", sig=signal.SIGUSR1),
     Fault("backward", usr1="backward", sig=signal.SIGUSR1),
+    Fault("reduce_scatter", usr1="reduce_scatter", sig=signal.SIGUSR1),
     Fault("recovery", second=True, restarts=2),
     Fault("step1", window=(0, 0)),
     Fault("after_barrier_abort", sig=None, exit_fault="abort", restarts=0),

@@ -26,9 +26,9 @@ DROPOUT_FAULTS = ["sigkill", "sigstop", "exception", "launcher_sigterm"]
 # broadcast by DDP): a death and a hang (GIL held at a random point). A preemption and its resume is
 # in tests/test_preemption.py's fast tests, and on BatchNorm in the slow matrix.
 FAST_CONFIG = Config("bn", "protect", 2)
-FAST = [("sigkill", FAST_CONFIG)]  # the GIL case is slow: make test's 15-minute budget
+FAST = [("sigkill", FAST_CONFIG)]  # the GIL case is slow (make test's 15-minute budget)
 
-SLOW = [(f, c) for c in MATRIX_CONFIGS for f in FAULTS if (f, c) not in FAST]
+SLOW = [(f, c) for c in MATRIX_CONFIGS for f in FAULTS if (f, c) not in FAST and f != "reduce_scatter"]  # DDP has none
 SLOW += [(f, DROPOUT) for f in DROPOUT_FAULTS]
 # FSDP2 on a 2x2 HSDP mesh (issue 44): a lost rank's shards come back from its replica group. (A
 # death of each layout is in test_sharded_layouts' fast tests.)
@@ -51,6 +51,9 @@ SLOW += [(f, c) for c in NO_REPLICA for f in HSDP_FAULTS]
 # A death inside backward, with the later layers' reduce-scatters issued (not for PP: the script's
 # middle of the model is in stage 0 only).
 SLOW += [("backward", c) for c in [HSDP, *NO_REPLICA] if c.parallel != "pp"]
+# A death right after issuing a gradient reduce-scatter (FSDP2's, asynchronous): the peers are inside
+# it. Pipeline stages x FSDP2 too: each stage's backward reduce-scatters.
+SLOW += [("reduce_scatter", c) for c in [HSDP, *NO_REPLICA] if c.parallel in ("hsdp", "fsdp", "fsdp_tp", "pp")]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ parameters and buffers can be compared bitwise with a failure-free run's. Faults
     optim   SIGKILL itself inside the next optimizer.step(), after the gradient all-reduce
     backward  SIGKILL itself inside the next backward, in the middle of the model: the layers after
             it have issued their gradient reduction (FSDP2's reduce-scatters, DDP's buckets)
+    reduce_scatter  SIGKILL itself right after issuing its next reduce-scatter (FSDP2's gradient
+            reduction, asynchronous): the peers are inside that collective
 * ``--exit-fault GEN:RANK:MODE``: RANK of launch GEN dies once it passed jitckpt's exit barrier:
     abort   SIGABRT from a libc exit handler, after the interpreter has finalized
     kill    SIGKILL from a Python atexit handler that runs after jitckpt's exit barrier
@@ -56,7 +58,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--parallel", default="ddp", choices=["ddp", "hsdp", "fsdp", "tp", "fsdp_tp", "pp", "pp_ddp"])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--phase-sleep", type=float, default=0.0)
-    p.add_argument("--on-usr1", default="", choices=["", "gil", "raise", "optim", "backward"])
+    p.add_argument("--on-usr1", default="", choices=["", "gil", "raise", "optim", "backward", "reduce_scatter"])
     p.add_argument("--exit-fault", default="", metavar="GEN:RANK:MODE")
     p.add_argument("--out", default="")
     p.add_argument("--steps-log", default="")
@@ -78,6 +80,24 @@ class Sleep(nn.Module):
 
 
 KILL_IN_BACKWARD = {"armed": False}  # --on-usr1 backward, once SIGUSR1 came
+KILL_IN_REDUCE_SCATTER = {"armed": False}  # --on-usr1 reduce_scatter, once SIGUSR1 came
+
+
+def kill_in_reduce_scatter() -> None:
+    """--on-usr1 reduce_scatter: once armed, the next reduce-scatter is issued and this rank SIGKILLs
+    itself before returning it (FSDP2 looks ``dist.reduce_scatter_single`` up at each call)."""
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+
+        def issue_then_die(*args, _fn=fn, **kwargs):  # type: ignore[no-untyped-def]
+            work = _fn(*args, **kwargs)
+            if KILL_IN_REDUCE_SCATTER["armed"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return work
+
+        setattr(dist, name, issue_then_die)
 
 
 class _SleepBackward(torch.autograd.Function):
@@ -235,8 +255,11 @@ def main() -> None:
             ctypes.PyDLL(None).sleep(3600)  # PyDLL keeps the GIL: no Python thread here runs
         armed["fire"] = True
         KILL_IN_BACKWARD["armed"] = args.on_usr1 == "backward"
+        KILL_IN_REDUCE_SCATTER["armed"] = args.on_usr1 == "reduce_scatter"
 
     signal.signal(signal.SIGUSR1, on_usr1)
+    if args.on_usr1 == "reduce_scatter":
+        kill_in_reduce_scatter()
 
     def check_raise() -> None:
         if armed["fire"] and args.on_usr1 == "raise":
