@@ -165,14 +165,20 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
         except DdpGroupError as e:
             found, unmapped = None, f"{e}. The job trains as under torchrun; a failure restarts it from step 0"
         if found is not None:
+            import logging
+
             shard_id, num_shards = found
             rt.step_sync = _step_sync()
             if snapshots is not None and rt.rank == 0:
-                import logging
-
                 logging.getLogger("jitckpt.protect").warning(
-                    "jitckpt run --snapshot-every: DDP over sub-groups (%d groups: pipeline stages) is not "
-                    "snapshotted in memory; a lost rank's state comes back from its DDP group's replicas", num_shards)
+                    "jitckpt run --snapshot-every: ranks holding different states (%d: pipeline stages) are not "
+                    "snapshotted in memory; a lost rank's state comes back from the ranks holding the same", num_shards)
+            if num_shards == rt.world_size and not rt.periodic_every and rt.rank == 0:
+                logging.getLogger("jitckpt.protect").warning(
+                    "jitckpt.protect(): each of the %d ranks holds a state no other rank holds (pipeline stages without "
+                    "data parallelism): after a lost rank its state exists nowhere else, so the job restarts from "
+                    "step 0 (a preemption still saves every rank's). Run with --periodic-every N to lose at most N "
+                    "steps, or give each stage data-parallel replicas (DDP over each stage's group)", num_shards)
             snapshots = None  # the replicated tier holds whole replicas only
     state = Protected(model, optimizer, scheduler, extra=extra, snapshots=snapshots, dataloader=dataloader)
     if unmapped is not None:

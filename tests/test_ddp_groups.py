@@ -1,6 +1,7 @@
 """Pipeline stages as plain modules, each in DDP over its own data-parallel group: protect() tells
 the stages apart by their DDP groups (ddp_groups.ddp_shards), so a stage never resumes from
-another stage's checkpoint. End to end: test_fault_matrix's pp_ddp cases (slow)."""
+another stage's checkpoint; without DDP, by their parameters. End to end: test_fault_matrix's
+pp_ddp cases (slow)."""
 from __future__ import annotations
 
 import json
@@ -37,3 +38,15 @@ def test_ranks_outside_every_ddp_group_are_refused_on_every_rank_with_the_fix(tm
     got = shards(tmp_path, "mixed")
     assert all("do not split the job into disjoint groups" in got[r].get("error", "") for r in range(4)), got
     assert "pass shard_id/num_shards" in got[0]["error"]
+
+
+@pytest.mark.parametrize("layout,want", [("plain-stages", [[0, 2], [0, 2], [1, 2], [1, 2]]),
+                                         pytest.param("plain-pp", [[0, 4], [1, 4], [2, 4], [3, 4]],
+                                                      marks=pytest.mark.slow),
+                                         pytest.param("plain-replicas", [None] * 4, marks=pytest.mark.slow)])
+def test_without_ddp_ranks_whose_parameters_differ_are_shards_of_their_own(tmp_path, layout, want):
+    # Stage modules without DDP (or DTensor) were taken for replicas of each other: after a
+    # failure a stage resumed from another stage's checkpoint (a crash, or with equal shapes a
+    # silent mix). plain-stages: the same shapes, other parameters.
+    got = shards(tmp_path, layout)
+    assert [got[r].get("shards") for r in range(4)] == want, got
