@@ -74,3 +74,16 @@ def test_a_sharded_strategy_is_refused_naming_the_fix():
 
     trainer = SimpleNamespace(strategy=object(), optimizers=[object()], lr_scheduler_configs=[], precision="32-true")
     assert "strategy object" in _refusal(trainer) and "strategy='ddp'" in _refusal(trainer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, die", [(("--accum", "2"), "1:5:forward"), (("--accum", "2"), "0:3:end"),
+                                        (("--validate",), "1:5:forward"), (("--validate",), "0:3:end")],
+                         ids=["accum-inside", "accum-epoch-end", "validate-after-val", "validate-before-val"])
+def test_lightning_job_with_accumulation_or_validation_recovers_bitwise(tmp_path, flags, die):
+    # --accum 2: two batches per optimizer step (an epoch of 4 steps). --validate: a validation
+    # loop at each half epoch inside fit (after steps 3 and 7 of each epoch of 8).
+    cfg = FrameworkConfig(framework="lightning", nproc=2, flags=flags)
+    reference = torchrun_reference(tmp_path / "ref", cfg)
+    out = death_at(tmp_path / "run", reference, die, target=EPOCH)
+    assert not out.problems, out.report()

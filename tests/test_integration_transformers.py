@@ -101,3 +101,14 @@ def test_sharded_and_fp16_trainers_are_refused_naming_the_fix(args, what):
     with pytest.raises(ValueError, match=what) as e:
         JitCheckpointCallback().on_init_end(targs, None, None, model=torch.nn.Linear(1, 1))
     assert any(fix in str(e.value) for fix in ("without JitCheckpointCallback", "Use bf16", "Remove save_only_model"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("die", ["1:5:forward", "0:4:forward", "1:3:end"])
+def test_trainer_job_with_gradient_accumulation_recovers_bitwise(tmp_path, die):
+    # Two batches per optimizer step (an epoch of 4 steps): the JIT checkpoint holds the start of
+    # the failed step's first batch, and Trainer's resume skips the batches of the steps done.
+    cfg = FrameworkConfig(framework="transformers", nproc=2, flags=("--accum", "2"))
+    reference = torchrun_reference(tmp_path / "ref", cfg)
+    out = death_at(tmp_path / "run", reference, die, target=4)
+    assert not out.problems, out.report()

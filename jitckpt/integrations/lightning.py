@@ -121,14 +121,15 @@ class JitCheckpointCallback(Callback):
         jitckpt.init(self._save, step_fn=lambda: self._protected.step)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        loaders = trainer.fit_loop._combined_loader.flattened
-        if self._pending_iter is not None:  # a resume at this epoch's start
-            from lightning.fabric.utilities.data import _set_sampler_epoch
+        from lightning.fabric.utilities.data import _set_sampler_epoch
 
-            # Lightning's restore from an epoch's end counts that epoch twice in the sampler's epoch
-            # (seen: epoch 1 shuffled as epoch 2): the sampler gets the epoch that runs.
-            for dl in loaders:
-                _set_sampler_epoch(dl, trainer.current_epoch)
+        loaders = trainer.fit_loop._combined_loader.flattened
+        # Lightning's restore from an epoch's end counts that epoch twice in the sampler's epoch
+        # (seen: epoch 1 shuffled as epoch 2, and with more epochs every later one as the next): the
+        # sampler gets the epoch that runs, as in a run without a restore.
+        for dl in loaders:
+            _set_sampler_epoch(dl, trainer.current_epoch)
+        if self._pending_iter is not None:  # a resume at this epoch's start
             set_data_rng(loaders, self._pending_iter)
             self._pending_iter = None
             self._first_epoch = False

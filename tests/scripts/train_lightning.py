@@ -20,6 +20,8 @@ from harness_flags import StepRecords, end, parser, save_final
 p = parser()
 p.add_argument("--keep-callback", action="store_true", help="with --without-jitckpt: keep JitCheckpointCallback "
                "(it restores every rank's RNG when resuming from jitckpt's checkpoint)")
+p.add_argument("--accum", type=int, default=1, help="accumulate_grad_batches (batches per optimizer step)")
+p.add_argument("--validate", action="store_true", help="a validation loop twice per epoch, inside fit")
 args = p.parse_args()
 records = StepRecords(args)
 
@@ -47,6 +49,10 @@ class MLP(L.LightningModule):
         records.die(self.trainer.global_step, "forward")
         return loss
 
+    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
@@ -68,10 +74,12 @@ model = MLP()
 trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                     strategy=DDPStrategy(process_group_backend="gloo"), max_steps=args.steps,
                     callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, num_sanity_val_steps=0)
+                    enable_model_summary=False, num_sanity_val_steps=0, accumulate_grad_batches=args.accum,
+                    **({"val_check_interval": 0.5} if args.validate else {"limit_val_batches": 0}))
 ckpt = args.resume or None
 if not args.without_jitckpt and not ckpt:
     ckpt = jitckpt.get_checkpoint_path()
-trainer.fit(model, loader, ckpt_path=ckpt)
+val = StatefulDataLoader(data[:16], batch_size=4) if args.validate else None
+trainer.fit(model, loader, val, ckpt_path=ckpt)
 save_final(model, trainer.optimizers[0], args.out)
 end(args.without_jitckpt)

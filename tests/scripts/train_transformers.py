@@ -17,6 +17,7 @@ from harness_flags import StepRecords, end, parser, save_final
 
 p = parser()
 p.add_argument("--save-only-model", action="store_true")
+p.add_argument("--accum", type=int, default=1, help="gradient_accumulation_steps (batches per optimizer step)")
 args = p.parse_args()
 records = StepRecords(args)
 
@@ -44,7 +45,7 @@ targs = TrainingArguments(
     output_dir=tempfile.mkdtemp(prefix="hf-out-"), per_device_train_batch_size=4, max_steps=args.steps,
     learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=2, save_strategy="no", logging_steps=4,
     report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, ddp_backend="gloo",
-    save_only_model=args.save_only_model, disable_tqdm=True)
+    save_only_model=args.save_only_model, disable_tqdm=True, gradient_accumulation_steps=args.accum)
 callbacks: list = [StepLog()]
 resume = args.resume or None
 if not args.without_jitckpt:
