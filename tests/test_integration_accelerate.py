@@ -46,6 +46,15 @@ def test_accelerate_job_recovers_from_a_death_at_an_exact_point_bitwise(referenc
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("die", ["1:3:end", "0:6:forward"])
+def test_accelerate_job_of_four_epochs_recovers_bitwise(tmp_path, die):
+    # 4 steps per epoch: the epochs after the resumed one are shuffled on from the restored generator.
+    cfg = FrameworkConfig(framework="accelerate", nproc=2, flags=("--samples", "32"))
+    out = death_at(tmp_path / "run", torchrun_reference(tmp_path / "ref", cfg), die, target=4)
+    assert not out.problems, out.report()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["sigstop", "recovery"])
 def test_accelerate_job_recovers_from_other_faults_bitwise(reference, tmp_path, fault):
     fault_case(tmp_path, reference, FAULTS[fault])

@@ -17,6 +17,7 @@ from harness_flags import StepRecords, end, parser, save_final
 
 p = parser()
 p.add_argument("--keep-jitckpt", action="store_true", help="with --without-jitckpt: construct JitCheckpoint")
+p.add_argument("--samples", type=int, default=64, help="the dataset's size (64: 8 steps per epoch on 2 ranks)")
 args = p.parse_args()
 records = StepRecords(args)
 accelerator = Accelerator(cpu=True)
@@ -26,7 +27,7 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dr
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
 g = torch.Generator().manual_seed(1)
-x = torch.randn(64, 8, generator=g)
+x = torch.randn(args.samples, 8, generator=g)
 data = list(zip(x, x.sum(dim=1, keepdim=True).sin()))
 loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
 model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
