@@ -38,6 +38,7 @@ VERSION = require("accelerate", extra="accelerate", at_least="1.0", below="2")
 import torch  # noqa: E402  (after the version check: its error is the one to see)
 
 from jitckpt.integrations.data_rng import data_rng, sampler_generators, set_data_rng  # noqa: E402
+from jitckpt.runtime.ddp_buffers import numpy_state  # noqa: E402
 
 log = logging.getLogger("jitckpt.accelerate")
 ENTRY = "step_{step}"  # accelerate's examples resume from step_<k> (and epoch_<e>) directories
@@ -75,8 +76,7 @@ def accelerate_rng(state: dict, step: int) -> dict:
     it into ``random_states_<rank>.pkl`` (``step``: its accelerator.step)."""
     out: dict[str, Any] = {"step": step, "random_state": state["python"], "torch_manual_seed": state["torch"]}
     if "numpy" in state:
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        out["numpy_random_seed"] = (kind, keys.numpy(), pos, has_gauss, gauss)
+        out["numpy_random_seed"] = numpy_state(state)
     if "cuda" in state:
         out["torch_cuda_manual_seed"] = state["cuda"]
     return out

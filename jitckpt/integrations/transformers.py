@@ -30,6 +30,8 @@ VERSION = require("transformers", extra="transformers", at_least="5.0", below="6
 import torch  # noqa: E402  (after the version check: its error is the one to see)
 from transformers import TrainerCallback  # noqa: E402
 
+from jitckpt.runtime.ddp_buffers import numpy_state  # noqa: E402
+
 log = logging.getLogger("jitckpt.transformers")
 
 
@@ -58,8 +60,7 @@ def trainer_rng(state: dict) -> dict:
     """jitckpt's RNG state (:func:`jitckpt.runtime.ddp_buffers.rng_state`) as Trainer saves it."""
     out: dict[str, Any] = {"python": state["python"], "cpu": state["torch"]}
     if "numpy" in state:
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        out["numpy"] = (kind, keys.numpy(), pos, has_gauss, gauss)
+        out["numpy"] = numpy_state(state)
     if "cuda" in state:
         out["cuda"] = state["cuda"]
     return out

@@ -36,6 +36,12 @@ def rng_state() -> dict:
     return state
 
 
+def numpy_state(state: dict) -> tuple:
+    """NumPy's part of an :func:`rng_state` as ``np.random.get_state()`` gives it."""
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    return kind, keys.numpy(), pos, has_gauss, gauss
+
+
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
@@ -44,8 +50,7 @@ def set_rng_state(state: dict) -> None:
     if "numpy" in state:
         import numpy as np
 
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
+        np.random.set_state(numpy_state(state))
 
 
 def _clone(ddp: Any) -> dict:
