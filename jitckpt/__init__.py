@@ -142,10 +142,12 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
     update-undo before the JIT save, so the survivors still save the start of that minibatch;
     an optimizer without an exact inverse is refused here (:class:`jitckpt.swift.UpdateUndo`).
     ``dataloader``: a loader with ``state_dict()``/``load_state_dict()`` (torchdata's
-    ``StatefulDataLoader``) iterated once per optimizer step; ``restore()`` puts it at the failed
-    minibatch (its state once the previous step was done), and the loop resumes at epoch
-    ``step // len(loader)``. Every rank loads the saver's state: right for a position that is the
-    same on every rank (a ``DistributedSampler``'s).
+    ``StatefulDataLoader``), or a plain ``DataLoader`` (fast-forwarded: the batches of the epoch
+    already trained on are read past, with a warning of what that cost), iterated once per
+    optimizer step; ``restore()`` puts it at the failed minibatch (its state once the previous step
+    was done), and the loop resumes at epoch ``step // len(loader)``. Under ``jitckpt run`` each
+    rank resumes with its own loader state and RNG (from the node's rank-state board); a rank whose
+    own the saver did not know resumes with the saver's, and the log says so.
     """
     from jitckpt.runtime.protected_state import Protected, is_zero
 
