@@ -129,10 +129,14 @@ def _data_files(directory: Path) -> Iterable[Path]:
 
 
 def _entry_of(directory: Path, returned: object) -> str:
-    """The entry ``save_fn`` named by returning it (None: the directory itself), checked."""
-    if returned is None:
+    """The entry ``save_fn`` named by returning its name (anything else: the directory itself), checked."""
+    if isinstance(returned, os.PathLike):
+        returned = os.fspath(returned)
+    if not isinstance(returned, str):
+        # Only a name names an entry; another value is what the save's last call gave back (a
+        # file's write_bytes() count), ignored as before save functions could name one.
         return ""
-    if not isinstance(returned, str) or not returned or os.path.isabs(returned) or ".." in Path(returned).parts:
+    if not returned or os.path.isabs(returned) or ".." in Path(returned).parts:
         raise CheckpointError(f"save function returned {returned!r}: it may return None or the relative name of "
                               "the file or directory it wrote that a framework resumes from")
     if not (directory / returned).exists():

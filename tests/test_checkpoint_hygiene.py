@@ -94,7 +94,7 @@ def test_a_job_whose_every_checkpoint_is_bad_says_it_starts_again_from_step_0(tm
     """The only checkpoint verifies but does not load: it is quarantined, and the fresh start is
     the launcher's own console line and a "warning" event, not only a line in a worker's log."""
     ckpt = tmp_path / "ckpt"
-    path, _ = write_checkpoint(ckpt, lambda p: (Path(p) / "state.pt").write_bytes(os.urandom(3000)),
+    path, _ = write_checkpoint(ckpt, lambda p: (Path(p) / "state.pt").write_bytes(os.urandom(3000)) and None,
                                kind="jit", step=5, rank=0, world_size=2, gen=0)
     res = run_job(tmp_path / "job", ckpt=ckpt, nproc=2, script_args=["--steps", "2"], launcher_args=["-r", "3"])
     assert res.rc == 0, res.out[-4000:]

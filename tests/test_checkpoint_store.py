@@ -150,7 +150,14 @@ def test_the_entry_a_save_function_names_is_what_a_resume_gets(tmp_path):
     assert resume_path(plain) == str(plain)  # no entry named: the directory itself
 
 
-@pytest.mark.parametrize("returned", ["/etc", "../x", "missing", 7, ""])
+def test_a_save_function_returning_something_else_than_a_name_writes_a_plain_checkpoint(tmp_path):
+    # e.g. lambda p: Path(p, "state.bin").write_bytes(data), which returns the count written
+    path, meta = write_checkpoint(tmp_path, lambda p: (Path(p) / "state.bin").write_bytes(b"abc"), kind="jit", step=2,
+                                  rank=0, world_size=1, gen=0)
+    assert meta.entry == "" and resume_path(path) == str(path) and (path / "state.bin").read_bytes() == b"abc"
+
+
+@pytest.mark.parametrize("returned", ["/etc", "../x", "missing", ""])
 def test_a_bad_entry_is_refused_and_leaves_no_checkpoint(tmp_path, returned):
     def save(path: str):
         saver(b"z")(path)
