@@ -760,16 +760,16 @@ class Protected:
         if self.dataloader is not None and sd.get("dataloader") is not None:
             resume = self._resume_of_this_rank(sd["dataloader"], int(sd["step"]))
             position, loop_rng = resume["position"], resume["rng"]
-            if position is not None and self._fast_forward is not None:
+            fast_forward = position is not None and self._fast_forward is not None
+            if fast_forward:
                 self._fast_forward.resume_at(position["skip"])
             elif position is not None:
                 self.dataloader.load_state_dict(position)
-            set_rng_state(loop_rng)  # the loop's iter() and fetch come next, then the forward
+            # The loop's iter() and fetch come next, then the forward. A fast-forward makes the
+            # epoch's iterator again from the RNG it was made from (reading past its first batches
+            # draws otherwise than training on them did).
+            set_rng_state(position["iter_rng"] if fast_forward else loop_rng)
             self._forward_rng = resume["forward_rng"]
-            if position is not None and self._fast_forward is not None:
-                # The epoch's iterator is made again from the RNG it was made from; reading past
-                # its first batches draws otherwise than training on them did.
-                set_rng_state(position["iter_rng"])
             if position is not None and self._forward_rng is None:
                 # Inside an epoch the resumed iter() draws where the interrupted loop drew nothing
                 # (it went on with its iterator): the minibatch's RNG is the loop's at the step's
