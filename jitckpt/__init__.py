@@ -199,7 +199,8 @@ def protect(model: Any, optimizer: Any, scheduler: Any = None, *, extra: Optiona
         rt.set_save_fn(state.save, step_fn=lambda: state.step, shard_id=pos.shard_id,
                        num_shards=pos.num_shards, replica_id=pos.replica_id)
         rt.saveable_while_running = state.untouched_mid_minibatch
-        rt.part_fn = state.sharded.write_part
+        rt.part_fn = state.sharded.select_part
+        rt.replica_ranks = pos.replica_ranks
         rt.preempt_at_boundary = True  # every rank's shard of one step
         rt.watch_functional_collectives()
         if rt.rank == 0:

@@ -37,7 +37,8 @@ log = logging.getLogger("jitckpt.checkpoint")
 META_FILE = "jitckpt-meta.json"
 FORMAT_VERSION = 2
 KINDS = ("jit", "periodic", "snapshot")
-_DIR_RE = re.compile(r"^(?P<kind>[a-z]+)-g(?P<gen>\d+)-r(?P<rank>\d+)-s(?P<step>-?\d+)$")
+# "-p<shard id>": a part of a shard a rank wrote for another replica of it (runtime/shard_parts.py).
+_DIR_RE = re.compile(r"^(?P<kind>[a-z]+)-g(?P<gen>\d+)-r(?P<rank>\d+)-s(?P<step>-?\d+)(?:-p\d+)?$")
 _CHUNK = 8 << 20
 QUARANTINE_PREFIX = "bad-"
 QUARANTINE_NOTE = "jitckpt-quarantine.txt"
@@ -150,8 +151,8 @@ def resume_path(directory: str | os.PathLike) -> str:
     return str(Path(directory) / entry) if entry else str(directory)
 
 
-def checkpoint_dir_name(kind: str, gen: int, rank: int, step: int) -> str:
-    return f"{kind}-g{gen:04d}-r{rank:05d}-s{step}"
+def checkpoint_dir_name(kind: str, gen: int, rank: int, step: int, part: Optional[int] = None) -> str:
+    return f"{kind}-g{gen:04d}-r{rank:05d}-s{step}" + ("" if part is None else f"-p{part}")
 
 
 def write_checkpoint(
@@ -167,6 +168,7 @@ def write_checkpoint(
     num_shards: int = 1,
     fsync: bool = True,
     run_id: Optional[str] = None,
+    part: Optional[int] = None,
 ) -> tuple[Path, CheckpointMeta]:
     """Run ``save_fn(tmpdir)`` and commit the result atomically; return (final dir, metadata).
 
@@ -176,7 +178,8 @@ def write_checkpoint(
     Raises :class:`CheckpointError` if ``save_fn`` writes nothing or the file system fills up
     ("no space left on <root>: N bytes needed"); other errors of ``save_fn`` propagate. In every
     case the partial temporary directory is removed and no existing checkpoint is touched.
-    ``run_id`` defaults to ``$TORCHELASTIC_RUN_ID`` (set by ``jitckpt run``).
+    ``run_id`` defaults to ``$TORCHELASTIC_RUN_ID`` (set by ``jitckpt run``). ``part``: the shard
+    id of a part written for another rank (it goes into the directory's name).
     """
     if kind not in KINDS:
         raise ValueError(f"checkpoint kind must be one of {KINDS}, got {kind!r}")
@@ -184,7 +187,7 @@ def write_checkpoint(
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / checkpoint_dir_name(kind, gen, rank, step)
+    final = root / checkpoint_dir_name(kind, gen, rank, step, part)
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{time.monotonic_ns()}"
     t0 = time.monotonic()
     try:

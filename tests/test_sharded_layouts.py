@@ -69,6 +69,15 @@ def test_hsdp_recovers_a_lost_rank_from_its_replica_bitwise(tmp_path):
     assert [s["failed_ranks"] for s in res.ev("recovery_summary")] == [[3]], res.ev("recovery_summary")
     saved = {e["rank"] for e in res.ev("checkpoint_saved")}
     assert saved and 3 not in saved and {r % 2 for r in saved} == {0, 1}, saved  # both shards covered
+    # Mesh [[0, 1], [2, 3]]: shard 0 on ranks 0 and 2, shard 1 on 1 and 3. Each shard is written
+    # once: ranks 0 and 2 half of shard 0 each, rank 1 its half of shard 1 and then rank 3's.
+    names = sorted(Path(e["path"]).name for e in res.ev("checkpoint_saved"))
+    assert names == ["jit-g0000-r00000-s4", "jit-g0000-r00001-s4", "jit-g0000-r00001-s4-p3",
+                     "jit-g0000-r00002-s4"], names
+    by_rank: dict = {}
+    for e in res.ev("checkpoint_saved"):
+        by_rank[e["rank"]] = by_rank.get(e["rank"], 0) + e["bytes"]
+    assert abs(by_rank[0] + by_rank[2] - by_rank[1]) < 0.05 * by_rank[1], by_rank  # two equal shards
     assert "resuming from step 4" in res.out, res.out[-4000:]
     [summary] = res.ev("recovery_summary")
     assert summary["steps_redone"] <= 1, summary

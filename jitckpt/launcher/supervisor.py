@@ -33,7 +33,7 @@ from jitckpt.launcher.checkpoint_flush import CheckpointFlusher
 from jitckpt.protocol.control_channel import ENV_FD, ENV_NATIVE_HELLO, channel_pair
 from jitckpt.protocol.worker_spec import SnapshotSpec, WorkerSpec
 from jitckpt.protocol.control_messages import (Assign, ExitReady, FailureReport, Hello, Message, PeerExit,
-                                               Restored, Resumed, Saved, SaveFailed, SaveNow, StageCaughtUp,
+                                               RankLost, Restored, Resumed, Saved, SaveFailed, SaveNow, StageCaughtUp,
                                                Verdict, WorkerWarning)
 from jitckpt.observability.events import EVENTS_FILE, EventLog
 from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
@@ -530,6 +530,9 @@ class Launcher:
         self._reap(w)
         if failure is not None and w.exit_code not in NOT_A_CULPRIT and w.rank not in failure.failed_ranks:
             failure.failed_ranks.append(w.rank)  # the culprit, seen after a peer's report
+            for x in self.workers:  # a survivor writing its shard's parts stops waiting for its part
+                if x.live and x is not w:
+                    x.channel.send(RankLost(rank=w.rank))
         if w.exit_code in (0, EXIT_JIT_SAVED) or failure is not None or verdict_sent:
             return failure  # after the verdict: see _warn_deaths_after_verdict
         if self._replace_worker(gen, w, master, sel):
@@ -597,9 +600,10 @@ class Launcher:
                             failure = self._on_message(gen, w, msg, failure)
                         failure = self._worker_gone(gen, w, master, sel, failure, verdict_sent)
                 self.display.maybe_show(gen, self.workers, failure)
-                if (not refilled and self.pool is not None
-                        and all(w.step is not None and w.step >= 0 for w in self.workers)):
-                    self.pool.fill()  # once training runs, not competing with the workers' start
+                if not refilled and self.pool is not None and all(w.minibatch_done for w in self.workers):
+                    # Once a minibatch is done, after a restart the failed one done again: the new
+                    # standbys' imports would slow the workers' start and that minibatch.
+                    self.pool.fill()
                     refilled = True
                 if refilled and not pool_ready and self.pool is not None:
                     seconds = self.pool.ready_after()

@@ -47,6 +47,15 @@ class Worker:
         return -1 if self.hello else None
 
     @property
+    def minibatch_done(self) -> bool:
+        """It finished a minibatch in this process (after a restore: the one it resumed at, the
+        failed one done again): told by its Resumed, else read from its board."""
+        if self.resumed:
+            return True
+        first = self.restored.step if self.restored is not None else 0
+        return self.step is not None and self.step > first
+
+    @property
     def step_time(self) -> Optional[float]:
         """Its last step's seconds, when it posted one."""
         return self.board.step_time() if self.board is not None else None

@@ -157,6 +157,14 @@ class PeerExit(Message):
     step: Optional[int]
 
 
+@dataclass(frozen=True)
+class RankLost(Message):
+    """That rank's process is gone, seen after the failure was reported (a peer's collective error
+    came first): a survivor saving its share of a shard need not wait for that rank's part."""
+    TYPE: ClassVar[str] = "rank_lost"
+    rank: int
+
+
 TO_LAUNCHER = table(Ready, Hello, FailureReport, Saved, SaveFailed, Restored, Resumed,
                     WorkerWarning, ExitReady, StageCaughtUp)
-TO_WORKER = table(Assign, SaveNow, Verdict, PeerExit)
+TO_WORKER = table(Assign, SaveNow, Verdict, PeerExit, RankLost)

@@ -12,6 +12,7 @@ which reshards to the job's mesh; :func:`export_dcp` writes the same as a plain 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -39,6 +40,7 @@ class ShardPosition:
     replica_id: int
     mesh: str  # e.g. "(2, 2) ('replicate', 'shard'), sharded over ('shard',)", for messages
     stage: Optional[int] = None  # the coordinate on mesh dimensions no tensor is on (pipeline stages)
+    replica_ranks: tuple = ()  # the global rank of each replica of this shard, by replica id
 
     @property
     def key_prefix(self) -> str:
@@ -111,6 +113,11 @@ def shard_position(tensors: dict, *, world_size: int) -> ShardPosition:
     dims = sorted(sharded | set(stages))
     rest = [i for i in range(len(sizes)) if i not in dims]
     names = mesh.mesh_dim_names
+    mine = _ravel([coords[i] for i in dims], [sizes[i] for i in dims])
+    holders = {}  # replica id -> global rank, of the ranks that hold this shard
+    for at in itertools.product(*(range(n) for n in sizes)):
+        if _ravel([at[i] for i in dims], [sizes[i] for i in dims]) == mine:
+            holders[_ravel([at[i] for i in rest], [sizes[i] for i in rest])] = int(mesh.mesh[at])
     return ShardPosition(
         shard_id=_ravel([coords[i] for i in dims], [sizes[i] for i in dims]),
         num_shards=math.prod(sizes[i] for i in dims),
@@ -118,7 +125,8 @@ def shard_position(tensors: dict, *, world_size: int) -> ShardPosition:
         mesh=f"{tuple(sizes)}{'' if names is None else ' ' + str(tuple(names))}, sharded over "
              f"{tuple(names[i] for i in dims) if names else tuple(dims)}"
              + (f" (stages over {tuple(names[i] for i in stages) if names else tuple(stages)})" if stages else ""),
-        stage=_ravel([coords[i] for i in stages], [sizes[i] for i in stages]) if stages else None)
+        stage=_ravel([coords[i] for i in stages], [sizes[i] for i in stages]) if stages else None,
+        replica_ranks=tuple(holders[r] for r in sorted(holders)))
 
 
 # ---- DCP metadata as JSON, both ways -----------------------------------------------------------
@@ -186,6 +194,24 @@ def _reader(root: Path, md: Any) -> Any:
     return MergedReader(str(root))
 
 
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def balanced_parts(sizes: dict, count: int) -> list:
+    """``count`` lists of the keys of ``sizes`` (key -> bytes) of about equal bytes: largest first,
+    each to the lightest list so far (ties: the first key, the first list). The replicas of a shard
+    hold the same keys and sizes, so each computes the same parts."""
+    parts: list = [[] for _ in range(count)]
+    load = [0] * count
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        i = min(range(count), key=lambda j: (load[j], j))
+        parts[i].append(key)
+        load[i] += sizes[key]
+    return parts
+
+
 # ---- the state -----------------------------------------------------------------------------
 class ShardedState:
     """The model's and optimizer's tensors of a DTensor-sharded job, captured at ``protect()``.
@@ -212,23 +238,24 @@ class ShardedState:
                 self.param_names.append(fqn_of[id(p)])
         self.optimizer = optimizer
 
-    def write_part(self, everyone: bool) -> tuple[int, int]:
-        """Choose what the next write holds; return its (shard id, shard count) for the checkpoint
-        store. With every rank alive (a preemption, a periodic save) the ``R`` replicas of a shard
-        each write every R-th of its tensors, as DCP spreads replicated chunks, so a save costs each
-        rank 1/R of its shard; after a failure each survivor writes its whole shard (the lost rank's
-        partner holds its only copy)."""
+    def select_part(self, replica: int) -> tuple[int, int]:
+        """Choose what the next write holds, replica ``replica``'s part of this rank's shard, and
+        return its (shard id, shard count) for the checkpoint store. The ``R`` replicas of a shard
+        each hold every R-th of its tensors (as DCP spreads replicated chunks), so a save with every
+        rank alive costs each rank 1/R of its shard; after a failure a survivor also writes the
+        parts of replicas that do not write theirs (:mod:`jitckpt.runtime.shard_parts`). Without
+        replicas, the whole shard."""
         pos = self.position
         replicas = replicas_of(pos, self.world_size)
-        self.part = (pos.replica_id, replicas) if everyone and replicas > 1 else None
+        self.part = (replica, replicas) if replicas > 1 else None
         if self.part is None:
             return pos.shard_id, pos.num_shards
-        return pos.shard_id * replicas + pos.replica_id, pos.num_shards * replicas
+        return pos.shard_id * replicas + replica, pos.num_shards * replicas
 
     def tensor_state(self, buffers: Optional[dict]) -> tuple[dict, dict]:
         """``{"model": {name: tensor}, "optim": {param: {key: tensor}}}`` as now (``buffers``: a
         copy of the buffers to save instead of the live ones), and the optimizer's non-tensor state;
-        only this write's part (:meth:`write_part`)."""
+        only this write's part (:meth:`select_part`)."""
         pre = self.position.key_prefix
         model = {pre + k: (buffers[k] if buffers and k in buffers else v).detach() for k, v in self.tensors.items()}
         optim: dict = {}
@@ -238,10 +265,11 @@ class ShardedState:
             name = by_id[id(p)]
             optim[pre + name] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
             other[name] = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
-        if self.part is not None:  # every part-th tensor, in an order every rank of the shard shares
+        if self.part is not None:
             index, count = self.part
-            keys = sorted([("model", k) for k in model] + [("optim", n, k) for n, st in optim.items() for k in st])
-            mine = set(keys[index::count])
+            sizes = {("model", k): _local_bytes(v) for k, v in model.items()}
+            sizes.update({("optim", n, k): _local_bytes(v) for n, st in optim.items() for k, v in st.items()})
+            mine = set(balanced_parts(sizes, count)[index])
             model = {k: v for k, v in model.items() if ("model", k) in mine}
             optim = {n: {k: v for k, v in st.items() if ("optim", n, k) in mine} for n, st in optim.items()}
             optim = {n: st for n, st in optim.items() if st}
@@ -393,7 +421,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def own_copy(copies: dict[int, Path], pos: ShardPosition, world_size: int) -> Path:
     """The copy in a complete set (shard id -> directory) of this rank's shard, for its non-tensor
     state (each pipeline stage has its own): whole shards, or the parts its replicas split it
-    into (:meth:`ShardedState.write_part`); shard 0's for a set of another mesh (DCP reshards it,
+    into (:meth:`ShardedState.select_part`); shard 0's for a set of another mesh (DCP reshards it,
     and every shard has the same non-tensor state then)."""
     replicas = replicas_of(pos, world_size)
     if len(copies) == pos.num_shards:

@@ -33,12 +33,13 @@ from jitckpt.runtime.collective_hooks import CollectiveHooks, run_region
 from jitckpt.runtime.peer_failure import is_collective_failure
 from jitckpt.protocol.control_channel import ControlChannel
 from jitckpt.protocol.step_board import StepBoard
-from jitckpt.protocol.control_messages import (ExitReady, FailureReport, Hello, PeerExit, Restored, Resumed,
-                                               Saved, SaveFailed, SaveNow, Verdict, WorkerWarning)
+from jitckpt.protocol.control_messages import (ExitReady, FailureReport, Hello, PeerExit, RankLost, Restored,
+                                               Resumed, Saved, SaveFailed, SaveNow, Verdict, WorkerWarning)
 from jitckpt.plugins import get as get_plugins
 from jitckpt.torch_compat import warn_if_untested
 from jitckpt.hang_timeout import HangTimeout
 from jitckpt.runtime.save_reserve import SaveReserve
+from jitckpt.runtime.shard_parts import PartFill, node_of_rank
 from jitckpt.runtime.watchdog import DurationHistory, Watchdog
 from jitckpt.console_log import configure as configure_console_log
 
@@ -83,9 +84,11 @@ class WorkerRuntime:
         # Why this job's failures take no JIT save (a preemption's still does, with a save function).
         self.no_save_reason: Optional[str] = None
         self._saver_ident: Optional[int] = None  # the thread writing a checkpoint now
-        # A DTensor job's replicas (protect()): part_fn(every rank alive) chooses this write's
-        # (shard id, shard count); with everyone alive each replica writes part of its shard.
-        self.part_fn: Optional[Callable[[bool], tuple[int, int]]] = None
+        # A DTensor job's replicas (protect()): part_fn(replica id) chooses what the next write holds,
+        # that replica's part of this rank's shard, and returns its (shard id, shard count).
+        self.part_fn: Optional[Callable[[int], tuple[int, int]]] = None
+        self.replica_ranks: tuple = ()  # the global rank of each replica of this rank's shard
+        self._lost: set = set()  # ranks known lost since the failure (a survivor need not wait for them)
         # The minibatch goes on after optimizer.step() (a DTensor job's shard snapshot and its
         # agreement come after the scheduler's step): the board shows the next one once it is over.
         self.minibatch_open = False
@@ -582,6 +585,8 @@ class WorkerRuntime:
         ``peer_step``: the minibatch the failed rank was in (not known: the furthest any rank began),
         from the launcher."""
         with self._lock:
+            if culprit is not None:
+                self._lost.add(culprit)
             first = self._failure is None
             if first:
                 self._failure = {"kind": kind, "detail": detail, "rank": self.rank,
@@ -653,7 +658,7 @@ class WorkerRuntime:
         assert self._speculation is not None
         step, t0 = self.current_step(), time.monotonic()
         try:
-            path, meta = self._write_jit(step)
+            written = self._write_jit(step)
             error: Optional[BaseException] = None
         except BaseException as e:  # noqa: BLE001 - reported below if the save is kept
             error = e
@@ -666,7 +671,7 @@ class WorkerRuntime:
             return
         if error is not None:
             self._give_up(self._save_error(error))
-        self._report_saved_and_exit(path, meta, step, time.monotonic() - t0, undone=None)
+        self._report_saved_and_exit(written, step, t0, undone=None)
 
     def _save_and_exit(self, *, on_main: bool) -> None:
         with self._lock:  # one decision with the saver thread's: a speculative save, or this one
@@ -711,17 +716,26 @@ class WorkerRuntime:
         try:
             # DDP buffers and RNG as of the start of the minibatch recorded (the process exits next).
             self.ddp_buffers.rewind_for_save()
-            path, meta = self._write_jit(step)
+            written = self._write_jit(step)
         except BaseException as e:  # noqa: BLE001 - any save error must end in a clean report
             self._give_up(self._save_error(e))
-        self._report_saved_and_exit(path, meta, step, time.monotonic() - t0, undone=undone)
+        self._report_saved_and_exit(written, step, t0, undone=undone)
 
-    def _write_jit(self, step: int):  # type: ignore[no-untyped-def]
+    def _write_jit(self, step: int) -> list:
+        """The JIT save: [(path, metadata)] of each checkpoint written, this rank's own first."""
         if self._native is not None:  # this thread's device copies go to libjit.so's save stream
             self._native.set_save_thread(True)
         # The process exits next: a launcher that fsyncs for it lets the restart start first.
         self._jit_saving = True
-        return self._write("jit", step, fsync=not (self.spec is not None and self.spec.launcher_fsyncs))
+        fsync = not (self.spec is not None and self.spec.launcher_fsyncs)
+        preempted = (self._failure or {}).get("kind") == "preempted"  # every replica writes its own part
+        if self.part_fn is None or len(self.replica_ranks) < 2 or preempted:
+            return [self._write("jit", step, fsync=fsync)]
+        # After a failure: also the parts of this shard that no other survivor writes.
+        fill = PartFill(root=self.checkpoint_dir, gen=self.gen, step=step, replica=self.replica_id,
+                        replica_ranks=self.replica_ranks, on_this_node=node_of_rank(),
+                        lost=lambda: set(self._lost))
+        return fill.write(lambda replica: self._write("jit", step, fsync=fsync, replica=replica))
 
     @staticmethod
     def _save_error(e: BaseException) -> str:
@@ -729,14 +743,16 @@ class WorkerRuntime:
             return f"JIT save failed: {e}"
         return f"JIT save failed: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}"
 
-    def _report_saved_and_exit(self, path, meta, step: int, seconds: float,  # type: ignore[no-untyped-def]
-                               *, undone: Optional[int]) -> None:
-        log.warning("JIT checkpoint of step %d saved to %s (%.3fs%s)", step, path, seconds,
-                    ", over its reserve's pages" if self._reserve_used else "")
+    def _report_saved_and_exit(self, written: list, step: int, t0: float, *, undone: Optional[int]) -> None:
+        seconds = time.monotonic() - t0
+        parts = f", and {len(written) - 1} other replica's part(s) of its shard" if len(written) > 1 else ""
+        log.warning("JIT checkpoint of step %d saved to %s (%.3fs%s%s)", step, written[0][0], seconds,
+                    ", over its reserve's pages" if self._reserve_used else "", parts)
         if self.channel is not None:
-            self.channel.send(Saved(rank=self.rank, path=str(path), step=step,
-                              bytes=meta.total_bytes, seconds=seconds, shard_id=meta.shard_id,
-                              num_shards=meta.num_shards, kind="jit", undone=undone))
+            for path, meta in written:  # one report per checkpoint: the launcher counts shards covered
+                self.channel.send(Saved(rank=self.rank, path=str(path), step=step,
+                                  bytes=meta.total_bytes, seconds=seconds, shard_id=meta.shard_id,
+                                  num_shards=meta.num_shards, kind="jit", undone=undone))
         self._exit(EXIT_JIT_SAVED)
 
     def take_save_reserve(self) -> Optional[Path]:
@@ -775,19 +791,22 @@ class WorkerRuntime:
                 pass
         os._exit(code)
 
-    def _write(self, kind: str, step: int, *, fsync: bool = True):  # type: ignore[no-untyped-def]
+    def _write(self, kind: str, step: int, *, fsync: bool = True,  # type: ignore[no-untyped-def]
+               replica: Optional[int] = None):
+        """One checkpoint; with replicas of a DTensor job's shard (``part_fn``), the part of
+        replica ``replica`` (another replica's, written for it), else this rank's own part."""
         assert self.save_fn is not None
         # DDP's bucket layout goes into every checkpoint, before its files are checksummed.
         save_fn = self.ddp_layouts.saving(self.save_fn)
         shard_id, num_shards = self.shard_id, self.num_shards
-        if self.part_fn is not None:  # every rank alive: the replicas split their shard's writing
-            everyone = kind == "periodic" or (self._failure or {}).get("kind") == "preempted"
-            shard_id, num_shards = self.part_fn(everyone)
+        if self.part_fn is not None:
+            shard_id, num_shards = self.part_fn(self.replica_id if replica is None else replica)
         self._saver_ident = threading.get_ident()
         try:
             return write_checkpoint(self.checkpoint_dir, save_fn, kind=kind, step=step,
                                     rank=self.rank, world_size=self.world_size, gen=self.gen,
-                                    shard_id=shard_id, num_shards=num_shards, fsync=fsync)
+                                    shard_id=shard_id, num_shards=num_shards, fsync=fsync,
+                                    part=None if replica is None else shard_id)
         finally:
             self._saver_ident = None
 
@@ -823,7 +842,11 @@ class WorkerRuntime:
                 self._exit(EXIT_LAUNCHER_GONE)
             if isinstance(msg, SaveNow) and getattr(self, "_verdict_ok", False):
                 continue  # every rank finished: nothing to recover, the job is complete
-            if isinstance(msg, SaveNow):
+            if isinstance(msg, SaveNow) and msg.rank is not None:
+                self._lost.add(msg.rank)
+            if isinstance(msg, RankLost):
+                self._lost.add(msg.rank)
+            elif isinstance(msg, SaveNow):
                 self.report_failure(msg.kind, msg.detail, from_launcher=True, peer_step=msg.step)
             elif isinstance(msg, Verdict):
                 self._verdict_ok = bool(msg.ok)
