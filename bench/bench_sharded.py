@@ -1,13 +1,12 @@
 """Issue 44 benchmarks on one FSDP2 workload, HSDP on a 2x2 mesh (4 ranks, CPU, gloo), measured in one run:
 
-1. Save time: jitckpt's JIT save of the state (each rank its own DCP shard, no collective, through
-   the checkpoint store: fsynced, CRC32C) against ``torch.distributed.checkpoint.save`` of the same
-   model and optimizer state (``get_state_dict``, collective, fsynced), interleaved, in one job
-   (bench/sharded_save_probe.py); the slowest rank of each, beside the floor: each rank writing its
-   own shard's bytes as one fsynced file (a JIT save after a failure writes a whole shard on the
-   lost rank's partner; DCP, all ranks alive, spreads each replicated chunk over the replicas), and
-   jitckpt's save with every rank alive (preemption, periodic), which splits each shard over its
-   replicas as DCP does.
+1. Save time: jitckpt's JIT save after a failure (rank 3 lost: each survivor its parts as DCP chunks,
+   no collective, through the checkpoint store: fsynced, CRC32C; rank 3's partner writes its whole
+   shard) against ``torch.distributed.checkpoint.save`` of the same model and optimizer state
+   (``get_state_dict``, collective, every rank, fsynced), interleaved, in one job
+   (bench/sharded_save_probe.py); the slowest rank of each, beside the floor: the same bytes per rank
+   written raw as one fsynced file each, and jitckpt's save with every rank alive (preemption,
+   periodic), which splits each shard over its replicas as DCP does.
 2. Recovery, failure to the failed minibatch done again: `jitckpt run` (a SIGKILLed rank's shards
    come back from its replica group) against torchrun restarting the job from
    ``torch.distributed.checkpoint.async_save`` every 10 steps and every step (examples/train_ddp.py

@@ -178,7 +178,7 @@ BENCHES = [
     Bench("sharded", lambda out: [sys.executable, str(BENCH / "bench_sharded.py"), "--quick", "--out", str(out)],
           (Ratio("FSDP2 (HSDP 2x2): JIT save after a failure / DCP save of the same state", lambda d: d["save"]["jit_over_dcp"],
                  "{:.2f}x", "<= 1.2x", lambda v: v <= 1.2),
-           Ratio("  JIT save / floor: each rank's shard bytes written + fsynced (same run)",
+           Ratio("  JIT save / floor: the same bytes per rank written raw + fsynced (same run)",
                  lambda d: d["save"]["jit_over_floor"], "{:.2f}x", "(physical limit)"),
            Ratio("  every rank alive (preemption, periodic; replicas split a shard) / DCP save",
                  lambda d: d["save"]["split_over_dcp"], "{:.2f}x", "<= 1.2x", lambda v: v <= 1.2),

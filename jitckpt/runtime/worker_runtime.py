@@ -842,12 +842,11 @@ class WorkerRuntime:
                 self._exit(EXIT_LAUNCHER_GONE)
             if isinstance(msg, SaveNow) and getattr(self, "_verdict_ok", False):
                 continue  # every rank finished: nothing to recover, the job is complete
-            if isinstance(msg, SaveNow) and msg.rank is not None:
-                self._lost.add(msg.rank)
             if isinstance(msg, RankLost):
                 self._lost.add(msg.rank)
             elif isinstance(msg, SaveNow):
-                self.report_failure(msg.kind, msg.detail, from_launcher=True, peer_step=msg.step)
+                self.report_failure(msg.kind, msg.detail, from_launcher=True, culprit=msg.rank,
+                                    peer_step=msg.step)
             elif isinstance(msg, Verdict):
                 self._verdict_ok = bool(msg.ok)
                 self._verdict_evt.set()
