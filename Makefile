@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 NCCL_SPEC  ?= nvidia-nccl-cu13==2.30.7
 JOBS      ?= 2
 
-.PHONY: all venv sysdeps native test test-slow demo bench sanitize clean wheel
+.PHONY: all venv sysdeps native test test-slow demo bench sanitize clean wheel gpu-check gpu-wheels
 
 all: native
 
@@ -63,6 +63,21 @@ demo: native
 
 bench: native
 	$(VPY) bench/run_all.py $(BENCH_ARGS)
+
+# What only a GPU shows (docs/gpu-check.md): on a machine with an NVIDIA GPU it builds with the
+# preinstalled python3 (no venv, no network) and writes gpu-check.json and gpu-check.md into OUT;
+# without one it says so and runs nothing. SIMULATE=1 runs the same checks on simcuda.
+OUT ?= gpu-check-out
+GPU_PY = $(if $(wildcard $(VPY)),$(VPY),$(PY))
+gpu-check: $(if $(SIMULATE),native)
+	$(GPU_PY) tests/gpu/gpu_check.py --out $(OUT) $(if $(SIMULATE),--simulate)
+
+# Here, with the network: wheels of what jitckpt needs beyond the GPU machine's packages (for its
+# Python 3.12), for `make gpu-check` there to unpack; the device tool carries build/gpu-wheels.
+gpu-wheels: venv
+	$(VPY) -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+	    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --dest build/gpu-wheels \
+	    google-crc32c setproctitle numpy xxhash
 
 # Native code under AddressSanitizer (+UBSan) and ThreadSanitizer: the C++ unit tests and the
 # nvcc-built CUDA/NCCL programs on sanitized simcuda and libjit.so (tests/native/run_sanitized.sh).

@@ -75,6 +75,9 @@ def parse():
                    help="hsdp: FSDP2 (fully_shard on each linear layer and the root) over a 2-D mesh, "
                         "2 replica groups x the rest, instead of DDP; fsdp: the same on a 1-D mesh "
                         "(full sharding: no replica, protected by --snapshot-every)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the model and batches live (cuda: every rank on cuda:LOCAL_RANK modulo the "
+                        "GPUs there, gloo collectives on CUDA tensors; DDP only)")
     p.add_argument("--inject", action="append", default=[], metavar="GEN:RANK:STEP:MODE")
     p.add_argument("--out", default="")
     p.add_argument("--steps-log", default="")
@@ -270,10 +273,17 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.device == "cuda":
+        if args.parallel != "ddp":
+            raise SystemExit("--device cuda: with --parallel ddp only")
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False)")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dev = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     if args.parallel != "ddp":
         model = shard_fsdp2(build(args), world, 2 if args.parallel == "hsdp" else 1)
     else:
-        model = build(args) if args.overlap_step else DDP(build(args))
+        model = build(args).to(dev) if args.overlap_step else DDP(build(args).to(dev))
     if args.rank_rng:
         import numpy as np
 
@@ -372,7 +382,7 @@ def main():
         t0 = time.perf_counter()
         if args.api == "init":
             state.step = step
-        x, y = batch_for(step, rank, args)
+        x, y = (t.to(dev) for t in batch_for(step, rank, args))
         if step in (mine.get("node"), mine.get("keeper")):
             from jitckpt.runtime.current import get_runtime
             from jitckpt.snapshot.keeper_client import KeeperClient
@@ -441,7 +451,7 @@ def main():
             logf.flush()
     if dcp_saver is not None:
         dcp_saver.finish()
-    sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()  # every rank: a collective
+    sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().cpu().clone()  # every rank: a collective
           for k, v in net.state_dict().items()}
     if rank == 0 and args.out:
         tmp = args.out + ".tmp"

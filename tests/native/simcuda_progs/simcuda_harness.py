@@ -31,6 +31,15 @@ COMPILE_TIMEOUT_S = 180
 # `make sanitize` runs these programs on an ASan or TSan build of simcuda and libjit.so: the
 # sanitizer's runtime must be loaded first, before the uninstrumented program's libraries.
 SANITIZER_RUNTIME = os.environ.get("JITCKPT_SANITIZER_RUNTIME", "")
+# `make gpu-check` on a machine with a GPU (tests/gpu/gpu_check.py) sets "cuda": the same nvcc builds
+# then run on the real CUDA runtime, driver and NCCL, their device kernels on the GPU.
+DEVICE = os.environ.get("JITCKPT_TEST_DEVICE", "simcuda")
+
+
+def real_runtime_path() -> str:
+    """LD_LIBRARY_PATH for the real libcudart.so.13 (the toolkit's) and libnccl.so.2 (the wheel's)."""
+    dirs = [CUDA_HOME / "lib64", CUDA_HOME / "targets" / "x86_64-linux" / "lib", nccl_wheel_dir() / "lib"]
+    return ":".join([*(str(d) for d in dirs if d.is_dir()), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
 
 
 def nccl_wheel_dir() -> Path:
@@ -44,6 +53,8 @@ def require_toolchain() -> None:
     """Skip with a reason naming what is missing and how to get it."""
     if not NVCC.exists():
         pytest.skip(f"nvcc not found at {NVCC}: install the CUDA 13 toolkit or set CUDA_HOME")
+    if DEVICE == "cuda":
+        return
     for lib in ("libcudart.so.13", "libnccl.so.2"):
         if not (SIMCUDA_LIBS / lib).exists():
             pytest.skip(f"{SIMCUDA_LIBS / lib} missing: run `make native` (or set JITCKPT_BUILD_DIR)")
@@ -57,11 +68,15 @@ class Program:
     kernel_lib: Optional[Path]
 
     def env(self, **extra: str) -> dict[str, str]:
-        """Environment that runs the program on simcuda, with SIMCUDA_* from the caller cleared."""
+        """Environment that runs the program on simcuda (on the GPU with ``JITCKPT_TEST_DEVICE=cuda``),
+        with SIMCUDA_* from the caller cleared."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("SIMCUDA_") and k != "LD_PRELOAD"}
-        env["LD_LIBRARY_PATH"] = str(SIMCUDA_LIBS)
-        if self.kernel_lib:
-            env["SIMCUDA_KERNEL_LIB"] = str(self.kernel_lib)
+        if DEVICE == "cuda":
+            env["LD_LIBRARY_PATH"] = real_runtime_path()
+        else:
+            env["LD_LIBRARY_PATH"] = str(SIMCUDA_LIBS)
+            if self.kernel_lib:
+                env["SIMCUDA_KERNEL_LIB"] = str(self.kernel_lib)
         env.update(extra)
         if SANITIZER_RUNTIME:
             env["LD_PRELOAD"] = ":".join(filter(None, (SANITIZER_RUNTIME, env.get("LD_PRELOAD"))))
