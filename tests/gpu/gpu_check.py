@@ -52,7 +52,9 @@ def build(build_dir: Path, log: Path) -> Optional[str]:
                                 timeout=60).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         pybind = ""
+    # No GoogleTest there, and another compiler: no unit tests, warnings do not fail the build.
     configure = [cmake, "-S", str(REPO), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+                 "-DJITCKPT_UNIT_TESTS=OFF", "-DJITCKPT_WERROR=OFF",
                  f"-DPython_EXECUTABLE={sys.executable}", *([f"-Dpybind11_DIR={pybind}"] if pybind else [])]
     jobs = str(max(1, min(16, os.cpu_count() or 1)))
     with open(log, "w") as f:
