@@ -674,6 +674,42 @@ def test_premapper_maps_each_keeper_buffer_once_and_a_restore_through_it_maps_no
     assert (res.source, res.step, res.mapped_ahead) == ("memory", 3, False)
 
 
+def test_the_metadata_object_keeps_its_size_while_its_numbers_change_length() -> None:
+    """Its size is whole pages: a step or a learning rate one digit longer leaves it in the same
+    keeper buffer (a new size would be a new buffer, which no warm standby has mapped)."""
+    from jitckpt.snapshot.client import META_ALIGN, parse_meta
+
+    def blob(step: int, lr: float) -> bytes:
+        flat = FlatState({"w": torch.zeros(3), "lr": lr})
+        return meta_blob(step, ProtectionPlan(scheme="none", num_nodes=1, ranks_per_node=1, total_bytes=flat.total),
+                         flat)
+
+    a, b = blob(9, 0.1), blob(10, 0.012345678901234)
+    assert len(a) == len(b) and len(a) % META_ALIGN == 0
+    assert parse_meta(b)["step"] == 10 and parse_meta(a)["step"] == 9  # the padding is JSON whitespace
+
+
+def test_a_buffer_too_small_for_an_objects_newest_version_does_not_count_as_mapped_ahead(keeper) -> None:
+    """A first step's object is smaller than the later ones (no optimizer state yet): its buffer is
+    never used again, so two buffers of that object mapped are not yet both of those in use (a
+    standby that said "mapped ahead" then mapped at its restore, one test run in three)."""
+    sock, _ = keeper
+    client = KeeperClient(sock)
+    try:
+        _take(sock, {"w": torch.arange(100.0)}, 1).close()  # small: step 1's buffer
+        client.premap()
+        _take(sock, {"w": torch.arange(1000.0)}, 2).close()  # larger: a new buffer
+        client.premap()
+        assert not client.mapped_both_buffers()  # step 1's data buffer is too small to count
+        _take(sock, {"w": torch.arange(1000.0) * 2}, 3).close()  # the second buffer of the new size
+        client.premap()
+        assert client.mapped_both_buffers()
+        _take(sock, {"w": torch.arange(1000.0) * 3}, 4).close()  # rewrites one of those two
+        assert client.premap() == 0
+    finally:
+        client.close()
+
+
 def test_open_listed_needs_no_round_trip_for_buffers_mapped_ahead(keeper) -> None:
     """A restore through a warm standby's client opens the listed objects from its own mappings:
     it still reads them after the keeper is gone, and only an object it never mapped needs the

@@ -191,9 +191,17 @@ class KeeperClient:
                 self.open_many([e["key"] for e in listing if int(e["step"]) == step], step)
             except KeeperError:
                 continue  # reused for a newer step since the listing: mapped on the next call
+        # A buffer smaller than a key's newest object will not hold it again (a first step's, before
+        # the optimizer's state existed): dropped, so that two buffers mapped means the two in use.
+        need: dict[str, int] = {}
+        for e in listing:
+            need[e["key"]] = max(need.get(e["key"], 0), int(e["size"]))
         by_key: dict[str, list] = {}
-        for key, buf_id in self._maps:
-            by_key.setdefault(key, []).append(buf_id)
+        for (key, buf_id), m in list(self._maps.items()):
+            if len(m) < need.get(key, 0):
+                del self._maps[(key, buf_id)]
+            else:
+                by_key.setdefault(key, []).append(buf_id)
         for key, ids in by_key.items():
             for old in sorted(ids)[:-2]:  # buffer ids only grow
                 del self._maps[(key, old)]  # unmapped once nothing views it
