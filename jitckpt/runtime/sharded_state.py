@@ -119,7 +119,7 @@ def shard_position(tensors: dict, *, world_size: int) -> ShardPosition:
         if _ravel([at[i] for i in dims], [sizes[i] for i in dims]) == mine:
             holders[_ravel([at[i] for i in rest], [sizes[i] for i in rest])] = int(mesh.mesh[at])
     return ShardPosition(
-        shard_id=_ravel([coords[i] for i in dims], [sizes[i] for i in dims]),
+        shard_id=mine,
         num_shards=math.prod(sizes[i] for i in dims),
         replica_id=_ravel([coords[i] for i in rest], [sizes[i] for i in rest]),
         mesh=f"{tuple(sizes)}{'' if names is None else ' ' + str(tuple(names))}, sharded over "

@@ -20,6 +20,26 @@ DEVICE = os.environ.get("JITCKPT_TEST_DEVICE", "simcuda")
 TIMEOUT_S = 60
 
 
+def run_bounded(cmd: list, timeout: float, **kw: object) -> subprocess.CompletedProcess:
+    """``cmd`` in a session of its own, its output captured; at ``timeout``, or whatever happens,
+    its process group is SIGKILLed (a launcher's workers exit when their launcher's channel ends)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = "", f"killed at its {timeout} s deadline"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def result(status: str, detail: str, **numbers: object) -> dict:
     return {"status": status, "detail": detail, "numbers": numbers}
 
@@ -116,8 +136,7 @@ def torch_observe() -> dict:
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS
     digests = {}
     for mode in ("direct", "observe"):
-        out = subprocess.run([sys.executable, "-c", TORCH_PROBE, "30"], env={**env, **_mode_env(mode)},
-                             capture_output=True, text=True, timeout=TIMEOUT_S)
+        out = run_bounded([sys.executable, "-c", TORCH_PROBE, "30"], TIMEOUT_S, env={**env, **_mode_env(mode)})
         if out.returncode != 0 or "digest=" not in out.stdout:
             return result("fail", f"{mode}: exited {out.returncode}: {out.stderr[-1500:]}")
         digests[mode] = out.stdout.split("digest=")[1].split()[0]
@@ -144,7 +163,7 @@ def user_level_jit() -> dict:
                             str(t / "ckpt"), "--run-dir", str(t / "run"), script, *common, "--inject", "0:1:6:kill",
                             "--out", str(t / "jit.pt")]}
         for name, cmd in runs.items():
-            out = subprocess.run(cmd, cwd=t, capture_output=True, text=True, timeout=TIMEOUT_S + 30)
+            out = run_bounded(cmd, TIMEOUT_S + 30, cwd=t)
             if out.returncode != 0:
                 return result("fail", f"{name} exited {out.returncode}: {(out.stdout + out.stderr)[-1500:]}")
         ref, got = torch.load(t / "ref.pt", weights_only=True), torch.load(t / "jit.pt", weights_only=True)
@@ -169,8 +188,7 @@ def numbers() -> dict:
     prog = build_program("call_latency", kernels=True, nccl=False)
     rows = {}
     for mode in MODES:
-        out = subprocess.run([str(prog.exe), "5000"], env=prog.env(**_mode_env(mode)), capture_output=True, text=True,
-                             timeout=TIMEOUT_S)
+        out = run_bounded([str(prog.exe), "5000"], TIMEOUT_S, env=prog.env(**_mode_env(mode)))
         kv = parse_kv(out.stdout)
         if kv.get("ok") != "1":
             return result("fail", f"call_latency in {mode} mode: {(out.stdout + out.stderr)[-1500:]}")

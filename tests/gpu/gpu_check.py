@@ -155,7 +155,8 @@ def main() -> int:
     vendored = vendor_wheels(args.wheels, site)
     if vendored:
         print(f"gpu-check: unpacked {', '.join(vendored)} from {args.wheels} (this Python lacks them)", flush=True)
-    env = {**os.environ, "JITCKPT_BUILD_DIR": str(build_dir), "JITCKPT_TEST_DEVICE": "simcuda" if args.simulate else "cuda",
+    env = {**os.environ, "JITCKPT_BUILD_DIR": str(build_dir), "JITCKPT_NATIVE_DIR": str(build_dir / "lib"),
+           "JITCKPT_TEST_DEVICE": "simcuda" if args.simulate else "cuda",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), *([str(site)] if vendored else []),
                                                         os.environ.get("PYTHONPATH")]))}
     wanted = [c for c in args.only.split(",") if c]
