@@ -91,6 +91,10 @@ REFUSED: dict[str, str] = {
     "cudaGetDriverEntryPointByVersion": _NOT_YET + "driver entry points (torch's VMM calls)",
     "cudaDeviceGetPCIBusId": _NOT_YET + "a string result into a caller buffer",
     "ncclCommInitRankConfig": _NOT_YET + "communicator config struct (in and out)",
+    # An array and its count: the generic rule (a non-const T* is one in/out value) would forward
+    # the first element only.
+    "ncclCommShrink": _NOT_YET + "the exclude list is an array of excludeRanksCount ranks",
+    "ncclCommInitRankScalable": _NOT_YET + "commIds is an array of nId unique ids",
     **{n: _NOT_YET + "memory registration with a communicator" for n in ("ncclCommRegister",
                                                                          "ncclCommDeregister")},
     **{n: _NOT_YET + "memory-pool attribute values of several types" for n in (
@@ -110,6 +114,12 @@ REFUSED: dict[str, str] = {
                  "ncclLLA2ACalcSlots")},
     **{n: _NOT_YET + "NCCL device API (teams of ranks of a device communicator)"
        for n in ("ncclTeamWorld", "ncclTeamLsa", "ncclTeamRail", "ncclTeamRankToWorld", "ncclTeamRankToLsa")},
+}
+
+# Struct types with pointer members: copied into the proxy, those would be this process's addresses
+# there. A generically forwarded function taking one is forwarded when it is NULL, refused otherwise.
+NULL_ONLY: dict[str, str] = {
+    "ncclConfig_t": "its const char* members (netName, commName) would reach the proxy as this process's addresses",
 }
 
 # Libraries proxy mode does not forward at their own API. cuBLAS(Lt), cuDNN and NCCL link the CUDA

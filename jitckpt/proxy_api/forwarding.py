@@ -157,6 +157,11 @@ def generate(inv: dict[str, list[Function]], hooked: set[str], exports: set[str]
         fwd = f"fwd_{f.name}"
         if cls in ("generic", "async"):
             c.append(f"{_decl(f, fwd)} {{")
+            for p, n in zip(f.params, names):  # a struct with pointer members: NULL only
+                why_null = dispositions.NULL_ONLY.get(_bare(p.type)) if p.kind == "out" else None
+                if why_null is not None:
+                    c.append(f'  if ({n} != nullptr) return refuse<{f.returns}>("{f.name}", '
+                             f'"not forwarded yet with a non-NULL {n}: {why_null}");')
             c.append(f"  CallWriter w(proxy::FunctionId::k_{f.name}, {'true' if cls == 'async' else 'false'});")
             for p, n in zip(f.params, names):
                 if p.kind == "value":

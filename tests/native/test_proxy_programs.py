@@ -127,7 +127,9 @@ def run_unforwarded(prog: Program, what: str, **env: str) -> subprocess.Complete
 SIMCUDA_ANSWERS = {"dev_comm_create": "5", "pnccl_get_version": "0", "pnccl_user_rank": "0", "rank": "0",
                    "pnccl_mem_alloc": "0", "pnccl_mem_allocated": "1", "pnccl_mem_free": "0",
                    "shared_mem_config_found": "1", "shared_mem_config_0": "801", "shared_mem_config_1": "801",
-                   "destroy": "0", "done": "1"}
+                   "destroy": "0", "done": "1",
+                   # simcuda has no shrink nor scalable init (ncclInvalidUsage); it splits with a config.
+                   "shrink": "5", "init_scalable": "5", "split_config": "0", "split": "0", "split_destroy": "0"}
 
 
 def test_unforwarded_calls_pass_through_in_observe_mode(unforwarded_prog: Program) -> None:
@@ -163,6 +165,15 @@ def test_unforwarded_calls_fail_naming_the_symbol_in_proxy_mode(unforwarded_prog
     assert "proxy mode: pncclMemAlloc is not supported: not forwarded yet: NCCL-allocated memory" in err, err
     refusal = "proxy mode: cudaDeviceGetSharedMemConfig is not supported: not forwarded (deprecated: "
     assert err.count(refusal) == 2, err
+    # Arrays and a pointer-bearing struct are refused, not forwarded as their first element or with
+    # this process's addresses in them; a split without a config is forwarded.
+    assert (kv["shrink"], kv["init_scalable"], kv["split_config"]) == ("5", "5", "5"), kv
+    assert (kv["split"], kv["split_destroy"]) == ("0", "0"), kv
+    for expected in ("proxy mode: ncclCommShrink is not supported: not forwarded yet: the exclude list is an array",
+                     "proxy mode: ncclCommInitRankScalable is not supported: not forwarded yet: commIds is an array",
+                     "proxy mode: ncclCommSplit is not supported: not forwarded yet with a non-NULL config: its "
+                     "const char* members"):
+        assert expected in err, (expected, err)
 
 
 def test_a_refused_call_without_a_status_aborts_naming_the_symbol(unforwarded_prog: Program) -> None:

@@ -44,6 +44,24 @@ int main(int argc, char** argv) {
   std::printf("pnccl_mem_allocated=%d\n", mem != nullptr);
   if (mem != nullptr) std::printf("pnccl_mem_free=%d\n", static_cast<int>(pncclMemFree(mem)));
 
+  // What the generic rule (a non-const T* is one in/out value) would marshal wrong: refused in
+  // proxy mode (ncclCommShrink's exclude list, ncclCommInitRankScalable's ids, a non-NULL
+  // ncclConfig_t with its pointer members); ncclCommSplit with a NULL config is forwarded.
+  int exclude = 0;
+  ncclComm_t shrunk = nullptr;
+  std::printf("shrink=%d\n", static_cast<int>(ncclCommShrink(comm, &exclude, 1, &shrunk, nullptr, NCCL_SHRINK_DEFAULT)));
+  ncclComm_t scalable = nullptr;
+  std::printf("init_scalable=%d\n", static_cast<int>(ncclCommInitRankScalable(&scalable, 1, 0, 1, &id, nullptr)));
+  ncclConfig_t comm_config = NCCL_CONFIG_INITIALIZER;
+  ncclComm_t with_config = nullptr;
+  const ncclResult_t split_config = ncclCommSplit(comm, 0, 0, &with_config, &comm_config);
+  std::printf("split_config=%d\n", static_cast<int>(split_config));
+  if (split_config == ncclSuccess) ncclCommDestroy(with_config);
+  ncclComm_t plain = nullptr;
+  const ncclResult_t split = ncclCommSplit(comm, 0, 0, &plain, nullptr);
+  std::printf("split=%d\n", static_cast<int>(split));
+  if (split == ncclSuccess) std::printf("split_destroy=%d\n", static_cast<int>(ncclCommDestroy(plain)));
+
   // Deprecated: declared __CUDA_DEPRECATED, which the inventory leaves out, so a trampoline. Twice:
   // the first call resolves its slot, the second goes through the resolved slot.
   using GetConfig = int (*)(int*);
