@@ -41,11 +41,13 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def call_latency(iters: int, rounds: int) -> dict:
+    """Per-call medians (ns) of call_latency.cu in each mode, the best of ``rounds``; on simcuda, or
+    on the GPU where the harness runs programs on the real runtime (make gpu-check)."""
     prog = build_program("call_latency", kernels=True, nccl=False)
     best: dict[str, dict[str, float]] = {}
     for _ in range(rounds):  # alternate the modes; keep each one's best round (scheduler noise)
         for mode, extra in MODES.items():
-            env = clean_env(SIMCUDA_KERNEL_LIB=str(prog.kernel_lib), **extra)
+            env = {k: v for k, v in prog.env(**extra).items() if not k.startswith("JITCKPT_") or k in extra}
             out = subprocess.run([str(prog.exe), str(iters)], env=env, capture_output=True, text=True,
                                  timeout=300).stdout
             kv = parse_kv(out)

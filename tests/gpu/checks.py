@@ -15,7 +15,9 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "native"))
+sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
+from bench_proxy import MODES, call_latency  # noqa: E402  (direct, observe, proxy: their environments)
 DEVICE = os.environ.get("JITCKPT_TEST_DEVICE", "simcuda")
 TIMEOUT_S = 60
 
@@ -44,21 +46,6 @@ def result(status: str, detail: str, **numbers: object) -> dict:
     return {"status": status, "detail": detail, "numbers": numbers}
 
 
-def _libjit() -> Path:
-    from simcuda_progs.simcuda_harness import BUILD
-
-    return BUILD / "lib" / "libjit.so"
-
-
-MODES = ("direct", "observe", "proxy")
-
-
-def _mode_env(mode: str) -> dict:
-    if mode == "direct":
-        return {}
-    return {"LD_PRELOAD": str(_libjit()), **({"JITCKPT_MODE": "proxy"} if mode == "proxy" else {})}
-
-
 def programs() -> dict:
     """Check 1: an nvcc-built CUDA + NCCL program (streams, pinned memory, send/recv, an
     all-reduce, its own kernels) direct, under observe mode and under proxy mode: the same final
@@ -69,7 +56,7 @@ def programs() -> dict:
     nranks = 1 if DEVICE == "cuda" else 2
     digests = {}
     for mode in MODES:
-        with RankGroup(prog, "ring", nranks, window_ms=5, env=prog.env(**_mode_env(mode))) as group:
+        with RankGroup(prog, "ring", nranks, window_ms=5, env=prog.env(**MODES[mode])) as group:
             kvs = [rp.finish(timeout=TIMEOUT_S) for rp in group.ranks]
             codes = [rp.proc.returncode for rp in group.ranks]
             seen = ["\n".join(rp.seen) for rp in group.ranks]
@@ -136,7 +123,7 @@ def torch_observe() -> dict:
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS
     digests = {}
     for mode in ("direct", "observe"):
-        out = run_bounded([sys.executable, "-c", TORCH_PROBE, "30"], TIMEOUT_S, env={**env, **_mode_env(mode)})
+        out = run_bounded([sys.executable, "-c", TORCH_PROBE, "30"], TIMEOUT_S, env={**env, **MODES[mode]})
         if out.returncode != 0 or "digest=" not in out.stdout:
             return result("fail", f"{mode}: exited {out.returncode}: {out.stderr[-1500:]}")
         digests[mode] = out.stdout.split("digest=")[1].split()[0]
@@ -182,18 +169,10 @@ def user_level_jit() -> dict:
 
 def numbers() -> dict:
     """Check 6: per-call latency of the CUDA runtime as an nvcc program sees it, direct, observe
-    and proxy (a synchronous call, an event record, a kernel launch), medians in ns."""
-    from simcuda_progs.simcuda_harness import build_program, parse_kv
-
-    prog = build_program("call_latency", kernels=True, nccl=False)
-    rows = {}
-    for mode in MODES:
-        out = run_bounded([str(prog.exe), "5000"], TIMEOUT_S, env=prog.env(**_mode_env(mode)))
-        kv = parse_kv(out.stdout)
-        if kv.get("ok") != "1":
-            return result("fail", f"call_latency in {mode} mode: {(out.stdout + out.stderr)[-1500:]}")
-        rows[mode] = {k: round(float(kv[k])) for k in ("sync_ns", "event_record_ns", "launch_ns")}
-    flat = {f"{m} {k}": v for m, row in rows.items() for k, v in row.items()}
+    and proxy (a synchronous call, an event record, a kernel launch), medians in ns
+    (bench/bench_proxy.py's measurement)."""
+    rows = call_latency(5000, 1)
+    flat = {f"{m} {k}": round(row[k]) for m, row in rows.items() for k in ("sync_ns", "event_record_ns", "launch_ns")}
     where = "measured on this GPU" if DEVICE == "cuda" else "simcuda"
     return result("pass", f"call latencies ({where}): medians in ns, below", **flat)
 
