@@ -74,6 +74,7 @@ class PartFill:
         t0 = time.monotonic()
         written = [write_part(None)]
         own = written[0][1]  # (path, CheckpointMeta)
+        # Part r of shard s is checkpoint shard s * R + r of a grid of S * R (ShardedState.select_part).
         first, grid = own.shard_id - self.replica, own.num_shards
         deadline = time.monotonic() + max(WAIT_MIN_S, 2 * (time.monotonic() - t0))
 
