@@ -161,7 +161,13 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
       SizeArg a;
       if (!take(name, args, nargs, &a, out)) return;
       void* p = nullptr;
-      out->status = cudaMalloc(&p, a.size);
+      std::string why;
+      out->status = state_.arena.allocate(a.size, &p, &why);
+      if (out->status != cudaSuccess && !why.empty() && !state_.arena.usable()) {
+        out->status = cudaMalloc(&p, a.size);  // no fixed arena here: the job runs, its replays cannot
+      } else if (out->status != cudaSuccess && !why.empty()) {
+        return fail(out, static_cast<cudaError_t>(out->status), "cudaMalloc: " + why);
+      }
       if (out->status == cudaSuccess && p != nullptr)
         state_.memory.add(reinterpret_cast<uint64_t>(p), a.size, Kind::kDevice);
       return out->result(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)));
@@ -175,7 +181,11 @@ void CallDispatcher::run_special(Call call, const char* name, const uint8_t* arg
       }
       if (state_.memory.size_of(a.ptr) == 0 || state_.memory.kind_of(a.ptr, 1) != Kind::kDevice)
         return fail(out, cudaErrorInvalidValue, "cudaFree: " + hex(a.ptr) + " is not a device allocation of this proxy");
-      out->status = cudaFree(reinterpret_cast<void*>(a.ptr));
+      std::string why;
+      out->status = state_.arena.owns(reinterpret_cast<void*>(a.ptr))
+                        ? state_.arena.release(reinterpret_cast<void*>(a.ptr), &why)
+                        : cudaFree(reinterpret_cast<void*>(a.ptr));
+      if (!why.empty()) return fail(out, static_cast<cudaError_t>(out->status), "cudaFree: " + why);
       if (out->status == cudaSuccess) state_.memory.remove(a.ptr, Kind::kDevice);
       return;
     }

@@ -17,6 +17,7 @@
 #include "address_book.h"
 #include "call_protocol.h"
 #include "fd_mailbox.h"
+#include "fixed_arena.h"
 #include "generic_call.h"
 #include "handle_table.h"
 #include "kernel_modules.h"
@@ -32,6 +33,7 @@ class DeviceState {
 
   HandleTable handles;
   AddressBook memory;
+  FixedArena arena;  // device memory at the same addresses in every proxy
   FdMailbox mailbox;  // memfds of shared host memory and modules, from the socket's listener
   KernelModules kernels;
   // Communicator queries (ncclCommGetAsyncError, ...) hold it shared, ncclCommDestroy/Abort/Finalize

@@ -163,12 +163,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s (started by libjit.so in proxy mode, with its socket as fd 3)\n", argv[0]);
     return 2;
   }
-#if !defined(__SANITIZE_THREAD__)  // ThreadSanitizer keeps that range for its shadow memory
-  // Device memory at a fixed address, so that a restarted proxy hands out the same pointers
-  // (simcuda reads this; on a GPU the proxy would reserve the range with cuMemAddressReserve,
-  // which is not built). An explicit setting wins.
-  setenv("SIMCUDA_ARENA_BASE", "0x300000000000", 0);
-#endif
+  // Device memory is the proxy's fixed arena (FixedArena, through the driver's VMM calls), on
+  // simcuda as on a GPU: simcuda's own fixed-address knob must not take that range first.
+  unsetenv("SIMCUDA_ARENA_BASE");
   int req_fd = -1, rep_fd = -1;
   if (!receive_rings(kSocketFd, &req_fd, &rep_fd)) return 2;
   try {

@@ -179,3 +179,35 @@ def test_a_bad_or_taken_arena_base_fails_every_call_clearly(arena: Program, valu
     proc = run(arena, SIMCUDA_ARENA_BASE=value)
     assert message in proc.stderr, proc.stderr
     assert parse_kv(proc.stdout)["malloc"] == "cudaErrorInitializationError" and proc.returncode == 1
+
+
+@pytest.fixture(scope="module")
+def vmm() -> Program:
+    return build_program("vmm_driver", kernels=False, nccl=False)
+
+
+def test_driver_vmm_entry_points_reserve_map_and_free_device_memory(vmm: Program) -> None:
+    """simcuda's libcuda.so.1, reached through cudaGetDriverEntryPointByVersion as a device proxy
+    reaches it (issue 46): a range at a chosen address (a hint, as on a GPU: taken, it lands
+    elsewhere), physical memory charged to the device, mapped, made accessible, used by the
+    runtime's copies, refused by cudaFree, unmapped whole and refunded."""
+    proc = run(vmm)
+    kv = parse_kv(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ok, invalid = "0", "1"  # CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE
+    assert (kv["unknown_status"], kv["unknown_null"], kv["unknown_error"]) == ("1", "1", "cudaSuccess")
+    assert kv["old_version_status"] == "2"  # cudaDriverEntryPointVersionNotSufficent
+    assert kv["found"] == "1" and kv["granularity"] == str(2 << 20)
+    assert kv["reserve_result"] == ok and kv["reserve_at_hint"] == "1"
+    assert kv["second_reserve_result"] == ok and kv["second_elsewhere"] == "1"
+    assert kv["unaligned_reserve_result"] == invalid
+    assert kv["create_result"] == ok and kv["create_charged"] == "1"
+    assert kv["map_outside_result"] == invalid and kv["map_result"] == ok and kv["map_overlap_result"] == invalid
+    assert kv["type_before_access"] == "0"  # mapped but not accessible: not device memory yet
+    assert kv["access_result"] == ok and kv["release_result"] == ok
+    assert (kv["type"], kv["device"]) == ("2", "0")  # cudaMemoryTypeDevice on device 0
+    assert kv["roundtrip"] == "1"
+    assert kv["cudafree_mapped"] == "cudaErrorInvalidValue"
+    assert kv["free_range_mapped_result"] == invalid and kv["unmap_part_result"] == invalid
+    assert kv["unmap_result"] == ok and kv["refunded"] == "1" and kv["type_after_unmap"] == "0"
+    assert kv["free_range_result"] == ok and kv["reserve_again_at_hint"] == "1"

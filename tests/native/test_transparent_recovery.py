@@ -267,6 +267,86 @@ def test_a_rank_whose_communicator_has_peers_elsewhere_is_not_replayed_alone(pro
                 p.wait(timeout=10)
 
 
+VMM_BASE = 0x3000_0000_0000  # proxy_server/src/fixed_arena.h: FixedArena::kBase
+GRANULE = 2 << 20  # the driver's allocation granularity (2 MiB on simcuda, as on a GPU)
+
+
+def vmm_mapped(pid: int, address: int) -> bool:
+    """Whether `address` is in one of simcuda's driver mappings (a memfd) in process `pid`."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= address < hi:
+            return "memfd:simcuda-vmm" in line
+    return False
+
+
+def flushed_lines(proc: subprocess.Popen, n: int) -> dict[str, str]:
+    """`n` key=value lines the program wrote with one fflush (one write: buffered together once
+    the first has come, within read_line's deadline)."""
+    lines = [read_line(proc)] + [proc.stdout.readline().strip() for _ in range(n - 1)]
+    return dict(line.split("=", 1) for line in lines)
+
+
+def test_a_new_proxy_hands_out_the_same_pointers_from_its_vmm_arena() -> None:
+    """The proxy's device memory is its fixed arena through the driver's VMM calls (issue 46), not
+    simcuda's SIMCUDA_ARENA_BASE (set here to another address, which the proxy ignores): cudaMalloc
+    gives pointers at the arena's base, first fit at the driver's granularity, mapped (memfds) in
+    the proxy and not in the application; after the proxy is SIGKILLed, the new one maps the same
+    pointers (the replay checks each), the data is there, and the next allocation is where a
+    failure-free proxy puts it."""
+    arena = build_program("arena_addresses", kernels=False, nccl=False)
+    proc = subprocess.Popen([str(arena.exe), "wait"], env=arena.env(**PROXY, SIMCUDA_ARENA_BASE="0x200000000000"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        kv = flushed_lines(proc, 5)
+        a, c, d = (int(kv[k], 16) for k in "acd")
+        assert kv["roundtrip"] == "1" and a == VMM_BASE, kv
+        assert c == a + 2 * GRANULE and d == a + GRANULE, kv  # d reuses b's freed granule, first fit
+        first = proxies_of(proc.pid)
+        assert len(first) == 1
+        assert all(vmm_mapped(first[0].pid, p) for p in (a, c, d))
+        assert not vmm_mapped(first[0].pid, 0x2000_0000_0000) and not vmm_mapped(proc.pid, a)
+        first[0].kill()  # a zombie until the application reaps it: its next call finds it gone
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        kv = flushed_lines(proc, 2)
+        assert kv["roundtrip_after"] == "1" and int(kv["e"], 16) == a + 3 * GRANULE, kv
+        second = proxies_of(proc.pid)
+        assert len(second) == 1 and second[0].pid != first[0].pid
+        assert all(vmm_mapped(second[0].pid, p) for p in (a, c, d, a + 3 * GRANULE))
+        proc.stdin.write("end\n")
+        proc.stdin.flush()
+        rc, _, out = finish(proc)
+        assert rc == 0, out
+        assert f"jitckpt-proxy (pid {first[0].pid}) was killed by signal 9" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_without_the_driver_vmm_calls_the_proxy_allocates_with_cudamalloc_and_says_so(tmp_path: Path) -> None:
+    """A driver without the VMM entry points (here: simcuda's runtime without its libcuda.so.1) does
+    not break the job: the proxy allocates with cudaMalloc, and says that a replay after a proxy
+    restart would find other pointers."""
+    import shutil
+
+    from simcuda_progs.simcuda_harness import DEVICE, SIMCUDA_LIBS
+
+    if DEVICE == "cuda":
+        pytest.skip("simcuda's libraries only")
+    for lib in ("libcudart.so.13", "libnccl.so.2"):
+        shutil.copy(SIMCUDA_LIBS / lib, tmp_path / lib)
+    arena = build_program("arena_addresses", kernels=False, nccl=False)
+    proc = subprocess.run([str(arena.exe)], env={**arena.env(**PROXY), "LD_LIBRARY_PATH": str(tmp_path)},
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    kv = parse_kv(proc.stdout)
+    assert proc.returncode == 0 and kv["roundtrip"] == "1", proc.stdout + proc.stderr
+    assert int(kv["a"], 16) != VMM_BASE
+    assert "the driver has no cuMemAddressReserve" in proc.stderr, proc.stderr
+    assert proc.stderr.count("device memory comes from cudaMalloc, not a fixed arena") == 1, proc.stderr
+
+
 def test_threads_keep_their_device_stream_and_buffer_across_a_replaced_proxy() -> None:
     """Four threads, each on its own channel with its own current device (of two), stream and
     buffer: after the proxy is killed, each thread's channel is the new proxy's channel of the same

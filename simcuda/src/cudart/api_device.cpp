@@ -202,16 +202,3 @@ SIMCUDA_API cudaError_t cudaDeviceSetGraphMemAttribute(int, cudaGraphMemAttribut
 SIMCUDA_API cudaError_t cudaProfilerStart(void) { return cudaSuccess; }
 SIMCUDA_API cudaError_t cudaProfilerStop(void) { return cudaSuccess; }
 
-// simcuda has no driver API: report every entry point as not found (callers fall back or skip).
-SIMCUDA_API cudaError_t cudaGetDriverEntryPointByVersion(const char*, void** fn, unsigned int, unsigned long long,
-                                                         cudaDriverEntryPointQueryResult* status) {
-  if (!fn) return api_result(cudaErrorInvalidValue);
-  *fn = nullptr;
-  if (status) *status = cudaDriverEntryPointSymbolNotFound;
-  return cudaSuccess;
-}
-SIMCUDA_API cudaError_t cudaGetDriverEntryPointByVersion_ptsz(const char* s, void** fn, unsigned int v,
-                                                              unsigned long long f,
-                                                              cudaDriverEntryPointQueryResult* st) {
-  return cudaGetDriverEntryPointByVersion(s, fn, v, f, st);
-}

@@ -124,7 +124,7 @@ SIMCUDA_API cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, co
   Runtime& rt = Runtime::get();
   std::memset(attr, 0, sizeof(*attr));
   attr->device = -2;  // what CUDA reports for unregistered host memory
-  if (auto a = rt.arena().find(ptr)) {
+  if (auto a = rt.find_device(ptr)) {
     attr->type = a->managed ? cudaMemoryTypeManaged : cudaMemoryTypeDevice;
     attr->device = a->device;
     attr->devicePointer = const_cast<void*>(ptr);

@@ -111,6 +111,18 @@ bool DeviceArena::contains_range(const void* ptr, size_t len) const {
   return addr + len <= a->base + a->size;
 }
 
+bool DeviceArena::charge(int device, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (used_[device] + bytes > capacity_) return false;
+  used_[device] += bytes;
+  return true;
+}
+
+void DeviceArena::refund(int device, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  used_[device] -= bytes;
+}
+
 size_t DeviceArena::used(int device) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = used_.find(device);

@@ -41,6 +41,10 @@ class DeviceArena {
   bool contains_range(const void* ptr, size_t len) const;
   size_t capacity() const { return capacity_; }
   size_t used(int device) const;
+  // Capacity taken by memory outside the arena (the driver's physical allocations, VirtualMemory):
+  // false when it does not fit.
+  bool charge(int device, size_t bytes);
+  void refund(int device, size_t bytes);
   uintptr_t base() const { return base_; }
   // Bytes of address space the arena reserves for `num_devices` devices.
   static size_t reserved_bytes(int num_devices) { return kRegionBytes * static_cast<size_t>(num_devices); }

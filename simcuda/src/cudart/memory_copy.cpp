@@ -9,8 +9,8 @@
 namespace simcuda {
 namespace {
 
-bool is_device(const void* p) { return Runtime::get().arena().find(p).has_value(); }
-bool device_range_ok(const void* p, size_t n) { return Runtime::get().arena().contains_range(p, n); }
+bool is_device(const void* p) { return Runtime::get().find_device(p).has_value(); }
+bool device_range_ok(const void* p, size_t n) { return Runtime::get().device_range(p, n); }
 
 // Resolves cudaMemcpyDefault and checks that every side declared "device" is a live device range.
 cudaError_t check_directions(void* dst, const void* src, size_t count, cudaMemcpyKind* kind) {

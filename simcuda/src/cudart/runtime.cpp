@@ -70,8 +70,19 @@ Runtime::Runtime() {
     ok = false;
     arena_ = std::make_unique<DeviceArena>(static_cast<int>(n), bytes);
   }
+  vmm_ = std::make_unique<VirtualMemory>(arena_.get(), static_cast<int>(n));
   if (!ok) errors_.set_sticky(cudaErrorInitializationError);
   for (int d = 0; d < n; ++d) devices_.push_back(std::make_unique<Device>(d, bytes, &errors_));
+}
+
+std::optional<DeviceAllocation> Runtime::find_device(const void* ptr) const {
+  if (auto a = arena_->find(ptr)) return a;
+  return vmm_->find(ptr);
+}
+
+bool Runtime::device_range(const void* ptr, size_t len) const {
+  auto a = find_device(ptr);
+  return a && reinterpret_cast<uintptr_t>(ptr) + len <= a->base + a->size;
 }
 
 int Runtime::current_device() const { return t_current_device; }

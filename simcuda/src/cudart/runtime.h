@@ -14,6 +14,7 @@
 #include "event.h"
 #include "kernel_registry.h"
 #include "pinned_host_registry.h"
+#include "virtual_memory.h"
 
 namespace simcuda {
 
@@ -25,6 +26,11 @@ class Runtime {
 
   ErrorState& errors() { return errors_; }
   DeviceArena& arena() { return *arena_; }
+  VirtualMemory& virtual_memory() { return *vmm_; }
+  // Device memory containing `ptr`: cudaMalloc's (the arena) or the driver's mapped memory.
+  std::optional<DeviceAllocation> find_device(const void* ptr) const;
+  // True if [ptr, ptr+len) lies entirely inside one device allocation or mapping.
+  bool device_range(const void* ptr, size_t len) const;
   PinnedHostRegistry& pinned() { return pinned_; }
   KernelRegistry& kernels() { return kernels_; }
 
@@ -51,6 +57,7 @@ class Runtime {
 
   ErrorState errors_;
   std::unique_ptr<DeviceArena> arena_;
+  std::unique_ptr<VirtualMemory> vmm_;
   PinnedHostRegistry pinned_;
   KernelRegistry kernels_;
   std::vector<std::unique_ptr<Device>> devices_;

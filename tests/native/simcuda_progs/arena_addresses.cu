@@ -1,11 +1,15 @@
 // Device pointers from a sequence of cudaMalloc/cudaFree, and a round trip through them.
-// Prints "key=value" lines (tests/native/test_simcuda_runtime.py: the fixed device arena).
+// Prints "key=value" lines (tests/native/test_simcuda_runtime.py: the fixed device arena;
+// test_proxy_mode.py: the proxy's). With "wait": then reads a line from stdin (a test replaces the
+// proxy meanwhile), reads c back again, allocates once more and prints it, and waits for another
+// line before it exits.
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <cstring>
 
-int main() {
+int main(int argc, char** argv) {
+  const bool wait = argc > 1 && std::strcmp(argv[1], "wait") == 0;
   void* a = nullptr;
   void* b = nullptr;
   void* c = nullptr;
@@ -22,5 +26,16 @@ int main() {
       cudaMemcpy(out, c, sizeof out, cudaMemcpyDeviceToHost) != cudaSuccess)
     return 3;
   std::printf("a=%p\nc=%p\nd=%p\nroundtrip=%d\n", a, c, d, std::memcmp(in, out, sizeof in) == 0);
+  if (!wait) return 0;
+  std::fflush(stdout);
+  char line[16];
+  if (std::fgets(line, sizeof line, stdin) == nullptr) return 4;
+  void* f = nullptr;
+  std::memset(out, 0, sizeof out);
+  if (cudaMemcpy(out, c, sizeof out, cudaMemcpyDeviceToHost) != cudaSuccess || cudaMalloc(&f, 4096) != cudaSuccess)
+    return 5;
+  std::printf("roundtrip_after=%d\ne=%p\n", std::memcmp(in, out, sizeof in) == 0, f);
+  std::fflush(stdout);
+  if (std::fgets(line, sizeof line, stdin) == nullptr) return 6;
   return 0;
 }
