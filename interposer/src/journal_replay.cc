@@ -151,7 +151,7 @@ bool replay_journal(const ReplayJournal& journal, ReplayTarget& target, const De
     request.assign(journal.bytes(e), journal.bytes(e) + e.size);
     // A unique id names a rendezvous of the proxy that made it: the replay uses the new proxy's, or
     // for a communicator with peers elsewhere, the one its rank 0 made and put in the store.
-    const bool init = e.tag == ReplayJournal::comm_init_rank_tag() &&
+    const bool init = ReplayJournal::inits_comm_from_id(e.tag) &&
                       request.size() >= ReplayJournal::kCommRankOffset + sizeof(int32_t);
     const auto init_began = std::chrono::steady_clock::now();
     if (init) {

@@ -6,6 +6,8 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -127,6 +129,26 @@ class CallWriter {
   }
   template <typename T>
   void result_handle(T* p) { value(static_cast<uint8_t>(p != nullptr)); }
+  // A struct read, never written, whose C strings at `strings` travel as strings (forwarding.py's
+  // wire format): `valid` of its bytes (what the caller's header declared) with those cleared.
+  template <typename T, size_t N>
+  void with_strings(const T* p, const size_t (&strings)[N], size_t valid) {
+    value(static_cast<uint8_t>(p != nullptr));
+    if (p == nullptr) return;
+    T copy{};
+    std::memcpy(static_cast<void*>(&copy), p, std::min(valid, sizeof copy));
+    for (size_t at : strings) std::memset(reinterpret_cast<char*>(&copy) + at, 0, sizeof(const char*));
+    value(copy);
+    for (size_t at : strings) {
+      const char* text = nullptr;
+      if (at + sizeof text <= valid) std::memcpy(&text, reinterpret_cast<const char*>(p) + at, sizeof text);
+      value(static_cast<uint8_t>(text != nullptr));
+      if (text == nullptr) continue;
+      const auto n = static_cast<uint32_t>(std::strlen(text));
+      value(n);
+      bytes(text, n);
+    }
+  }
   void bytes(const void* p, size_t n) {
     auto& b = buf();
     const size_t at = b.size();

@@ -229,7 +229,7 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
   // A replacement stage joins the survivors at its first communicator with peers (stage_join.h):
   // journaled as theirs (their recorded id), made with the id agreed with them.
   std::string joined_id;
-  if (tag == ReplayJournal::comm_init_rank_tag() && join_.pending() &&
+  if (ReplayJournal::inits_comm_from_id(tag) && join_.pending() &&
       payload.size() >= ReplayJournal::kCommRankOffset + sizeof(int32_t)) {
     int32_t nranks = 0, rank = 0;
     std::memcpy(&nranks, payload.data() + sizeof(proxy::RequestHead) + 1, sizeof nranks);
@@ -322,7 +322,7 @@ proxy::CallResult ProxySession::call(uint32_t tag, std::vector<uint8_t>& payload
       }
       // A communicator this process cannot rebuild (peers, no store) made since the fence was asked
       // for: lift it now, or a failure of its calls would leave the program without device work.
-      if (tag == ReplayJournal::comm_init_rank_tag() && fence_requested_ && !cannot_recover().empty() &&
+      if (ReplayJournal::inits_comm_from_id(tag) && fence_requested_ && !cannot_recover().empty() &&
           request_fence(ch, false))
         fence_requested_ = false;
       return r;

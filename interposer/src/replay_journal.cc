@@ -26,8 +26,9 @@ ReplayJournal::~ReplayJournal() {
 uint32_t ReplayJournal::unique_id_tag() {
   return proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_ncclGetUniqueId);
 }
-uint32_t ReplayJournal::comm_init_rank_tag() {
-  return proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_ncclCommInitRank);
+bool ReplayJournal::inits_comm_from_id(uint32_t tag) {
+  return tag == proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_ncclCommInitRank) ||
+         tag == proxy::kGenericBase + static_cast<uint32_t>(proxy::FunctionId::k_ncclCommInitRankConfig);
 }
 
 namespace {
@@ -163,7 +164,7 @@ int64_t ReplayJournal::append(uint32_t tag, uint32_t channel, uint64_t seq, bool
   }
   // A communicator with peers in other processes: offset of nranks after the head and the
   // presence byte of the communicator result (see the generated fwd_ncclCommInitRank).
-  if (tag == comm_init_rank_tag() && size >= kCommRankOffset + sizeof(int32_t)) {
+  if (inits_comm_from_id(tag) && size >= kCommRankOffset + sizeof(int32_t)) {
     int32_t nranks = 0;
     std::memcpy(&nranks, payload + sizeof(proxy::RequestHead) + 1, sizeof nranks);
     if (nranks > 1) {

@@ -133,10 +133,13 @@ class ReplayJournal {
   // Whether a call leaves device state as it found it (queries, synchronizes, copies to the host):
   // it is not journaled; one that was waiting when the proxy was lost is made again on the new one.
   static bool stateless(uint32_t tag);
-  // ncclGetUniqueId (its results are kept: a replay maps the old id to the new one) and
-  // ncclCommInitRank (request: head, the communicator's presence byte, nranks, the id, rank).
+  // ncclGetUniqueId (its results are kept: a replay maps the old id to the new one), and whether a
+  // call makes a communicator from a unique id: ncclCommInitRank and ncclCommInitRankConfig
+  // (ProcessGroupNCCL's), whose requests begin alike (head, the communicator's presence byte,
+  // nranks, the id, rank; the config follows). A communicator split from one is made with its
+  // parent's peers: the parent is the journal's communicator with peers.
   static uint32_t unique_id_tag();
-  static uint32_t comm_init_rank_tag();
+  static bool inits_comm_from_id(uint32_t tag);
   static constexpr size_t kCommIdOffset = 16 + 1 + 4;
   static constexpr size_t kCommRankOffset = kCommIdOffset + 128;  // sizeof(ncclUniqueId)
 

@@ -90,7 +90,6 @@ REFUSED: dict[str, str] = {
        for n in ("cudaLaunchHostFunc", "cudaStreamAddCallback")},
     "cudaGetDriverEntryPointByVersion": _NOT_YET + "driver entry points (torch's VMM calls)",
     "cudaDeviceGetPCIBusId": _NOT_YET + "a string result into a caller buffer",
-    "ncclCommInitRankConfig": _NOT_YET + "communicator config struct (in and out)",
     # An array and its count: the generic rule (a non-const T* is one in/out value) would forward
     # the first element only.
     "ncclCommShrink": _NOT_YET + "the exclude list is an array of excludeRanksCount ranks",
@@ -116,10 +115,13 @@ REFUSED: dict[str, str] = {
        for n in ("ncclTeamWorld", "ncclTeamLsa", "ncclTeamRail", "ncclTeamRankToWorld", "ncclTeamRankToLsa")},
 }
 
-# Struct types with pointer members: copied into the proxy, those would be this process's addresses
-# there. A generically forwarded function taking one is forwarded when it is NULL, refused otherwise.
-NULL_ONLY: dict[str, str] = {
-    "ncclConfig_t": "its const char* members (netName, commName) would reach the proxy as this process's addresses",
+# Struct types with C-string members: copied as they are into the proxy, those would be this
+# process's addresses there. A generically forwarded function taking one sends it field by field
+# (its bytes with those members cleared, then each string) and gets nothing back in it (NCCL reads
+# a config, never writes it). Each entry: the string members, and the member holding the size of
+# the struct the caller's header declared (the bytes that are read of it).
+STRING_MEMBERS: dict[str, tuple[tuple[str, ...], str]] = {
+    "ncclConfig_t": (("netName", "commName"), "size"),
 }
 
 # Libraries proxy mode does not forward at their own API. cuBLAS(Lt), cuDNN and NCCL link the CUDA

@@ -28,8 +28,11 @@ never by hand; writes four files:
 
 Wire format of a generic call's arguments, parameter by parameter: a value as its bytes; a handle
 as a u64 virtual handle; a device address (``void*`` of a stream-ordered call in :data:`ASYNC`)
-as a u64; a result pointer as a presence byte, then (unless it is a handle) the pointee's bytes,
-so in-out structs such as ``ncclConfig_t`` arrive. The reply carries each present result.
+as a u64; a result pointer as a presence byte, then (unless it is a handle) the pointee's bytes;
+a struct with C-string members (:data:`~.dispositions.STRING_MEMBERS`: ``ncclConfig_t``) as a
+presence byte, the struct with those members cleared (as many bytes as its size member says, the
+rest zero), then each string as a presence byte, a u32 length and its bytes. The reply carries each
+present result (not those structs: they are read, never written).
 """
 from __future__ import annotations
 
@@ -60,6 +63,12 @@ def _base(ptype: str) -> str:
     """The pointee type of a result pointer (``struct cudaDeviceProp *`` -> ``struct cudaDeviceProp``)."""
     assert ptype.endswith("*"), ptype
     return ptype[:-1].strip()
+
+
+def _string_offsets(ptype: str) -> str:
+    """The offsets of a struct's C-string members (:data:`dispositions.STRING_MEMBERS`), as a C++ array."""
+    bare = _bare(ptype)
+    return "{" + ", ".join(f"offsetof({bare}, {m})" for m in dispositions.STRING_MEMBERS[bare][0]) + "}"
 
 
 def handle_types(inv: dict[str, list[Function]]) -> set[str]:
@@ -157,11 +166,6 @@ def generate(inv: dict[str, list[Function]], hooked: set[str], exports: set[str]
         fwd = f"fwd_{f.name}"
         if cls in ("generic", "async"):
             c.append(f"{_decl(f, fwd)} {{")
-            for p, n in zip(f.params, names):  # a struct with pointer members: NULL only
-                why_null = dispositions.NULL_ONLY.get(_bare(p.type)) if p.kind == "out" else None
-                if why_null is not None:
-                    c.append(f'  if ({n} != nullptr) return refuse<{f.returns}>("{f.name}", '
-                             f'"not forwarded yet with a non-NULL {n}: {why_null}");')
             c.append(f"  CallWriter w(proxy::FunctionId::k_{f.name}, {'true' if cls == 'async' else 'false'});")
             for p, n in zip(f.params, names):
                 if p.kind == "value":
@@ -172,11 +176,14 @@ def generate(inv: dict[str, list[Function]], hooked: set[str], exports: set[str]
                     c.append(f"  w.address({n});")
                 elif _bare(p.type) in handles:
                     c.append(f"  w.result_handle({n});")
+                elif _bare(p.type) in dispositions.STRING_MEMBERS:
+                    c.append(f"  w.with_strings({n}, {_string_offsets(p.type)}, {n} ? {n}->"
+                             f"{dispositions.STRING_MEMBERS[_bare(p.type)][1]} : 0);")
                 else:
                     c.append(f"  w.result({n});")
             c.append(f'  Reply r = w.send("{f.name}");')
             for p, n in zip(f.params, names):
-                if p.kind == "out":
+                if p.kind == "out" and _bare(p.type) not in dispositions.STRING_MEMBERS:
                     c.append(f"  r.result({n});")
             c.append(f"  return r.status<{f.returns}>();")
             c.append("}")
@@ -289,6 +296,10 @@ def generate(inv: dict[str, list[Function]], hooked: set[str], exports: set[str]
                 p.append(f"      bool {v}_present = false;")
                 if _bare(prm.type) in handles:
                     p.append(f"      if (!a.result_handle(&{v}_present)) break;")
+                elif _bare(prm.type) in dispositions.STRING_MEMBERS:
+                    p.append(f"      std::string {v}_strings[{len(dispositions.STRING_MEMBERS[_bare(prm.type)][0])}];")
+                    p.append(f'      if (!a.with_strings(&{v}, &{v}_present, {_string_offsets(prm.type)}, '
+                             f'{v}_strings, "{n}")) break;')
                 else:
                     p.append(f"      if (!a.result(&{v}, &{v}_present)) break;")
                 call_args.append(f"{v}_present ? &{v} : nullptr")
@@ -296,7 +307,7 @@ def generate(inv: dict[str, list[Function]], hooked: set[str], exports: set[str]
         p.append(f"      const auto status = {f.name}({', '.join(call_args)});")
         p.append("      r.status = static_cast<int32_t>(status);")
         for i, prm in enumerate(f.params):
-            if prm.kind == "out":
+            if prm.kind == "out" and _bare(prm.type) not in dispositions.STRING_MEMBERS:
                 if _bare(prm.type) in handles:
                     p.append(f"      if (v{i}_present) r.result_handle(handles.mint(v{i}, status == 0));")
                 else:

@@ -4,6 +4,7 @@
 // call's error, naming the function and the parameter.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -66,6 +67,31 @@ class ArgReader {
     *present = p != 0;
     return !*present || value(v);
   }
+  // A struct with C strings at `strings` (forwarding.py's wire format): its bytes, then each string,
+  // kept in `storage` for the call, its member pointed at it.
+  template <typename T, size_t N>
+  bool with_strings(T* v, bool* present, const size_t (&strings)[N], std::string (&storage)[N], const char* param) {
+    uint8_t p = 0;
+    if (!value(&p)) return false;
+    *present = p != 0;
+    if (!*present) return true;
+    if (!value(v)) return false;
+    for (size_t i = 0; i < N; ++i) {
+      uint8_t has = 0;
+      if (!value(&has)) return false;
+      const char* text = nullptr;
+      if (has != 0) {
+        uint32_t n = 0;
+        if (!value(&n)) return false;
+        if (n > kMaxString) return fail(std::string("a string of '") + param + "' longer than 4096 bytes");
+        storage[i].resize(n);
+        if (!take(storage[i].data(), n)) return fail("truncated arguments");
+        text = storage[i].c_str();
+      }
+      std::memcpy(reinterpret_cast<char*>(v) + strings[i], &text, sizeof text);
+    }
+    return true;
+  }
   bool result_handle(bool* present) {
     uint8_t p = 0;
     if (!value(&p)) return false;
@@ -83,6 +109,7 @@ class ArgReader {
   static constexpr int32_t kCudaInvalidValue = 1, kCudaInvalidHandle = 400;
   static constexpr int32_t kNcclInvalidArgument = 4;
   static constexpr int kBadHandle = 1;
+  static constexpr uint32_t kMaxString = 4096;
   static std::string hex(uint64_t v) {
     char b[24];
     std::snprintf(b, sizeof b, "%llx", static_cast<unsigned long long>(v));

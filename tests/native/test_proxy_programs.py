@@ -128,18 +128,24 @@ SIMCUDA_ANSWERS = {"dev_comm_create": "5", "pnccl_get_version": "0", "pnccl_user
                    "pnccl_mem_alloc": "0", "pnccl_mem_allocated": "1", "pnccl_mem_free": "0",
                    "shared_mem_config_found": "1", "shared_mem_config_0": "801", "shared_mem_config_1": "801",
                    "destroy": "0", "done": "1",
-                   # simcuda has no shrink nor scalable init (ncclInvalidUsage); it splits with a config.
-                   "shrink": "5", "init_scalable": "5", "split_config": "0", "split": "0", "split_destroy": "0"}
+                   # simcuda has no shrink nor scalable init (ncclInvalidUsage); it splits and inits
+                   # with a config.
+                   "shrink": "5", "init_scalable": "5", "split_config": "0", "split": "0", "split_destroy": "0",
+                   "init_config": "0", "init_config_destroy": "0"}
+CONFIG_STRINGS = ("NCCL INFO ncclCommSplit: commName jitckpt-split netName (unset)",
+                  "NCCL INFO ncclCommInitRankConfig: commName jitckpt-init netName Socket")
 
 
 def test_unforwarded_calls_pass_through_in_observe_mode(unforwarded_prog: Program) -> None:
     """Observe mode: libjit.so's definitions (nccl_device.h, pnccl, a trampoline) reach simcuda."""
-    direct = run_unforwarded(unforwarded_prog, "status")
-    observe = run_unforwarded(unforwarded_prog, "status", LD_PRELOAD=str(LIBJIT), JITCKPT_VERBOSE="1")
+    direct = run_unforwarded(unforwarded_prog, "status", NCCL_DEBUG="INFO")
+    observe = run_unforwarded(unforwarded_prog, "status", LD_PRELOAD=str(LIBJIT), JITCKPT_VERBOSE="1",
+                              NCCL_DEBUG="INFO")
     for proc in (direct, observe):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         kv = parse_kv(proc.stdout)
         assert int(kv.pop("version")) > 0 and kv == SIMCUDA_ANSWERS, proc.stdout
+        assert all(line in proc.stderr for line in CONFIG_STRINGS), proc.stderr
     assert "not supported" not in observe.stderr, observe.stderr
     # The trampoline's slot was resolved to simcuda's definition once; the second call used it.
     for name in ("cudaDeviceGetSharedMemConfig", "pncclMemAlloc", "ncclDevCommCreate"):
@@ -150,7 +156,7 @@ def test_unforwarded_calls_pass_through_in_observe_mode(unforwarded_prog: Progra
 
 def test_unforwarded_calls_fail_naming_the_symbol_in_proxy_mode(unforwarded_prog: Program) -> None:
     direct = parse_kv(run_unforwarded(unforwarded_prog, "status").stdout)
-    proc = run_unforwarded(unforwarded_prog, "status", **PROXY)
+    proc = run_unforwarded(unforwarded_prog, "status", **PROXY, NCCL_DEBUG="INFO")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     kv = parse_kv(proc.stdout)
     # Refused: ncclInvalidUsage / cudaErrorNotSupported, and nothing allocated in this process.
@@ -165,14 +171,15 @@ def test_unforwarded_calls_fail_naming_the_symbol_in_proxy_mode(unforwarded_prog
     assert "proxy mode: pncclMemAlloc is not supported: not forwarded yet: NCCL-allocated memory" in err, err
     refusal = "proxy mode: cudaDeviceGetSharedMemConfig is not supported: not forwarded (deprecated: "
     assert err.count(refusal) == 2, err
-    # Arrays and a pointer-bearing struct are refused, not forwarded as their first element or with
-    # this process's addresses in them; a split without a config is forwarded.
-    assert (kv["shrink"], kv["init_scalable"], kv["split_config"]) == ("5", "5", "5"), kv
-    assert (kv["split"], kv["split_destroy"]) == ("0", "0"), kv
+    # Arrays are refused, not forwarded as their first element; a config reaches the proxy field by
+    # field, its strings as strings (the proxy's simcuda prints what it got), for a split and for
+    # ncclCommInitRankConfig (what ProcessGroupNCCL calls).
+    assert (kv["shrink"], kv["init_scalable"]) == ("5", "5"), kv
+    assert (kv["split_config"], kv["split"], kv["split_destroy"]) == ("0", "0", "0"), kv
+    assert (kv["init_config"], kv["init_config_destroy"]) == ("0", "0"), kv
+    assert all(line in err for line in CONFIG_STRINGS), err
     for expected in ("proxy mode: ncclCommShrink is not supported: not forwarded yet: the exclude list is an array",
-                     "proxy mode: ncclCommInitRankScalable is not supported: not forwarded yet: commIds is an array",
-                     "proxy mode: ncclCommSplit is not supported: not forwarded yet with a non-NULL config: its "
-                     "const char* members"):
+                     "proxy mode: ncclCommInitRankScalable is not supported: not forwarded yet: commIds is an array"):
         assert expected in err, (expected, err)
 
 

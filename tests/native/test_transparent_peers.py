@@ -202,6 +202,24 @@ def kill_a_proxy_mid_training(jobs, tmp: Path, name: str, steps: int, **extra: s
     return job, worker
 
 
+@pytest.mark.slow  # a collective failure's recovery with ncclCommInitRank is in make test
+def test_a_communicator_made_with_a_config_is_rebuilt_with_its_peers(jobs, reference, tmp_path: Path) -> None:
+    """ncclCommInitRankConfig (ProcessGroupNCCL's call; issue 46) is journaled as a communicator with
+    peers: after an NCCL error on one rank, every rank rebuilds it with the id its rank 0 put in the
+    store (its config, strings and all, replayed from the journal), in place, bitwise."""
+    need_build()
+    expected = reference(STEPS)
+    marker = tmp_path / "fired"
+    job = jobs(tmp_path, "config", STEPS, DP_TRAIN_COMM_CONFIG="1", NCCL_DEBUG="INFO", SIMCUDA_FAIL_MODE="error",
+               SIMCUDA_FAIL_RANK=str(FAIL_RANK), SIMCUDA_FAIL_AT=str(FAIL_AT), SIMCUDA_FAIL_ONCE=str(marker))
+    assert job.wait(TIMEOUT_S) == 0, job.log.read_text()
+    assert marker.exists(), "the fault was not injected"
+    _, log = assert_recovered_in_place(job, expected)
+    # Each rank's first proxy, its validation's scratch proxy and its new proxy made the communicator
+    # with the config's name.
+    assert log.count("NCCL INFO ncclCommInitRankConfig: commName dp_train") >= 3 * WORLD, log
+
+
 @pytest.mark.slow  # make test's 15-minute budget: a collective failure's recovery stays fast
 def test_a_proxy_killed_mid_training_is_rebuilt_from_a_replica(jobs, reference, tmp_path: Path) -> None:
     """From outside: SIGKILL one worker's proxy at a random moment of training (issue 16 case 3). Its

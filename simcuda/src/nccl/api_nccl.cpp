@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -42,6 +45,20 @@ thread_local std::string t_last_error;
 ncclResult_t fail(ncclResult_t r, const std::string& why) {
   t_last_error = why;
   return r;
+}
+
+// A config's strings, as NCCL_DEBUG=INFO reports them (simcuda's NCCL has no network and no
+// names to use them for): what shows that they reached the process that made the communicator.
+void report_config(const char* call, const ncclConfig_t* config) {
+  const char* level = std::getenv("NCCL_DEBUG");
+  if (config == nullptr || level == nullptr || std::strcmp(level, "INFO") != 0) return;
+  auto text = [config](size_t at) -> const char* {
+    const char* s = nullptr;
+    if (at + sizeof s <= config->size) std::memcpy(&s, reinterpret_cast<const char*>(config) + at, sizeof s);
+    return s != nullptr ? s : "(unset)";
+  };
+  std::fprintf(stderr, "NCCL INFO %s: commName %s netName %s\n", call, text(offsetof(ncclConfig_t, commName)),
+               text(offsetof(ncclConfig_t, netName)));
 }
 
 // `device` < 0: the calling thread's current device.
@@ -168,6 +185,7 @@ SIMCUDA_NCCL_API ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nrank
     if (config->magic != NCCL_API_MAGIC)
       return fail(ncclInvalidArgument, "ncclConfig_t not initialized with NCCL_CONFIG_INITIALIZER");
     blocking = config->blocking != 0;  // NCCL_CONFIG_UNDEF_INT also means blocking
+    report_config("ncclCommInitRankConfig", config);
   }
   return init_rank(comm, nranks, id, rank, blocking);
 }
@@ -203,6 +221,7 @@ SIMCUDA_NCCL_API ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key,
   if (config && config->magic != NCCL_API_MAGIC)
     return fail(ncclInvalidArgument, "ncclConfig_t not initialized with NCCL_CONFIG_INITIALIZER");
   const bool blocking = !config || config->blocking != 0;
+  report_config("ncclCommSplit", config);
   auto parent = comm->impl;
   struct Member {
     int32_t color, key, rank;

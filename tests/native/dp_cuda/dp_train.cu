@@ -184,7 +184,13 @@ int dp_init(int rank, int world, const char* unique_id, int device, int dim, int
   CUDA_OK(cudaSetDevice(device));
   ncclUniqueId id;
   std::memcpy(&id, unique_id, sizeof id);
-  NCCL_OK(ncclCommInitRank(&t->comm, world, id, rank));
+  if (std::getenv("DP_TRAIN_COMM_CONFIG") != nullptr) {  // as ProcessGroupNCCL makes its communicators
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.commName = "dp_train";
+    NCCL_OK(ncclCommInitRankConfig(&t->comm, world, id, rank, &config));
+  } else {
+    NCCL_OK(ncclCommInitRank(&t->comm, world, id, rank));
+  }
   CUDA_OK(cudaStreamCreateWithFlags(&t->compute, cudaStreamNonBlocking));
   CUDA_OK(cudaStreamCreateWithFlags(&t->comm_stream, cudaStreamNonBlocking));
   CUDA_OK(cudaEventCreateWithFlags(&t->grad_ready, cudaEventDisableTiming));

@@ -45,18 +45,29 @@ int main(int argc, char** argv) {
   if (mem != nullptr) std::printf("pnccl_mem_free=%d\n", static_cast<int>(pncclMemFree(mem)));
 
   // What the generic rule (a non-const T* is one in/out value) would marshal wrong: refused in
-  // proxy mode (ncclCommShrink's exclude list, ncclCommInitRankScalable's ids, a non-NULL
-  // ncclConfig_t with its pointer members); ncclCommSplit with a NULL config is forwarded.
+  // proxy mode (ncclCommShrink's exclude list, ncclCommInitRankScalable's ids); ncclConfig_t and its
+  // strings are forwarded field by field (NCCL_DEBUG=INFO: simcuda says which strings arrived).
   int exclude = 0;
   ncclComm_t shrunk = nullptr;
   std::printf("shrink=%d\n", static_cast<int>(ncclCommShrink(comm, &exclude, 1, &shrunk, nullptr, NCCL_SHRINK_DEFAULT)));
   ncclComm_t scalable = nullptr;
   std::printf("init_scalable=%d\n", static_cast<int>(ncclCommInitRankScalable(&scalable, 1, 0, 1, &id, nullptr)));
   ncclConfig_t comm_config = NCCL_CONFIG_INITIALIZER;
+  comm_config.commName = "jitckpt-split";
   ncclComm_t with_config = nullptr;
   const ncclResult_t split_config = ncclCommSplit(comm, 0, 0, &with_config, &comm_config);
   std::printf("split_config=%d\n", static_cast<int>(split_config));
   if (split_config == ncclSuccess) ncclCommDestroy(with_config);
+  ncclConfig_t init_config = NCCL_CONFIG_INITIALIZER;  // as ProcessGroupNCCL makes its communicators
+  init_config.commName = "jitckpt-init";
+  init_config.netName = "Socket";
+  ncclUniqueId config_id;
+  ncclComm_t configured = nullptr;
+  const ncclResult_t init_with_config = ncclGetUniqueId(&config_id) == ncclSuccess
+                                            ? ncclCommInitRankConfig(&configured, 1, config_id, 0, &init_config)
+                                            : ncclInternalError;
+  std::printf("init_config=%d\n", static_cast<int>(init_with_config));
+  if (init_with_config == ncclSuccess) std::printf("init_config_destroy=%d\n", static_cast<int>(ncclCommDestroy(configured)));
   ncclComm_t plain = nullptr;
   const ncclResult_t split = ncclCommSplit(comm, 0, 0, &plain, nullptr);
   std::printf("split=%d\n", static_cast<int>(split));
