@@ -220,3 +220,43 @@ def test_the_docs_quote_no_forwarding_figure_the_command_does_not_compute():
              for page, lib, n, m in quoted
              if (n, m) != (counts[lib].get("forwarded", 0), counts[lib]["imported"])]
     assert not wrong, f"(page, library, quoted, computed): {wrong}"
+
+
+@pytest.mark.parametrize("symbol, kinds", [
+    ("cudaStreamCreateWithFlags", {"creates", "ordered"}),
+    # A getter that hands out a handle is replayed in order as what creates one (issue 46): were it
+    # left out of the journal, a new proxy's next handle would be another.
+    ("cudaDeviceGetDefaultMemPool", {"creates", "ordered"}),
+    ("ncclCommInitRankConfig", {"creates"}), ("ncclCommSplit", {"creates"}),
+    ("cudaStreamQuery", {"stateless"}), ("cudaStreamSynchronize", {"stateless"}), ("cudaGetDevice", {"stateless"}),
+    ("ncclGetUniqueId", set()),  # journaled: a replay maps the old id to the new one
+    ("ncclAllReduce", {"work"}), ("cudaMemsetAsync", {"work"}), ("cudaStreamWaitEvent", {"work"}),
+    ("ncclGroupStart", set()), ("cudaSetDevice", set()), ("cudaFreeArray", {"ordered"}),
+])
+def test_the_journal_kinds_of_a_generated_call_come_from_the_generator(symbol, kinds):
+    inv = inventory.load()
+    f = {f.name: f for funcs in inv.values() for f in funcs}[symbol]
+    assert forwarding.call_kinds(f, forwarding.handle_types(inv)) == kinds
+
+
+def test_the_generated_table_carries_each_calls_kinds():
+    files = forwarding.generate(inventory.load(), set(), set(), inventory.load_enums())
+    header = files["proxy_functions.h"]
+    bits = forwarding.KIND_BITS
+    assert f"    {bits['creates'] | bits['ordered']},  // cudaDeviceGetDefaultMemPool" in header
+    assert f"    {bits['work']},  // ncclAllReduce" in header
+    assert "inline uint8_t function_kinds(uint32_t id)" in header
+
+
+@pytest.mark.parametrize("symbol, reason", [
+    ("cudaMalloc3D", "struct cudaPitchedPtr: its device pointer is memory the proxy's arena did not hand out"),
+    ("cudaMemset3DAsync", "struct cudaPitchedPtr"),
+    ("cudaGraphKernelNodeGetParams", "struct cudaKernelNodeParams: its host function and argument pointers"),
+    ("cudaGraphInstantiateWithParams", "cudaGraphInstantiateParams: its graph-node handles are not translated"),
+    ("cudaGraphGetEdges", "an array of graph nodes (or edges) and its count"),
+    ("cudaGraphicsMapResources", "an array of graphics resources and its count"),
+])
+def test_what_the_generic_rule_would_marshal_wrong_is_refused_naming_why(symbol, reason):
+    f = {f.name: f for funcs in inventory.load().values() for f in funcs}[symbol]
+    cls, why = forwarding.disposition(f)
+    assert cls == "refused" and reason in why, why

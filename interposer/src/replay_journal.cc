@@ -33,7 +33,12 @@ bool ReplayJournal::inits_comm_from_id(uint32_t tag) {
 
 namespace {
 
-// What a call is, from its tag and name (the generated FunctionIds carry the header's names).
+// What a call is: a hand-written call's kinds here, by its tag; a generated call's from the table
+// the generator worked out (proxy::function_kinds, forwarding.py's call_kinds).
+uint8_t generated_kinds(uint32_t tag) {
+  return tag >= proxy::kGenericBase ? proxy::function_kinds(tag - proxy::kGenericBase) : 0;
+}
+
 bool creates_by_name(uint32_t tag) {
   using proxy::Call;
   switch (static_cast<Call>(tag)) {
@@ -43,20 +48,23 @@ bool creates_by_name(uint32_t tag) {
     case Call::kHostAlloc:
       return true;
     default:
-      break;
+      return (generated_kinds(tag) & proxy::kCallCreates) != 0;
   }
-  if (tag < proxy::kGenericBase) return false;
-  const char* name = proxy::call_name(tag);
-  return name != nullptr && (std::strstr(name, "Create") != nullptr || std::strstr(name, "ncclCommInit") != nullptr ||
-                             std::strstr(name, "ncclCommSplit") != nullptr || std::strstr(name, "Malloc") != nullptr ||
-                             std::strstr(name, "ncclMemAlloc") != nullptr);
 }
 
 bool ordered_by_name(uint32_t tag) {
-  if (tag == static_cast<uint32_t>(proxy::Call::kFree) || tag == static_cast<uint32_t>(proxy::Call::kHostFree)) return true;
-  const char* name = proxy::call_name(tag);
-  if (name == nullptr || std::strncmp(name, "nccl", 4) == 0) return false;
-  return creates_by_name(tag) || std::strncmp(name, "cudaFree", 8) == 0;
+  using proxy::Call;
+  switch (static_cast<Call>(tag)) {
+    case Call::kFree:
+    case Call::kHostFree:
+    case Call::kMalloc:
+    case Call::kRegisterKernel:
+    case Call::kRegisterModule:
+    case Call::kHostAlloc:
+      return true;
+    default:
+      return (generated_kinds(tag) & proxy::kCallOrdered) != 0;
+  }
 }
 
 bool stateless_by_name(uint32_t tag) {
@@ -66,10 +74,8 @@ bool stateless_by_name(uint32_t tag) {
     case Call::kMemcpyFromDeviceAsync:
       return true;
     default:
-      break;
+      return (generated_kinds(tag) & proxy::kCallStateless) != 0;
   }
-  if (tag < proxy::kGenericBase || tag == ReplayJournal::unique_id_tag()) return false;
-  return proxy::reads_only(proxy::call_name(tag));
 }
 
 bool work_by_name(uint32_t tag) {
@@ -83,19 +89,8 @@ bool work_by_name(uint32_t tag) {
     case Call::kMemset:
       return true;
     default:
-      break;
+      return (generated_kinds(tag) & proxy::kCallWork) != 0;
   }
-  if (tag < proxy::kGenericBase) return false;
-  const char* name = proxy::call_name(tag);
-  if (name == nullptr) return false;
-  for (const char* prefix : {"cudaMemset", "cudaMemcpy", "cudaEventRecord", "cudaStreamWaitEvent", "cudaLaunch",
-                             "cudaGraphLaunch"})
-    if (std::strncmp(name, prefix, std::strlen(prefix)) == 0) return true;
-  for (const char* nccl : {"ncclAllGather", "ncclAllReduce", "ncclAlltoAll", "ncclBcast", "ncclBroadcast", "ncclGather",
-                           "ncclRecv", "ncclReduce", "ncclReduceScatter", "ncclScatter", "ncclSend", "ncclSignal",
-                           "ncclWaitSignal"})
-    if (std::strcmp(name, nccl) == 0) return true;
-  return false;
 }
 
 enum Kind : uint8_t { kCreates = 1, kOrdered = 2, kStateless = 4, kWork = 8 };

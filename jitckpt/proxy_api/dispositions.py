@@ -52,6 +52,13 @@ SPECIAL: dict[str, str] = {
         "cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", "cudaKernelSetAttributeForDevice")},
 }
 
+# Generic calls that are device work without being stream-ordered (ASYNC): a minibatch's replay
+# makes them again, like its launches and collectives.
+DEVICE_WORK: dict[str, str] = {
+    "cudaMemcpy2DArrayToArray": "a copy between CUDA arrays",
+    **{n: "NCCL one-sided signals" for n in ("ncclSignal", "ncclWaitSignal")},
+}
+
 # Answered in the client without a round trip.
 CLIENT: dict[str, str] = {
     **{n: "a string table (the library's own, which holds no device state)"
@@ -94,6 +101,11 @@ REFUSED: dict[str, str] = {
     # the first element only.
     "ncclCommShrink": _NOT_YET + "the exclude list is an array of excludeRanksCount ranks",
     "ncclCommInitRankScalable": _NOT_YET + "commIds is an array of nId unique ids",
+    **{n: _NOT_YET + "an array of graph nodes (or edges) and its count" for n in (
+        "cudaGraphGetEdges", "cudaGraphGetRootNodes", "cudaGraphNodeGetDependentNodes")},
+    **{n: _NOT_YET + "an array of graphics resources and its count" for n in (
+        "cudaGraphicsMapResources", "cudaGraphicsUnmapResources")},
+    "cudaLibraryEnumerateKernels": _NOT_YET + "an array of kernels and its count",
     **{n: _NOT_YET + "memory registration with a communicator" for n in ("ncclCommRegister",
                                                                          "ncclCommDeregister")},
     **{n: _NOT_YET + "memory-pool attribute values of several types" for n in (
@@ -122,6 +134,21 @@ REFUSED: dict[str, str] = {
 # the struct the caller's header declared (the bytes that are read of it).
 STRING_MEMBERS: dict[str, tuple[tuple[str, ...], str]] = {
     "ncclConfig_t": (("netName", "commName"), "size"),
+}
+
+# Struct types with pointer or handle members the generic rule cannot translate (host addresses of
+# this process, device memory the proxy's arena did not hand out, handles that are not virtual): a
+# function taking one is refused with this reason, naming the type.
+POINTER_STRUCTS: dict[str, str] = {
+    **{t: "its device pointer is memory the proxy's arena did not hand out" for t in (
+        "struct cudaPitchedPtr", "struct cudaMemcpy3DBatchOp", "struct cudaMemsetParams",
+        "struct cudaMemAllocNodeParams", "struct cudaMemcpy3DParms")},
+    **{t: "its host function and argument pointers are this process's" for t in (
+        "struct cudaKernelNodeParams", "struct cudaHostNodeParams", "struct cudaGraphNodeParams")},
+    **{t: "its graph-node handles are not translated" for t in (
+        "cudaGraphInstantiateParams", "cudaGraphExecUpdateResultInfo")},
+    **{t: "its semaphore handles and parameter arrays are not translated" for t in (
+        "struct cudaExternalSemaphoreSignalNodeParams", "struct cudaExternalSemaphoreWaitNodeParams")},
 }
 
 # Libraries proxy mode does not forward at their own API. cuBLAS(Lt), cuDNN and NCCL link the CUDA

@@ -64,7 +64,7 @@ bool CallDispatcher::handle(uint32_t call, const uint8_t* data, size_t len, std:
     fail(&out, cudaErrorNotSupported, "unknown call " + std::to_string(call));
   else if (len < sizeof req)
     fail(&out, cudaErrorInvalidValue, std::string(name) + ": truncated request");
-  else if (state_.fenced.load() && !runs_when_fenced(call, name))
+  else if (state_.fenced.load() && !runs_when_fenced(call))
     out.status = std::strncmp(name, "nccl", 4) == 0 ? static_cast<int32_t>(ncclInvalidUsage)
                                                      : static_cast<int32_t>(cudaErrorNotPermitted);
   else
@@ -99,7 +99,7 @@ bool CallDispatcher::handle(uint32_t call, const uint8_t* data, size_t len, std:
   return true;
 }
 
-bool CallDispatcher::runs_when_fenced(uint32_t call, const char* name) {
+bool CallDispatcher::runs_when_fenced(uint32_t call) {
   switch (static_cast<Call>(call)) {
     case Call::kSaveDevice:
     case Call::kMemcpyFromDevice:
@@ -109,7 +109,7 @@ bool CallDispatcher::runs_when_fenced(uint32_t call, const char* name) {
     default:
       break;
   }
-  return call >= kGenericBase && reads_only(name);
+  return call >= kGenericBase && (function_kinds(call - kGenericBase) & kCallStateless) != 0;
 }
 
 void CallDispatcher::fence_if_nccl_failed(uint32_t call, const char* name, uint64_t seq, const Outcome& out) {

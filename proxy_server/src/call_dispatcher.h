@@ -78,7 +78,7 @@ class CallDispatcher {
   void host_free(uint64_t addr, Outcome* out);
   void copy_device(bool save, const uint8_t* args, size_t nargs, Outcome* out);
   // Whether `call` may run while the proxy is fenced (see DeviceState::fenced).
-  static bool runs_when_fenced(uint32_t call, const char* name);
+  static bool runs_when_fenced(uint32_t call);
   void fence_if_nccl_failed(uint32_t call, const char* name, uint64_t seq, const Outcome& out);
 
   DeviceState& state_;

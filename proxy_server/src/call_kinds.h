@@ -1,6 +1,7 @@
-// What a call is, from its name, where both sides of proxy mode must agree: libjit.so (which calls
-// it journals and which failures it recovers from, issue 16) and the proxy (what runs while it is
-// fenced after a failed NCCL call).
+// Which failed calls a new proxy may get past, where both sides of proxy mode must agree: libjit.so
+// (which failures it recovers from, issue 16) and the proxy (when it fences after a failed NCCL
+// call). What each generated call is (reads only, creates, work) is the generated table's
+// (proxy_functions.h: function_kinds).
 #pragma once
 
 #include <nccl.h>
@@ -9,13 +10,6 @@
 #include <cstring>
 
 namespace jitckpt::proxy {
-
-// A generated call that only reads state, never waiting for device work to change it: a query, a
-// getter, a synchronize, an elapsed time.
-inline bool reads_only(const char* name) {
-  return name != nullptr && (std::strstr(name, "Query") != nullptr || std::strstr(name, "Get") != nullptr ||
-                             std::strstr(name, "Synchronize") != nullptr || std::strstr(name, "ElapsedTime") != nullptr);
-}
 
 // NCCL's errors that say the communicator or the network failed, not the caller: a new proxy with
 // new communicators may get past them. (ncclInvalidArgument/ncclInvalidUsage are the caller's.)

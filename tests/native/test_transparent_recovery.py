@@ -284,6 +284,7 @@ def flushed_lines(proc: subprocess.Popen, n: int) -> dict[str, str]:
     """`n` key=value lines the program wrote with one fflush (one write: buffered together once
     the first has come, within read_line's deadline)."""
     lines = [read_line(proc)] + [proc.stdout.readline().strip() for _ in range(n - 1)]
+    assert all("=" in line for line in lines), (lines, proc.poll())  # the program failed (its exit code)
     return dict(line.split("=", 1) for line in lines)
 
 

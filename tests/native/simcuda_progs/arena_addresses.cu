@@ -2,7 +2,7 @@
 // Prints "key=value" lines (tests/native/test_simcuda_runtime.py: the fixed device arena;
 // test_proxy_mode.py: the proxy's). With "wait": then reads a line from stdin (a test replaces the
 // proxy meanwhile), reads c back again, allocates once more and prints it, and waits for another
-// line before it exits.
+// line before it exits (the read back on a stream made before the pause).
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -27,12 +27,18 @@ int main(int argc, char** argv) {
     return 3;
   std::printf("a=%p\nc=%p\nd=%p\nroundtrip=%d\n", a, c, d, std::memcmp(in, out, sizeof in) == 0);
   if (!wait) return 0;
+  // A getter that hands out a handle, then a handle made after it: a new proxy must give the
+  // stream the same handle (the getter is replayed in order, as what creates handles is).
+  cudaMemPool_t pool = nullptr;
+  cudaStream_t stream = nullptr;
+  if (cudaDeviceGetDefaultMemPool(&pool, 0) != cudaSuccess || cudaStreamCreate(&stream) != cudaSuccess) return 7;
   std::fflush(stdout);
   char line[16];
   if (std::fgets(line, sizeof line, stdin) == nullptr) return 4;
   void* f = nullptr;
   std::memset(out, 0, sizeof out);
-  if (cudaMemcpy(out, c, sizeof out, cudaMemcpyDeviceToHost) != cudaSuccess || cudaMalloc(&f, 4096) != cudaSuccess)
+  if (cudaMemcpyAsync(out, c, sizeof out, cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+      cudaStreamSynchronize(stream) != cudaSuccess || cudaMalloc(&f, 4096) != cudaSuccess)
     return 5;
   std::printf("roundtrip_after=%d\ne=%p\n", std::memcmp(in, out, sizeof in) == 0, f);
   std::fflush(stdout);
