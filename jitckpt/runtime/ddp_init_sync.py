@@ -21,6 +21,15 @@ from typing import Any, Callable
 from torch.distributed.utils import _sync_module_states, _verify_param_shape_across_processes
 
 
+def init_syncs_buffers(ddp: Any, kwargs: dict) -> bool:
+    """Whether DDP's own init sync would include the buffers. torch 2.13: unless
+    ``broadcast_buffers=False`` was given without ``forward_sync_buffers`` (which, given, always
+    syncs them at init); 2.11 and 2.12 have ``broadcast_buffers`` only."""
+    if hasattr(ddp, "forward_sync_buffers"):
+        return kwargs.get("forward_sync_buffers") is not None or bool(ddp.forward_sync_buffers)
+    return bool(ddp.broadcast_buffers)
+
+
 class DeferredInitSync:
     """Wraps ``DDP.__init__``/``_pre_forward``; ``resuming()`` says whether to defer (per call)."""
 
@@ -38,8 +47,7 @@ class DeferredInitSync:
             params = [p for n, p in ddp.module.named_parameters()
                       if p.requires_grad and n not in ddp.parameters_to_ignore]
             _verify_param_shape_across_processes(ddp.process_group, params)
-            # What DDP's own init sync would include: buffers too unless broadcast_buffers=False.
-            self._owed[ddp] = kwargs.get("forward_sync_buffers") is not None or ddp.forward_sync_buffers
+            self._owed[ddp] = init_syncs_buffers(ddp, kwargs)
 
         return __init__
 
