@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 NCCL_SPEC  ?= nvidia-nccl-cu13==2.30.7
 JOBS      ?= 2
 
-.PHONY: all venv sysdeps native test test-slow demo bench sanitize clean wheel gpu-check gpu-wheels
+.PHONY: all venv sysdeps native test test-slow demo bench sanitize clean wheel gpu-check gpu-wheels venv-torch2.11
 
 all: native
 
@@ -57,6 +57,21 @@ test: native
 
 test-slow: native
 	$(VPY) -m pytest -q -ra -m slow
+
+# torch 2.11 (the GPU machine's version) for tests/test_torch_versions.py (slow): PyPI's wheel (a CUDA
+# build, several GB with its NVIDIA libraries; it runs on the CPU), or the CPU wheel with
+# TORCH211_INDEX="--index-url https://download.pytorch.org/whl/cpu".
+TORCH211_SPEC  ?= torch==2.11.0
+TORCH211_INDEX ?=
+venv-torch2.11: .venv-torch2.11/.stamp
+.venv-torch2.11/.stamp: pyproject.toml Makefile
+	$(PY) -m venv .venv-torch2.11
+	.venv-torch2.11/bin/python -m pip install -q "$(TORCH211_SPEC)" $(TORCH211_INDEX)
+	.venv-torch2.11/bin/python -m pip install -q "setuptools<82" psutil rich numpy google-crc32c setproctitle xxhash \
+	    pybind11 "scikit-build-core>=0.10" pytest pytest-timeout hypothesis matplotlib prometheus-client grpcio \
+	    grpcio-tools protobuf python-etcd "transformers>=5.0,<6" "accelerate>=1.0,<2" "lightning>=2.0,<3" "torchdata>=0.10"
+	SKBUILD_WHEEL_CMAKE=false .venv-torch2.11/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
 
 demo: native
 	$(VPY) -m jitckpt.demo

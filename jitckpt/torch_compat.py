@@ -1,37 +1,48 @@
-"""Which torch versions jitckpt is tested on, and what it does on the others: one table, one check.
+"""Which torch versions jitckpt supports, how each was checked, and what it does on the others: one
+table, one check.
 
 jitckpt reaches into torch in two version-sensitive ways:
 
 * SWIFT update-undo (``jitckpt.swift.undo``) inverts optimizer steps transcribed from the update
-  rules of one torch release. An inverse of the wrong update rule silently corrupts the model, so
-  on a torch whose minor version was not tested, :func:`require_tested_torch` refuses with a clear
-  error rather than undoing approximately.
-* The worker runtime wraps DDP internals (``_pre_forward``, the reducer's bucket rebuild) and
-  c10d's ``Work.wait``. On an untested version these are checked for presence where they are used;
-  :func:`warn_if_untested` says once that the combination is untested.
+  rules of torch 2.13's SGD, Adam and AdamW. An inverse of the wrong update rule silently corrupts
+  the model, so it runs only on a version whose update rules were compared with those
+  (:func:`require_tested_torch`).
+* The worker runtime wraps DDP internals (``_pre_forward``, the reducer's bucket rebuild), c10d's
+  ``Work.wait`` and FSDP2's hooks. They are checked for presence where they are used, and the suite
+  exercises them on each version marked ``"suite"`` below.
 
-CI tests the pinned version (Makefile ``TORCH_SPEC``); add a version to :data:`TESTED` only after
-the whole suite (``make test`` and ``make test-slow``) passed on it, and widen pyproject.toml's
-``torch`` bound with it (a user who forces another version past pip gets the checks below).
+Outside :data:`VERSIONS` jitckpt refuses at the start, naming the range and the fix
+(:func:`require_supported_torch`: ``jitckpt run`` before it starts a worker, a worker's runtime for
+a job under torchrun). CI tests the pinned version (Makefile ``TORCH_SPEC``); mark a version
+``"suite"`` only after the whole suite passed on it, and keep pyproject.toml's ``torch`` bound the
+range of the table.
 """
 from __future__ import annotations
 
 import logging
 import re
+from importlib import metadata
 from typing import Optional
 
 log = logging.getLogger("jitckpt.torch_compat")
 
-# torch minor versions the whole suite passed on (SWIFT's inverses were transcribed from 2.13).
-TESTED: tuple[tuple[int, int], ...] = ((2, 13),)
-# The oldest torch whose APIs jitckpt uses at all (pyproject.toml declares only TESTED).
-MINIMUM = (2, 4)
+# torch minor version -> how it was checked:
+#   "suite":  the whole fast suite (`make test`'s pytest) passed on it; 2.11 is the GPU machine's build
+#             (torch 2.11.0+cu130), and tests/test_torch_versions.py runs the suite again on it (slow);
+#   "source": SWIFT's optimizers' update rules and the DDP/FSDP entry points jitckpt wraps compared
+#             with 2.13's source, the suite not run on it: jitckpt warns once.
+# SGD's, Adam's and AdamW's update rules are the same code in 2.11, 2.12 and 2.13 (their sources
+# differ in comments, annotations and the device of a CPU step counter's constructor only).
+VERSIONS: dict[tuple[int, int], str] = {(2, 11): "suite", (2, 12): "source", (2, 13): "suite"}
+TESTED: tuple[tuple[int, int], ...] = tuple(v for v, how in VERSIONS.items() if how == "suite")
+RANGE = f"{min(VERSIONS)[0]}.{min(VERSIONS)[1]} to {max(VERSIONS)[0]}.{max(VERSIONS)[1]}"
+PIP_SPEC = f"torch>={min(VERSIONS)[0]}.{min(VERSIONS)[1]},<{max(VERSIONS)[0]}.{max(VERSIONS)[1] + 1}"
 
 _warned = False
 
 
 class UntestedTorchError(RuntimeError):
-    """A feature whose correctness depends on torch's exact internals met an untested version."""
+    """A torch version outside the supported range, or a feature that needs a checked one."""
 
 
 def torch_version(text: Optional[str] = None) -> tuple[int, int]:
@@ -46,30 +57,41 @@ def torch_version(text: Optional[str] = None) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def installed_torch() -> Optional[str]:
+    """The installed torch's version string, read without importing torch (None: none installed)."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _name(v: tuple[int, int]) -> str:
     return f"{v[0]}.{v[1]}"
 
 
 def require_tested_torch(feature: str, version: Optional[str] = None) -> None:
-    """Raise :class:`UntestedTorchError` unless the torch version is in :data:`TESTED`."""
+    """Raise :class:`UntestedTorchError` unless the torch version is one whose optimizer update rules
+    were checked against SWIFT's inverses (every version of :data:`VERSIONS`)."""
     v = torch_version(version)
-    if v not in TESTED:
-        tested = ", ".join(_name(t) for t in TESTED)
+    if v not in VERSIONS:
         raise UntestedTorchError(
-            f"{feature} is tested on torch {tested} only, and this is torch {_name(v)}: its exact "
-            f"inverses follow that release's optimizer code, so on another one they could corrupt "
-            f"the model instead of undoing a step. Install torch=={_name(TESTED[-1])}.*, or run "
-            f"without it (no --plugin undo)")
+            f"{feature} is checked on torch {RANGE} only, and this is torch {_name(v)}: its exact "
+            f"inverses follow those releases' optimizer code, so on another one they could corrupt "
+            f"the model instead of undoing a step. Install {PIP_SPEC!r}, or run without it (no --plugin undo)")
 
 
-def warn_if_untested(version: Optional[str] = None) -> None:
-    """Log once if the installed torch is not one the suite passed on (below MINIMUM: refuse)."""
+def require_supported_torch(version: Optional[str] = None) -> None:
+    """Raise :class:`UntestedTorchError` outside :data:`VERSIONS`; log once on a version the suite did
+    not run on."""
     global _warned
     v = torch_version(version)
-    if v < MINIMUM:
-        raise UntestedTorchError(f"jitckpt needs torch >= {_name(MINIMUM)}, this is torch {_name(v)}")
+    if v not in VERSIONS:
+        raise UntestedTorchError(
+            f"jitckpt supports torch {RANGE}, and this is torch {_name(v)}: the torch internals it wraps "
+            f"(DDP's forward and bucket rebuild, c10d's Work.wait, FSDP2's hooks) are checked on those "
+            f"releases only. Install {PIP_SPEC!r} (pip install {PIP_SPEC!r}), or run the script under "
+            f"torchrun without jitckpt")
     if v not in TESTED and not _warned:
         _warned = True
-        log.warning("torch %s is not among the versions jitckpt is tested on (%s); recovery may "
-                    "misbehave where torch's internals changed", _name(v),
-                    ", ".join(_name(t) for t in TESTED))
+        log.warning("torch %s is supported, but the suite ran on %s only (its checks on %s: %s)", _name(v),
+                    ", ".join(_name(t) for t in TESTED), _name(v), "source compared with 2.13's")

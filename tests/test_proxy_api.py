@@ -15,7 +15,8 @@ import pytest
 
 from jitckpt.proxy_api import coverage, dispositions, forwarding, inventory, trampolines
 
-REFERENCE = Path(__file__).resolve().parents[1] / "simcuda" / "tools"
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE = REPO / "simcuda" / "tools"
 NCCL_DEVICE_API = {"ncclCommQueryProperties", "ncclDevCommCreate", "ncclDevCommDestroy", "ncclGetLsaDevicePointer",
                    "ncclGetLsaMultimemDevicePointer", "ncclGetMultimemDevicePointer", "ncclGetPeerDevicePointer",
                    "ncclGinBarrierCreateRequirement", "ncclLLA2ACalcSlots", "ncclLLA2ACreateRequirement",
@@ -34,6 +35,11 @@ def test_committed_inventory_matches_the_headers():
     dirs = inventory.header_dirs()
     if dirs is None:
         pytest.skip("needs the CUDA toolkit headers and the nvidia-nccl-cu13 wheel")
+    pinned = re.search(r"NCCL_SPEC\s*\?=\s*nvidia-nccl-cu13==(\S+)", (REPO / "Makefile").read_text()).group(1)
+    header = (Path(dirs[1]) / "nccl.h").read_text()
+    found = ".".join(re.search(rf"#define NCCL_{k} (\d+)", header).group(1) for k in ("MAJOR", "MINOR", "PATCH"))
+    if found != pinned:  # e.g. a venv with another torch, which brings its own NCCL wheel
+        pytest.skip(f"the inventory is read from nccl.h {pinned} (Makefile NCCL_SPEC); this nccl.h is {found}")
     fresh = inventory.to_json(inventory.from_headers(*dirs), inventory.enums_from_headers(*dirs))
     assert fresh == inventory.INVENTORY.read_text(), (
         "cuda_api_inventory.json is stale: python -m jitckpt.proxy_api.inventory --write")

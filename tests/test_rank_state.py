@@ -2,6 +2,7 @@
 by the survivors on its node; what is missing or torn reads as missing, never as another rank's."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -48,8 +49,9 @@ def test_no_board_outside_jitckpt_run(tmp_path):
 
 
 def test_an_unsupported_framework_version_is_refused_naming_version_and_fix():
-    with pytest.raises(ImportError, match=r"supports torch >=1.0,<2; this is torch 2\.13.*pip install 'jitckpt\[x\]'"):
+    this = re.escape(".".join(torch.__version__.split(".")[:2]))
+    with pytest.raises(ImportError, match=rf"supports torch >=1.0,<2; this is torch {this}.*pip install 'jitckpt\[x\]'"):
         require("torch", extra="x", at_least="1.0", below="2")
     with pytest.raises(ImportError, match=r"needs no-such-dist.*not installed: pip install 'jitckpt\[y\]'"):
         require("no-such-dist", extra="y", at_least="1.0", below="2")
-    assert require("torch", extra="x", at_least="2.0", below="3").startswith("2.13")
+    assert torch.__version__.startswith(require("torch", extra="x", at_least="2.0", below="3"))

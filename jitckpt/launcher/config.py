@@ -388,6 +388,15 @@ class LaunchConfig:
             raise ValueError("--no-python and -m/--module cannot be combined")
         if not self.no_python and not self.module and not os.path.isfile(self.script):
             raise ValueError(f"training script {self.script!r} not found")
+        if not self.no_python:  # before any worker starts, not once per restart
+            from jitckpt.torch_compat import UntestedTorchError, installed_torch, require_supported_torch
+
+            version = installed_torch()
+            try:
+                if version is not None:
+                    require_supported_torch(version)
+            except UntestedTorchError as e:
+                raise ValueError(str(e)) from None
         root = os.path.abspath(self.checkpoint_dir)
         if self.run_id:
             # A named job's checkpoints are its own: another job in the same directory neither

@@ -295,8 +295,18 @@ class ShardedState:
         # no_dist is the point here (no collective), not a sign of a missing process group.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         # Files are fsynced and checksummed by the checkpoint store, which commits the directory.
-        writer = dcp.FileSystemWriter(os.path.join(directory, DCP_DIR), sync_files=False)
+        class Writer(dcp.FileSystemWriter):
+            """Keeps where each chunk went (what ``finish`` records in the metadata file): torch
+            2.11's and 2.12's ``dcp.save`` return the metadata without it."""
+
+            def finish(self, metadata: Any, results: list) -> None:
+                self.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+                super().finish(metadata, results)
+
+        writer = Writer(os.path.join(directory, DCP_DIR), sync_files=False)
         md = dcp.save(tensors, storage_writer=writer, no_dist=True)
+        if md.storage_data is None:  # torch 2.11, 2.12: finish() completed a copy of the metadata
+            md.storage_data = writer.storage_data
         with open(os.path.join(directory, CHUNKS_FILE), "w") as f:
             json.dump(chunks_to_json(md), f)
 

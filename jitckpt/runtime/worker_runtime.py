@@ -36,7 +36,7 @@ from jitckpt.protocol.step_board import StepBoard
 from jitckpt.protocol.control_messages import (ExitReady, FailureReport, Hello, PeerExit, RankLost, Restored,
                                                Resumed, Saved, SaveFailed, SaveNow, Verdict, WorkerWarning)
 from jitckpt.plugins import get as get_plugins
-from jitckpt.torch_compat import warn_if_untested
+from jitckpt.torch_compat import require_supported_torch
 from jitckpt.hang_timeout import HangTimeout
 from jitckpt.runtime.save_reserve import SaveReserve
 from jitckpt.runtime.shard_parts import PartFill, node_of_rank
@@ -175,7 +175,7 @@ class WorkerRuntime:
         # A fatal signal (a segfault, or SIGABRT from a C++ std::terminate in a library) then
         # prints every thread's Python stack into the launcher's output: where it died.
         faulthandler.enable()
-        warn_if_untested()
+        require_supported_torch()
         self._hooks.install()
         from jitckpt.runtime import ddp_layout
         from jitckpt.snapshot.tier import SnapshotTier

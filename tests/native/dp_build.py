@@ -26,6 +26,17 @@ def need_build() -> None:
             pytest.skip(f"{p} is missing: build with `make native` (or set JITCKPT_BUILD_DIR)")
 
 
+def need_cpu_torch() -> None:
+    """Skip where a torch process runs a simcuda program: a CUDA build of torch (PyPI's torch 2.11,
+    the GPU machine's) loads NVIDIA's libcudart and libnccl ahead of simcuda's, and in proxy mode
+    registers its own kernels with the proxy."""
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip(f"torch {torch.__version__} is a CUDA build: its CUDA libraries take the place of "
+                    "simcuda's in the training process (these tests need a CPU build of torch)")
+
+
 def dp_env(**extra: str) -> dict[str, str]:
     """This environment without jitckpt's, simcuda's and LD_PRELOAD settings, plus simcuda's
     libraries and the dp_cuda kernels, and `extra`."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dp_build import DP_LIBS, DRIVER, LIBJIT, REPO, SIMCUDA, ProcessTree, need_build
+from dp_build import DP_LIBS, DRIVER, LIBJIT, REPO, SIMCUDA, ProcessTree, need_build, need_cpu_torch
 
 pytestmark = pytest.mark.native
 
@@ -75,6 +75,7 @@ def reference_final(jobs, work: Path, steps: int = STEPS) -> bytes:
 def test_launcher_resumes_from_libjit_detected_jit_checkpoint(jobs, tmp_path: Path, mode: str,
                                                              transparent: bool) -> None:
     need_build()
+    need_cpu_torch()
     reference = reference_final(jobs, tmp_path)
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
     cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(WORLD), "--hang-timeout", "1",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from dp_build import need_cpu_torch
 from simcuda_progs.simcuda_harness import BUILD, REPO, Program, build_program
 
 pytestmark = pytest.mark.native
@@ -32,6 +33,7 @@ TIMEOUT_S = 90
 def lib() -> Program:
     if not LIBJIT.exists():
         pytest.skip(f"{LIBJIT} missing: run `make native`")
+    need_cpu_torch()
     return build_program("protect_input", kernels=True, nccl=True, nvcc_flags=("-shared", "-Xcompiler", "-fPIC"))
 
 

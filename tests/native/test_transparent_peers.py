@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import psutil
 import pytest
 
-from dp_build import DP_LIBS, DRIVER, ProcessTree, dp_env, need_build
+from dp_build import DP_LIBS, DRIVER, ProcessTree, dp_env, need_build, need_cpu_torch
 
 pytestmark = pytest.mark.native
 
@@ -41,6 +41,7 @@ class Job(ProcessTree):
 
     def __init__(self, tmp: Path, name: str, steps: int, hang_timeout: float = 1, plugin: str = "",
                  save_timeout: float = 120, **extra: str) -> None:
+        need_cpu_torch()  # the dp_train.py script imports torch
         self.run, self.out = tmp / f"{name}-run", tmp / name
         cmd = [sys.executable, "-m", "jitckpt", "run", "--nproc-per-node", str(WORLD), "--transparent",
                *(["--plugin", plugin] if plugin else []), "--hang-timeout", str(hang_timeout),
