@@ -27,13 +27,14 @@ from typing import Optional
 log = logging.getLogger("jitckpt.torch_compat")
 
 # torch minor version -> how it was checked:
-#   "suite":  the whole fast suite (`make test`'s pytest) passed on it; 2.11 is the GPU machine's build
-#             (torch 2.11.0+cu130), and tests/test_torch_versions.py runs the suite again on it (slow);
+#   "suite":  the whole fast suite (`make test`'s pytest) passed on it (2.11 and 2.12: PyPI's
+#             2.11.0+cu130 and 2.12.0+cu130 builds, run on the CPU; 2.11 is the GPU machine's build, and
+#             tests/test_torch_versions.py runs the version-sensitive part again on it, slow);
 #   "source": SWIFT's optimizers' update rules and the DDP/FSDP entry points jitckpt wraps compared
-#             with 2.13's source, the suite not run on it: jitckpt warns once.
+#             with a tested version's source, the suite not run on it: jitckpt warns once.
 # SGD's, Adam's and AdamW's update rules are the same code in 2.11, 2.12 and 2.13 (their sources
 # differ in comments, annotations and the device of a CPU step counter's constructor only).
-VERSIONS: dict[tuple[int, int], str] = {(2, 11): "suite", (2, 12): "source", (2, 13): "suite"}
+VERSIONS: dict[tuple[int, int], str] = {(2, 11): "suite", (2, 12): "suite", (2, 13): "suite"}
 TESTED: tuple[tuple[int, int], ...] = tuple(v for v, how in VERSIONS.items() if how == "suite")
 RANGE = f"{min(VERSIONS)[0]}.{min(VERSIONS)[1]} to {max(VERSIONS)[0]}.{max(VERSIONS)[1]}"
 PIP_SPEC = f"torch>={min(VERSIONS)[0]}.{min(VERSIONS)[1]},<{max(VERSIONS)[0]}.{max(VERSIONS)[1] + 1}"
@@ -93,5 +94,5 @@ def require_supported_torch(version: Optional[str] = None) -> None:
             f"torchrun without jitckpt")
     if v not in TESTED and not _warned:
         _warned = True
-        log.warning("torch %s is supported, but the suite ran on %s only (its checks on %s: %s)", _name(v),
-                    ", ".join(_name(t) for t in TESTED), _name(v), "source compared with 2.13's")
+        log.warning("torch %s is supported, but the suite ran on %s only (%s: its sources compared)", _name(v),
+                    ", ".join(_name(t) for t in TESTED), _name(v))

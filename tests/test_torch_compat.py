@@ -36,11 +36,11 @@ def test_the_range_is_2_11_to_2_13_and_pyproject_declares_it():
 
 
 def test_update_undo_refuses_a_torch_outside_the_range(monkeypatch):
-    monkeypatch.setattr(torch_compat, "VERSIONS", {(2, 12): "suite"})
-    monkeypatch.setattr(torch_compat, "RANGE", "2.12 to 2.12")
-    monkeypatch.setattr(torch_compat, "PIP_SPEC", "torch>=2.12,<2.13")
+    monkeypatch.setattr(torch_compat, "VERSIONS", {(1, 0): "suite"})
+    monkeypatch.setattr(torch_compat, "RANGE", "1.0 to 1.0")
+    monkeypatch.setattr(torch_compat, "PIP_SPEC", "torch>=1.0,<1.1")
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
-    with pytest.raises(UntestedTorchError, match=r"checked on torch 2\.12 to 2\.12 only.*Install 'torch>=2\.12,<2\.13'"):
+    with pytest.raises(UntestedTorchError, match=r"checked on torch 1\.0 to 1\.0 only.*Install 'torch>=1\.0,<1\.1'"):
         UpdateUndo(opt)
 
 
@@ -49,14 +49,16 @@ def test_versions_outside_the_range_are_refused_and_an_unrun_one_is_said_once(mo
         with pytest.raises(UntestedTorchError, match=r"jitckpt supports torch 2\.11 to 2\.13, and this is torch "
                                                        r".*pip install 'torch>=2\.11,<2\.14'.*torchrun without jitckpt"):
             require_supported_torch(outside)
+    # A version marked "source" (none is now: the suite passed on all three) is said once.
+    monkeypatch.setattr(torch_compat, "VERSIONS", {(2, 11): "suite", (2, 12): "source", (2, 13): "suite"})
+    monkeypatch.setattr(torch_compat, "TESTED", ((2, 11), (2, 13)))
     monkeypatch.setattr(torch_compat, "_warned", False)
     with caplog.at_level(logging.WARNING, logger="jitckpt.torch_compat"):
         require_supported_torch("2.12.0")
         require_supported_torch("2.12.1")
         require_supported_torch("2.11.0+cu130")
     assert [r.getMessage() for r in caplog.records] == [
-        "torch 2.12 is supported, but the suite ran on 2.11, 2.13 only (its checks on 2.12: source compared "
-        "with 2.13's)"]
+        "torch 2.12 is supported, but the suite ran on 2.11, 2.13 only (2.12: its sources compared)"]
     for inside in ("2.11.0+cu130", "2.12.1", "2.13.0+cpu"):
         require_tested_torch("SWIFT update-undo", inside)
 

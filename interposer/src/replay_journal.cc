@@ -39,7 +39,7 @@ uint8_t generated_kinds(uint32_t tag) {
   return tag >= proxy::kGenericBase ? proxy::function_kinds(tag - proxy::kGenericBase) : 0;
 }
 
-bool creates_by_name(uint32_t tag) {
+bool creates_call(uint32_t tag) {
   using proxy::Call;
   switch (static_cast<Call>(tag)) {
     case Call::kMalloc:
@@ -52,22 +52,13 @@ bool creates_by_name(uint32_t tag) {
   }
 }
 
-bool ordered_by_name(uint32_t tag) {
+bool ordered_call(uint32_t tag) {
   using proxy::Call;
-  switch (static_cast<Call>(tag)) {
-    case Call::kFree:
-    case Call::kHostFree:
-    case Call::kMalloc:
-    case Call::kRegisterKernel:
-    case Call::kRegisterModule:
-    case Call::kHostAlloc:
-      return true;
-    default:
-      return (generated_kinds(tag) & proxy::kCallOrdered) != 0;
-  }
+  if (tag == static_cast<uint32_t>(Call::kFree) || tag == static_cast<uint32_t>(Call::kHostFree)) return true;
+  return tag < proxy::kGenericBase ? creates_call(tag) : (generated_kinds(tag) & proxy::kCallOrdered) != 0;
 }
 
-bool stateless_by_name(uint32_t tag) {
+bool stateless_call(uint32_t tag) {
   using proxy::Call;
   switch (static_cast<Call>(tag)) {
     case Call::kMemcpyFromDevice:
@@ -78,7 +69,7 @@ bool stateless_by_name(uint32_t tag) {
   }
 }
 
-bool work_by_name(uint32_t tag) {
+bool work_call(uint32_t tag) {
   using proxy::Call;
   switch (static_cast<Call>(tag)) {
     case Call::kLaunchKernel:
@@ -96,9 +87,9 @@ bool work_by_name(uint32_t tag) {
 enum Kind : uint8_t { kCreates = 1, kOrdered = 2, kStateless = 4, kWork = 8 };
 constexpr uint32_t kSpecialTags = 32;  // proxy::Call values are below this
 
-uint8_t kinds_by_name(uint32_t tag) {
-  return (creates_by_name(tag) ? kCreates : 0) | (ordered_by_name(tag) ? kOrdered : 0) |
-         (stateless_by_name(tag) ? kStateless : 0) | (work_by_name(tag) ? kWork : 0);
+uint8_t kinds_of_call(uint32_t tag) {
+  return (creates_call(tag) ? kCreates : 0) | (ordered_call(tag) ? kOrdered : 0) |
+         (stateless_call(tag) ? kStateless : 0) | (work_call(tag) ? kWork : 0);
 }
 
 // Every call's kinds, worked out once: they are asked for on every call. A trivially destructible
@@ -107,12 +98,12 @@ uint8_t kinds(uint32_t tag) {
   static const std::array<uint8_t, kSpecialTags + proxy::kFunctionCount> table = [] {
     std::array<uint8_t, kSpecialTags + proxy::kFunctionCount> t{};
     for (uint32_t i = 0; i < t.size(); ++i)
-      t[i] = kinds_by_name(i < kSpecialTags ? i : proxy::kGenericBase + (i - kSpecialTags));
+      t[i] = kinds_of_call(i < kSpecialTags ? i : proxy::kGenericBase + (i - kSpecialTags));
     return t;
   }();
   const uint32_t i = tag < kSpecialTags ? tag : tag >= proxy::kGenericBase ? kSpecialTags + (tag - proxy::kGenericBase)
                                                                             : UINT32_MAX;
-  return i < table.size() ? table[i] : kinds_by_name(tag);
+  return i < table.size() ? table[i] : kinds_of_call(tag);
 }
 
 }  // namespace
