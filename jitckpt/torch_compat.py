@@ -9,37 +9,27 @@ jitckpt reaches into torch in two version-sensitive ways:
   (:func:`require_tested_torch`).
 * The worker runtime wraps DDP internals (``_pre_forward``, the reducer's bucket rebuild), c10d's
   ``Work.wait`` and FSDP2's hooks. They are checked for presence where they are used, and the suite
-  exercises them on each version marked ``"suite"`` below.
+  exercises them on each version of :data:`TESTED`.
 
-Outside :data:`VERSIONS` jitckpt refuses at the start, naming the range and the fix
+Outside :data:`TESTED` jitckpt refuses at the start, naming the range and the fix
 (:func:`require_supported_torch`: ``jitckpt run`` before it starts a worker, a worker's runtime for
-a job under torchrun). CI tests the pinned version (Makefile ``TORCH_SPEC``); mark a version
-``"suite"`` only after the whole suite passed on it, and keep pyproject.toml's ``torch`` bound the
-range of the table.
+a job under torchrun). CI tests the pinned version (Makefile ``TORCH_SPEC``); add a version only
+after the whole suite passed on it, and keep pyproject.toml's ``torch`` bound the range of the table.
 """
 from __future__ import annotations
 
-import logging
 import re
 from importlib import metadata
 from typing import Optional
 
-log = logging.getLogger("jitckpt.torch_compat")
-
-# torch minor version -> how it was checked:
-#   "suite":  the whole fast suite (`make test`'s pytest) passed on it (2.11 and 2.12: PyPI's
-#             2.11.0+cu130 and 2.12.0+cu130 builds, run on the CPU; 2.11 is the GPU machine's build, and
-#             tests/test_torch_versions.py runs the version-sensitive part again on it, slow);
-#   "source": SWIFT's optimizers' update rules and the DDP/FSDP entry points jitckpt wraps compared
-#             with a tested version's source, the suite not run on it: jitckpt warns once.
-# SGD's, Adam's and AdamW's update rules are the same code in 2.11, 2.12 and 2.13 (their sources
-# differ in comments, annotations and the device of a CPU step counter's constructor only).
-VERSIONS: dict[tuple[int, int], str] = {(2, 11): "suite", (2, 12): "suite", (2, 13): "suite"}
-TESTED: tuple[tuple[int, int], ...] = tuple(v for v, how in VERSIONS.items() if how == "suite")
-RANGE = f"{min(VERSIONS)[0]}.{min(VERSIONS)[1]} to {max(VERSIONS)[0]}.{max(VERSIONS)[1]}"
-PIP_SPEC = f"torch>={min(VERSIONS)[0]}.{min(VERSIONS)[1]},<{max(VERSIONS)[0]}.{max(VERSIONS)[1] + 1}"
-
-_warned = False
+# The torch minor versions jitckpt supports: the whole fast suite (`make test`'s pytest) passed on
+# each (2.13: CI's pin; 2.11 and 2.12: PyPI's 2.11.0+cu130 and 2.12.0+cu130 builds, run on the CPU;
+# 2.11 is the GPU machine's build, and tests/test_torch_versions.py runs the version-sensitive part
+# again on it, slow). SGD's, Adam's and AdamW's update rules are the same code in all three (their
+# sources differ in comments, annotations and the device of a CPU step counter's constructor only).
+TESTED: tuple[tuple[int, int], ...] = ((2, 11), (2, 12), (2, 13))
+RANGE = f"{min(TESTED)[0]}.{min(TESTED)[1]} to {max(TESTED)[0]}.{max(TESTED)[1]}"
+PIP_SPEC = f"torch>={min(TESTED)[0]}.{min(TESTED)[1]},<{max(TESTED)[0]}.{max(TESTED)[1] + 1}"
 
 
 class UntestedTorchError(RuntimeError):
@@ -72,9 +62,9 @@ def _name(v: tuple[int, int]) -> str:
 
 def require_tested_torch(feature: str, version: Optional[str] = None) -> None:
     """Raise :class:`UntestedTorchError` unless the torch version is one whose optimizer update rules
-    were checked against SWIFT's inverses (every version of :data:`VERSIONS`)."""
+    were checked against SWIFT's inverses (every version of :data:`TESTED`)."""
     v = torch_version(version)
-    if v not in VERSIONS:
+    if v not in TESTED:
         raise UntestedTorchError(
             f"{feature} is checked on torch {RANGE} only, and this is torch {_name(v)}: its exact "
             f"inverses follow those releases' optimizer code, so on another one they could corrupt "
@@ -82,17 +72,11 @@ def require_tested_torch(feature: str, version: Optional[str] = None) -> None:
 
 
 def require_supported_torch(version: Optional[str] = None) -> None:
-    """Raise :class:`UntestedTorchError` outside :data:`VERSIONS`; log once on a version the suite did
-    not run on."""
-    global _warned
+    """Raise :class:`UntestedTorchError` outside :data:`TESTED`."""
     v = torch_version(version)
-    if v not in VERSIONS:
+    if v not in TESTED:
         raise UntestedTorchError(
             f"jitckpt supports torch {RANGE}, and this is torch {_name(v)}: the torch internals it wraps "
             f"(DDP's forward and bucket rebuild, c10d's Work.wait, FSDP2's hooks) are checked on those "
             f"releases only. Install {PIP_SPEC!r} (pip install {PIP_SPEC!r}), or run the script under "
             f"torchrun without jitckpt")
-    if v not in TESTED and not _warned:
-        _warned = True
-        log.warning("torch %s is supported, but the suite ran on %s only (%s: its sources compared)", _name(v),
-                    ", ".join(_name(t) for t in TESTED), _name(v))

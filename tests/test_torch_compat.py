@@ -1,10 +1,9 @@
 """The supported torch versions live in one module (issues 14, 46): torch 2.11 to 2.13. SWIFT's exact
 inverses refuse a torch whose optimizer code was not checked; outside the range jitckpt refuses at
 the start (`jitckpt run` before any worker, a worker under torchrun), naming the range and the fix;
-a supported version the suite did not run on is said once."""
+every supported version is one the suite passed on."""
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -30,13 +29,13 @@ def test_the_installed_torch_is_a_tested_one():
 
 
 def test_the_range_is_2_11_to_2_13_and_pyproject_declares_it():
-    assert sorted(torch_compat.VERSIONS) == [(2, 11), (2, 12), (2, 13)]
+    assert sorted(torch_compat.TESTED) == [(2, 11), (2, 12), (2, 13)]
     assert torch_compat.PIP_SPEC == "torch>=2.11,<2.14" and torch_compat.RANGE == "2.11 to 2.13"
     assert '"torch>=2.11,<2.14"' in (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
 
 
 def test_update_undo_refuses_a_torch_outside_the_range(monkeypatch):
-    monkeypatch.setattr(torch_compat, "VERSIONS", {(1, 0): "suite"})
+    monkeypatch.setattr(torch_compat, "TESTED", ((1, 0),))
     monkeypatch.setattr(torch_compat, "RANGE", "1.0 to 1.0")
     monkeypatch.setattr(torch_compat, "PIP_SPEC", "torch>=1.0,<1.1")
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
@@ -44,21 +43,13 @@ def test_update_undo_refuses_a_torch_outside_the_range(monkeypatch):
         UpdateUndo(opt)
 
 
-def test_versions_outside_the_range_are_refused_and_an_unrun_one_is_said_once(monkeypatch, caplog):
+def test_versions_outside_the_range_are_refused_and_those_inside_pass():
     for outside in ("2.10.0", "2.14.0", "3.0.0"):
         with pytest.raises(UntestedTorchError, match=r"jitckpt supports torch 2\.11 to 2\.13, and this is torch "
                                                        r".*pip install 'torch>=2\.11,<2\.14'.*torchrun without jitckpt"):
             require_supported_torch(outside)
-    # A version marked "source" (none is now: the suite passed on all three) is said once.
-    monkeypatch.setattr(torch_compat, "VERSIONS", {(2, 11): "suite", (2, 12): "source", (2, 13): "suite"})
-    monkeypatch.setattr(torch_compat, "TESTED", ((2, 11), (2, 13)))
-    monkeypatch.setattr(torch_compat, "_warned", False)
-    with caplog.at_level(logging.WARNING, logger="jitckpt.torch_compat"):
-        require_supported_torch("2.12.0")
-        require_supported_torch("2.12.1")
-        require_supported_torch("2.11.0+cu130")
-    assert [r.getMessage() for r in caplog.records] == [
-        "torch 2.12 is supported, but the suite ran on 2.11, 2.13 only (2.12: its sources compared)"]
+    for inside in ("2.11.0+cu130", "2.12.1", "2.13.0+cpu"):
+        require_supported_torch(inside)
     for inside in ("2.11.0+cu130", "2.12.1", "2.13.0+cpu"):
         require_tested_torch("SWIFT update-undo", inside)
 

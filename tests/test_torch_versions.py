@@ -5,7 +5,7 @@ that rest on them, the framework integrations) run again under a venv with torch
 `make venv-torch2.11` makes that venv (.venv-torch2.11; the PyPI wheel, a CUDA build that runs on
 the CPU here, or `TORCH211_INDEX=--index-url https://download.pytorch.org/whl/cpu` for the CPU
 wheel); `JITCKPT_TORCH211_VENV` names another. The whole fast suite passed on it once
-(jitckpt/torch_compat.py VERSIONS says so); this slow test keeps the version-sensitive part honest.
+(jitckpt/torch_compat.py TESTED says so); this slow test keeps the version-sensitive part honest.
 """
 from __future__ import annotations
 

@@ -297,7 +297,7 @@ class ShardedState:
         # Files are fsynced and checksummed by the checkpoint store, which commits the directory.
         class Writer(dcp.FileSystemWriter):
             """Keeps where each chunk went (what ``finish`` records in the metadata file): torch
-            2.11's and 2.12's ``dcp.save`` return the metadata without it."""
+            2.11's and 2.12's ``dcp.save`` return the metadata without it (finish completes a copy)."""
 
             def finish(self, metadata: Any, results: list) -> None:
                 self.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
@@ -305,8 +305,7 @@ class ShardedState:
 
         writer = Writer(os.path.join(directory, DCP_DIR), sync_files=False)
         md = dcp.save(tensors, storage_writer=writer, no_dist=True)
-        if md.storage_data is None:  # torch 2.11, 2.12: finish() completed a copy of the metadata
-            md.storage_data = writer.storage_data
+        md.storage_data = writer.storage_data
         with open(os.path.join(directory, CHUNKS_FILE), "w") as f:
             json.dump(chunks_to_json(md), f)
 
