@@ -100,6 +100,7 @@ def parse():
                    help="with --no-jitckpt: torch.distributed.checkpoint.async_save of every rank's state "
                         "every N steps into --baseline-dir, resume from the newest complete one (the "
                         "torchrun + DCP baseline)")
+    p.add_argument("--compile", action="store_true", help="run the forward through torch.compile(model)")
     p.add_argument("--overlap-step", action="store_true",
                    help="no DDP; each parameter's update waits only for its own gradient all-reduce")
     args = p.parse_args()
@@ -376,6 +377,7 @@ def main():
             if state.step == int(slow_step):
                 time.sleep(float(slow_s))
         net.register_forward_pre_hook(slow)
+    forward = torch.compile(model) if args.compile else model
     logf = open(args.steps_log, "a") if args.steps_log else None
     loss_fn = nn.MSELoss()
     for step in range(start, args.steps):
@@ -408,7 +410,7 @@ def main():
             ctypes.PyDLL(None).sleep(3600)  # PyDLL keeps the GIL: no Python thread here runs
         if mine.get("raise") == step:
             raise RuntimeError(f"injected failure in rank {rank} at step {step}")
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(forward(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if args.pause_before_step and gen == 0:

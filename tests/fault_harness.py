@@ -64,6 +64,7 @@ class Config:
     optim: str = ""         # default: adam for ln, sgd for bn, adamw for dropout
     parallel: str = "ddp"   # ddp | hsdp (FSDP2 on a 2 x nproc/2 mesh) | fsdp | tp | fsdp_tp | pp | pp_ddp (train_matrix.py)
     snapshot_every: int = 0  # jitckpt run --snapshot-every (0: off)
+    recovery: str = "jit"   # jitckpt run --recovery (inprocess: the survivors must keep their processes)
 
     @property
     def replicated(self) -> bool:
@@ -77,7 +78,8 @@ class Config:
     @property
     def id(self) -> str:
         return (f"{self.model}-{self.optimizer}-{self.api}-{self.nproc}r" + ("" if self.parallel == "ddp" else f"-{self.parallel}")
-                + (f"-snap{self.snapshot_every}" if self.snapshot_every else ""))
+                + (f"-snap{self.snapshot_every}" if self.snapshot_every else "")
+                + ("" if self.recovery == "jit" else f"-{self.recovery}"))
 
     @property
     def script(self) -> Path:
@@ -90,7 +92,8 @@ class Config:
         return STEPS
 
     def launcher_args(self) -> list:
-        return ["--snapshot-every", str(self.snapshot_every)] if self.snapshot_every else []
+        args = ["--snapshot-every", str(self.snapshot_every)] if self.snapshot_every else []
+        return args + (["--recovery", self.recovery] if self.recovery != "jit" else [])
 
     def script_args(self) -> list:
         return ["--model", self.model, "--optim", self.optimizer, "--api", self.api, "--parallel", self.parallel,
@@ -593,8 +596,36 @@ def _check(out: Outcome, ref: Reference, fault: Fault, jobs: list, ckpt: Path, t
         if not failed:
             p.append("disk full: no checkpoint_failed event")
         out.notes.append(f"checkpoint_failed: {[(e.get('kind'), e.get('rank'), (e.get('reason') or '')[:80]) for e in failed]}")
+    if ref.cfg.recovery == "inprocess" and fault.expect_rc == 0:
+        p += kept_survivors(first)
     out.notes.append(f"failures: {[(e.get('kind'), e.get('rank')) for e in first.ev('failure_detected')]}")
     out.notes.append(f"launches: {[(j.name, g, completed(j.steps, g)[:1], completed(j.steps, g)[-1:]) for j, g in launches]}")
+
+
+def kept_survivors(job: Job) -> list:
+    """--recovery inprocess: after each recovery every rank that did not fail and had begun
+    training in the generation that ended (a rank killed before its script's first step has saved
+    nothing: it may restart) runs on in the process it had, the same pid, named a survivor; and the
+    summary names them. The problems found."""
+    problems = []
+    starts = {(e["gen"], e["rank"]): e for e in job.ev("worker_start")}
+    for gen in sorted({g for g, _ in starts if g > 0}):
+        summary = next((s for s in job.ev("recovery_summary") if s["gen"] == gen), None)
+        # A hang's culprit is named only once it is found (in the summary, not the detection).
+        failed = {e["rank"] for e in job.ev("failure_detected") if e["gen"] == gen - 1 and e.get("rank") is not None}
+        failed |= set(summary["failed_ranks"]) if summary is not None else set()
+        trained = {r["rank"] for r in job.steps if r.get("gen") == gen - 1 and "begin" in r}
+        for rank in sorted(trained - failed):
+            before, after = starts.get((gen - 1, rank)), starts.get((gen, rank))
+            if before is None or after is None:
+                continue
+            if after["pid"] != before["pid"] or after.get("role") != "survivor":
+                problems.append(f"gen {gen}: surviving rank {rank} was pid {before['pid']}, now pid {after['pid']} "
+                                f"(role {after.get('role')}): it did not keep its process")
+        kept = sorted(r for (g, r), e in starts.items() if g == gen and e.get("role") == "survivor")
+        if summary is not None and summary.get("kept_ranks", []) != kept:
+            problems.append(f"gen {gen}: recovery_summary kept_ranks {summary.get('kept_ranks')}, survivors {kept}")
+    return problems
 
 
 def record(outcome: Outcome) -> None:

@@ -19,7 +19,7 @@ _RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 # Same names as snapshot_protection.SCHEMES (not imported: the launcher does not import torch).
 SNAPSHOT_PROTECTIONS = ("aec", "arc", "none")
 SNAPSHOT_ZERO_MODES = ("recompute", "copy", "log")  # worker_spec's, without importing it here either
-RECOVERY_MODES = ("jit", "stage")
+RECOVERY_MODES = ("jit", "stage", "inprocess")
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default --signals-to-handle
 _STD_RE = re.compile(r"^[0-3]$|^\d+:[0-3](,\d+:[0-3])*$")  # torchrun's Std.from_str grammar
 
@@ -193,7 +193,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "rank (default); stage: keep the survivors running and start one replacement "
                         "for the dead rank, which replays its inputs from its neighbours' SWIFT logs "
                         "(pipeline stages; the default with --plugin logging; see "
-                        "jitckpt.swift.StageMembership)")
+                        "jitckpt.swift.StageMembership); inprocess: the survivors save as with jit but keep "
+                        "their processes: each leaves its script, and runs it again in the same process "
+                        "with the same rank once a warm standby takes the dead rank's place (docs/recovery.md)")
     g.add_argument("--plugin", default="",
                    help="SWIFT recovery plugins, comma-separated. undo: a failure that tears the "
                         "optimizer step is undone on the survivors: in-process before their JIT save "
@@ -441,7 +443,7 @@ class LaunchConfig:
         if self.recovery not in RECOVERY_MODES:
             raise ValueError(f"--recovery {self.recovery!r}: choose one of {', '.join(RECOVERY_MODES)}")
         for p in plugins:
-            if p.recovery != self.recovery:
+            if p.recovery != self.recovery and not (p.recovery == "jit" and self.recovery == "inprocess"):
                 raise ValueError(f"--plugin {p.name} serves --recovery {p.recovery} ({p.why}), not "
                                  f"--recovery {self.recovery}: drop one of the two")
         if self.recovery == "stage" and LoggingPlugin() not in plugins:
@@ -460,6 +462,23 @@ class LaunchConfig:
             raise ValueError("--recovery stage keeps the survivors' state in memory and replaces only the "
                              "dead rank; in-memory snapshots (--snapshot-every) serve --recovery jit. "
                              "Drop one of the two flags")
+
+        if self.recovery == "inprocess":
+            self._check_inprocess()
+
+    def _check_inprocess(self) -> None:
+        """What --recovery inprocess does not support yet, refused by name (each would run, but
+        untested, or not at all: a native program cannot run its script again in its process)."""
+        unsupported = [(self.no_python, "--no-python (a native program cannot run again in its own process)"),
+                       (bool(self.preload or self.transparent), "--preload / --transparent (libjit.so's state "
+                        "across a second run of the script is not handled yet)"),
+                       (self.nnodes > 1, "--nnodes > 1 (one node only, for now)"),
+                       (bool(self.snapshot_every), "--snapshot-every (the standby's restore from the keeper is "
+                        "not wired to it yet)")]
+        for bad, what in unsupported:
+            if bad:
+                raise ValueError(f"--recovery inprocess does not support {what}: use --recovery jit, which "
+                                 "restarts every rank")
 
     def _check_snapshot_flags(self) -> None:
         if self.snapshot_every < 0 or self.snapshot_flush_every < 0:

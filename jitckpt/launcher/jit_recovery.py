@@ -52,6 +52,7 @@ class FailureRecord:
     timed_out: bool = False              # --save-timeout passed before every shard was covered (said once)
     in_memory: Optional[int] = None      # the step every rank's shard snapshot is in the keeper of
     not_ready: list = field(default_factory=list)  # "rank r: why", each restarted rank without a ready standby
+    kept_ranks: list = field(default_factory=list)  # --recovery inprocess: ranks that went on in their processes
 
     @property
     def label(self) -> str:
@@ -260,6 +261,8 @@ class JitRecovery:
                        total_s=now - f.t_detect, checkpoint_bytes=f.checkpoint_bytes,
                        step_failed=f.step_failed, step_resumed=step_resumed, steps_redone=redone,
                        standbys="ready" if not f.not_ready else "not ready: " + "; ".join(f.not_ready))
+        if f.kept_ranks:  # --recovery inprocess: who went on in its own process
+            summary.update(scope="inprocess", kept_ranks=sorted(f.kept_ranks))
         self.emit("resumed", step=step_resumed, steps_redone=redone)
         self.emit("recovery_summary", **summary)
         self.display.show_summary(summary)

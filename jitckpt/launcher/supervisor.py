@@ -34,7 +34,7 @@ from jitckpt.protocol.control_channel import ENV_FD, ENV_NATIVE_HELLO, channel_p
 from jitckpt.protocol.worker_spec import SnapshotSpec, WorkerSpec
 from jitckpt.protocol.control_messages import (Assign, ExitReady, FailureReport, Hello, Message, PeerExit,
                                                RankLost, Restored, Resumed, Saved, SaveFailed, SaveNow, StageCaughtUp,
-                                               Verdict, WorkerWarning)
+                                               Unwound, Verdict, WorkerWarning)
 from jitckpt.observability.events import EVENTS_FILE, EventLog
 from jitckpt.launcher.keeper_supervisor import KeeperSupervisor
 from jitckpt.snapshot.premap import ENV_PREMAP
@@ -46,6 +46,7 @@ from jitckpt.launcher.standby_pool import StandbyPool
 from jitckpt.launcher.daemon_link import DaemonKeeper, DaemonLink, NodeDraining
 from jitckpt.launcher.job_tally import JobTally
 from jitckpt.launcher.worker_logs import WorkerLogs, WorkerStreams
+from jitckpt.launcher.inprocess_recovery import InProcessRecovery
 from jitckpt.launcher.jit_recovery import NOT_A_CULPRIT, FailureRecord, JitRecovery
 from jitckpt.launcher.stage_replacement import StageReplacement
 from jitckpt.launcher.worker_handle import Worker
@@ -124,6 +125,8 @@ class Launcher:
         self.store_lost: Optional[str] = None  # why the job's cross-node store stopped answering
         self._stopping = False  # a second one arrived: stop at once
         self._omp_warned = False
+        # --recovery inprocess: the survivors keep their processes (jitckpt.launcher.inprocess_recovery).
+        self.inprocess = InProcessRecovery(emit=self.emit) if cfg.recovery == "inprocess" else None
         if cfg.recovery == "stage":
             self.stage = StageGenerations(cfg, self.coord)
             self.replacement = StageReplacement(generations=self.stage, node_rank=cfg.node_rank,
@@ -444,7 +447,7 @@ class Launcher:
                           periodic_every=cfg.periodic_every, save_timeout=cfg.save_timeout,
                           plugins=cfg.plugins, host_store=not cfg.no_python, snapshot=snapshot,
                           stage=stage, launcher_fsyncs=self.flusher is not None,
-                          rank_state_dir=self.rank_state_dir)
+                          rank_state_dir=self.rank_state_dir, in_process=self.inprocess is not None)
 
     def _start_workers(self, launch: int, master: tuple[str, int]) -> None:
         role = "initial" if launch == 0 else "restart"
@@ -473,12 +476,20 @@ class Launcher:
             why = "--no-python (no standby: the program starts anew)"
         else:
             assert self.pool is not None
-            standby, why = self.pool.take()
-            proc = standby.proc
+            kept = self.inprocess.take(rank) if self.inprocess is not None else None
+            if kept is not None:  # a survivor of an in-process recovery: the same process, the same rank
+                channel, board, proc, why, role = kept.channel, kept.board, kept.proc, None, "survivor"
+                if self.jit.pending is not None:
+                    self.jit.pending.kept_ranks.append(rank)
+                if board is not None:
+                    board.clear()
+            else:
+                standby, why = self.pool.take()
+                channel, board, proc = standby.channel, standby.board, standby.proc
             argv = [cfg.script, *cfg.script_args]
-            standby.channel.send(Assign(env=env, argv=argv, cwd=os.getcwd(), module=cfg.module, spec=spec.to_dict(),
-                                        stdout=streams.stdout or "", stderr=streams.stderr or ""))
-            w = Worker(rank, local_rank, proc, standby.channel, warm=why is None, board=standby.board)
+            channel.send(Assign(env=env, argv=argv, cwd=os.getcwd(), module=cfg.module, spec=spec.to_dict(),
+                                stdout=streams.stdout or "", stderr=streams.stderr or ""))
+            w = Worker(rank, local_rank, proc, channel, warm=why is None, board=board)
         if why is not None:
             self.not_ready.append(f"rank {rank}: {why}")
         self.emit("worker_start", rank=rank, pid=proc.pid, warm=w.warm, role=role,
@@ -638,6 +649,13 @@ class Launcher:
                         failure = self.jit.on_failure(gen, self.workers, "exit", None,
                                                       f"exit codes {codes}")
                     continue
+                if self.inprocess is not None:
+                    self.inprocess.failed(failure, self.workers)
+                    decision = self.inprocess.decide(self.workers, failure, self._covered(gen, failure))
+                    if decision == "go":
+                        break
+                    if decision == "wait":
+                        continue
                 if self.jit.can_proceed(gen, self.workers, failure):
                     break
         finally:
@@ -784,6 +802,9 @@ class Launcher:
         elif isinstance(msg, Resumed):
             w.resumed = True
             self.jit.maybe_summarize(self.workers)
+        elif isinstance(msg, Unwound):
+            if self.inprocess is not None:
+                self.inprocess.unwound(w, msg)
         elif isinstance(msg, StageCaughtUp):
             if self.replacement is not None:
                 self.replacement.caught_up(gen, w, msg)
@@ -805,10 +826,21 @@ class Launcher:
             w.kill()
             w.exit_code = w.proc.wait(timeout=5.0)
 
+    def _covered(self, gen: int, failure: FailureRecord) -> bool:
+        """Every shard has a saved JIT checkpoint (noted in ``failure``)."""
+        if failure.t_covered is None and self.coord.shards_covered(gen):
+            failure.t_covered = time.time()
+        return failure.t_covered is not None
+
     def _kill_all(self) -> None:
+        """Kill the generation's workers, but the survivors an in-process recovery keeps."""
+        kept = {id(w) for w in self.workers if self.inprocess is not None and self.inprocess.keeps(w)}
         for w in self.workers:
-            w.kill()
+            if id(w) not in kept:
+                w.kill()
         for w in self.workers:
+            if id(w) in kept:
+                continue
             try:
                 w.exit_code = w.proc.wait(timeout=10.0)
             except subprocess.TimeoutExpired:

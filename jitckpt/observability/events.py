@@ -9,7 +9,8 @@ event                     fields
 ``job_start``             nproc, nnodes, world_size, script, checkpoint_dir, hang_timeout, run_id
 ``worker_start``          rank, pid, warm (bool: a ready warm standby, torch imported), role;
                           not_ready (why not, when warm is false)
-                          (initial|restart|replacement)
+                          (initial|restart|replacement|survivor: --recovery inprocess, the same
+                          process runs its rank's script again)
 ``standby_ready``         count, seconds (the refilled warm standby pool finished importing)
 ``step``                  rank, step, step_time (s) -- sampled, not every step
 ``failure_detected``      kind (exit|signal|hang|error|exception), rank (the failed rank, null
@@ -33,7 +34,11 @@ event                     fields
                           standbys ("ready", or "not ready: rank r: why; ..." for the restarted
                           ranks that found no ready warm standby);
                           scope "stage" for a --recovery stage replacement (restore_s: its
-                          checkpoint load and replay; steps_redone: by that rank alone)
+                          checkpoint load and replay; steps_redone: by that rank alone);
+                          scope "inprocess" and kept_ranks (the survivors that went on in their
+                          own processes) for --recovery inprocess
+``survivor_unwound``      rank, pid, seconds (--recovery inprocess: a survivor left its script
+                          after its JIT save and released its process groups, in that time)
 ``job_end``               status (ok|failed|preempted), exit_code, restarts; signal (preempted:
                           SIGTERM|SIGINT; exit_code is then 128 + its number); reason (failed
                           because the job's cross-node store stopped taking writes)
@@ -99,6 +104,7 @@ EVENT_TYPES = (
     "restart",
     "restore",
     "resumed",
+    "survivor_unwound",
     "recovery_summary",
     "job_end",
     "snapshot_keeper_start",

@@ -96,6 +96,8 @@ class StatusDisplay:
                 ("JIT save (detection → every shard saved)", sec(s["save_s"])),
                 ("restart (workers up, rendezvous)", sec(s["restart_s"])),
                 ("restarted on warm standbys", "yes" if s.get("standbys", "ready") == "ready" else f"no, {s['standbys']}"),
+                *([("kept their processes (in-process)", "ranks " + ", ".join(map(str, s["kept_ranks"])))]
+                  if s.get("kept_ranks") else []),
                 ("restore (checkpoint load)", sec(s["restore_s"])),
                 ("total (detection → first step done)", sec(s["total_s"])),
                 ("checkpoint size", f"{s['checkpoint_bytes'] / 1e6:.1f} MB"),

@@ -165,6 +165,16 @@ class RankLost(Message):
     rank: int
 
 
+@dataclass(frozen=True)
+class Unwound(Message):
+    """In-process recovery: this survivor left its script after its JIT save, released its process
+    groups, and waits in the same process for its next Assign."""
+    TYPE: ClassVar[str] = "unwound"
+    rank: int
+    pid: int
+    seconds: float  # from the JIT save's report to this message
+
+
 TO_LAUNCHER = table(Ready, Hello, FailureReport, Saved, SaveFailed, Restored, Resumed,
-                    WorkerWarning, ExitReady, StageCaughtUp)
+                    WorkerWarning, ExitReady, StageCaughtUp, Unwound)
 TO_WORKER = table(Assign, SaveNow, Verdict, PeerExit, RankLost)

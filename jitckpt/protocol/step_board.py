@@ -74,6 +74,10 @@ class StepBoard:
             self._time.value = step_time
         self._step.value = step
 
+    def clear(self) -> None:
+        """No step on it again (a survivor of an in-process recovery runs its script anew)."""
+        self._step.value, self._time.value = _NONE, float("nan")
+
     def step(self) -> Optional[int]:
         """The step posted last (None: none yet)."""
         step = self._step.value

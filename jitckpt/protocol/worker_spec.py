@@ -99,6 +99,9 @@ class WorkerSpec:
     launcher_fsyncs: bool = False
     # This node's rank-state board (jitckpt.runtime.rank_state), made by the launcher ("": none).
     rank_state_dir: str = ""
+    # --recovery inprocess: after a peer's failure this rank saves, leaves its script and waits for
+    # its next assignment in the same process (jitckpt.runtime.inprocess), instead of exiting.
+    in_process: bool = False
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1 and 0 <= self.rank < self.world_size,

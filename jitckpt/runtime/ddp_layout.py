@@ -158,15 +158,21 @@ def load(checkpoint_dir: Optional[str]) -> Optional[dict]:
         return None
 
 
+_layout_source: Optional[Callable[[], Optional[dict]]] = None
+
+
 def install_pinning(layout_source: Callable[[], Optional[dict]]) -> None:
-    """Make DDP's constructor use the saved layout when one matches the model's parameters."""
+    """Make DDP's constructor use the saved layout when one matches the model's parameters (from
+    ``layout_source``: a later call, a new runtime in the same process, replaces the source)."""
+    global _layout_source
+    _layout_source = layout_source
     original = dist._compute_bucket_assignment_by_size
     if getattr(original, "__jitckpt_wrapped__", False):
         return
 
     @functools.wraps(original)
     def assign(parameters, bucket_size_limits, *args, **kwargs):  # type: ignore[no-untyped-def]
-        saved = layout_source()
+        saved = _layout_source() if _layout_source is not None else None
         shapes = [list(p.shape) for p in parameters]
         for layout in (saved.get("models") or [saved]) if saved else ():
             if shapes != layout["shapes"]:

@@ -16,11 +16,15 @@ import logging
 import os
 import signal
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 log = logging.getLogger("jitckpt.worker")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+# Who gets the signals: the process's current worker runtime (replaced after an in-process recovery).
+_target: Optional[Callable[[signal.Signals], None]] = None
 
 
 def _wake_only(signum: int, frame: object) -> None:
@@ -33,9 +37,13 @@ def catch(on_signal: Callable[[signal.Signals], None]) -> bool:
     Must be called on the main thread. Returns False (nothing installed) when a handler or wakeup
     fd is already there, or off the main thread.
     """
+    global _target
     if threading.current_thread() is not threading.main_thread():
         log.warning("jitckpt started off the main thread: SIGTERM/SIGINT will not trigger a JIT save")
         return False
+    if _target is not None and all(signal.getsignal(s) is _wake_only for s in SIGNALS):
+        _target = on_signal  # a new runtime in the same process (in-process recovery): it gets them now
+        return True
     mine = [s for s in SIGNALS if signal.getsignal(s) in (signal.SIG_DFL, signal.default_int_handler)]
     if not mine:
         return False
@@ -49,9 +57,10 @@ def catch(on_signal: Callable[[signal.Signals], None]) -> bool:
         log.warning("a signal wakeup fd is already set (an asyncio loop?): SIGTERM/SIGINT will not "
                     "trigger a JIT save")
         return False
+    _target = on_signal
     restore = {s: signal.signal(s, _wake_only) for s in mine}
     os.register_at_fork(after_in_child=lambda: _reset_in_child(restore))
-    threading.Thread(target=_watch, args=(r, frozenset(mine), on_signal), name="jitckpt-signals",
+    threading.Thread(target=_watch, args=(r, frozenset(mine)), name="jitckpt-signals",
                      daemon=True).start()
     return True
 
@@ -66,7 +75,7 @@ def _reset_in_child(restore: dict) -> None:
         pass
 
 
-def _watch(fd: int, mine: frozenset, on_signal: Callable[[signal.Signals], None]) -> None:
+def _watch(fd: int, mine: frozenset) -> None:
     while True:
         try:
             data = os.read(fd, 64)
@@ -75,5 +84,5 @@ def _watch(fd: int, mine: frozenset, on_signal: Callable[[signal.Signals], None]
         if not data:
             return
         for signum in data:
-            if signum in mine and signal.getsignal(signum) is _wake_only:
-                on_signal(signal.Signals(signum))
+            if signum in mine and signal.getsignal(signum) is _wake_only and _target is not None:
+                _target(signal.Signals(signum))

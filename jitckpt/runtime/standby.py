@@ -10,13 +10,24 @@ and runs the user's script as ``__main__``.
 """
 from __future__ import annotations
 
+import gc
+import logging
 import os
-import runpy
 import socket
 import sys
 import threading
+from typing import TYPE_CHECKING, Optional
 
+from jitckpt.protocol.control_messages import Assign
+from jitckpt.protocol.exit_codes import EXIT_JIT_SAVED
 from jitckpt.runtime.idle_priority import at_idle_priority
+
+log = logging.getLogger("jitckpt.worker")
+
+if TYPE_CHECKING:
+    from jitckpt.protocol.control_channel import ControlChannel
+    from jitckpt.protocol.step_board import StepBoard
+    from jitckpt.runtime.inprocess import ScriptRunner
 
 
 def import_torch() -> None:
@@ -77,17 +88,17 @@ def main() -> None:
 def serve() -> None:
     """Say ready, wait for the launcher's assignment and run the rank's script (torch imported;
     the control channel and the step board in the environment)."""
-    from jitckpt.process_title import set_title, worker_title
+    from jitckpt.process_title import set_title
     from jitckpt.protocol.control_channel import ENV_FD, ControlChannel
-    from jitckpt.protocol.control_messages import TO_WORKER, Assign, Ready
+    from jitckpt.protocol.control_messages import TO_WORKER, Ready
     from jitckpt.protocol.step_board import StepBoard
     from jitckpt.snapshot.premap import ENV_PREMAP
 
     channel = ControlChannel(socket.socket(fileno=int(os.environ[ENV_FD])), incoming=TO_WORKER)
     board = StepBoard.from_env()
-    from jitckpt.runtime.current import install_runtime
-    from jitckpt.runtime.worker_runtime import WorkerRuntime
-
+    # torch's objects are here for good: garbage collections (one after an in-process recovery)
+    # need not walk them again, and a forked process does not touch their pages to count them.
+    gc.freeze()
     channel.send(Ready())
     premapper = None
     if os.environ.get(ENV_PREMAP):  # a one-node job's snapshots: their restore then maps nothing
@@ -100,38 +111,90 @@ def serve() -> None:
     if not isinstance(msg, Assign):
         os._exit(0)  # launcher shut the pool down
     premapped = premapper.stop() if premapper is not None else None
+    from jitckpt.runtime.inprocess import ScriptRunner
+
+    runner = ScriptRunner(list(msg.argv), module=bool(msg.module))
+    while msg is not None:  # one pass per generation: more than one only after an in-process recovery
+        msg = _run_rank(msg, channel, board, runner, premapped)
+        premapped = None
+
+
+def _run_rank(msg: "Assign", channel: "ControlChannel", board: "Optional[StepBoard]", runner: "ScriptRunner",
+              premapped: object) -> "Optional[Assign]":
+    """Be the rank ``msg`` assigns and run its script; None once it finished, else (after an
+    in-process recovery) the launcher's next Assign: the same process runs the script again."""
+    import time
+
+    from jitckpt.process_title import set_title, worker_title
+    from jitckpt.protocol.control_messages import Unwound
+    from jitckpt.protocol.worker_spec import WorkerSpec
+    from jitckpt.runtime.current import install_runtime
+    from jitckpt.runtime.generation_store import host_if_rank0
+    from jitckpt.runtime.inprocess import release_process_groups
+    from jitckpt.runtime.worker_runtime import WorkerRuntime
+
     redirect_output(msg.stdout, msg.stderr)
     os.environ.update(msg.env)
     os.chdir(msg.cwd)
-    argv = list(msg.argv)
-    from jitckpt.protocol.worker_spec import WorkerSpec
-    from jitckpt.runtime.generation_store import host_if_rank0
-
     spec = WorkerSpec.from_dict(msg.spec)
     set_title(worker_title(spec.rank, spec.world_size, spec.gen))
-    store = host_if_rank0(spec)  # noqa: F841 - serves the process group's store while this rank lives
+    store = host_if_rank0(spec)  # serves the process group's store while this rank lives
     rt = WorkerRuntime.from_spec(spec, channel, board)
     rt.start()
     if premapped is not None:
-        if rt.snapshots is not None and rt.snapshots.socket_path == premapper.socket_path:
+        if rt.snapshots is not None and rt.snapshots.socket_path == premapped.socket_path:  # type: ignore[attr-defined]
             rt.snapshots.premapped = premapped
         else:
-            premapped.close()
+            premapped.close()  # type: ignore[attr-defined]
     install_runtime(rt)
     try:
-        if msg.module:
-            sys.argv = argv
-            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-        else:
-            script = argv[0]
-            sys.argv = argv
-            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-            runpy.run_path(script, run_name="__main__")
+        runner.run()
+        if not spec.in_process:
+            return None  # the interpreter exits: the exit barrier runs at exit
+        rt.finish_script()  # its exit barrier: a peer's failure in the last step still unwinds
+        return None
     except SystemExit as e:
-        if e.code not in (0, None):
-            # sys.exit(2) (a bad flag) is a failed rank, as under torchrun: not a rank that finished.
-            rt.skip_exit_barrier()
-        raise
+        if _unwinding(e):
+            pass
+        else:
+            if e.code not in (0, None):
+                # sys.exit(2) (a bad flag) is a failed rank, as under torchrun: not a rank that finished.
+                rt.skip_exit_barrier()
+            raise
+    except BaseException as e:
+        if not _unwinding(e):
+            raise
+    t0 = time.monotonic()
+    rt.retire()
+    why = release_process_groups()
+    if why is not None:
+        log.warning("%s; this rank restarts from its checkpoint (the others keep their processes)", why)
+        sys.stderr.flush()
+        os._exit(EXIT_JIT_SAVED)
+    t1 = time.monotonic()
+    del store
+    runner.forget()  # the ended run's model and optimizer: their memory serves the next run
+    t2 = time.monotonic()
+    gc.collect()  # what is left in cycles (few objects: the standby froze torch's, see serve())
+    channel.send(Unwound(rank=spec.rank, pid=os.getpid(), seconds=time.monotonic() - t0))
+    nxt = rt.next_message()
+    if not isinstance(nxt, Assign):
+        os._exit(0)  # the launcher is gone, or ended the job while this rank waited
+    return nxt
+
+
+def _unwinding(exc: BaseException) -> bool:
+    """``exc`` is the in-process recovery's InProcessRestart, or an error the script's own cleanup
+    raised while it propagated (a ``finally:`` doing a collective on the broken group)."""
+    from jitckpt.runtime.inprocess import InProcessRestart
+
+    seen: set = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, InProcessRestart):
+            return True
+        seen.add(id(exc))
+        exc = exc.__context__  # type: ignore[assignment]
+    return False
 
 
 if __name__ == "__main__":

@@ -30,10 +30,12 @@ from typing import Callable, Optional
 from jitckpt.checkpoint_store import (CheckpointError, find_latest, quarantine, read_meta, resume_path,
                                write_checkpoint)
 from jitckpt.runtime.collective_hooks import CollectiveHooks, run_region
+from jitckpt.runtime import group_sockets
+from jitckpt.runtime.inprocess import InProcessRestart
 from jitckpt.runtime.peer_failure import is_collective_failure
 from jitckpt.protocol.control_channel import ControlChannel
 from jitckpt.protocol.step_board import StepBoard
-from jitckpt.protocol.control_messages import (ExitReady, FailureReport, Hello, PeerExit, RankLost, Restored,
+from jitckpt.protocol.control_messages import (Assign, ExitReady, FailureReport, Hello, PeerExit, RankLost, Restored,
                                                Resumed, Saved, SaveFailed, SaveNow, Verdict, WorkerWarning)
 from jitckpt.plugins import get as get_plugins
 from jitckpt.torch_compat import require_supported_torch
@@ -55,6 +57,9 @@ MINIBATCH_CAN_FINISH = ("preempted", "snapshot")
 # vain (see WorkerRuntime._on_peer_exit).
 PEER_EXIT_GRACE = 5.0
 SAVER_TOKEN = -1  # region_enter's token for a wait inside a checkpoint write
+# In-process recovery: how long a helper thread that saved waits for the training thread to leave
+# the collective it is stuck in (the failed rank is killed, so gloo raises there within moments).
+UNWIND_GRACE = 10.0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -151,6 +156,14 @@ class WorkerRuntime:
         self._native_step: Optional[int] = None  # the minibatch libjit.so was last told began
         self.snapshots = None  # SnapshotTier when jitckpt run --snapshot-every is on
         self.spec: Optional[WorkerSpec] = None  # what the launcher (or the environment) said
+        # --recovery inprocess: after its JIT save a survivor leaves the script instead of exiting
+        # (jitckpt.runtime.inprocess); the training thread raises once _unwind is set.
+        self.in_process = False
+        self._unwind = threading.Event()
+        self._unwound = threading.Event()  # the training thread raised InProcessRestart
+        self._retired = False  # the script ended for an in-process recovery: the next Assign is handed off
+        self._handoff: Optional[object] = None  # queue.Queue of what the launcher sends then
+        self._previous_excepthook = None
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -162,6 +175,7 @@ class WorkerRuntime:
                  channel=channel, board=board, periodic_every=spec.periodic_every,
                  save_timeout=spec.save_timeout, plugins=spec.plugins)
         rt.spec = spec
+        rt.in_process = spec.in_process
         return rt
 
     @classmethod
@@ -177,6 +191,8 @@ class WorkerRuntime:
         faulthandler.enable()
         require_supported_torch()
         self._hooks.install()
+        if self.in_process:
+            group_sockets.install()
         from jitckpt.runtime import ddp_layout
         from jitckpt.snapshot.tier import SnapshotTier
 
@@ -209,7 +225,7 @@ class WorkerRuntime:
 
     def _chain_excepthook(self) -> None:
         """An uncaught exception in this rank is itself the failure: report it, skip the barrier."""
-        previous = sys.excepthook
+        previous = self._previous_excepthook = sys.excepthook
 
         def hook(etype, value, tb):  # type: ignore[no-untyped-def]
             self._crashed = True
@@ -687,9 +703,14 @@ class WorkerRuntime:
             self._do_save_and_exit()
         self._park()
 
-    @staticmethod
-    def _park() -> None:
-        while True:  # another thread is saving; it ends the process
+    def _park(self) -> None:
+        """Hold this thread while another one saves; that one ends the process or, in an in-process
+        recovery, has the training thread leave the script from here."""
+        if threading.current_thread() is threading.main_thread():
+            self._unwind.wait()
+            self._unwound.set()
+            raise InProcessRestart(f"rank {self.rank}: a peer failed; the script runs again in this process")
+        while True:
             time.sleep(3600)
 
     def _give_up_if_no_save(self) -> None:
@@ -753,7 +774,50 @@ class WorkerRuntime:
                 self.channel.send(Saved(rank=self.rank, path=str(path), step=step,
                                   bytes=meta.total_bytes, seconds=seconds, shard_id=meta.shard_id,
                                   num_shards=meta.num_shards, kind="jit", undone=undone))
+        if self.in_process and (self._failure or {}).get("kind") != "preempted":
+            self._leave_script()
         self._exit(EXIT_JIT_SAVED)
+
+    def _leave_script(self) -> None:
+        """In-process recovery, after the JIT save: the training thread leaves the user's script
+        (this thread, or the one held while this one saved). A helper waits for it, bounded; a
+        training thread that stays stuck ends the process as in the JIT recovery (its checkpoint is
+        written, a standby takes its rank)."""
+        self._unwind.set()
+        group_sockets.cut()  # peers (and this rank's own receive) blocked in a collective fail now
+        if threading.current_thread() is threading.main_thread():
+            self._unwound.set()
+            raise InProcessRestart(f"rank {self.rank}: a peer failed; the script runs again in this process")
+        if self._unwound.wait(UNWIND_GRACE):
+            raise SystemExit  # ends this helper thread quietly; the process lives on
+        log.warning("the training thread did not leave its collective within %.0fs after the JIT save: this "
+                    "rank restarts from its checkpoint (the others keep their processes)", UNWIND_GRACE)
+
+    def finish_script(self) -> None:
+        """In-process recovery: the script returned; the exit barrier now, not at interpreter exit,
+        so that a peer's failure in its last step still unwinds this rank (InProcessRestart)."""
+        atexit.unregister(self._exit_barrier)
+        if self.channel is not None:
+            self._exit_barrier()
+
+    def retire(self) -> None:
+        """In-process recovery: this generation is over but the process lives on. Stop the threads
+        and hooks a new runtime installs again; what the launcher sends next (the next Assign) is
+        handed to :meth:`next_message`."""
+        import queue
+
+        self._handoff = queue.Queue()
+        self._retired = True
+        self._watchdog.stop()
+        self._hooks.remove()
+        atexit.unregister(self._exit_barrier)
+        if self._previous_excepthook is not None:
+            sys.excepthook = self._previous_excepthook
+
+    def next_message(self) -> Optional[object]:
+        """After :meth:`retire`: the launcher's next Assign (None: the launcher is gone)."""
+        assert self._handoff is not None
+        return self._handoff.get()
 
     def take_save_reserve(self) -> Optional[Path]:
         """For the save function: a file of ready page-cache pages to rename into the checkpoint
@@ -837,6 +901,11 @@ class WorkerRuntime:
         assert self.channel is not None
         while True:
             msg = self.channel.recv()
+            if self._retired:  # the process waits for its next assignment (or the launcher's end)
+                if msg is None or isinstance(msg, Assign):
+                    self._handoff.put(msg)  # type: ignore[union-attr]
+                    return
+                continue  # about the ended generation (a RankLost, a SaveNow sent as it ended)
             if msg is None:
                 log.error("launcher is gone; exiting")
                 self._exit(EXIT_LAUNCHER_GONE)

@@ -1,0 +1,99 @@
+"""In-process recovery (``jitckpt run --recovery inprocess``), a survivor's side.
+
+After a peer's failure a survivor writes its JIT checkpoint as in the JIT recovery, but does not
+exit: its training thread leaves the user's script with :class:`InProcessRestart`, raised where
+the thread stands (the collective that failed, or the safe point it reached), the process group
+of the generation that ended is destroyed (gloo closes its sockets, so a peer still blocked on
+this rank errors out at once), and the process waits for its next assignment. The launcher then
+gives every survivor its own rank again and a warm standby the lost one, and each runs the script
+anew in the process it has: torch imported, its memory already faulted in, the compiled script
+(:class:`ScriptRunner`) and torch.compile's caches kept. ``restore()`` loads the step every
+survivor saved, so everyone redoes the failed minibatch from the same state.
+"""
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import runpy
+import sys
+import types
+from typing import Optional
+
+log = logging.getLogger("jitckpt.worker")
+
+
+class InProcessRestart(BaseException):
+    """Raised in a survivor's training thread to leave the script after a peer's failure.
+
+    A BaseException, as KeyboardInterrupt is, so that a script's ``except Exception`` around its
+    training step does not swallow it."""
+
+
+def release_process_groups() -> Optional[str]:
+    """Destroy every torch.distributed process group of the ended generation, so the script can
+    call ``init_process_group`` again; None when done, else why it could not be."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from jitckpt.runtime import group_sockets
+
+    group_sockets.cut()  # the peers still blocked on this rank learn it now, not at gloo's timeout
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - said by the caller, which then restarts this rank
+        return f"destroy_process_group() raised {type(e).__name__}: {e}"
+    return "the default process group is still initialized" if dist.is_initialized() else None
+
+
+class ScriptRunner:
+    """The user's script (or ``-m`` module) run as ``__main__``, once per generation, from one
+    code object compiled at the first run.
+
+    The functions and classes the script defines then have the same code objects in every run,
+    and torch.compile's dynamo caches its compiled frames on code objects: a survivor that runs the
+    script again finds them (where the guards still hold) instead of tracing again. The module's
+    globals are set as ``runpy.run_path`` / ``run_module`` set them."""
+
+    def __init__(self, argv: list[str], *, module: bool) -> None:
+        self.argv = list(argv)
+        self.module = module
+        self._code: Optional[types.CodeType] = None
+        self._globals: dict = {}
+        self._main: Optional[types.ModuleType] = None
+
+    def run(self) -> None:
+        """Run the script once, with ``sys.argv`` set as for ``python script.py args``."""
+        if self._code is None:
+            self._load()
+        sys.argv = list(self.argv)
+        main = self._main = types.ModuleType("__main__")
+        main.__dict__.update(self._globals, __builtins__=builtins)
+        saved = sys.modules.get("__main__")
+        sys.modules["__main__"] = main  # pickling (a DataLoader's spawned workers) finds it there
+        try:
+            exec(self._code, main.__dict__)
+        finally:
+            if saved is not None:
+                sys.modules["__main__"] = saved
+
+    def forget(self) -> None:
+        """Drop what the last run defined: its globals reference each other through its functions,
+        so clearing them frees the run's model and optimizer without a full garbage collection."""
+        if self._main is not None:
+            self._main.__dict__.clear()
+            self._main = None
+
+    def _load(self) -> None:
+        if self.module:
+            _, spec, self._code = runpy._get_module_details(self.argv[0])  # type: ignore[attr-defined]
+            self._globals = dict(__file__=spec.origin, __cached__=spec.cached, __doc__=None,
+                                 __loader__=spec.loader, __package__=spec.parent, __spec__=spec)
+            return
+        script = self.argv[0]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        with open(script, "rb") as f:
+            self._code = compile(f.read(), script, "exec")
+        self._globals = dict(__file__=script, __cached__=None, __doc__=None, __loader__=None,
+                             __package__="", __spec__=None)

@@ -1,0 +1,52 @@
+"""Issue 48: ``jitckpt run --recovery inprocess``, tried from outside.
+
+Each case runs tests/scripts/train_matrix.py under the launcher with a fault sent to a worker at a
+random moment (tests/fault_harness.py) and checks what every recovery must (launcher rc, at most one
+minibatch redone, final state bitwise equal to a failure-free run, nothing left running, no good
+checkpoint lost) and, in-process, that every surviving rank kept its process: the same pid after the
+recovery, started as a ``survivor``, and the recovery summary names the ranks kept.
+"""
+from __future__ import annotations
+
+import pytest
+
+from fault_harness import FAULTS, Config, record, run_case, run_reference
+
+BN3 = Config("bn", "protect", 3, recovery="inprocess")   # BatchNorm buffers broadcast by DDP, 3 ranks
+LN2 = Config("ln", "protect", 2, recovery="inprocess")
+INIT2 = Config("ln", "init", 2, recovery="inprocess")     # jitckpt.init(save_fn): the script loads itself
+FAST = [("sigkill", BN3)]
+SLOW_FAULTS = ["sigkill", "sigstop", "exception", "gil", "optim", "backward", "step1", "recovery", "sigterm",
+               "launcher_sigterm", "after_barrier_kill"]
+SLOW = [(f, c) for c in (BN3, LN2, INIT2) for f in SLOW_FAULTS if (f, c) not in FAST]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cache: dict = {}
+
+    def get(cfg: Config):
+        if cfg not in cache:
+            cache[cfg] = run_reference(tmp_path_factory.mktemp(f"ref-{cfg.id}"), cfg)
+        return cache[cfg]
+
+    return get
+
+
+def check(reference, tmp_path, fault: str, cfg: Config) -> None:
+    outcome = run_case(tmp_path, reference(cfg), FAULTS[fault])
+    record(outcome)
+    assert not outcome.problems, outcome.report()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fault,cfg", FAST, ids=[f"{f}-{c.id}" for f, c in FAST])
+def test_survivors_keep_their_processes(reference, tmp_path, fault, cfg):
+    check(reference, tmp_path, fault, cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fault,cfg", SLOW, ids=[f"{f}-{c.id}" for f, c in SLOW])
+def test_inprocess_matrix(reference, tmp_path, fault, cfg):
+    check(reference, tmp_path, fault, cfg)
