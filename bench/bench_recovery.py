@@ -302,10 +302,13 @@ def summarize_runs(runs: list) -> dict:
     return out
 
 
-def jit_recovery_once(d: Path, steps: int, fail_step: int, api: str = "protect") -> dict:
+def jit_recovery_once(d: Path, steps: int, fail_step: int, api: str = "protect", *,
+                      launcher: tuple = (), script: tuple = ()) -> dict:
+    """One `jitckpt run` of the workload with rank 1 killing itself at ``fail_step`` (``launcher``:
+    more launcher flags, e.g. --recovery inprocess; ``script``: more script flags, e.g. --compile)."""
     d.mkdir()
     run(jitrun(2, [*MODEL, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"), "--api", api,
-                   "--inject", f"0:1:{fail_step}:kill"], d, extra=["--hang-timeout", "30"]), d)
+                   "--inject", f"0:1:{fail_step}:kill", *script], d, extra=["--hang-timeout", "30", *launcher]), d)
     log = read_log(d / "log.jsonl")
     t_fail, t_back, first = back_at_failed_step(log, fail_step)
     t_redo = redo_started(log, fail_step)
@@ -366,23 +369,26 @@ def restart_standbys(ev: list, t_fail: float) -> dict:
 def bench_recovery(work: Path, steps: int, fail_step: int, reps: int = 3, init_reps: int = 3) -> dict:
     res = {"jitckpt": jit_recovery(work, steps, fail_step, reps),
            "jitckpt_init": jit_recovery(work, steps, fail_step, init_reps, api="init", tag="init")}
-    for name, flags in BASELINES.items():
-        d = work / f"rec-{name}"
-        d.mkdir()
-        run(torchrun(2, [*MODEL, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"), "--no-jitckpt",
-                         *flags, "--baseline-dir", str(d / "ckpt"), "--inject", f"0:1:{fail_step}:kill"], d,
-                     max_restarts=1), d)
-        log = read_log(d / "log.jsonl")
-        t_fail, t_back, first = back_at_failed_step(log, fail_step)
-        gen1 = sorted((r for r in log if r.get("gen", 0) >= 1 and "step" in r), key=lambda r: r["t"])
-        t_first_done = gen1[0]["t"]
-        res[name] = {
-            "total_s": t_back - t_fail, "until_first_step_done_s": t_first_done - t_fail,
-            "redo_s": t_back - t_first_done, "resumed_at": first, "minibatches_redone": fail_step - first + 1,
-        }
+    for name in BASELINES:
+        res[name] = baseline_recovery(work / f"rec-{name}", name, steps, fail_step)
         res[f"speedup_vs_{name}"] = res[name]["total_s"] / res["jitckpt"]["total_s"]
     res["speedup"] = res["speedup_vs_torchrun_save10"]
     return res
+
+
+def baseline_recovery(d: Path, name: str, steps: int, fail_step: int) -> dict:
+    """One torchrun run of a :data:`BASELINES` variant with rank 1 killing itself at ``fail_step``:
+    failure to the failed step done again (``total_s``), and its parts."""
+    d.mkdir()
+    run(torchrun(2, [*MODEL, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"), "--no-jitckpt",
+                     *BASELINES[name], "--baseline-dir", str(d / "ckpt"), "--inject", f"0:1:{fail_step}:kill"], d,
+                 max_restarts=1), d)
+    log = read_log(d / "log.jsonl")
+    t_fail, t_back, first = back_at_failed_step(log, fail_step)
+    gen1 = sorted((r for r in log if r.get("gen", 0) >= 1 and "step" in r), key=lambda r: r["t"])
+    t_first_done = gen1[0]["t"]
+    return {"total_s": t_back - t_fail, "until_first_step_done_s": t_first_done - t_fail,
+            "redo_s": t_back - t_first_done, "resumed_at": first, "minibatches_redone": fail_step - first + 1}
 
 
 def bench_early_recovery(work: Path, fail_steps: tuple, reps: int) -> dict:

@@ -65,6 +65,7 @@ class Config:
     parallel: str = "ddp"   # ddp | hsdp (FSDP2 on a 2 x nproc/2 mesh) | fsdp | tp | fsdp_tp | pp | pp_ddp (train_matrix.py)
     snapshot_every: int = 0  # jitckpt run --snapshot-every (0: off)
     recovery: str = "jit"   # jitckpt run --recovery (inprocess: the survivors must keep their processes)
+    compiled: bool = False  # the forward through torch.compile
 
     @property
     def replicated(self) -> bool:
@@ -79,7 +80,7 @@ class Config:
     def id(self) -> str:
         return (f"{self.model}-{self.optimizer}-{self.api}-{self.nproc}r" + ("" if self.parallel == "ddp" else f"-{self.parallel}")
                 + (f"-snap{self.snapshot_every}" if self.snapshot_every else "")
-                + ("" if self.recovery == "jit" else f"-{self.recovery}"))
+                + ("" if self.recovery == "jit" else f"-{self.recovery}") + ("-compiled" if self.compiled else ""))
 
     @property
     def script(self) -> Path:
@@ -97,7 +98,7 @@ class Config:
 
     def script_args(self) -> list:
         return ["--model", self.model, "--optim", self.optimizer, "--api", self.api, "--parallel", self.parallel,
-                "--steps", str(STEPS), "--phase-sleep", str(PHASE_SLEEP)]
+                "--steps", str(STEPS), "--phase-sleep", str(PHASE_SLEEP)] + (["--compile"] if self.compiled else [])
 
 
 # ---- reading what a job writes -----------------------------------------------------------------

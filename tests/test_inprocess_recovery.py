@@ -18,7 +18,9 @@ INIT2 = Config("ln", "init", 2, recovery="inprocess")     # jitckpt.init(save_fn
 FAST = [("sigkill", BN3)]
 SLOW_FAULTS = ["sigkill", "sigstop", "exception", "gil", "optim", "backward", "step1", "recovery", "sigterm",
                "launcher_sigterm", "after_barrier_kill"]
+COMPILED = Config("bn", "protect", 2, recovery="inprocess", compiled=True)  # torch.compile'd forward
 SLOW = [(f, c) for c in (BN3, LN2, INIT2) for f in SLOW_FAULTS if (f, c) not in FAST]
+SLOW += [(f, COMPILED) for f in ("sigkill", "sigstop", "exception")]
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,12 @@ def test_torchrun_spellings_and_script_args(tmp_path):
     (["--no-python", "--plugin", "logging"], "through the device proxy.*add --transparent"),
     (["--nnodes", "2", "--node-rank", "0", "--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:2379",
       "--recovery", "stage"], "not supported yet: use --rdzv-backend c10d"),
+    (["--recovery", "inprocess", "--no-python"], "--recovery inprocess does not support --no-python"),
+    (["--recovery", "inprocess", "--transparent"], "does not support --preload / --transparent"),
+    (["--recovery", "inprocess", "--snapshot-every", "1"], "does not support --snapshot-every"),
+    (["--recovery", "inprocess", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29400"],
+     "does not support --nnodes > 1"),
+    (["--recovery", "inprocess", "--plugin", "logging"], "--plugin logging serves --recovery stage"),
 ])
 def test_bad_config_is_named(tmp_path, argv, message):
     script = tmp_path / "t.py"
@@ -64,6 +70,9 @@ def test_logging_plugin_is_the_stage_recovery(tmp_path):
     assert (cfg.recovery, cfg.plugins) == ("jit", ())
     cfg = parse("--plugin", "undo", str(script))
     assert (cfg.recovery, cfg.plugins) == ("jit", ("undo",))
+    # undo serves the JIT save, which the in-process recovery makes too
+    cfg = parse("--plugin", "undo", "--recovery", "inprocess", str(script))
+    assert (cfg.recovery, cfg.plugins) == ("inprocess", ("undo",))
 
 
 def test_missing_script_is_a_clear_cli_error(tmp_path):

@@ -51,10 +51,12 @@ class ScriptRunner:
     """The user's script (or ``-m`` module) run as ``__main__``, once per generation, from one
     code object compiled at the first run.
 
-    The functions and classes the script defines then have the same code objects in every run,
-    and torch.compile's dynamo caches its compiled frames on code objects: a survivor that runs the
-    script again finds them (where the guards still hold) instead of tracing again. The module's
-    globals are set as ``runpy.run_path`` / ``run_module`` set them."""
+    The functions the script defines then have the same code objects in every run, and
+    torch.compile's dynamo caches its compiled frames on code objects: a survivor that runs the
+    script again finds them where the guards still hold (a model of torch's own modules). A class
+    the script defines is a new class in each run, so a compiled method of it is traced again,
+    against inductor's caches in this process (measured: 0.055 s, against 2.1 s at the first
+    run). The module's globals are set as ``runpy.run_path`` / ``run_module`` set them."""
 
     def __init__(self, argv: list[str], *, module: bool) -> None:
         self.argv = list(argv)
@@ -68,7 +70,9 @@ class ScriptRunner:
         if self._code is None:
             self._load()
         sys.argv = list(self.argv)
-        main = self._main = types.ModuleType("__main__")
+        if self._main is None:
+            self._main = types.ModuleType("__main__")
+        main = self._main  # after forget(), the same dict: dynamo's compiled frames look their helpers up there
         main.__dict__.update(self._globals, __builtins__=builtins)
         saved = sys.modules.get("__main__")
         sys.modules["__main__"] = main  # pickling (a DataLoader's spawned workers) finds it there
@@ -80,10 +84,14 @@ class ScriptRunner:
 
     def forget(self) -> None:
         """Drop what the last run defined: its globals reference each other through its functions,
-        so clearing them frees the run's model and optimizer without a full garbage collection."""
+        so deleting them frees the run's model and optimizer without a full garbage collection.
+        Dunder names stay, and the next run gets the same dict: torch.compile keeps its compiled
+        functions there (``__compiled_fn_*``, ``__builtins_dict___*``), and a cached frame the
+        next run reuses looks them up there."""
         if self._main is not None:
-            self._main.__dict__.clear()
-            self._main = None
+            d = self._main.__dict__
+            for name in [k for k in d if not k.startswith("__")]:
+                del d[name]
 
     def _load(self) -> None:
         if self.module:

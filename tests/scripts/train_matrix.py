@@ -60,6 +60,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--phase-sleep", type=float, default=0.0)
     p.add_argument("--on-usr1", default="", choices=["", "gil", "raise", "optim", "backward", "reduce_scatter"])
     p.add_argument("--exit-fault", default="", metavar="GEN:RANK:MODE")
+    p.add_argument("--compile", action="store_true", help="the forward through torch.compile (DDP only)")
     p.add_argument("--out", default="")
     p.add_argument("--steps-log", default="")
     return p.parse_args()
@@ -246,6 +247,7 @@ def main() -> None:
             net = model  # this rank's stage
     opt = make_optimizer(args, model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
+    forward = torch.compile(model) if args.compile else model
     armed = {"fire": False}
 
     def on_usr1(signum, frame):  # type: ignore[no-untyped-def]
@@ -313,7 +315,7 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             pipe.step(x) if stage == 0 else pipe.step(target=y)
         else:
-            loss = loss_fn(model(x), y)
+            loss = loss_fn(forward(x), y)
             check_raise()
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -1,0 +1,101 @@
+"""Issue 48: in-process recovery against the restart path, in one run on this machine.
+
+The recovery bench's workload (bench_recovery.py: the 8.4 M-parameter MLP, Adam, batch 32, 2 ranks,
+gloo, rank 1 SIGKILLs itself at step 25 of 40), each variant ``--reps`` times, runs interleaved:
+
+* ``restart``: `jitckpt run` (``--recovery jit``): the survivors save, every rank restarts on warm standbys;
+* ``inprocess``: `jitckpt run --recovery inprocess`: the survivors save and go on in their processes,
+  a warm standby takes rank 1;
+* the same two with the forward through ``torch.compile`` (``--compile``): a restart compiles again in
+  every rank, in-process only in the replacement (both with inductor's on-disk cache warm);
+* ``torchrun_dcp10``: torchrun + ``torch.distributed.checkpoint.async_save`` every 10 steps, restarting
+  from the newest complete checkpoint (what users pick today).
+
+For each: ``resumed_s``, failure to the failed minibatch resumed (every rank restored, about to run
+it again: the issue's measure), and ``total_s``, failure to that minibatch done again (the only one
+the torchrun baseline has: it has no restore report); the medians, and the ratios the issue names.
+Usage: python bench/bench_inprocess.py [--reps 3] [--out bench/results/inprocess.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_recovery as br  # noqa: E402
+
+STEPS, FAIL_STEP = 40, 25
+VARIANTS = {  # name -> (launcher flags, script flags)
+    "restart": ((), ()),
+    "inprocess": (("--recovery", "inprocess"), ()),
+    "restart_compiled": ((), ("--compile",)),
+    "inprocess_compiled": (("--recovery", "inprocess"), ("--compile",)),
+}
+
+
+def kept(d: Path) -> list:
+    """The ranks the recovery kept in their processes (the launcher's summary)."""
+    ev = br.read_log(d / "run" / "events.jsonl")
+    summary = next((e for e in ev if e["event"] == "recovery_summary"), {})
+    return summary.get("kept_ranks", [])
+
+
+def measure(work: Path, reps: int) -> dict:
+    runs: dict = {name: [] for name in [*VARIANTS, "torchrun_dcp10"]}
+    for i in range(reps):
+        for name, (launcher, script) in VARIANTS.items():
+            d = work / f"{name}-{i}"
+            row = br.jit_recovery_once(d, STEPS, FAIL_STEP, launcher=launcher, script=script)
+            row["kept_ranks"] = kept(d)
+            runs[name].append(row)
+            print(f"{name} #{i}: resumed {row['resumed_s']:.3f} s, back at the failed step {row['total_s']:.3f} s, "
+                  f"kept {row['kept_ranks']}", flush=True)
+        row = br.baseline_recovery(work / f"dcp10-{i}", "torchrun_dcp10", STEPS, FAIL_STEP)
+        runs["torchrun_dcp10"].append(row)
+        print(f"torchrun_dcp10 #{i}: back at the failed step {row['total_s']:.3f} s", flush=True)
+    out: dict = {}
+    for name, rows in runs.items():
+        out[name] = {k: statistics.median(r[k] for r in rows) for k in ("resumed_s", "total_s", "restore_s",
+                                                                       "restart_s", "save_s")
+                     if all(k in r for r in rows)}
+        out[name]["runs"] = rows
+    m = {name: out[name] for name in out}
+    out["ratios"] = {
+        "resumed_restart_over_inprocess": m["restart"]["resumed_s"] / m["inprocess"]["resumed_s"],
+        "total_restart_over_inprocess": m["restart"]["total_s"] / m["inprocess"]["total_s"],
+        "total_compiled_restart_over_inprocess": m["restart_compiled"]["total_s"] / m["inprocess_compiled"]["total_s"],
+        "total_dcp10_over_inprocess": m["torchrun_dcp10"]["total_s"] / m["inprocess"]["total_s"],
+    }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "inprocess.json"))
+    ap.add_argument("--workdir", default="")
+    a = ap.parse_args()
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="jitckpt-bench-inprocess-"))
+    results = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": STEPS, "fail_step": FAIL_STEP,
+               **measure(work, a.reps)}
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=1, default=str)[:4000])
+    for name in [*VARIANTS, "torchrun_dcp10"]:
+        r = results[name]
+        print(f"{name:20s} resumed {r.get('resumed_s', float('nan')):6.3f} s   back at the failed step {r['total_s']:6.3f} s")
+    print("ratios:", json.dumps(results["ratios"], indent=1))
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {a.out}")
+    if not a.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
