@@ -21,6 +21,12 @@ SLOW_FAULTS = ["sigkill", "sigstop", "exception", "gil", "optim", "backward", "s
 COMPILED = Config("bn", "protect", 2, recovery="inprocess", compiled=True)  # torch.compile'd forward
 SLOW = [(f, c) for c in (BN3, LN2, INIT2) for f in SLOW_FAULTS if (f, c) not in FAST]
 SLOW += [(f, COMPILED) for f in ("sigkill", "sigstop", "exception")]
+# FSDP2 on a 2x2 HSDP mesh: the survivors' DeviceMesh groups are re-formed too; a lost rank's shard
+# comes back from its replica (the survivors are told to unwind only once every one saved). Faults
+# that leave every survivor in the same minibatch: a death mid-backward can let one replica group
+# finish the step while the other cannot (docs/recovery.md: the same for --recovery jit).
+HSDP = Config("ln", "protect", 4, parallel="hsdp", recovery="inprocess")
+SLOW += [(f, HSDP) for f in ("exception", "optim", "step1")]
 
 
 @pytest.fixture(scope="module")

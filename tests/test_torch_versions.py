@@ -20,7 +20,8 @@ VENV = Path(os.environ.get("JITCKPT_TORCH211_VENV", REPO / ".venv-torch2.11"))
 PART = ["tests/test_torch_compat.py", "tests/test_swift_undo.py", "tests/test_swift_undo_dp.py",
         "tests/test_undo_plugin.py", "tests/test_ddp_init_sync.py", "tests/test_e2e_recovery.py",
         "tests/test_protected_state.py", "tests/test_sharded_layouts.py", "tests/test_shard_parts.py",
-        "tests/test_init_api.py", "tests/test_integration_transformers.py", "tests/test_integration_lightning.py"]
+        "tests/test_init_api.py", "tests/test_integration_transformers.py", "tests/test_integration_lightning.py",
+        "tests/test_inprocess_units.py", "tests/test_inprocess_recovery.py"]
 TIMEOUT_S = 1800
 
 

@@ -4,8 +4,9 @@ The failure is handled as by :mod:`jitckpt.launcher.jit_recovery` up to the surv
 then, instead of exiting, each survivor leaves its script and waits in its process
 (:mod:`jitckpt.runtime.inprocess`, :class:`~jitckpt.protocol.control_messages.Unwound`). The
 failed rank is killed at once, so that a survivor blocked on it in a collective gets gloo's error
-there rather than after a timeout. Once every rank of the node is a survivor that unwound or is
-gone, the next generation starts: each survivor is given its own rank again, in the same process,
+there rather than after a timeout; once every survivor saved, they are told to leave their scripts
+(:class:`~jitckpt.protocol.control_messages.Unwind`). Once every rank of the node is a survivor
+that unwound or is gone, the next generation starts: each survivor is given its own rank again, in the same process,
 and a warm standby each lost rank. A survivor that does not unwind in time (a training thread
 stuck outside any collective) is killed and restarted from its checkpoint like a lost rank: its
 JIT checkpoint is written before it tries, so the fallback loses nothing.
@@ -18,7 +19,7 @@ from typing import Callable, Optional
 
 from jitckpt.launcher.jit_recovery import FailureRecord
 from jitckpt.launcher.worker_handle import Worker
-from jitckpt.protocol.control_messages import Unwound
+from jitckpt.protocol.control_messages import Unwind, Unwound
 
 log = logging.getLogger("jitckpt.launcher.inprocess")
 # How long after every shard is saved the launcher waits for the survivors to unwind (a survivor's
@@ -36,6 +37,7 @@ class InProcessRecovery:
         self.emit = emit
         self.parked: dict[int, Worker] = {}  # rank -> survivor waiting for its next Assign
         self._killed: set = set()  # pids of failed ranks killed for this failure
+        self._told = False  # the survivors were sent Unwind for this failure
 
     def failed(self, failure: FailureRecord, workers: list[Worker]) -> None:
         """Kill the failed ranks still running (the culprit named, or a stopped process): the
@@ -69,30 +71,42 @@ class InProcessRecovery:
 
     def decide(self, workers: list[Worker], failure: FailureRecord, covered: bool) -> str:
         """``go``: the next generation starts now (every shard saved, ``covered``; some survivor
-        kept; every other worker gone). ``wait``: a survivor that saved is still leaving its script.
-        ``jit``: nothing to keep yet, or past :data:`UNWIND_WAIT`: the JIT recovery's own decision
-        applies (it kills the survivors still running; they restart from their checkpoints)."""
+        kept; every other worker gone). ``wait``: survivors are still saving or leaving their
+        scripts. ``jit``: nothing to keep, or past :data:`UNWIND_WAIT`: the JIT recovery's own
+        decision applies (it kills the survivors still running; they restart from their checkpoints).
+
+        The survivors are told to leave their scripts (:class:`Unwind`) once every one of them saved
+        (or, :data:`UNWIND_WAIT` / 2 after every shard was, those that did), not before: one that cut
+        its connections while another was still in a collective with it would make that one fail
+        there and save an older step than the rest (found on HSDP: the job lost every shard's step)."""
         if not covered:
             return "jit"
-        if failure.t_covered is not None and time.time() - failure.t_covered > UNWIND_WAIT:
+        since = time.time() - (failure.t_covered or time.time())
+        if since > UNWIND_WAIT:
             return "jit"
-        unwinding = [w for w in workers if w.exit_code is None and w.rank not in self.parked
-                     and w.rank in failure.saved_ranks]
-        if unwinding:
+        culprits = set(failure.failed_ranks) | ({failure.rank} if failure.rank is not None else set())
+        live = [w for w in workers if w.exit_code is None and w.rank not in culprits and w.rank not in self.parked]
+        saved = [w for w in live if w.rank in failure.saved_ranks]
+        if not self._told and saved and (len(saved) == len(live) or since > UNWIND_WAIT / 2):
+            self._told = True
+            for w in saved:
+                w.channel.send(Unwind())
+        if live:
             return "wait"
-        if self.parked and all(w.rank in self.parked or w.exit_code is not None for w in workers):
-            return "go"
-        return "jit"
+        return "go" if self.parked else "jit"
 
     def keeps(self, w: Worker) -> bool:
         """``w`` is a survivor that goes on in its process: not killed with the generation."""
         return self.parked.get(w.rank) is w
 
     def take(self, rank: int) -> Optional[Worker]:
-        """The survivor that runs ``rank`` again, or None (a standby takes it)."""
+        """The survivor that runs ``rank`` again, or None (a standby takes it). The next generation
+        starts: its failure's survivors are told to unwind anew."""
+        self._told = False
         return self.parked.pop(rank, None)
 
     def reset(self) -> None:
         """Nobody is kept (the job ends, or every worker was killed)."""
         self.parked.clear()
         self._killed.clear()
+        self._told = False

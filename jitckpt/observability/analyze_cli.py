@@ -218,6 +218,26 @@ def plot_wasted_fraction(params: CostParams, n_gpus: list[int], out: str, *, tit
     plt.close(fig)
 
 
+def _print_recovery_time(n_gpus: list[int], plot_to: str | None) -> None:
+    """The recovery-time model's table (restart vs in-process, jitckpt.observability.recovery_model)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from jitckpt.observability import recovery_model
+
+    inputs = recovery_model.RecoveryInputs()
+    t = Table(title="recovery time against job size (model; sources in jitckpt/observability/recovery_model.py)")
+    for col in ("N GPUs", "restart every rank", "in-process, re-init", "in-process, shrink + grow"):
+        t.add_column(col, justify="right")
+    sizes = [n for n in n_gpus if n >= 2]
+    for r in recovery_model.evaluate(inputs, sizes):
+        t.add_row(str(r.n_gpus), f"{r.restart_s:.0f} s", f"{r.inprocess_reinit_s:.0f} s", f"{r.inprocess_shrink_s:.0f} s")
+    Console(width=None if sys.stdout.isatty() else 160, highlight=False).print(t)
+    if plot_to:
+        recovery_model.plot(inputs, sizes, plot_to)
+        print(f"recovery-time plot written to {plot_to}", file=sys.stderr)
+
+
 def _job_gpus(args: argparse.Namespace) -> int | None:
     """The measured job's size (--from-run), whose row the action line uses."""
     if not args.from_run:
@@ -248,6 +268,8 @@ def _run(args: argparse.Namespace) -> int:
         print()
     else:
         _print_tables(params, source, rows, args.gpu_hour_price, _job_gpus(args))
+    if args.recovery_time:
+        _print_recovery_time(args.gpus, args.recovery_plot)
     if args.plot:
         try:
             plot_wasted_fraction(params, args.gpus, args.plot)
@@ -288,4 +310,8 @@ def register(subparsers: Any) -> None:
                    help="with --from-run: step time of the same job without jitckpt, to measure o_jit")
     p.add_argument("--plot", metavar="OUT.png", help="write a PNG of w_f against N for each method")
     p.add_argument("--json", action="store_true", help="print parameters and rows as JSON (SI units)")
+    p.add_argument("--recovery-time", action="store_true",
+                   help="also the model of recovery time against N: every rank restarting vs the survivors "
+                   "kept in their processes (jitckpt run --recovery inprocess), with its sources")
+    p.add_argument("--recovery-plot", metavar="OUT.png", help="with --recovery-time: write that model's plot")
     p.set_defaults(func=_run)

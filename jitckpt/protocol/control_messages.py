@@ -166,6 +166,14 @@ class RankLost(Message):
 
 
 @dataclass(frozen=True)
+class Unwind(Message):
+    """In-process recovery: every survivor saved; leave the script now (cut the groups' connections,
+    unwind the training thread). Not before: a survivor that cut its connections while another was
+    still in a collective with it could make that one save an older step than the rest."""
+    TYPE: ClassVar[str] = "unwind"
+
+
+@dataclass(frozen=True)
 class Unwound(Message):
     """In-process recovery: this survivor left its script after its JIT save, released its process
     groups, and waits in the same process for its next Assign."""
@@ -177,4 +185,4 @@ class Unwound(Message):
 
 TO_LAUNCHER = table(Ready, Hello, FailureReport, Saved, SaveFailed, Restored, Resumed,
                     WorkerWarning, ExitReady, StageCaughtUp, Unwound)
-TO_WORKER = table(Assign, SaveNow, Verdict, PeerExit, RankLost)
+TO_WORKER = table(Assign, SaveNow, Verdict, PeerExit, RankLost, Unwind)

@@ -36,7 +36,7 @@ from jitckpt.runtime.peer_failure import is_collective_failure
 from jitckpt.protocol.control_channel import ControlChannel
 from jitckpt.protocol.step_board import StepBoard
 from jitckpt.protocol.control_messages import (Assign, ExitReady, FailureReport, Hello, PeerExit, RankLost, Restored,
-                                               Resumed, Saved, SaveFailed, SaveNow, Verdict, WorkerWarning)
+                                               Resumed, Saved, SaveFailed, SaveNow, Unwind, Verdict, WorkerWarning)
 from jitckpt.plugins import get as get_plugins
 from jitckpt.torch_compat import require_supported_torch
 from jitckpt.hang_timeout import HangTimeout
@@ -160,6 +160,7 @@ class WorkerRuntime:
         # (jitckpt.runtime.inprocess); the training thread raises once _unwind is set.
         self.in_process = False
         self._unwind = threading.Event()
+        self._unwind_ok = threading.Event()  # the launcher's Unwind: every survivor saved
         self._unwound = threading.Event()  # the training thread raised InProcessRestart
         self._retired = False  # the script ended for an in-process recovery: the next Assign is handed off
         self._handoff: Optional[object] = None  # queue.Queue of what the launcher sends then
@@ -783,6 +784,10 @@ class WorkerRuntime:
         (this thread, or the one held while this one saved). A helper waits for it, bounded; a
         training thread that stays stuck ends the process as in the JIT recovery (its checkpoint is
         written, a standby takes its rank)."""
+        if not self._unwind_ok.wait(self.save_timeout):
+            log.warning("no word from the launcher that every survivor saved within %.0fs: this rank restarts "
+                        "from its checkpoint", self.save_timeout)
+            return
         self._unwind.set()
         group_sockets.cut()  # peers (and this rank's own receive) blocked in a collective fail now
         if threading.current_thread() is threading.main_thread():
@@ -791,7 +796,9 @@ class WorkerRuntime:
         if self._unwound.wait(UNWIND_GRACE):
             raise SystemExit  # ends this helper thread quietly; the process lives on
         log.warning("the training thread did not leave its collective within %.0fs after the JIT save: this "
-                    "rank restarts from its checkpoint (the others keep their processes)", UNWIND_GRACE)
+                    "rank restarts from its checkpoint (the others keep their processes); where it is stuck:",
+                    UNWIND_GRACE)
+        faulthandler.dump_traceback(all_threads=True)
 
     def finish_script(self) -> None:
         """In-process recovery: the script returned; the exit barrier now, not at interpreter exit,
@@ -921,6 +928,8 @@ class WorkerRuntime:
                 self._verdict_evt.set()
             elif isinstance(msg, PeerExit):
                 self._on_peer_exit(msg.rank, msg.step)
+            elif isinstance(msg, Unwind):
+                self._unwind_ok.set()
 
     def _on_peer_exit(self, rank: Optional[int], step: Optional[int]) -> None:
         """Another rank reached its exit barrier: it finished, or left early (``sys.exit(0)``).
