@@ -8,6 +8,8 @@ gloo, rank 1 SIGKILLs itself at step 25 of 40), each variant ``--reps`` times, r
   a warm standby takes rank 1;
 * the same two with the forward through ``torch.compile`` (``--compile``): a restart compiles again in
   every rank, in-process only in the replacement (both with inductor's on-disk cache warm);
+* ``inprocess_snapshot``: in-process with ``--snapshot-every 1``: the standby takes rank 1's state from
+  the node's snapshot keeper, from buffers it mapped ahead, at memory speed;
 * ``torchrun_dcp10``: torchrun + ``torch.distributed.checkpoint.async_save`` every 10 steps, restarting
   from the newest complete checkpoint (what users pick today).
 
@@ -37,6 +39,8 @@ VARIANTS = {  # name -> (launcher flags, script flags)
     "inprocess": (("--recovery", "inprocess"), ()),
     "restart_compiled": ((), ("--compile",)),
     "inprocess_compiled": (("--recovery", "inprocess"), ("--compile",)),
+    # The standby restores from the node's keeper (buffers it mapped ahead) instead of a checkpoint.
+    "inprocess_snapshot": (("--recovery", "inprocess", "--snapshot-every", "1"), ()),
 }
 
 
@@ -72,6 +76,8 @@ def measure(work: Path, reps: int) -> dict:
         "total_restart_over_inprocess": m["restart"]["total_s"] / m["inprocess"]["total_s"],
         "total_compiled_restart_over_inprocess": m["restart_compiled"]["total_s"] / m["inprocess_compiled"]["total_s"],
         "total_dcp10_over_inprocess": m["torchrun_dcp10"]["total_s"] / m["inprocess"]["total_s"],
+        "resumed_restart_over_inprocess_snapshot": m["restart"]["resumed_s"] / m["inprocess_snapshot"]["resumed_s"],
+        "total_dcp10_over_inprocess_snapshot": m["torchrun_dcp10"]["total_s"] / m["inprocess_snapshot"]["total_s"],
     }
     return out
 

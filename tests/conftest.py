@@ -61,3 +61,18 @@ try:
     _torch.set_num_threads(1)
 except ImportError:  # pragma: no cover
     pass
+
+
+@pytest.fixture(scope="module")
+def fault_references(tmp_path_factory):
+    """The failure-free run of a fault-harness config (tests/fault_harness.py), once per module and config."""
+    from fault_harness import run_reference
+
+    cache: dict = {}
+
+    def get(cfg):
+        if cfg not in cache:
+            cache[cfg] = run_reference(tmp_path_factory.mktemp(f"ref-{cfg.id}"), cfg)
+        return cache[cfg]
+
+    return get

@@ -629,6 +629,14 @@ def kept_survivors(job: Job) -> list:
     return problems
 
 
+def check_case(references: Callable[[Config], Reference], workdir: Path, fault: str, cfg: Config) -> None:
+    """Run ``fault`` on ``cfg`` against its failure-free run (``references``: the conftest fixture
+    ``fault_references``), record the outcome, and fail with its report if it found problems."""
+    outcome = run_case(workdir, references(cfg), FAULTS[fault])
+    record(outcome)
+    assert not outcome.problems, outcome.report()
+
+
 def record(outcome: Outcome) -> None:
     """Append the outcome to ``$FAULT_MATRIX_RESULTS`` (JSONL), if set: a log of matrix runs."""
     path = os.environ.get("FAULT_MATRIX_RESULTS")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from fault_harness import FAULTS, Config, record, run_case, run_reference
+from fault_harness import FAULTS, Config, check_case
 
 # Each pair of (model, API, ranks) values appears in one of these (an orthogonal array).
 MATRIX_CONFIGS = [Config("ln", "protect", 2), Config("bn", "protect", 3), Config("ln", "init", 3),
@@ -56,33 +56,14 @@ SLOW += [("backward", c) for c in [HSDP, *NO_REPLICA] if c.parallel != "pp"]
 SLOW += [("reduce_scatter", c) for c in [HSDP, *NO_REPLICA] if c.parallel in ("hsdp", "fsdp", "fsdp_tp", "pp")]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The failure-free run of a config, run once per module and config."""
-    cache: dict = {}
-
-    def get(cfg: Config):
-        if cfg not in cache:
-            cache[cfg] = run_reference(tmp_path_factory.mktemp(f"ref-{cfg.id}"), cfg)
-        return cache[cfg]
-
-    return get
-
-
-def check(reference, tmp_path, fault: str, cfg: Config) -> None:
-    outcome = run_case(tmp_path, reference(cfg), FAULTS[fault])
-    record(outcome)
-    assert not outcome.problems, outcome.report()
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("fault,cfg", FAST, ids=[f"{f}-{c.id}" for f, c in FAST])
-def test_fault(reference, tmp_path, fault, cfg):
-    check(reference, tmp_path, fault, cfg)
+def test_fault(fault_references, tmp_path, fault, cfg):
+    check_case(fault_references, tmp_path, fault, cfg)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("fault,cfg", SLOW, ids=[f"{f}-{c.id}" for f, c in SLOW])
-def test_fault_matrix(reference, tmp_path, fault, cfg):
-    check(reference, tmp_path, fault, cfg)
+def test_fault_matrix(fault_references, tmp_path, fault, cfg):
+    check_case(fault_references, tmp_path, fault, cfg)

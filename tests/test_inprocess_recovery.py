@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from fault_harness import FAULTS, Config, record, run_case, run_reference
+from fault_harness import Config, check_case
 
 BN3 = Config("bn", "protect", 3, recovery="inprocess")   # BatchNorm buffers broadcast by DDP, 3 ranks
 LN2 = Config("ln", "protect", 2, recovery="inprocess")
 INIT2 = Config("ln", "init", 2, recovery="inprocess")     # jitckpt.init(save_fn): the script loads itself
-FAST = [("sigkill", BN3)]
+# Full sharding, no replica of a shard: the lost rank's shard comes back from the node's keeper.
+FSDP2 = Config("ln", "protect", 2, parallel="fsdp", snapshot_every=1, recovery="inprocess")
+FAST = [("sigkill", BN3), ("sigkill", FSDP2)]
 SLOW_FAULTS = ["sigkill", "sigstop", "exception", "gil", "optim", "backward", "step1", "recovery", "sigterm",
                "launcher_sigterm", "after_barrier_kill"]
 COMPILED = Config("bn", "protect", 2, recovery="inprocess", compiled=True)  # torch.compile'd forward
@@ -27,34 +29,22 @@ SLOW += [(f, COMPILED) for f in ("sigkill", "sigstop", "exception")]
 # finish the step while the other cannot (docs/recovery.md: the same for --recovery jit).
 HSDP = Config("ln", "protect", 4, parallel="hsdp", recovery="inprocess")
 SLOW += [(f, HSDP) for f in ("exception", "optim", "step1")]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cache: dict = {}
-
-    def get(cfg: Config):
-        if cfg not in cache:
-            cache[cfg] = run_reference(tmp_path_factory.mktemp(f"ref-{cfg.id}"), cfg)
-        return cache[cfg]
-
-    return get
-
-
-def check(reference, tmp_path, fault: str, cfg: Config) -> None:
-    outcome = run_case(tmp_path, reference(cfg), FAULTS[fault])
-    record(outcome)
-    assert not outcome.problems, outcome.report()
+# The in-memory tier (--snapshot-every 1): the layouts without replicas, and DDP, whose standby then
+# restores from the keeper rather than from a survivor's checkpoint.
+NO_REPLICA = [FSDP2, Config("ln", "protect", 2, parallel="tp", snapshot_every=1, recovery="inprocess"),
+              Config("ln", "protect", 4, parallel="fsdp_tp", snapshot_every=1, recovery="inprocess")]
+SLOW += [(f, c) for c in NO_REPLICA for f in ("sigkill", "sigstop", "exception", "optim") if (f, c) not in FAST]
+SLOW += [(f, Config("bn", "protect", 3, snapshot_every=1, recovery="inprocess")) for f in ("sigkill", "sigstop")]
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fault,cfg", FAST, ids=[f"{f}-{c.id}" for f, c in FAST])
-def test_survivors_keep_their_processes(reference, tmp_path, fault, cfg):
-    check(reference, tmp_path, fault, cfg)
+def test_survivors_keep_their_processes(fault_references, tmp_path, fault, cfg):
+    check_case(fault_references, tmp_path, fault, cfg)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fault,cfg", SLOW, ids=[f"{f}-{c.id}" for f, c in SLOW])
-def test_inprocess_matrix(reference, tmp_path, fault, cfg):
-    check(reference, tmp_path, fault, cfg)
+def test_inprocess_matrix(fault_references, tmp_path, fault, cfg):
+    check_case(fault_references, tmp_path, fault, cfg)

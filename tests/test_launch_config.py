@@ -46,7 +46,6 @@ def test_torchrun_spellings_and_script_args(tmp_path):
       "--recovery", "stage"], "not supported yet: use --rdzv-backend c10d"),
     (["--recovery", "inprocess", "--no-python"], "--recovery inprocess does not support --no-python"),
     (["--recovery", "inprocess", "--transparent"], "does not support --preload / --transparent"),
-    (["--recovery", "inprocess", "--snapshot-every", "1"], "does not support --snapshot-every"),
     (["--recovery", "inprocess", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29400"],
      "does not support --nnodes > 1"),
     (["--recovery", "inprocess", "--plugin", "logging"], "--plugin logging serves --recovery stage"),

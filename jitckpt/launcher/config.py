@@ -472,9 +472,7 @@ class LaunchConfig:
         unsupported = [(self.no_python, "--no-python (a native program cannot run again in its own process)"),
                        (bool(self.preload or self.transparent), "--preload / --transparent (libjit.so's state "
                         "across a second run of the script is not handled yet)"),
-                       (self.nnodes > 1, "--nnodes > 1 (one node only, for now)"),
-                       (bool(self.snapshot_every), "--snapshot-every (the standby's restore from the keeper is "
-                        "not wired to it yet)")]
+                       (self.nnodes > 1, "--nnodes > 1 (one node only, for now)")]
         for bad, what in unsupported:
             if bad:
                 raise ValueError(f"--recovery inprocess does not support {what}: use --recovery jit, which "

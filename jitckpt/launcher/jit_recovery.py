@@ -167,10 +167,7 @@ class JitRecovery:
         passed. The others follow its decision, bounded by the lease's TTL more should the
         controller itself be lost."""
         now = time.time()
-        if failure.t_covered is None and self.coord.shards_covered(gen):
-            failure.t_covered = now
-        if failure.t_covered is None and self._covered_in_memory(workers, failure):
-            failure.t_covered = now
+        self.covered(gen, workers, failure)
         if self.coord.leads:
             decided = self._restart_due(failure, now)
             if decided:
@@ -187,6 +184,13 @@ class JitRecovery:
                 return True
             return False
         return decided or now - failure.t_detect > self.cfg.save_timeout + LEASE_TTL_S
+
+    def covered(self, gen: int, workers: list[Worker], failure: FailureRecord) -> bool:
+        """Every shard is saved: by the survivors' JIT checkpoints, or (a layout without replicas,
+        --snapshot-every) in the snapshot keeper; noted in ``failure.t_covered``."""
+        if failure.t_covered is None and (self.coord.shards_covered(gen) or self._covered_in_memory(workers, failure)):
+            failure.t_covered = time.time()
+        return failure.t_covered is not None
 
     def _covered_in_memory(self, workers: list[Worker], failure: FailureRecord) -> bool:
         """The keeper holds every rank's shard snapshot of the newest minibatch any rank began: a
@@ -239,6 +243,22 @@ class JitRecovery:
                     # Died on its own, or (after a hang) was still silent when killed: a culprit.
                     failure.failed_ranks.append(w.rank)
         self.display.show_failure(failure, restarting=restarting)
+
+    def pending_kind(self) -> Optional[str]:
+        """The kind of the failure being recovered from (None: none)."""
+        return self.pending.kind if self.pending is not None else None
+
+    def generation_started(self, t_start: float, not_ready: list) -> None:
+        """The next generation's workers were started at ``t_start``; ``not_ready``: "rank r: why"
+        for each that found no ready standby (the recovery summary says so)."""
+        if self.pending is not None:
+            self.pending.t_killed = self.pending.t_killed or t_start
+            self.pending.not_ready = not_ready
+
+    def note_kept(self, rank: int) -> None:
+        """--recovery inprocess: ``rank`` goes on in its own process (the summary names it)."""
+        if self.pending is not None:
+            self.pending.kept_ranks.append(rank)
 
     def maybe_summarize(self, workers: list[Worker]) -> None:
         """Once every worker of the new generation resumed: report the recovery, prune the

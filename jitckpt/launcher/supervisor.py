@@ -301,7 +301,7 @@ class Launcher:
                     return self._end_preempted()
                 # A change of the job's nodes (a node joined: --nnodes MIN:MAX) is no failure: as
                 # with torchrun, it does not use up a restart.
-                scale_up = self.jit.pending is not None and self.jit.pending.kind == SCALE_UP
+                scale_up = self.jit.pending_kind() == SCALE_UP
                 if self._restarts_used() >= cfg.max_restarts and not scale_up:
                     log.error("job failed and --max-restarts=%d is used up", cfg.max_restarts)
                     self.emit("job_end", status="failed", exit_code=1, restarts=self._restarts_used())
@@ -479,8 +479,7 @@ class Launcher:
             kept = self.inprocess.take(rank) if self.inprocess is not None else None
             if kept is not None:  # a survivor of an in-process recovery: the same process, the same rank
                 channel, board, proc, why, role = kept.channel, kept.board, kept.proc, None, "survivor"
-                if self.jit.pending is not None:
-                    self.jit.pending.kept_ranks.append(rank)
+                self.jit.note_kept(rank)
                 if board is not None:
                     board.clear()
             else:
@@ -558,9 +557,7 @@ class Launcher:
     def _run_generation(self, gen: int, master: tuple[str, int]) -> bool:
         t_start = time.time()
         self._start_workers(gen, master)
-        if self.jit.pending is not None:
-            self.jit.pending.t_killed = self.jit.pending.t_killed or t_start
-            self.jit.pending.not_ready = self.not_ready  # the recovery summary says why, if any
+        self.jit.generation_started(t_start, self.not_ready)
         sel = selectors.DefaultSelector()
         for w in self.workers:
             sel.register(w.channel.fileno(), selectors.EVENT_READ, w)
@@ -651,7 +648,8 @@ class Launcher:
                     continue
                 if self.inprocess is not None:
                     self.inprocess.failed(failure, self.workers)
-                    decision = self.inprocess.decide(self.workers, failure, self._covered(gen, failure))
+                    decision = self.inprocess.decide(self.workers, failure,
+                                                     self.jit.covered(gen, self.workers, failure))
                     if decision == "go":
                         break
                     if decision == "wait":
@@ -825,12 +823,6 @@ class Launcher:
         except subprocess.TimeoutExpired:
             w.kill()
             w.exit_code = w.proc.wait(timeout=5.0)
-
-    def _covered(self, gen: int, failure: FailureRecord) -> bool:
-        """Every shard has a saved JIT checkpoint (noted in ``failure``)."""
-        if failure.t_covered is None and self.coord.shards_covered(gen):
-            failure.t_covered = time.time()
-        return failure.t_covered is not None
 
     def _kill_all(self) -> None:
         """Kill the generation's workers, but the survivors an in-process recovery keeps."""

@@ -111,18 +111,20 @@ def serve() -> None:
     if not isinstance(msg, Assign):
         os._exit(0)  # launcher shut the pool down
     premapped = premapper.stop() if premapper is not None else None
+    premap_socket = premapper.socket_path if premapper is not None else None
     from jitckpt.runtime.inprocess import ScriptRunner
 
     runner = ScriptRunner(list(msg.argv), module=bool(msg.module))
     while msg is not None:  # one pass per generation: more than one only after an in-process recovery
-        msg = _run_rank(msg, channel, board, runner, premapped)
+        msg = _run_rank(msg, channel, board, runner, premapped, premap_socket)
         premapped = None
 
 
 def _run_rank(msg: "Assign", channel: "ControlChannel", board: "Optional[StepBoard]", runner: "ScriptRunner",
-              premapped: object) -> "Optional[Assign]":
+              premapped: object, premap_socket: Optional[str]) -> "Optional[Assign]":
     """Be the rank ``msg`` assigns and run its script; None once it finished, else (after an
-    in-process recovery) the launcher's next Assign: the same process runs the script again."""
+    in-process recovery) the launcher's next Assign: the same process runs the script again.
+    ``premapped``: the keeper's buffers this standby mapped ahead from ``premap_socket`` (first run only)."""
     import time
 
     from jitckpt.process_title import set_title, worker_title
@@ -142,7 +144,7 @@ def _run_rank(msg: "Assign", channel: "ControlChannel", board: "Optional[StepBoa
     rt = WorkerRuntime.from_spec(spec, channel, board)
     rt.start()
     if premapped is not None:
-        if rt.snapshots is not None and rt.snapshots.socket_path == premapped.socket_path:  # type: ignore[attr-defined]
+        if rt.snapshots is not None and rt.snapshots.socket_path == premap_socket:
             rt.snapshots.premapped = premapped
         else:
             premapped.close()  # type: ignore[attr-defined]

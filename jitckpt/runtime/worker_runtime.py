@@ -4,7 +4,8 @@ One :class:`WorkerRuntime` per training process. It learns of a failure in four 
 collective (or backward) raises a transport error; the watchdog sees a blocking region outlive the
 hang timeout; the launcher reports that another worker died; or the native interposer (libjit.so)
 reports a hung NCCL collective. It then saves a just-in-time checkpoint from a consistent state and
-exits with :data:`EXIT_JIT_SAVED`.
+exits with :data:`EXIT_JIT_SAVED`, or, with ``--recovery inprocess``, leaves the user's script and
+lets the process run it again (:mod:`jitckpt.runtime.inprocess`).
 
 Consistency rule: parameters and optimizer state change only inside ``optimizer.step()``. The save
 runs either on the main thread at a safe point (entering or leaving a collective or backward, the
@@ -19,6 +20,7 @@ import faulthandler
 import itertools
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
@@ -163,7 +165,7 @@ class WorkerRuntime:
         self._unwind_ok = threading.Event()  # the launcher's Unwind: every survivor saved
         self._unwound = threading.Event()  # the training thread raised InProcessRestart
         self._retired = False  # the script ended for an in-process recovery: the next Assign is handed off
-        self._handoff: Optional[object] = None  # queue.Queue of what the launcher sends then
+        self._handoff: Optional[queue.Queue] = None  # what the launcher sends then (its next Assign)
         self._previous_excepthook = None
 
     # ---- construction -------------------------------------------------------------------
@@ -811,12 +813,12 @@ class WorkerRuntime:
         """In-process recovery: this generation is over but the process lives on. Stop the threads
         and hooks a new runtime installs again; what the launcher sends next (the next Assign) is
         handed to :meth:`next_message`."""
-        import queue
-
         self._handoff = queue.Queue()
         self._retired = True
         self._watchdog.stop()
         self._hooks.remove()
+        if self.snapshots is not None:  # its taker's thread and side group: the next runtime makes its own
+            self.snapshots.close()
         atexit.unregister(self._exit_barrier)
         if self._previous_excepthook is not None:
             sys.excepthook = self._previous_excepthook
@@ -910,7 +912,7 @@ class WorkerRuntime:
             msg = self.channel.recv()
             if self._retired:  # the process waits for its next assignment (or the launcher's end)
                 if msg is None or isinstance(msg, Assign):
-                    self._handoff.put(msg)  # type: ignore[union-attr]
+                    self._handoff.put(msg)
                     return
                 continue  # about the ended generation (a RankLost, a SaveNow sent as it ended)
             if msg is None:
