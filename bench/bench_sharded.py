@@ -8,13 +8,15 @@
    written raw as one fsynced file each, and jitckpt's save with every rank alive (preemption,
    periodic), which splits each shard over its replicas as DCP does.
 2. Recovery, failure to the failed minibatch done again: `jitckpt run` (a SIGKILLed rank's shards
-   come back from its replica group) against torchrun restarting the job from
+   come back from its replica group), and with ``--recovery inprocess`` (the survivors keep their
+   processes), against torchrun restarting the job from
    ``torch.distributed.checkpoint.async_save`` every 10 steps and every step (examples/train_ddp.py
    --parallel hsdp --baseline-dcp-every N).
 3. Steady state, end to end: median step time of the jitckpt runs' and the torchrun runs' steps
    before the failure (this VM's run-to-run spread is about +-10 %; section 6 resolves the bound).
 4. Full sharding (FSDP2 on a 1-D mesh of 4 ranks: no replica) with ``--snapshot-every 1``: recovery
-   from the keepers' shard snapshots against torchrun + DCP ``async_save`` every 10 steps and every
+   from the keepers' shard snapshots (and with ``--recovery inprocess``) against torchrun + DCP
+   ``async_save`` every 10 steps and every
    step, and what the snapshots cost a step: the median step with ``--snapshot-every 1`` against the
    same jitckpt job without snapshots (end to end: inside this VM's spread only a large cost shows).
 5. What a shard snapshot costs the step it ends, resolved: one rank's shard of that job (its quarter
@@ -28,7 +30,7 @@
    reduce-scatters enter, counted in a real job and timed in it (bench/sharded_hook_probe.py).
 
 Model: the 8.4 M-parameter MLP of bench_recovery.py (1024-2048-2048-1024), Adam, batch 32.
-Usage: python bench/bench_sharded.py [--quick] [--out bench/results/sharded.json]
+Usage: python bench/bench_sharded.py [--quick] [--recovery-only] [--out bench/results/sharded.json]
 """
 from __future__ import annotations
 
@@ -100,8 +102,12 @@ def _jitckpt(work: Path, tag: str, layout: list, steps: int, fail: Optional[int]
 
 
 def recovery(work: Path, steps: int, fail: int) -> dict:
-    res = {"jitckpt": _jitckpt(work, "rec-jitckpt", HSDP, steps, fail)}
+    res = {"jitckpt": _jitckpt(work, "rec-jitckpt", HSDP, steps, fail),
+           # The survivors keep their processes (issue 48): no restarted rank but the lost one.
+           "jitckpt_inprocess": _jitckpt(work, "rec-inprocess", HSDP, steps, fail, ["--recovery", "inprocess"])}
     _against_torchrun(res, work, HSDP, steps, fail, "jitckpt", "rec")
+    for name in ("torchrun_dcp10", "torchrun_dcp1"):
+        res[f"inprocess_speedup_vs_{name}"] = res[name]["total_s"] / res["jitckpt_inprocess"]["total_s"]
     return res
 
 
@@ -111,8 +117,12 @@ FSDP = ["--parallel", "fsdp"]
 def shard_snapshots(work: Path, steps: int, fail: int) -> dict:
     """Section 4: full sharding, a SIGKILLed rank's shard from its keeper."""
     res = {"snapshots": _jitckpt(work, "shards-snapshots", FSDP, steps, fail, ["--snapshot-every", "1"]),
+           "snapshots_inprocess": _jitckpt(work, "shards-inprocess", FSDP, steps, fail,
+                                           ["--snapshot-every", "1", "--recovery", "inprocess"]),
            "no_snapshots": _jitckpt(work, "shards-none", FSDP, steps, None)}
     _against_torchrun(res, work, FSDP, steps, fail, "snapshots", "shards")
+    for name in ("torchrun_dcp10", "torchrun_dcp1"):
+        res[f"inprocess_speedup_vs_{name}"] = res[name]["total_s"] / res["snapshots_inprocess"]["total_s"]
     res["step_time_snapshots_over_none"] = res["snapshots"]["step_s"] / res["no_snapshots"]["step_s"]
     return res
 
@@ -194,15 +204,18 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "sharded.json"))
+    p.add_argument("--recovery-only", action="store_true", help="sections 2 and 4 only (the recoveries)")
     args = p.parse_args()
     steps, fail, reps = (24, 19, 3) if args.quick else (40, 29, 7)
     with tempfile.TemporaryDirectory(prefix="jitckpt-bench-sharded-") as tmp:
         work = Path(tmp)
-        res = {"workload": "FSDP2 HSDP 2x2, 8.4M-parameter MLP, Adam, 4 ranks, gloo, CPU",
-               "save": save_times(work, reps), "recovery": recovery(work, steps, fail),
-               "shard_snapshots": shard_snapshots(work, steps, fail)}
-        res["shard_snapshot_write"] = snapshot_write(reps * 5, res["shard_snapshots"]["no_snapshots"]["step_s"])
-        res["steady"] = steady_bound(work, max(steps, 30), 1 if args.quick else 2)
+        res = {"workload": "FSDP2 HSDP 2x2, 8.4M-parameter MLP, Adam, 4 ranks, gloo, CPU"}
+        if not args.recovery_only:
+            res["save"] = save_times(work, reps)
+        res.update(recovery=recovery(work, steps, fail), shard_snapshots=shard_snapshots(work, steps, fail))
+        if not args.recovery_only:
+            res["shard_snapshot_write"] = snapshot_write(reps * 5, res["shard_snapshots"]["no_snapshots"]["step_s"])
+            res["steady"] = steady_bound(work, max(steps, 30), 1 if args.quick else 2)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))
