@@ -16,14 +16,20 @@ gloo, rank 1 SIGKILLs itself at step 25 of 40), each variant ``--reps`` times, r
 For each: ``resumed_s``, failure to the failed minibatch resumed (every rank restored, about to run
 it again: the issue's measure), and ``total_s``, failure to that minibatch done again (the only one
 the torchrun baseline has: it has no restore report); the medians, and the ratios the issue names.
-Usage: python bench/bench_inprocess.py [--reps 3] [--out bench/results/inprocess.json]
+* with ``--torchft-python PY`` (a python that has ``torchft``): torchft's peer recovery of the same
+  workload, two replica groups of one rank (bench/torchft_peer.py), its lighthouse started here.
+
+Usage: python bench/bench_inprocess.py [--reps 3] [--torchft-python PY] [--out bench/results/inprocess.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_recovery as br  # noqa: E402
+import proc_tree  # noqa: E402
 
 STEPS, FAIL_STEP = 40, 25
 VARIANTS = {  # name -> (launcher flags, script flags)
@@ -49,6 +56,53 @@ def kept(d: Path) -> list:
     ev = br.read_log(d / "run" / "events.jsonl")
     summary = next((e for e in ev if e["event"] == "recovery_summary"), {})
     return summary.get("kept_ranks", [])
+
+
+def torchft_recovery(work: Path, python: str, steps: int = 80) -> dict:
+    """torchft's peer recovery on the same workload (bench/torchft_peer.py): two replica groups of one
+    rank, its lighthouse started here, group 1 SIGKILLed at FAIL_STEP and restarted by its torchrun.
+    ``survivor_back_s``: failure to the surviving group's FAIL_STEP done (with the quorum it has left:
+    torchft takes that step without the lost group's data); ``rejoined_s``: failure to the first step
+    both groups take together again."""
+    work.mkdir()
+    log = work / "log.jsonl"
+    port = _free_port()
+    env = {**br.ENV, "NUM_REPLICA_GROUPS": "2", "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
+    lighthouse = subprocess.Popen([str(Path(python).parent / "torchft_lighthouse"), "--min_replicas", "1",
+                                   "--quorum_tick_ms", "100", "--join_timeout_ms", "1000",
+                                   "--heartbeat_timeout_ms", "1000", "--bind", f"127.0.0.1:{port}"],
+                                  stdout=open(work / "lighthouse.txt", "w"), stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    groups = []
+    try:
+        for g in (0, 1):
+            groups.append(subprocess.Popen([python, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                                           "--max-restarts", "1", "--monitor-interval", "0.1",
+                                           "--master-port", str(_free_port()), str(ROOT / "bench" / "torchft_peer.py"),
+                                           "--steps", str(steps), "--fail-step", str(FAIL_STEP), "--steps-log", str(log)],
+                                          cwd=work, env={**env, "REPLICA_GROUP_ID": str(g)},
+                                          stdout=open(work / f"group{g}.txt", "w"), stderr=subprocess.STDOUT))
+        for p in groups:
+            p.wait(timeout=300)
+    finally:
+        for p in groups:
+            proc_tree.kill_tree(p.pid)
+        os.killpg(lighthouse.pid, signal.SIGKILL)
+        lighthouse.wait(timeout=10)
+    rows = br.read_log(log)
+    t_fail = next(r["t"] for r in rows if "dying" in r)
+    back = min(r["t"] for r in rows if r.get("group") == 0 and r.get("step") == FAIL_STEP)
+    together = [r["t"] for r in rows if r.get("launch") == 1 and r.get("participants") == 2]
+    return {"survivor_back_s": back - t_fail, "rejoined_s": (min(together) - t_fail) if together else None,
+            "steps": steps, "note": "torchft takes the failed step with the groups left: not the failure-free result"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def measure(work: Path, reps: int) -> dict:
@@ -87,10 +141,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "inprocess.json"))
     ap.add_argument("--workdir", default="")
+    ap.add_argument("--torchft-python", default="",
+                    help="a python with torchft installed (pip install torchft): adds torchft's peer recovery")
     a = ap.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="jitckpt-bench-inprocess-"))
     results = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": STEPS, "fail_step": FAIL_STEP,
                **measure(work, a.reps)}
+    if a.torchft_python:  # torchft's peer recovery, its own venv (pip install torchft)
+        results["torchft"] = torchft_recovery(work / "torchft", a.torchft_python)
+        print("torchft:", json.dumps(results["torchft"]), flush=True)
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=1, default=str)[:4000])
     for name in [*VARIANTS, "torchrun_dcp10"]:
         r = results[name]
