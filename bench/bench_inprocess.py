@@ -17,7 +17,9 @@ For each: ``resumed_s``, failure to the failed minibatch resumed (every rank res
 it again: the issue's measure), and ``total_s``, failure to that minibatch done again (the only one
 the torchrun baseline has: it has no restore report); the medians, and the ratios the issue names.
 * with ``--torchft-python PY`` (a python that has ``torchft``): torchft's peer recovery of the same
-  workload, two replica groups of one rank (bench/torchft_peer.py), its lighthouse started here.
+  workload, two replica groups of one rank (bench/torchft_peer.py), its lighthouse started here;
+* with ``--ft-launcher PATH`` (``pip install nvidia-resiliency-ext``): NVIDIA's ``ft_launcher`` in-job
+  restart in torchrun's place, the job resuming from DCP ``async_save`` every 10 steps.
 
 Usage: python bench/bench_inprocess.py [--reps 3] [--torchft-python PY] [--out bench/results/inprocess.json]
 """
@@ -141,6 +143,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "inprocess.json"))
     ap.add_argument("--workdir", default="")
+    ap.add_argument("--ft-launcher", default="",
+                    help="NVIDIA's ft_launcher (pip install nvidia-resiliency-ext): adds its in-job restart + DCP every 10")
     ap.add_argument("--torchft-python", default="",
                     help="a python with torchft installed (pip install torchft): adds torchft's peer recovery")
     a = ap.parse_args()
@@ -150,6 +154,13 @@ def main() -> None:
     if a.torchft_python:  # torchft's peer recovery, its own venv (pip install torchft)
         results["torchft"] = torchft_recovery(work / "torchft", a.torchft_python)
         print("torchft:", json.dumps(results["torchft"]), flush=True)
+    if a.ft_launcher:  # NVIDIA's in-job restart (pip install nvidia-resiliency-ext) + DCP every 10 steps
+        rows = [br.baseline_recovery(work / f"ft_launcher-{i}", "torchrun_dcp10", STEPS, FAIL_STEP, launcher=a.ft_launcher)
+                for i in range(a.reps)]
+        results["ft_launcher_dcp10"] = {"total_s": statistics.median(r["total_s"] for r in rows), "runs": rows}
+        results["ratios"]["total_ft_launcher_dcp10_over_inprocess"] = (
+            results["ft_launcher_dcp10"]["total_s"] / results["inprocess"]["total_s"])
+        print("ft_launcher + DCP every 10:", json.dumps(results["ft_launcher_dcp10"]["total_s"]), flush=True)
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=1, default=str)[:4000])
     for name in [*VARIANTS, "torchrun_dcp10"]:
         r = results[name]

@@ -376,13 +376,17 @@ def bench_recovery(work: Path, steps: int, fail_step: int, reps: int = 3, init_r
     return res
 
 
-def baseline_recovery(d: Path, name: str, steps: int, fail_step: int) -> dict:
+def baseline_recovery(d: Path, name: str, steps: int, fail_step: int, launcher: Optional[str] = None) -> dict:
     """One torchrun run of a :data:`BASELINES` variant with rank 1 killing itself at ``fail_step``:
-    failure to the failed step done again (``total_s``), and its parts."""
+    failure to the failed step done again (``total_s``), and its parts. ``launcher``: another
+    torchrun-compatible launcher's executable (NVIDIA's ``ft_launcher``) in torchrun's place."""
     d.mkdir()
-    run(torchrun(2, [*MODEL, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"), "--no-jitckpt",
-                     *BASELINES[name], "--baseline-dir", str(d / "ckpt"), "--inject", f"0:1:{fail_step}:kill"], d,
-                 max_restarts=1), d)
+    cmd = torchrun(2, [*MODEL, "--steps", str(steps), "--steps-log", str(d / "log.jsonl"), "--no-jitckpt",
+                       *BASELINES[name], "--baseline-dir", str(d / "ckpt"), "--inject", f"0:1:{fail_step}:kill"], d,
+                   max_restarts=1)
+    if launcher:
+        cmd = [launcher, *cmd[3:]]  # [python, -m, torch.distributed.run, flags...]
+    run(cmd, d)
     log = read_log(d / "log.jsonl")
     t_fail, t_back, first = back_at_failed_step(log, fail_step)
     gen1 = sorted((r for r in log if r.get("gen", 0) >= 1 and "step" in r), key=lambda r: r["t"])
