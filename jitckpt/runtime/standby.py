@@ -118,6 +118,9 @@ def serve() -> None:
     while msg is not None:  # one pass per generation: more than one only after an in-process recovery
         msg = _run_rank(msg, channel, board, runner, premapped, premap_socket)
         premapped = None
+        # The ended run's runtime, model, optimizer and DDP hold each other in reference cycles: freed
+        # here, before the next run allocates its own (it then reuses their memory, already faulted in).
+        gc.collect()
 
 
 def _run_rank(msg: "Assign", channel: "ControlChannel", board: "Optional[StepBoard]", runner: "ScriptRunner",
@@ -173,11 +176,8 @@ def _run_rank(msg: "Assign", channel: "ControlChannel", board: "Optional[StepBoa
         log.warning("%s; this rank restarts from its checkpoint (the others keep their processes)", why)
         sys.stderr.flush()
         os._exit(EXIT_JIT_SAVED)
-    t1 = time.monotonic()
     del store
-    runner.forget()  # the ended run's model and optimizer: their memory serves the next run
-    t2 = time.monotonic()
-    gc.collect()  # what is left in cycles (few objects: the standby froze torch's, see serve())
+    runner.forget()  # the script's globals: its model and optimizer go with the runtime (see serve())
     channel.send(Unwound(rank=spec.rank, pid=os.getpid(), seconds=time.monotonic() - t0))
     nxt = rt.next_message()
     if not isinstance(nxt, Assign):

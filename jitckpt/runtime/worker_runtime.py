@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -229,13 +230,19 @@ class WorkerRuntime:
     def _chain_excepthook(self) -> None:
         """An uncaught exception in this rank is itself the failure: report it, skip the barrier."""
         previous = self._previous_excepthook = sys.excepthook
+        # Every thread started from now on keeps the sys.excepthook of its start (threading does): a
+        # weak reference, so that such a thread does not keep this runtime, and through its hooks the
+        # script's model, alive after an in-process recovery.
+        me = weakref.ref(self)
 
         def hook(etype, value, tb):  # type: ignore[no-untyped-def]
-            self._crashed = True
-            self._quarantine_if_unloadable(value, tb)
-            if self.channel is not None and self._failure is None:
-                self.channel.send(FailureReport(rank=self.rank, kind="exception",
-                                  detail=f"{etype.__name__}: {value}", step=self.current_step()))
+            rt = me()
+            if rt is not None:
+                rt._crashed = True
+                rt._quarantine_if_unloadable(value, tb)
+                if rt.channel is not None and rt._failure is None:
+                    rt.channel.send(FailureReport(rank=rt.rank, kind="exception",
+                                    detail=f"{etype.__name__}: {value}", step=rt.current_step()))
             previous(etype, value, tb)
 
         sys.excepthook = hook
