@@ -118,9 +118,6 @@ def serve() -> None:
     while msg is not None:  # one pass per generation: more than one only after an in-process recovery
         msg = _run_rank(msg, channel, board, runner, premapped, premap_socket)
         premapped = None
-        # The ended run's runtime, model, optimizer and DDP hold each other in reference cycles: freed
-        # here, before the next run allocates its own (it then reuses their memory, already faulted in).
-        gc.collect()
 
 
 def _run_rank(msg: "Assign", channel: "ControlChannel", board: "Optional[StepBoard]", runner: "ScriptRunner",
@@ -152,6 +149,10 @@ def _run_rank(msg: "Assign", channel: "ControlChannel", board: "Optional[StepBoa
         else:
             premapped.close()  # type: ignore[attr-defined]
     install_runtime(rt)
+    # After an in-process recovery: the ended run's runtime (no longer the installed one), model,
+    # optimizer and DDP hold each other in reference cycles; freed before this run allocates its own,
+    # whose tensors then reuse their memory, already faulted in (a millisecond: torch's objects are frozen).
+    gc.collect()
     try:
         runner.run()
         if not spec.in_process:

@@ -823,6 +823,8 @@ class WorkerRuntime:
         self._handoff = queue.Queue()
         self._retired = True
         self._watchdog.stop()
+        if self._watchdog.is_alive():  # (it polls every 0.1 s) a live thread would keep this runtime alive
+            self._watchdog.join(timeout=1.0)
         self._hooks.remove()
         if self.snapshots is not None:  # its taker's thread and side group: the next runtime makes its own
             self.snapshots.close()
