@@ -2,9 +2,10 @@
 
 After a peer's failure a survivor writes its JIT checkpoint as in the JIT recovery, but does not
 exit: its training thread leaves the user's script with :class:`InProcessRestart`, raised where
-the thread stands (the collective that failed, or the safe point it reached), the process group
-of the generation that ended is destroyed (gloo closes its sockets, so a peer still blocked on
-this rank errors out at once), and the process waits for its next assignment. The launcher then
+the thread stands (the collective that failed, or the safe point it reached), once the launcher
+said every survivor saved and the groups' connections were cut (:mod:`jitckpt.runtime.group_sockets`:
+a peer still blocked on this rank errors out at once); the groups of the generation that ended are
+destroyed, and the process waits for its next assignment. The launcher then
 gives every survivor its own rank again and a warm standby the lost one, and each runs the script
 anew in the process it has: torch imported, its memory already faulted in, the compiled script
 (:class:`ScriptRunner`) and torch.compile's caches kept. ``restore()`` loads the step every
@@ -37,10 +38,7 @@ def release_process_groups() -> Optional[str]:
 
     if not dist.is_available() or not dist.is_initialized():
         return None
-    from jitckpt.runtime import group_sockets
-
-    group_sockets.cut()  # the peers still blocked on this rank learn it now, not at gloo's timeout
-    try:
+    try:  # (the connections were cut before the training thread left: WorkerRuntime._leave_script)
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - said by the caller, which then restarts this rank
         return f"destroy_process_group() raised {type(e).__name__}: {e}"
